@@ -1,0 +1,43 @@
+# Entry points. `make demo` and `make test` work on a fresh Debian bookworm machine: each installs
+# what is missing (scripts/install-deps.sh), configures and builds first.
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+JOBS ?= $(shell nproc)
+CMAKE_ARGS ?=
+
+.PHONY: all deps configure build test demo bench sanitize-asan sanitize-tsan gpu clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD_DIR)/build.ninja: | deps
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
+
+configure: deps
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
+
+build: deps $(BUILD_DIR)/build.ninja
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+# Every test: unit, integration (real processes on loopback), tool and packaging checks.
+test: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 600
+
+# The main job end to end on the bundled real traces.
+demo: build
+	scripts/demo.sh $(BUILD_DIR)
+
+bench: build
+	$(BUILD_DIR)/bin/eldr-microbench --benchmark_min_time=0.2
+
+# Sanitizer builds of the unit and integration tests, each in its own build folder.
+sanitize-asan: deps
+	$(MAKE) test BUILD_DIR=build-asan BUILD_TYPE=RelWithDebInfo CMAKE_ARGS="-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DELDR_SANITIZE='address;undefined' -DELDR_CUDA=OFF -DELDR_BUILD_BENCHMARKS=OFF"
+
+sanitize-tsan: deps
+	$(MAKE) test BUILD_DIR=build-tsan BUILD_TYPE=RelWithDebInfo CMAKE_ARGS="-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DELDR_SANITIZE=thread -DELDR_CUDA=OFF -DELDR_BUILD_BENCHMARKS=OFF"
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,63 @@
+// The calibration artifact: the signature transform plus one unit centroid per decode worker.
+//
+// JSON, compatible with the reference implementation's files (which load unchanged): keys `L`, `e`,
+// `k`, `variant`, `layer_mask`, `sig_idf`, `centroids` (k unit rows), `model`, `seed`, and the
+// optional `workers` (the worker id of each row). Other keys of the reference (`algo`, `m`, `n_fit`,
+// `sig_dtype`, `layer_select`, hashes, ...) are accepted and ignored.
+#ifndef ELDR_CENTROID_ARTIFACT_H_
+#define ELDR_CENTROID_ARTIFACT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "eldr/signature.h"
+
+namespace eldr {
+
+struct CentroidArtifact {
+  SignatureSpec spec;
+  int k = 0;                          // centroid rows
+  std::vector<float> centroids;       // k * spec.dim(), row-major, unit rows
+  std::vector<std::string> workers;   // empty, or k distinct worker ids naming the rows
+  std::string model;                  // free text, e.g. "DeepSeek-V2-Lite"
+  uint64_t seed = 0;                  // calibration seed, for reproducibility
+
+  int dim() const { return spec.dim(); }
+  absl::Span<const float> row(int i) const {
+    return absl::Span<const float>(centroids).subspan(static_cast<size_t>(i) * dim(), dim());
+  }
+};
+
+// Every check of the artifact; the message names the one that failed: spec (see
+// ValidateSignatureSpec), k >= 1, k rows of dim() finite values, unit norm within 1e-3, workers
+// empty or k distinct non-empty ids.
+absl::Status ValidateCentroidArtifact(const CentroidArtifact& artifact);
+
+// Parse + validate. Errors are INVALID_ARGUMENT with RejectReason kMalformed (syntax, missing or
+// mistyped keys) or the reason of the failed check.
+absl::StatusOr<CentroidArtifact> ParseCentroidArtifact(absl::string_view json_text);
+
+// Reads `path` and parses it; NOT_FOUND / PERMISSION_DENIED style errors name the path.
+absl::StatusOr<CentroidArtifact> LoadCentroidArtifact(const std::string& path);
+
+// Pretty JSON with the reference keys plus `workers` (when set).
+std::string SerializeCentroidArtifact(const CentroidArtifact& artifact);
+
+// Validates, writes to a temporary file in the same folder, fsyncs and renames over `path`, so a
+// reader sees either the old file or the complete new one.
+absl::Status SaveCentroidArtifact(const CentroidArtifact& artifact, const std::string& path);
+
+// Writes `contents` to `path` atomically (temporary file, fsync, rename). Shared by every writer
+// of artifacts, state and reports.
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
+
+// Reads a whole file; errors name the path.
+absl::StatusOr<std::string> ReadFile(const std::string& path);
+
+}  // namespace eldr
+
+#endif  // ELDR_CENTROID_ARTIFACT_H_

@@ -1,0 +1,77 @@
+// Routing policies: given the candidates' locality scores and every worker's load, pick one worker.
+//
+// All policies share one interface and are selectable by name. They are pure decision functions
+// over a snapshot (PolicyInput); the Router owns the state. Not thread-safe by themselves: the
+// Router serialises Pick calls (rr counters and the seeded generator live in the policy).
+#ifndef ELDR_POLICY_H_
+#define ELDR_POLICY_H_
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "eldr/centroid_index.h"
+
+namespace eldr {
+
+enum class PolicyKind { kEldr, kRoundRobin, kRandom, kJsq, kP2c };
+
+// Names: "eldr", "rr", "random", "jsq", "p2c".
+absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name);
+absl::string_view PolicyKindName(PolicyKind kind);
+
+// Why a decision did not follow the requested policy. Labels are stable metric label values.
+enum class FallbackReason {
+  kNone,
+  kNoSignature,        // eldr without a signature in the request -> jsq
+  kZeroSignature,      // signature all zero after the layer mask -> jsq
+  kNoCentroids,        // no centroids loaded -> jsq
+  kNoEligibleCentroid, // no routable worker has a centroid -> jsq
+  kOverload,           // every band member at its in-flight limit -> least loaded overall (spill)
+  kAllUnhealthy,       // every worker unhealthy -> route by leases among all non-draining (fail open)
+};
+absl::string_view FallbackReasonLabel(FallbackReason reason);  // "", "no_signature", ...
+
+// One worker as a policy sees it.
+struct WorkerLoadView {
+  double load = 0;           // effective in-flight requests (leases + reported snapshot)
+  double capacity = 1;       // capacity weight (> 0); eldr and jsq compare load / capacity
+  int64_t max_inflight = 0;  // 0: no limit; otherwise load >= max_inflight means "at limit"
+  bool eligible = true;      // routable (not draining, healthy, or fail-open)
+};
+
+struct PolicyInput {
+  absl::Span<const WorkerLoadView> workers;
+  // Locality candidates for eldr: worker index (into `workers`) and exact score. Workers without a
+  // centroid are absent. Empty when there is no usable signature.
+  absl::Span<const ScoredRow> scores;
+  double tau = 0.1;
+};
+
+struct PolicyDecision {
+  int worker = -1;             // index into PolicyInput::workers; -1 when none is eligible
+  float best_similarity = 0;   // eldr: best score among eligible candidates; 0 otherwise
+  int band_size = 0;           // eldr: eligible workers within tau of the best; 0 otherwise
+  FallbackReason fallback = FallbackReason::kNone;
+  PolicyKind used = PolicyKind::kEldr;  // the policy that actually decided (jsq on fallback)
+};
+
+class RoutingPolicy {
+ public:
+  virtual ~RoutingPolicy() = default;
+  virtual PolicyKind kind() const = 0;
+  // Picks among eligible workers. Returns worker = -1 only when no worker is eligible.
+  virtual PolicyDecision Pick(const PolicyInput& input) = 0;
+};
+
+// `seed` seeds the tie-breaking / sampling generator (std::mt19937_64), so a decision sequence is
+// reproducible for a given seed and input sequence.
+std::unique_ptr<RoutingPolicy> MakePolicy(PolicyKind kind, uint64_t seed);
+
+}  // namespace eldr
+
+#endif  // ELDR_POLICY_H_

@@ -1,0 +1,111 @@
+// Expert signatures: from a request's per-layer expert counts (captured during prefill) to the unit
+// vector that is compared with worker centroids.
+//
+// Transform (DESIGN.md, algorithm step 1): keep the layers of the layer mask, multiply element-wise
+// by the IDF weights (variant count_idf), flatten row-major [masked layer][expert], L2-normalise.
+#ifndef ELDR_SIGNATURE_H_
+#define ELDR_SIGNATURE_H_
+
+#include <cstdint>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+
+namespace eldr {
+
+enum class SignatureVariant {
+  kCount,     // raw counts, no IDF
+  kCountIdf,  // counts times IDF weights (default)
+  kGateProb,  // sums of gate probabilities (float input), no IDF
+};
+
+// Accepts "count", "count_idf", "gate_prob" and the reference implementation's "gate_prob_all".
+absl::StatusOr<SignatureVariant> ParseSignatureVariant(absl::string_view name);
+// "count", "count_idf" or "gate_prob".
+absl::string_view SignatureVariantName(SignatureVariant variant);
+
+// Everything the transform needs. Produced by calibration, stored in the centroid artifact.
+struct SignatureSpec {
+  int layers = 0;   // MoE layers in the raw counts (L)
+  int experts = 0;  // routed experts per layer (E)
+  SignatureVariant variant = SignatureVariant::kCountIdf;
+  // Sorted, distinct layer indices in [0, layers). Empty means every layer.
+  std::vector<int> layer_mask;
+  // For kCountIdf: |mask| * experts weights, row-major [masked layer][expert] (the artifact's
+  // `sig_idf`). Empty for the other variants.
+  std::vector<float> idf;
+
+  // Number of kept layers: layer_mask.size(), or `layers` when the mask is empty.
+  int masked_layers() const;
+  // Dimension of the transformed vector: masked_layers() * experts.
+  int dim() const;
+  // The mask made explicit: layer_mask, or 0..layers-1 when it is empty.
+  std::vector<int> EffectiveMask() const;
+};
+
+// Checks the invariants above; the message names the failed check.
+absl::Status ValidateSignatureSpec(const SignatureSpec& spec);
+
+// Raw inputs, as they arrive on the wire. Views: the caller keeps the data alive during the call.
+struct CountsInt16Le {  // int16 little-endian, row-major [layers][experts] (the reference engine's bytes)
+  int layers = 0;
+  int experts = 0;
+  absl::string_view bytes;
+};
+struct CountsInt32 {  // int32 values, row-major [layers][experts]
+  int layers = 0;
+  int experts = 0;
+  absl::Span<const int32_t> values;
+};
+struct GateProbSums {  // float sums of gate probabilities, row-major [layers][experts]
+  int layers = 0;
+  int experts = 0;
+  absl::Span<const float> values;
+};
+struct TransformedVector {  // already transformed, dim() floats; renormalised on input
+  absl::Span<const float> values;
+};
+using SignatureInput = std::variant<CountsInt16Le, CountsInt32, GateProbSums, TransformedVector>;
+
+// An immutable, validated transform. Thread-safe: Apply is const and keeps no state.
+class SignatureTransform {
+ public:
+  static absl::StatusOr<SignatureTransform> Create(SignatureSpec spec);
+
+  const SignatureSpec& spec() const { return spec_; }
+  int dim() const { return dim_; }
+
+  // Writes the unit-norm transformed signature into `out` (exactly dim() floats).
+  // Errors (all carry a RejectReason, see errors.h):
+  //  - INVALID_ARGUMENT/kGeometry: layers, experts, byte length or vector length do not match;
+  //  - INVALID_ARGUMENT/kNegativeCount, kNonFinite: bad values (also negative gate sums);
+  //  - INVALID_ARGUMENT/kWrongEncoding: integer counts for gate_prob or float sums for a count variant;
+  //  - FAILED_PRECONDITION/kZeroSignature: the input is all zeros on the masked layers; the router
+  //    then falls back to load balancing.
+  absl::Status Apply(const SignatureInput& input, absl::Span<float> out) const;
+
+  // Like Apply for integer counts, but returns the weighted vector before normalisation and does
+  // not reject an all-zero result. For calibration, which needs the raw weighted vectors.
+  absl::Status Weighted(const SignatureInput& input, absl::Span<float> out) const;
+
+ private:
+  explicit SignatureTransform(SignatureSpec spec);
+
+  SignatureSpec spec_;
+  int dim_ = 0;
+  std::vector<int> mask_;  // EffectiveMask(), cached
+};
+
+// IDF weights from N calibration count matrices [N][layers][experts] (row-major, int32):
+// idf[l][e] = log((N + 1) / (df[l][e] + 1)), df = requests with a non-zero count at (l, e).
+// Returns all layers ([layers][experts]); the caller keeps the rows of its mask.
+std::vector<float> ComputeIdf(absl::Span<const int32_t> counts, int n, int layers, int experts);
+
+}  // namespace eldr
+
+#endif  // ELDR_SIGNATURE_H_

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the Debian packages that building, testing and the demo need. Idempotent: packages that
+# are already installed are left alone, and apt is not touched at all when nothing is missing.
+# Assumed present: a C++ toolchain (g++, cmake) and, optionally, the CUDA toolkit under /usr/local/cuda.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build pkg-config ccache git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libfaiss-dev libopenblas-dev prometheus-cpp-dev liblemon-dev
+  nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev libcurl4-openssl-dev
+  python3 python3-numpy python3-scipy python3-grpcio python3-matplotlib python3-yaml
+  openssl curl
+)
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$pkg")
+done
+
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
