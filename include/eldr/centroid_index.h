@@ -31,13 +31,30 @@ struct CentroidIndexOptions {
   int large_pool_min_rows = 128;
   // Large pools: dimensions kept by the PCA pre-transform (capped at the number of rows).
   int reduced_dims = 64;
-  // Large pools: candidates fetched in the reduced space and re-scored exactly.
+  // Large pools: candidates fetched in the reduced space (best first) and re-scored exactly.
+  // While the lower half of the fetched candidates still reaches into the band (exact score
+  // >= best - band_tau), twice as many are fetched, up to max_candidates: bands wider than that
+  // are cut to the max_candidates rows nearest in the reduced space.
   int candidates = 48;
+  int max_candidates = 256;
   // Large pools: HNSW instead of a flat scan in the reduced space.
   bool use_hnsw = false;
-  // Exact scorer: store centroids in half precision (halves the bytes read per query; scores
-  // differ from fp32 by < 1e-3 on unit vectors).
+  // Large pools with use_hnsw: graph degree (faiss M) and search beam (efSearch, raised to at
+  // least `candidates`).
+  int hnsw_neighbors = 32;
+  int hnsw_ef_search = 64;
+  // Store centroids in half precision (IEEE binary16) for the scan: half the bytes read per query.
+  // Rows whose half-precision score could be decided differently than in fp32 (see band_tau) are
+  // re-scored from an fp32 copy, so decisions are those of fp32 scoring.
   bool half_precision = true;
+  // The locality band width the caller applies to the scores (Router: RouterOptions::tau), in
+  // [0, 2]. With half_precision, Search re-scores in fp32 every row whose half-precision score is
+  // within a certified error bound (about 5e-4 for unit vectors) of the best score or of
+  // best - band_tau. Hence the best returned score is the fp32 score of the true best row, and
+  // every row lies on the same side of best - band_tau as in fp32 scoring (which in turn matches a
+  // double-precision reference except within ~1e-5 of the edge). For any other tau the scores are
+  // still within that error bound of fp32.
+  double band_tau = 0.1;
 };
 
 // Immutable once built; every method is const and thread-safe.
@@ -50,9 +67,11 @@ class CentroidIndex {
   // "exact", "exact_fp16", "faiss_pca_flat", "faiss_pca_hnsw": for logs and benchmarks.
   virtual absl::string_view kind() const = 0;
 
-  // Scores one unit query (dim() floats). Fills `out` with exact scores of a candidate set that
-  // contains the best-scoring rows: every row for the exact scorer, the re-scored top candidates
-  // for large pools. Order unspecified. INVALID_ARGUMENT on a wrong dimension.
+  // Scores one unit query (dim() finite floats). Fills `out` with exact scores of a candidate set
+  // that contains the best-scoring rows: every row for the exact scorer, the re-scored top
+  // candidates for large pools. Scores follow CentroidIndexOptions::half_precision/band_tau.
+  // Order unspecified. INVALID_ARGUMENT (RejectReason kGeometry) on a wrong dimension; INTERNAL if
+  // FAISS fails (HNSW). Allocation-free after a thread's first call (per-thread scratch).
   virtual absl::Status Search(absl::Span<const float> query, std::vector<ScoredRow>* out) const = 0;
 
   // Exact scores of n queries against every row: scores[i * rows() + j]. Queries are row-major
@@ -62,7 +81,9 @@ class CentroidIndex {
 };
 
 // Builds the index for `rows` unit centroids of `dim` floats (row-major). Validates dimensions and
-// finiteness; FAISS exceptions become INTERNAL errors, never escape.
+// finiteness (INVALID_ARGUMENT with a RejectReason) and the options (INVALID_ARGUMENT); FAISS
+// exceptions become INTERNAL errors, never escape. Columns that are zero in every centroid (e.g.
+// experts whose IDF weight is 0) are dropped internally: they add nothing to any score.
 absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndex(absl::Span<const float> centroids,
                                                                   int rows, int dim,
                                                                   const CentroidIndexOptions& options);
@@ -74,7 +95,9 @@ absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(
     const CentroidIndexOptions& options);
 
 // C = A * B^T for row-major A [n x d] and B [m x d] (BLAS sgemm): the batched cosine scores of
-// unit rows. Shared by the index, calibration and refit.
+// unit rows, C row-major [n x m]. Shared by the index, calibration and refit. Preconditions
+// (checked; a violation is a programming error and aborts with a message): n, m, d >= 0 and the
+// spans hold at least n*d, m*d and n*m values. OpenBLAS may use several threads for large inputs.
 void ScoreAllPairs(absl::Span<const float> a, int n, absl::Span<const float> b, int m, int d,
                    absl::Span<float> c);
 

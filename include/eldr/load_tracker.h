@@ -19,8 +19,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "eldr/mutex.h"
 
 namespace eldr {
 
@@ -43,6 +43,36 @@ struct WorkerLoad {
   std::optional<LoadSnapshot> snapshot;  // last snapshot, fresh or not
   bool snapshot_fresh = false;
   double effective = 0;                  // the load policies see
+};
+
+// Rejects negative or non-finite running/waiting/kv_usage and an infinite taken_at
+// (INVALID_ARGUMENT naming the field).
+absl::Status ValidateLoadSnapshot(const LoadSnapshot& snapshot);
+
+// One worker's load bookkeeping: the acquisition times of its live leases, its last snapshot and
+// how many live leases were acquired after that snapshot, so the effective load reads in O(1).
+// A building block for LoadTracker and the Router's worker table; not thread-safe by itself.
+class WorkerLoadAccount {
+ public:
+  int64_t leases() const { return static_cast<int64_t>(lease_times_.size()); }
+
+  // Records a lease acquired at `acquired`. Times may arrive slightly out of order (callers read
+  // their own clocks before taking the lock).
+  void OnAcquire(absl::Time acquired);
+  // Forgets one lease acquired at `acquired` (no-op when there is none).
+  void OnRelease(absl::Time acquired);
+  // Stores `snapshot` unless an equally new or newer one is stored; returns whether it was stored.
+  bool OnReport(const LoadSnapshot& snapshot);
+
+  bool SnapshotFresh(absl::Time now, absl::Duration staleness) const;
+  // Fresh snapshot: running + waiting + leases acquired after it; otherwise the lease count.
+  double Effective(absl::Time now, absl::Duration staleness) const;
+  WorkerLoad Describe(absl::Time now, absl::Duration staleness) const;
+
+ private:
+  std::vector<absl::Time> lease_times_;  // sorted ascending
+  std::optional<LoadSnapshot> snapshot_;
+  int64_t leases_after_snapshot_ = 0;
 };
 
 class LoadTracker {
@@ -81,21 +111,12 @@ class LoadTracker {
     std::string worker;
     absl::Time acquired;
   };
-  struct PerWorker {
-    int64_t leases = 0;
-    // Acquisition times of live leases, to count those after a snapshot. Kept as a multiset-like
-    // sorted structure inside the implementation.
-    std::vector<absl::Time> lease_times;
-    std::optional<LoadSnapshot> snapshot;
-  };
-  WorkerLoad Compute(const PerWorker& w, absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-
   const LoadTrackerOptions options_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   uint64_t next_lease_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t expired_total_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, PerWorker> workers_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, WorkerLoadAccount> workers_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace eldr

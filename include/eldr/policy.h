@@ -50,8 +50,20 @@ struct PolicyInput {
   // centroid are absent. Empty when there is no usable signature.
   absl::Span<const ScoredRow> scores;
   double tau = 0.1;
+  // Why `scores` is empty, reported by eldr as its fallback (it then decides as jsq): the caller
+  // knows whether the request had no signature, a zero one, or no centroids were loaded.
+  FallbackReason no_scores_reason = FallbackReason::kNoSignature;
 };
 
+// eldr: the band is every eligible candidate whose score >= best - tau (best = the highest score
+// among eligible candidates; band_size counts them); members at their in-flight limit cannot be
+// picked; the least load/capacity member wins, ties at random. If every band member is at its limit, the request spills to the
+// least loaded eligible worker overall (fallback kOverload, used = jsq). If `scores` is empty,
+// fallback = no_scores_reason; if no candidate is eligible, fallback = kNoEligibleCentroid; both
+// decide as jsq.
+// rr: next eligible worker in index order. random: uniform over eligible workers. jsq: least
+// load/capacity, ties at random. p2c: two distinct eligible workers at random, the lower
+// load/capacity wins (ties at random); a single eligible worker is picked directly.
 struct PolicyDecision {
   int worker = -1;             // index into PolicyInput::workers; -1 when none is eligible
   float best_similarity = 0;   // eldr: best score among eligible candidates; 0 otherwise

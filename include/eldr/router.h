@@ -34,6 +34,7 @@ struct WorkerSpec {
   std::string address;      // host:port the caller sends the KV handoff to (opaque to the router)
   double capacity = 1.0;    // capacity weight (> 0): load is divided by it, clusters scale with it
   int64_t max_inflight = 0; // 0: no limit; at the limit a worker leaves the band (overload guard)
+  std::string metrics_url;  // the worker's Prometheus page for load scraping; empty: none (opaque to the router)
 };
 
 enum class WorkerState { kActive, kDraining };
@@ -44,8 +45,9 @@ struct RouterOptions {
   uint64_t seed = 0x5eed;                 // tie-breaking and sampling generator seed
   LoadTrackerOptions load;                // lease TTL, snapshot staleness
   CentroidIndexOptions index;             // exact vs FAISS crossover and its parameters
-  // Called (outside any router lock) with every accepted, transformed signature and the worker it
-  // was routed to; used by online refit to keep its rolling window. May be empty.
+  // Called (outside any router lock, on the routing thread) with every accepted, transformed
+  // signature and the worker it was routed to; used by online refit to keep its rolling window.
+  // The span is valid only during the call (copy it to keep it). May be empty.
   std::function<void(absl::Span<const float> signature, const std::string& worker)> on_signature;
 };
 
@@ -89,6 +91,9 @@ class Router {
   // Errors: INVALID_ARGUMENT (with a RejectReason) for a malformed signature; UNAVAILABLE when no
   // worker can take the request (empty pool, or every worker draining). A zero signature is not
   // an error: the result says fallback = kZeroSignature.
+  // A zero signature, or one sent before any centroids are installed, takes the load-balancing
+  // fallback (kZeroSignature / kNoCentroids). With every worker unhealthy the route fails open and
+  // reports kAllUnhealthy (overriding the policy's own fallback reason).
   virtual absl::StatusOr<RouteResult> Route(const SignatureInput* signature, absl::Time now) = 0;
   absl::StatusOr<RouteResult> Route(const SignatureInput* signature) { return Route(signature, absl::Now()); }
 

@@ -89,21 +89,29 @@ class SignatureTransform {
   //    then falls back to load balancing.
   absl::Status Apply(const SignatureInput& input, absl::Span<float> out) const;
 
-  // Like Apply for integer counts, but returns the weighted vector before normalisation and does
-  // not reject an all-zero result. For calibration, which needs the raw weighted vectors.
+  // Like Apply (same inputs, same rejections), but returns the weighted vector before
+  // normalisation and does not reject an all-zero result. For calibration, which needs the raw
+  // weighted vectors.
   absl::Status Weighted(const SignatureInput& input, absl::Span<float> out) const;
 
  private:
   explicit SignatureTransform(SignatureSpec spec);
+  // Validates `input`, writes the weighted (unnormalised) vector into `out` and its squared norm.
+  absl::Status Convert(const SignatureInput& input, absl::Span<float> out,
+                       double* sum_of_squares) const;
 
   SignatureSpec spec_;
   int dim_ = 0;
-  std::vector<int> mask_;  // EffectiveMask(), cached
+  std::vector<int> mask_;      // EffectiveMask(), cached
+  std::vector<int> unmasked_;  // layers outside the mask (still checked for bad values)
+  bool all_layers_ = false;    // mask keeps every layer: one contiguous pass
 };
 
 // IDF weights from N calibration count matrices [N][layers][experts] (row-major, int32):
 // idf[l][e] = log((N + 1) / (df[l][e] + 1)), df = requests with a non-zero count at (l, e).
-// Returns all layers ([layers][experts]); the caller keeps the rows of its mask.
+// Returns all layers ([layers][experts]); the caller keeps the rows of its mask. Returns an empty
+// vector when the arguments are inconsistent (counts.size() != n * layers * experts, n < 0, or a
+// non-positive geometry).
 std::vector<float> ComputeIdf(absl::Span<const int32_t> counts, int n, int layers, int experts);
 
 }  // namespace eldr

@@ -46,11 +46,13 @@ struct ExpertTrace {
 // routed experts (ids must be below it; 64 for the bundled DeepSeek-V2-Lite traces).
 absl::StatusOr<ExpertTrace> LoadExpertTrace(const std::string& dir, int experts = 64);
 
-// Adds tokens [begin, end) of `seq` to counts [layers][experts] (row-major int32).
+// Adds tokens [begin, end) of `seq` to counts [layers][experts] (row-major int32). The range is
+// clamped to [0, seq.tokens); nothing is added when counts.size() != layers * experts.
 void AccumulateCounts(const ExpertTrace& trace, const TraceSequence& seq, int begin, int end,
                       absl::Span<int32_t> counts);
 
-// The prompt part of a sequence under a prefill fraction: max(1, min(tokens - 1, round(f * tokens))).
+// The prompt part of a sequence under a prefill fraction: max(1, min(tokens - 1, round(f * tokens))),
+// rounding half to even like Python's round(); a non-finite fraction counts as 0.
 int PrefillTokens(int tokens, double prefill_fraction);
 
 }  // namespace eldr

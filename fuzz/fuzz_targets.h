@@ -1,0 +1,42 @@
+// The bodies of ELDR's fuzz targets: one function per parser that takes outside bytes.
+//
+// Each body feeds the bytes to the parser and checks the invariants a successful parse promises
+// (round trips, unit norms, sizes); a broken invariant aborts with a message, which libFuzzer
+// reports as a crash. The bodies are a plain library so that the same code runs under libFuzzer
+// (fuzz/fuzz_main.cc, clang builds with ELDR_BUILD_FUZZERS=ON) and in the ordinary unit test that
+// replays the seed corpora and the kept crashing inputs (tests/loadsignals/fuzz_replay_test.cc).
+#ifndef ELDR_FUZZ_FUZZ_TARGETS_H_
+#define ELDR_FUZZ_FUZZ_TARGETS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace eldr::fuzz {
+
+// SignatureTransform::Create + Apply/Weighted on every wire encoding (int16 LE bytes, int32,
+// gate-probability floats, transformed vectors), with a spec and claimed geometry drawn from the
+// first bytes.
+int FuzzSignature(const uint8_t* data, size_t size);
+// ParseCentroidArtifact (JSON); a success must serialise and parse back to the same artifact.
+int FuzzCentroidArtifact(const uint8_t* data, size_t size);
+// ParsePromText with and without a kept-metrics filter (they must agree), and EngineLoadFromPage.
+int FuzzPromText(const uint8_t* data, size_t size);
+// ParseNpy; a success must hold exactly elements x item size bytes.
+int FuzzNpy(const uint8_t* data, size_t size);
+// The daemon's worker list parser (JSON file contents).
+int FuzzWorkerFile(const uint8_t* data, size_t size);
+// The daemon's config file parser (JSON) and the flag-syntax setter (`key=value`).
+int FuzzConfig(const uint8_t* data, size_t size);
+
+struct FuzzTarget {
+  const char* name;  // fuzz_<name> is the libFuzzer binary; fuzz/corpus/<name>/ its seeds
+  int (*body)(const uint8_t* data, size_t size);
+};
+
+// Every target built into this library, in a fixed order.
+const std::vector<FuzzTarget>& AllFuzzTargets();
+
+}  // namespace eldr::fuzz
+
+#endif  // ELDR_FUZZ_FUZZ_TARGETS_H_

@@ -1,0 +1,241 @@
+// Balanced spherical k-means: k-means++ seeding (or a warm start), then alternate the exact
+// capacity-constrained assignment and renormalised means.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "calib/calib_internal.h"
+#include "eldr/calibration.h"
+#include "eldr/centroid_index.h"
+
+namespace eldr {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Normalises `row` in place; false when its norm is zero or not finite.
+bool NormaliseRow(float* row, int dim) {
+  double sum = 0;
+  for (int d = 0; d < dim; ++d) sum += static_cast<double>(row[d]) * row[d];
+  if (!(sum > 0) || !std::isfinite(sum)) return false;
+  const float inverse = static_cast<float>(1.0 / std::sqrt(sum));
+  for (int d = 0; d < dim; ++d) row[d] *= inverse;
+  return true;
+}
+
+absl::Status ValidatePoints(absl::Span<const float> points, int n, int dim) {
+  for (int i = 0; i < n; ++i) {
+    const float* row = points.data() + static_cast<size_t>(i) * dim;
+    double sum = 0;
+    for (int d = 0; d < dim; ++d) {
+      if (!std::isfinite(row[d])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("balanced k-means: point ", i, " has a non-finite value at index ", d));
+      }
+      sum += static_cast<double>(row[d]) * row[d];
+    }
+    if (std::abs(std::sqrt(sum) - 1.0) > 1e-3) {
+      return absl::InvalidArgumentError(absl::StrCat("balanced k-means: point ", i, " has norm ",
+                                                     std::sqrt(sum), "; points must be unit rows"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// k-means++ for cosine distance: the first centre uniformly, each next one with probability
+// proportional to 1 - (best cosine to the centres so far), i.e. to the squared Euclidean distance
+// between unit vectors. Runs on a seeded sample of the points.
+std::vector<float> SeedKMeansPlusPlus(absl::Span<const float> points, int n, int dim, int clusters,
+                                      int sample_limit, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int> sample(n);
+  std::iota(sample.begin(), sample.end(), 0);
+  if (sample_limit > 0 && n > sample_limit) {
+    for (int i = 0; i < sample_limit; ++i) {
+      const int j = i + static_cast<int>(UniformUnit(rng) * (n - i));
+      std::swap(sample[i], sample[std::min(j, n - 1)]);
+    }
+    sample.resize(sample_limit);
+    std::sort(sample.begin(), sample.end());
+  }
+  const int s = static_cast<int>(sample.size());
+  std::vector<float> sampled(static_cast<size_t>(s) * dim);
+  for (int i = 0; i < s; ++i) {
+    std::copy_n(points.data() + static_cast<size_t>(sample[i]) * dim, dim,
+                sampled.data() + static_cast<size_t>(i) * dim);
+  }
+
+  std::vector<float> centroids(static_cast<size_t>(clusters) * dim);
+  std::vector<char> chosen(s, 0);
+  std::vector<double> distance(s, 0.0);  // 1 - best cosine so far, clamped at 0
+  std::vector<float> similarity(s);
+  int pick = std::min(static_cast<int>(UniformUnit(rng) * s), s - 1);
+  for (int c = 0; c < clusters; ++c) {
+    if (c > 0) {
+      double total = 0;
+      for (int i = 0; i < s; ++i) total += chosen[i] ? 0.0 : distance[i];
+      pick = -1;
+      if (total > 0) {
+        double target = UniformUnit(rng) * total;
+        for (int i = 0; i < s; ++i) {
+          if (chosen[i] || distance[i] <= 0) continue;
+          pick = i;
+          target -= distance[i];
+          if (target < 0) break;
+        }
+      }
+      if (pick < 0) {  // every remaining point coincides with a centre: take the first unused one
+        pick = static_cast<int>(std::find(chosen.begin(), chosen.end(), 0) - chosen.begin());
+        if (pick >= s) pick = c % s;  // fewer sampled points than clusters cannot happen (s >= k)
+      }
+    }
+    chosen[pick] = 1;
+    float* centre = centroids.data() + static_cast<size_t>(c) * dim;
+    std::copy_n(sampled.data() + static_cast<size_t>(pick) * dim, dim, centre);
+    ScoreAllPairs(sampled, s, absl::Span<const float>(centre, dim), 1, dim, absl::MakeSpan(similarity));
+    for (int i = 0; i < s; ++i) {
+      const double d = std::max(0.0, 1.0 - static_cast<double>(similarity[i]));
+      distance[i] = c == 0 ? d : std::min(distance[i], d);
+    }
+  }
+  return centroids;
+}
+
+}  // namespace
+
+absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> points, int n, int dim,
+                                                       const BalancedKMeansOptions& options) {
+  const int k = options.clusters;
+  if (k < 1) return absl::InvalidArgumentError(absl::StrCat("balanced k-means: clusters = ", k, ", need >= 1"));
+  if (dim < 1) return absl::InvalidArgumentError(absl::StrCat("balanced k-means: dim = ", dim, ", need >= 1"));
+  if (n < k) {
+    return absl::InvalidArgumentError(absl::StrCat("balanced k-means: ", n, " points for ", k,
+                                                   " clusters; need at least one point per cluster"));
+  }
+  if (points.size() != static_cast<size_t>(n) * dim) {
+    return absl::InvalidArgumentError(absl::StrCat("balanced k-means: ", points.size(),
+                                                   " values, expected n * dim = ",
+                                                   static_cast<int64_t>(n) * dim));
+  }
+  if (options.max_iterations < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("balanced k-means: max_iterations = ", options.max_iterations, ", need >= 1"));
+  }
+  const std::vector<int> capacity = ClusterCapacities(n, k, options.capacity_weights);
+  if (capacity.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "balanced k-means: capacity weights must be empty or ", k, " finite positive values (got ",
+        options.capacity_weights.size(), ")"));
+  }
+  if (absl::Status status = ValidatePoints(points, n, dim); !status.ok()) return status;
+
+  BalancedKMeansResult result;
+  result.capacities = capacity;
+
+  // ---- Seeding ----
+  Clock::time_point phase = Clock::now();
+  std::vector<float> centroids;
+  if (!options.initial_centroids.empty()) {
+    if (options.initial_centroids.size() != static_cast<size_t>(k) * dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "balanced k-means: warm start has ", options.initial_centroids.size(),
+          " values, expected clusters * dim = ", static_cast<int64_t>(k) * dim));
+    }
+    centroids = options.initial_centroids;
+    for (int c = 0; c < k; ++c) {
+      if (!NormaliseRow(centroids.data() + static_cast<size_t>(c) * dim, dim)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "balanced k-means: warm-start centroid ", c, " is zero or not finite"));
+      }
+    }
+  } else {
+    centroids = SeedKMeansPlusPlus(points, n, dim, k, options.seeding_sample, options.seed);
+  }
+  result.seconds_seeding = SecondsSince(phase);
+
+  std::vector<float> scores(static_cast<size_t>(n) * k);
+  std::vector<double> cost(static_cast<size_t>(n) * k);
+  std::vector<int> assignment, previous;
+  std::vector<float> sums(static_cast<size_t>(k) * dim);
+  std::vector<int> sizes(k);
+  double previous_objective = 0;
+
+  for (int iteration = 0; iteration < options.max_iterations; ++iteration) {
+    phase = Clock::now();
+    ScoreAllPairs(points, n, centroids, k, dim, absl::MakeSpan(scores));
+    for (size_t i = 0; i < cost.size(); ++i) cost[i] = 1.0 - static_cast<double>(scores[i]);
+    result.seconds_scoring += SecondsSince(phase);
+
+    phase = Clock::now();
+    absl::StatusOr<std::vector<int>> solved =
+        SolveBalancedAssignment(cost, n, k, capacity, options.assignment_method);
+    if (!solved.ok()) return solved.status();
+    assignment = *std::move(solved);
+    result.seconds_assignment += SecondsSince(phase);
+
+    double objective = 0;
+    for (int i = 0; i < n; ++i) objective += cost[static_cast<size_t>(i) * k + assignment[i]];
+    result.objective = objective;
+    result.objective_per_iteration.push_back(objective);
+    result.iterations = iteration + 1;
+    // Stable assignment: the means would not move. No improvement: further steps can only trade
+    // points between equally good assignments.
+    if (assignment == previous ||
+        (iteration > 0 && objective >= previous_objective - 1e-12 * n)) {
+      result.converged = true;
+      break;
+    }
+    if (iteration + 1 == options.max_iterations) break;  // keep centroids consistent with the assignment
+    previous_objective = objective;
+
+    // ---- Renormalised means ----
+    phase = Clock::now();
+    std::fill(sums.begin(), sums.end(), 0.0f);
+    std::fill(sizes.begin(), sizes.end(), 0);
+    for (int i = 0; i < n; ++i) {
+      const float* x = points.data() + static_cast<size_t>(i) * dim;
+      float* sum = sums.data() + static_cast<size_t>(assignment[i]) * dim;
+      for (int d = 0; d < dim; ++d) sum[d] += x[d];
+      ++sizes[assignment[i]];
+    }
+    std::vector<int> worst_served;  // lazily: points by decreasing cost of their assignment
+    size_t next_reseed = 0;
+    for (int c = 0; c < k; ++c) {
+      float* centre = sums.data() + static_cast<size_t>(c) * dim;
+      if (sizes[c] > 0 && NormaliseRow(centre, dim)) {
+        std::copy_n(centre, dim, centroids.data() + static_cast<size_t>(c) * dim);
+        continue;
+      }
+      // An empty cluster (or one whose points cancel out) restarts at the worst-served point.
+      if (worst_served.empty()) {
+        worst_served.resize(n);
+        std::iota(worst_served.begin(), worst_served.end(), 0);
+        std::stable_sort(worst_served.begin(), worst_served.end(), [&](int a, int b) {
+          return cost[static_cast<size_t>(a) * k + assignment[a]] >
+                 cost[static_cast<size_t>(b) * k + assignment[b]];
+        });
+      }
+      const int point = worst_served[next_reseed++ % worst_served.size()];
+      std::copy_n(points.data() + static_cast<size_t>(point) * dim, dim,
+                  centroids.data() + static_cast<size_t>(c) * dim);
+    }
+    previous = assignment;
+    result.seconds_update += SecondsSince(phase);
+  }
+
+  result.sizes.assign(k, 0);
+  for (int c : assignment) ++result.sizes[c];
+  result.assignment = std::move(assignment);
+  result.centroids = std::move(centroids);
+  return result;
+}
+
+}  // namespace eldr

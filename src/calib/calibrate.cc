@@ -1,0 +1,204 @@
+// Calibrate(): IDF weights, greedy layer mask, signatures, balanced spherical k-means, artifact.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "calib/calib_internal.h"
+#include "calib/signatures.h"
+#include "eldr/calibration.h"
+#include "eldr/errors.h"
+#include "eldr/signature.h"
+
+namespace eldr {
+
+absl::StatusOr<std::vector<float>> TransformRequests(const CalibrationData& data,
+                                                     const SignatureTransform& transform,
+                                                     std::vector<int>* usable) {
+  const SignatureSpec& spec = transform.spec();
+  if (spec.layers != data.layers || spec.experts != data.experts) {
+    return absl::InvalidArgumentError(absl::StrCat("data geometry L=", data.layers, " E=", data.experts,
+                                                   " does not match the transform's L=", spec.layers,
+                                                   " E=", spec.experts));
+  }
+  if (spec.variant == SignatureVariant::kGateProb && data.gate_prob_sums.empty()) {
+    return absl::InvalidArgumentError(
+        "variant gate_prob needs gate-probability sums, and the data carries none");
+  }
+  const size_t per_request = static_cast<size_t>(data.layers) * data.experts;
+  const int dim = transform.dim();
+  std::vector<float> out;
+  out.reserve(static_cast<size_t>(data.n) * dim);
+  usable->clear();
+  std::vector<float> row(dim);
+  for (int r = 0; r < data.n; ++r) {
+    absl::Status status;
+    if (spec.variant == SignatureVariant::kGateProb) {
+      status = transform.Apply(
+          GateProbSums{data.layers, data.experts,
+                       absl::MakeConstSpan(data.gate_prob_sums).subspan(r * per_request, per_request)},
+          absl::MakeSpan(row));
+    } else {
+      status = transform.Apply(
+          CountsInt32{data.layers, data.experts,
+                      absl::MakeConstSpan(data.prefill_counts).subspan(r * per_request, per_request)},
+          absl::MakeSpan(row));
+    }
+    if (!status.ok()) {
+      // An all-zero signature has no direction: the router falls back to load balancing for such
+      // requests, and calibration leaves them out.
+      if (RejectReasonOf(status) == RejectReason::kZeroSignature) continue;
+      return absl::Status(status.code(), absl::StrCat("request ", r, ": ", status.message()));
+    }
+    out.insert(out.end(), row.begin(), row.end());
+    usable->push_back(r);
+  }
+  return out;
+}
+
+absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data,
+                                            const CalibrationOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  if (absl::Status s = ValidateCalibrationData(data); !s.ok()) return s;
+  const int k = options.clusters;
+  if (k < 1) return absl::InvalidArgumentError(absl::StrCat("clusters = ", k, ", need >= 1"));
+  if (data.n < k) {
+    return absl::InvalidArgumentError(absl::StrCat("too few requests: ", data.n, " for ", k,
+                                                   " clusters (need at least one per cluster)"));
+  }
+  if (!options.capacity_weights.empty() && options.capacity_weights.size() != static_cast<size_t>(k)) {
+    return absl::InvalidArgumentError(absl::StrCat(options.capacity_weights.size(),
+                                                   " capacity weights for ", k, " clusters"));
+  }
+  for (double w : options.capacity_weights) {
+    if (!std::isfinite(w) || w <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("capacity weight ", w, " must be finite and > 0"));
+    }
+  }
+  if (!options.worker_ids.empty()) {
+    if (options.worker_ids.size() != static_cast<size_t>(k)) {
+      return absl::InvalidArgumentError(absl::StrCat(options.worker_ids.size(), " worker ids for ", k,
+                                                     " clusters"));
+    }
+    std::set<std::string> distinct;
+    for (const std::string& id : options.worker_ids) {
+      if (id.empty()) return absl::InvalidArgumentError("a worker id is empty");
+      if (!distinct.insert(id).second) {
+        return absl::InvalidArgumentError(absl::StrCat("worker id \"", id, "\" appears twice"));
+      }
+    }
+  }
+  if (options.variant == SignatureVariant::kGateProb && data.gate_prob_sums.empty()) {
+    return absl::InvalidArgumentError(
+        "variant gate_prob needs gate-probability sums, and the data carries none");
+  }
+
+  CalibrationResult result;
+  CalibrationReport& report = result.report;
+  SignatureSpec spec;
+  spec.layers = data.layers;
+  spec.experts = data.experts;
+  spec.variant = options.variant;
+
+  // ---- IDF and layer mask (count_idf only: count and gate_prob keep every layer, unweighted) ----
+  auto phase = std::chrono::steady_clock::now();
+  std::vector<float> idf;
+  if (options.variant == SignatureVariant::kCountIdf) {
+    idf = ComputeIdf(data.prefill_counts, data.n, data.layers, data.experts);
+    if (idf.empty()) return absl::InternalError("IDF weights could not be computed");
+  }
+  report.seconds_idf = SecondsSince(phase);
+
+  phase = std::chrono::steady_clock::now();
+  if (options.variant == SignatureVariant::kCountIdf && options.select_layers &&
+      !data.decode_counts.empty() && data.n >= 3) {
+    absl::StatusOr<LayerMaskSearchResult> mask =
+        SearchLayerMask(data, idf, options.mask_pairs, options.seed);
+    if (!mask.ok()) return mask.status();
+    spec.layer_mask = mask->layer_mask;
+    report.mask_steps = mask->steps;
+    report.mask_correlation = mask->correlation;
+    report.all_layers_correlation = mask->all_layers_correlation;
+    report.mask_pairs = mask->pairs;
+  }
+  report.seconds_mask = SecondsSince(phase);
+  if (options.variant == SignatureVariant::kCountIdf) {
+    for (int l : spec.EffectiveMask()) {
+      spec.idf.insert(spec.idf.end(), idf.begin() + static_cast<size_t>(l) * data.experts,
+                      idf.begin() + static_cast<size_t>(l + 1) * data.experts);
+    }
+  }
+  report.layer_mask = spec.EffectiveMask();
+
+  // ---- Signatures ----
+  phase = std::chrono::steady_clock::now();
+  absl::StatusOr<SignatureTransform> transform = SignatureTransform::Create(spec);
+  if (!transform.ok()) return transform.status();
+  std::vector<int> usable;
+  absl::StatusOr<std::vector<float>> points = TransformRequests(data, *transform, &usable);
+  if (!points.ok()) return points.status();
+  report.seconds_signatures = SecondsSince(phase);
+  {
+    size_t next = 0;
+    for (int r = 0; r < data.n; ++r) {
+      if (next < usable.size() && usable[next] == r) {
+        ++next;
+      } else {
+        report.excluded_requests.push_back(r);
+      }
+    }
+  }
+  const int usable_n = static_cast<int>(usable.size());
+  if (usable_n < k) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "too few requests with a non-zero signature: ", usable_n, " of ", data.n, " for ", k,
+        " clusters (", report.excluded_requests.size(), " are all zero on the chosen layers)"));
+  }
+
+  // ---- Balanced spherical k-means ----
+  phase = std::chrono::steady_clock::now();
+  BalancedKMeansOptions kmeans;
+  kmeans.clusters = k;
+  kmeans.capacity_weights = options.capacity_weights;
+  kmeans.seed = options.seed;
+  kmeans.max_iterations = options.max_iterations;
+  kmeans.seeding_sample = options.seeding_sample;
+  absl::StatusOr<BalancedKMeansResult> fit = FitBalancedKMeans(*points, usable_n, transform->dim(), kmeans);
+  if (!fit.ok()) return fit.status();
+  report.seconds_kmeans = SecondsSince(phase);
+
+  report.objective = fit->objective;
+  report.cluster_sizes = fit->sizes;
+  report.cluster_capacities = fit->capacities;
+  report.iterations = fit->iterations;
+  report.converged = fit->converged;
+  report.objective_per_iteration = fit->objective_per_iteration;
+  report.seconds_seeding = fit->seconds_seeding;
+  report.seconds_scoring = fit->seconds_scoring;
+  report.seconds_assignment = fit->seconds_assignment;
+  report.seconds_update = fit->seconds_update;
+  report.assignment.assign(data.n, -1);
+  for (int i = 0; i < usable_n; ++i) report.assignment[usable[i]] = fit->assignment[i];
+
+  CentroidArtifact& artifact = result.artifact;
+  artifact.spec = std::move(spec);
+  artifact.k = k;
+  artifact.centroids = std::move(fit->centroids);
+  artifact.workers = options.worker_ids;
+  artifact.model = options.model;
+  artifact.seed = options.seed;
+  if (absl::Status s = ValidateCentroidArtifact(artifact); !s.ok()) {
+    return absl::InternalError(absl::StrCat("fitted artifact failed validation: ", s.message()));
+  }
+  report.seconds_total = SecondsSince(start);
+  return result;
+}
+
+}  // namespace eldr

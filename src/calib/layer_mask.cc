@@ -1,0 +1,245 @@
+// Greedy forward layer selection (DESIGN.md, algorithm step 1): add the layer that most raises the
+// Spearman correlation between signature cosine distances and decode-usage cosine distances over
+// request pairs; stop at the peak.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "calib/calib_internal.h"
+#include "eldr/calibration.h"
+
+namespace eldr {
+namespace {
+
+// Average ranks (1-based; ties share the mean of their positions). `order` is scratch. Sorting
+// (value, index) pairs in place keeps the comparisons cache-friendly: this is the hot loop of the
+// layer search.
+void AverageRanks(absl::Span<const double> values, std::vector<std::pair<double, int>>& order,
+                  std::vector<double>& ranks) {
+  const int n = static_cast<int>(values.size());
+  order.resize(n);
+  ranks.resize(n);
+  for (int i = 0; i < n; ++i) order[i] = {values[i], i};
+  std::sort(order.begin(), order.end());
+  for (int start = 0; start < n;) {
+    int end = start + 1;
+    while (end < n && order[end].first == order[start].first) ++end;
+    const double rank = 0.5 * (start + 1 + end);  // mean of positions start+1 .. end
+    for (int i = start; i < end; ++i) ranks[order[i].second] = rank;
+    start = end;
+  }
+}
+
+// Centres `ranks` in place and returns its norm (0 for a constant vector).
+double CentreAndNorm(std::vector<double>& ranks) {
+  if (ranks.empty()) return 0;
+  const double mean = std::accumulate(ranks.begin(), ranks.end(), 0.0) / ranks.size();
+  double sum = 0;
+  for (double& r : ranks) {
+    r -= mean;
+    sum += r * r;
+  }
+  return std::sqrt(sum);
+}
+
+// Spearman correlation of `values` against pre-centred reference ranks with norm `reference_norm`.
+double CorrelationWithReference(absl::Span<const double> values, const std::vector<double>& reference,
+                                double reference_norm, std::vector<std::pair<double, int>>& order,
+                                std::vector<double>& ranks) {
+  AverageRanks(values, order, ranks);
+  const double norm = CentreAndNorm(ranks);
+  if (norm == 0 || reference_norm == 0) return 0;
+  double dot = 0;
+  for (size_t i = 0; i < ranks.size(); ++i) dot += ranks[i] * reference[i];
+  return dot / (norm * reference_norm);
+}
+
+}  // namespace
+
+double SpearmanCorrelation(absl::Span<const double> x, absl::Span<const double> y) {
+  if (x.size() != y.size() || x.size() < 2) return 0;
+  std::vector<std::pair<double, int>> order;
+  std::vector<double> reference, ranks;
+  AverageRanks(y, order, reference);
+  const double reference_norm = CentreAndNorm(reference);
+  return CorrelationWithReference(x, reference, reference_norm, order, ranks);
+}
+
+absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data,
+                                                      absl::Span<const float> idf, int max_pairs,
+                                                      uint64_t seed) {
+  const int n = data.n, layers = data.layers, experts = data.experts;
+  const size_t per_request = static_cast<size_t>(layers) * experts;
+  if (layers < 1 || experts < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("layer mask: bad geometry L=", layers, " E=", experts));
+  }
+  if (data.decode_counts.size() != per_request * n || data.prefill_counts.size() != per_request * n) {
+    return absl::InvalidArgumentError(
+        "layer mask: needs prefill and decode counts of every request (decode counts are missing)");
+  }
+  if (n < 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer mask: ", n, " requests; need at least 3 to rank request pairs"));
+  }
+  if (idf.size() != per_request) {
+    return absl::InvalidArgumentError(absl::StrCat("layer mask: ", idf.size(),
+                                                   " IDF weights, expected layers * experts = ", per_request));
+  }
+  if (max_pairs < 2) {
+    return absl::InvalidArgumentError(absl::StrCat("layer mask: max_pairs = ", max_pairs, ", need >= 2"));
+  }
+
+  // ---- Request pairs ----
+  std::vector<std::pair<int, int>> pairs;
+  const int64_t all_pairs = static_cast<int64_t>(n) * (n - 1) / 2;
+  if (all_pairs <= max_pairs) {
+    pairs.reserve(all_pairs);
+    for (int a = 0; a < n; ++a) {
+      for (int b = a + 1; b < n; ++b) pairs.emplace_back(a, b);
+    }
+  } else {
+    std::mt19937_64 rng(seed ^ 0x6c61796572ULL);  // "layer": independent of the k-means stream
+    pairs.reserve(max_pairs);
+    for (int p = 0; p < max_pairs; ++p) {
+      const int a = std::min(static_cast<int>(UniformUnit(rng) * n), n - 1);
+      int b = std::min(static_cast<int>(UniformUnit(rng) * (n - 1)), n - 2);
+      if (b >= a) ++b;
+      pairs.emplace_back(a, b);
+    }
+  }
+  const int num_pairs = static_cast<int>(pairs.size());
+
+  // ---- Per-layer pieces of the weighted signature: squared norms per request, dots per pair ----
+  std::vector<double> idf_squared(per_request);
+  for (size_t i = 0; i < per_request; ++i) idf_squared[i] = static_cast<double>(idf[i]) * idf[i];
+  std::vector<double> layer_norm(static_cast<size_t>(n) * layers, 0.0);  // [request][layer]
+  for (int r = 0; r < n; ++r) {
+    const int32_t* counts = data.prefill_counts.data() + r * per_request;
+    for (int l = 0; l < layers; ++l) {
+      double sum = 0;
+      for (int e = 0; e < experts; ++e) {
+        const size_t at = static_cast<size_t>(l) * experts + e;
+        sum += static_cast<double>(counts[at]) * counts[at] * idf_squared[at];
+      }
+      layer_norm[static_cast<size_t>(r) * layers + l] = sum;
+    }
+  }
+  std::vector<double> layer_dot(static_cast<size_t>(num_pairs) * layers);  // [pair][layer]
+  std::vector<double> decode_distance(num_pairs);
+  for (int p = 0; p < num_pairs; ++p) {
+    const int32_t* pa = data.prefill_counts.data() + pairs[p].first * per_request;
+    const int32_t* pb = data.prefill_counts.data() + pairs[p].second * per_request;
+    for (int l = 0; l < layers; ++l) {
+      double sum = 0;
+      for (int e = 0; e < experts; ++e) {
+        const size_t at = static_cast<size_t>(l) * experts + e;
+        sum += static_cast<double>(pa[at]) * pb[at] * idf_squared[at];
+      }
+      layer_dot[static_cast<size_t>(p) * layers + l] = sum;
+    }
+    const int32_t* da = data.decode_counts.data() + pairs[p].first * per_request;
+    const int32_t* db = data.decode_counts.data() + pairs[p].second * per_request;
+    double dot = 0, na = 0, nb = 0;
+    for (size_t i = 0; i < per_request; ++i) {
+      dot += static_cast<double>(da[i]) * db[i];
+      na += static_cast<double>(da[i]) * da[i];
+      nb += static_cast<double>(db[i]) * db[i];
+    }
+    decode_distance[p] = (na > 0 && nb > 0) ? 1.0 - dot / std::sqrt(na * nb) : 1.0;
+  }
+
+  std::vector<std::pair<double, int>> order;
+  std::vector<double> reference, ranks;
+  AverageRanks(decode_distance, order, reference);
+  const double reference_norm = CentreAndNorm(reference);
+
+  // Accumulated dot / norms of the layers chosen so far; a candidate adds its own layer on top.
+  std::vector<double> chosen_dot(num_pairs, 0.0), chosen_norm_a(num_pairs, 0.0), chosen_norm_b(num_pairs, 0.0);
+  // Signature distances of every pair with `layer` added to the chosen ones (layer < 0: none).
+  auto signature_distances = [&](int layer, std::vector<double>& distance) {
+    distance.resize(num_pairs);
+    for (int p = 0; p < num_pairs; ++p) {
+      double dot = chosen_dot[p], na = chosen_norm_a[p], nb = chosen_norm_b[p];
+      if (layer >= 0) {
+        dot += layer_dot[static_cast<size_t>(p) * layers + layer];
+        na += layer_norm[static_cast<size_t>(pairs[p].first) * layers + layer];
+        nb += layer_norm[static_cast<size_t>(pairs[p].second) * layers + layer];
+      }
+      distance[p] = (na > 0 && nb > 0) ? 1.0 - dot / std::sqrt(na * nb) : 1.0;
+    }
+  };
+  auto add_layer = [&](int layer) {
+    for (int p = 0; p < num_pairs; ++p) {
+      chosen_dot[p] += layer_dot[static_cast<size_t>(p) * layers + layer];
+      chosen_norm_a[p] += layer_norm[static_cast<size_t>(pairs[p].first) * layers + layer];
+      chosen_norm_b[p] += layer_norm[static_cast<size_t>(pairs[p].second) * layers + layer];
+    }
+  };
+  // Candidates of one step are independent: score them on a few threads.
+  const int threads = std::max(1, std::min<int>(layers, std::min(4u, std::thread::hardware_concurrency())));
+  auto score_candidates = [&](const std::vector<int>& candidates, std::vector<double>& correlation) {
+    correlation.assign(candidates.size(), 0.0);
+    auto work = [&](int first) {
+      std::vector<double> distance, thread_ranks;
+      std::vector<std::pair<double, int>> thread_order;
+      for (size_t c = first; c < candidates.size(); c += threads) {
+        signature_distances(candidates[c], distance);
+        correlation[c] = CorrelationWithReference(distance, reference, reference_norm, thread_order, thread_ranks);
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
+    work(0);
+    for (std::thread& thread : pool) thread.join();
+  };
+
+  LayerMaskSearchResult result;
+  result.pairs = num_pairs;
+  std::vector<char> chosen(layers, 0);
+  double best_so_far = -std::numeric_limits<double>::infinity();
+  std::vector<int> candidates;
+  std::vector<double> correlation;
+  for (int step = 0; step < layers; ++step) {
+    candidates.clear();
+    for (int l = 0; l < layers; ++l) {
+      if (!chosen[l]) candidates.push_back(l);
+    }
+    score_candidates(candidates, correlation);
+    int best = -1;  // the lowest layer among equal correlations, so the result is deterministic
+    for (size_t c = 0; c < candidates.size(); ++c) {
+      if (best < 0 || correlation[c] > correlation[best]) best = static_cast<int>(c);
+    }
+    // Stop at the peak: the best addition must raise the correlation.
+    if (best < 0 || !(correlation[best] > best_so_far + 1e-12)) break;
+    chosen[candidates[best]] = 1;
+    add_layer(candidates[best]);
+    best_so_far = correlation[best];
+    result.steps.push_back(LayerMaskStep{candidates[best], correlation[best]});
+  }
+  for (int l = 0; l < layers; ++l) {
+    if (chosen[l]) result.layer_mask.push_back(l);
+  }
+  result.correlation = result.steps.empty() ? 0 : result.steps.back().correlation;
+
+  // The same correlation with every layer, for comparison in the report.
+  std::fill(chosen_dot.begin(), chosen_dot.end(), 0.0);
+  std::fill(chosen_norm_a.begin(), chosen_norm_a.end(), 0.0);
+  std::fill(chosen_norm_b.begin(), chosen_norm_b.end(), 0.0);
+  for (int l = 0; l < layers; ++l) add_layer(l);
+  std::vector<double> distance;
+  signature_distances(-1, distance);
+  result.all_layers_correlation = CorrelationWithReference(distance, reference, reference_norm, order, ranks);
+  return result;
+}
+
+}  // namespace eldr

@@ -1,0 +1,425 @@
+#include "eldr/centroid_artifact.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "eldr/errors.h"
+#include "nlohmann/json.hpp"
+
+namespace eldr {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr double kUnitNormTolerance = 1e-3;
+
+absl::Status Malformed(absl::string_view message) {
+  return InvalidInput(RejectReason::kMalformed, absl::StrCat("centroid artifact: ", message));
+}
+
+absl::Status ErrnoError(int error_number, absl::string_view what, const std::string& path) {
+  return absl::ErrnoToStatus(error_number, absl::StrCat(what, " ", path));
+}
+
+// Reads a required or optional integer key. JSON floats (26.0) and booleans are rejected: the
+// reference writes plain integers and anything else is a sign of a hand-edited or foreign file.
+absl::StatusOr<int64_t> IntegerKey(const Json& doc, const char* key, bool required,
+                                   int64_t default_value) {
+  auto it = doc.find(key);
+  if (it == doc.end() || it->is_null()) {
+    if (required) return Malformed(absl::StrCat("missing required key `", key, "`"));
+    return default_value;
+  }
+  if (!it->is_number_integer()) {
+    return Malformed(absl::StrCat("`", key, "` must be an integer, got ", it->type_name()));
+  }
+  if (it->is_number_unsigned()) {
+    const uint64_t value = it->get<uint64_t>();
+    if (value > static_cast<uint64_t>(INT64_MAX)) {
+      return Malformed(absl::StrCat("`", key, "` is out of range"));
+    }
+    return static_cast<int64_t>(value);
+  }
+  return it->get<int64_t>();
+}
+
+// A list of numbers -> floats. Values too large for a float become Inf and are reported by the
+// finiteness checks with their position.
+absl::Status FloatList(const Json& list, absl::string_view what, std::vector<float>* out) {
+  if (!list.is_array()) {
+    return Malformed(absl::StrCat("`", what, "` must be a list of numbers, got ", list.type_name()));
+  }
+  out->reserve(out->size() + list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    const Json& value = list[i];
+    if (!value.is_number()) {
+      return Malformed(absl::StrFormat("`%s`[%d] must be a number, got %s", what, i,
+                                       value.type_name()));
+    }
+    out->push_back(static_cast<float>(value.get<double>()));
+  }
+  return absl::OkStatus();
+}
+
+// Shortest decimal text that reads back as the same float.
+void AppendFloat(std::string* out, float value) {
+  char buffer[32];
+  auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  out->append(buffer, result.ptr);
+}
+
+void AppendFloatList(std::string* out, absl::Span<const float> values) {
+  out->push_back('[');
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i > 0) out->push_back(',');
+    AppendFloat(out, values[i]);
+  }
+  out->push_back(']');
+}
+
+// The reference implementation's name for the gate-probability variant; writing it keeps our
+// files loadable by the reference.
+absl::string_view ReferenceVariantName(SignatureVariant variant) {
+  return variant == SignatureVariant::kGateProb ? "gate_prob_all" : SignatureVariantName(variant);
+}
+
+absl::Status WriteAll(int fd, absl::string_view contents) {
+  const char* data = contents.data();
+  size_t left = contents.size();
+  while (left > 0) {
+    const ssize_t written = ::write(fd, data, left);
+    if (written < 0) {
+      if (errno == EINTR) continue;
+      return absl::ErrnoToStatus(errno, "write");
+    }
+    data += written;
+    left -= static_cast<size_t>(written);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateCentroidArtifact(const CentroidArtifact& artifact) {
+  absl::Status spec_status = ValidateSignatureSpec(artifact.spec);
+  if (!spec_status.ok()) {
+    return MakeInputError(spec_status.code(), RejectReasonOf(spec_status),
+                          absl::StrCat("centroid artifact: ", spec_status.message()));
+  }
+  if (artifact.k < 1) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrCat("centroid artifact: k must be >= 1, got ", artifact.k));
+  }
+  const int64_t dim = artifact.dim();
+  if (static_cast<int64_t>(artifact.centroids.size()) != int64_t{artifact.k} * dim) {
+    return InvalidInput(
+        RejectReason::kGeometry,
+        absl::StrFormat("centroid artifact: expected k = %d rows of dimension |layer_mask| * e = "
+                        "%d (%d values), got %d values",
+                        artifact.k, dim, int64_t{artifact.k} * dim, artifact.centroids.size()));
+  }
+  for (int r = 0; r < artifact.k; ++r) {
+    absl::Span<const float> row = artifact.row(r);
+    double sum_of_squares = 0;
+    for (size_t i = 0; i < row.size(); ++i) {
+      if (!std::isfinite(row[i])) {
+        return InvalidInput(RejectReason::kNonFinite,
+                            absl::StrFormat("centroid artifact: centroids row %d value %d is not "
+                                            "finite (%g)",
+                                            r, i, row[i]));
+      }
+      sum_of_squares += static_cast<double>(row[i]) * row[i];
+    }
+    const double norm = std::sqrt(sum_of_squares);
+    if (std::abs(norm - 1.0) > kUnitNormTolerance) {
+      return InvalidInput(RejectReason::kMalformed,
+                          absl::StrFormat("centroid artifact: centroids row %d has L2 norm %.6f; "
+                                          "rows must be unit norm within %g",
+                                          r, norm, kUnitNormTolerance));
+    }
+  }
+  if (!artifact.workers.empty()) {
+    if (static_cast<int>(artifact.workers.size()) != artifact.k) {
+      return InvalidInput(RejectReason::kGeometry,
+                          absl::StrFormat("centroid artifact: workers names %d rows, k = %d",
+                                          artifact.workers.size(), artifact.k));
+    }
+    absl::flat_hash_map<absl::string_view, size_t> seen;
+    for (size_t i = 0; i < artifact.workers.size(); ++i) {
+      const std::string& id = artifact.workers[i];
+      if (id.empty()) {
+        return InvalidInput(RejectReason::kMalformed,
+                            absl::StrFormat("centroid artifact: workers[%d] is empty", i));
+      }
+      auto [it, inserted] = seen.emplace(id, i);
+      if (!inserted) {
+        return InvalidInput(RejectReason::kMalformed,
+                            absl::StrFormat("centroid artifact: workers must be distinct, but "
+                                            "workers[%d] = '%s' repeats workers[%d]",
+                                            i, id, it->second));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CentroidArtifact> ParseCentroidArtifact(absl::string_view json_text) {
+  Json doc;
+  try {
+    doc = Json::parse(json_text.begin(), json_text.end());
+  } catch (const Json::exception& e) {
+    return Malformed(absl::StrCat("invalid JSON: ", e.what()));
+  }
+  if (!doc.is_object()) {
+    return Malformed(absl::StrCat("top level must be a JSON object, got ", doc.type_name()));
+  }
+
+  CentroidArtifact artifact;
+  ELDR_ASSIGN_OR_RETURN(const int64_t layers, IntegerKey(doc, "L", /*required=*/true, 0));
+  ELDR_ASSIGN_OR_RETURN(const int64_t experts, IntegerKey(doc, "e", /*required=*/true, 0));
+  if (layers < 1 || layers > INT32_MAX) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrCat("centroid artifact: `L` must be >= 1, got ", layers));
+  }
+  if (experts < 1 || experts > INT32_MAX) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrCat("centroid artifact: `e` must be >= 1, got ", experts));
+  }
+  artifact.spec.layers = static_cast<int>(layers);
+  artifact.spec.experts = static_cast<int>(experts);
+
+  // The reference treats a missing variant as "count".
+  artifact.spec.variant = SignatureVariant::kCount;
+  if (auto it = doc.find("variant"); it != doc.end() && !it->is_null()) {
+    if (!it->is_string()) {
+      return Malformed(absl::StrCat("`variant` must be a string, got ", it->type_name()));
+    }
+    absl::StatusOr<SignatureVariant> variant = ParseSignatureVariant(it->get<std::string>());
+    if (!variant.ok()) return Malformed(variant.status().message());
+    artifact.spec.variant = *variant;
+  }
+
+  if (auto it = doc.find("layer_mask"); it != doc.end() && !it->is_null()) {
+    if (!it->is_array()) {
+      return Malformed(absl::StrCat("`layer_mask` must be a list of layer indices, got ",
+                                    it->type_name()));
+    }
+    if (it->empty()) return Malformed("`layer_mask` is empty; omit it to keep every layer");
+    for (size_t i = 0; i < it->size(); ++i) {
+      const Json& layer = (*it)[i];
+      if (!layer.is_number_integer()) {
+        return Malformed(absl::StrFormat("`layer_mask`[%d] must be an integer, got %s", i,
+                                         layer.type_name()));
+      }
+      const int64_t value = layer.get<int64_t>();
+      if (value < 0 || value >= layers) {
+        return InvalidInput(RejectReason::kGeometry,
+                            absl::StrFormat("centroid artifact: layer_mask[%d] = %d is outside "
+                                            "[0, %d)",
+                                            i, value, layers));
+      }
+      artifact.spec.layer_mask.push_back(static_cast<int>(value));
+    }
+    // An explicit mask of every layer is the same transform as no mask: store it canonically.
+    if (static_cast<int64_t>(artifact.spec.layer_mask.size()) == layers) {
+      bool identity = true;
+      for (int l = 0; l < layers; ++l) identity = identity && artifact.spec.layer_mask[l] == l;
+      if (identity) artifact.spec.layer_mask.clear();
+    }
+  }
+
+  if (auto it = doc.find("sig_idf"); it != doc.end() && !it->is_null()) {
+    if (artifact.spec.variant != SignatureVariant::kCountIdf) {
+      return Malformed(absl::StrCat("`sig_idf` is only valid for variant count_idf, not ",
+                                    SignatureVariantName(artifact.spec.variant)));
+    }
+    ELDR_RETURN_IF_ERROR(FloatList(*it, "sig_idf", &artifact.spec.idf));
+  } else if (artifact.spec.variant == SignatureVariant::kCountIdf) {
+    return Malformed("variant count_idf requires `sig_idf` (|layer_mask| * e IDF weights)");
+  }
+
+  // `micro_centroids` is an older reference key for the same matrix.
+  auto rows = doc.find("centroids");
+  if (rows == doc.end() || rows->is_null()) rows = doc.find("micro_centroids");
+  if (rows == doc.end() || rows->is_null()) return Malformed("missing required key `centroids`");
+  if (!rows->is_array()) {
+    return Malformed(absl::StrCat("`centroids` must be a list of rows, got ", rows->type_name()));
+  }
+  const int64_t dim = artifact.spec.dim();
+  for (size_t r = 0; r < rows->size(); ++r) {
+    const Json& row = (*rows)[r];
+    if (!row.is_array()) {
+      return Malformed(absl::StrFormat("`centroids`[%d] must be a list of numbers, got %s", r,
+                                       row.type_name()));
+    }
+    if (static_cast<int64_t>(row.size()) != dim) {
+      return InvalidInput(RejectReason::kGeometry,
+                          absl::StrFormat("centroid artifact: centroids row %d has %d values, "
+                                          "expected dimension |layer_mask| * e = %d * %d = %d",
+                                          r, row.size(), artifact.spec.masked_layers(), experts,
+                                          dim));
+    }
+    ELDR_RETURN_IF_ERROR(FloatList(row, absl::StrCat("centroids[", r, "]"), &artifact.centroids));
+  }
+  const int64_t row_count = static_cast<int64_t>(rows->size());
+  ELDR_ASSIGN_OR_RETURN(const int64_t k, IntegerKey(doc, "k", /*required=*/false, row_count));
+  if (k != row_count) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("centroid artifact: k = %d but `centroids` has %d rows", k,
+                                        row_count));
+  }
+  artifact.k = static_cast<int>(k);
+
+  if (auto it = doc.find("workers"); it != doc.end() && !it->is_null()) {
+    if (!it->is_array()) {
+      return Malformed(absl::StrCat("`workers` must be a list of worker ids, got ",
+                                    it->type_name()));
+    }
+    for (size_t i = 0; i < it->size(); ++i) {
+      if (!(*it)[i].is_string()) {
+        return Malformed(absl::StrFormat("`workers`[%d] must be a string, got %s", i,
+                                         (*it)[i].type_name()));
+      }
+      artifact.workers.push_back((*it)[i].get<std::string>());
+    }
+  }
+  if (auto it = doc.find("model"); it != doc.end() && !it->is_null()) {
+    if (!it->is_string()) {
+      return Malformed(absl::StrCat("`model` must be a string, got ", it->type_name()));
+    }
+    artifact.model = it->get<std::string>();
+  }
+  if (auto it = doc.find("seed"); it != doc.end() && !it->is_null()) {
+    if (!it->is_number_integer() || (it->is_number_integer() && !it->is_number_unsigned() &&
+                                     it->get<int64_t>() < 0)) {
+      return Malformed(absl::StrCat("`seed` must be a non-negative integer, got ", it->dump()));
+    }
+    artifact.seed = it->get<uint64_t>();
+  }
+
+  ELDR_RETURN_IF_ERROR(ValidateCentroidArtifact(artifact));
+  return artifact;
+}
+
+absl::StatusOr<CentroidArtifact> LoadCentroidArtifact(const std::string& path) {
+  ELDR_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  absl::StatusOr<CentroidArtifact> artifact = ParseCentroidArtifact(text);
+  if (!artifact.ok()) {
+    return MakeInputError(artifact.status().code(), RejectReasonOf(artifact.status()),
+                          absl::StrCat(path, ": ", artifact.status().message()));
+  }
+  return artifact;
+}
+
+std::string SerializeCentroidArtifact(const CentroidArtifact& artifact) {
+  const SignatureSpec& spec = artifact.spec;
+  std::string out = "{\n";
+  absl::StrAppend(&out, "  \"model\": ", Json(artifact.model).dump(), ",\n");
+  absl::StrAppend(&out, "  \"k\": ", artifact.k, ",\n");
+  absl::StrAppend(&out, "  \"L\": ", spec.layers, ",\n");
+  absl::StrAppend(&out, "  \"e\": ", spec.experts, ",\n");
+  absl::StrAppend(&out, "  \"variant\": \"", ReferenceVariantName(spec.variant), "\",\n");
+  // Always explicit: the reference requires a mask for count_idf and gate_prob_all.
+  absl::StrAppend(&out, "  \"layer_mask\": [");
+  const std::vector<int> mask = spec.EffectiveMask();
+  for (size_t i = 0; i < mask.size(); ++i) absl::StrAppend(&out, i > 0 ? "," : "", mask[i]);
+  absl::StrAppend(&out, "],\n");
+  if (spec.variant == SignatureVariant::kCountIdf) {
+    out += "  \"sig_idf\": ";
+    AppendFloatList(&out, spec.idf);
+    out += ",\n";
+  }
+  // The wire dtype the reference expects for the variant.
+  absl::StrAppend(&out, "  \"sig_dtype\": \"",
+                  spec.variant == SignatureVariant::kGateProb ? "<f4" : "<i2", "\",\n");
+  absl::StrAppend(&out, "  \"seed\": ", artifact.seed, ",\n");
+  if (!artifact.workers.empty()) {
+    absl::StrAppend(&out, "  \"workers\": ", Json(artifact.workers).dump(), ",\n");
+  }
+  out += "  \"centroids\": [";
+  for (int r = 0; r < artifact.k; ++r) {
+    out += r > 0 ? ",\n    " : "\n    ";
+    if (static_cast<int64_t>(artifact.centroids.size()) >= int64_t{r + 1} * artifact.dim()) {
+      AppendFloatList(&out, artifact.row(r));
+    } else {
+      out += "[]";
+    }
+  }
+  out += "\n  ]\n}\n";
+  return out;
+}
+
+absl::Status SaveCentroidArtifact(const CentroidArtifact& artifact, const std::string& path) {
+  ELDR_RETURN_IF_ERROR(ValidateCentroidArtifact(artifact));
+  return WriteFileAtomically(path, SerializeCentroidArtifact(artifact));
+}
+
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
+  if (path.empty()) return absl::InvalidArgumentError("WriteFileAtomically: empty path");
+  static std::atomic<uint64_t> sequence{0};
+  const std::string temporary =
+      absl::StrCat(path, ".tmp.", ::getpid(), ".", sequence.fetch_add(1, std::memory_order_relaxed));
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoError(errno, "cannot create", temporary);
+  absl::Status status = WriteAll(fd, contents);
+  if (status.ok() && ::fsync(fd) != 0) status = absl::ErrnoToStatus(errno, "fsync");
+  if (::close(fd) != 0 && status.ok()) status = absl::ErrnoToStatus(errno, "close");
+  if (status.ok() && ::rename(temporary.c_str(), path.c_str()) != 0) {
+    status = absl::ErrnoToStatus(errno, "rename");
+  }
+  if (!status.ok()) {
+    ::unlink(temporary.c_str());
+    return absl::Status(status.code(), absl::StrCat("writing ", path, ": ", status.message()));
+  }
+  // Make the rename itself durable.
+  const size_t slash = path.rfind('/');
+  const std::string folder = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const int dir_fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);
+    ::close(dir_fd);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "cannot open", path);
+  struct stat info;
+  if (::fstat(fd, &info) == 0 && S_ISDIR(info.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat("cannot read ", path, ": is a directory"));
+  }
+  std::string contents;
+  if (info.st_size > 0) contents.reserve(static_cast<size_t>(info.st_size));
+  char buffer[1 << 16];
+  while (true) {
+    const ssize_t got = ::read(fd, buffer, sizeof(buffer));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      const int error_number = errno;
+      ::close(fd);
+      return ErrnoError(error_number, "cannot read", path);
+    }
+    if (got == 0) break;
+    contents.append(buffer, static_cast<size_t>(got));
+  }
+  ::close(fd);
+  return contents;
+}
+
+}  // namespace eldr

@@ -1,0 +1,724 @@
+// The centroid index: an exact SIMD scorer for small pools, a FAISS-fitted reduced space with exact
+// re-scoring for large pools, sgemm for batches. See include/eldr/centroid_index.h.
+//
+// Three ideas carry the speed (measured in docs/benchmarks.md, "Routing core microbenchmarks"):
+//  - Column compaction. A column that is zero in every centroid adds nothing to any score. With
+//    count_idf signatures every expert that all calibration requests used has IDF weight 0, so its
+//    column is zero everywhere (43% of the columns of the bundled DeepSeek-V2-Lite traces). Those
+//    columns are dropped at build time and the query is gathered to the kept ones. Exact.
+//  - Half-precision centroids with certified refinement. A scan reads the rows in IEEE binary16
+//    (half the bytes of fp32). The half-precision score of a row differs from its fp32 score by at
+//    most a bound computed from the query and row norms (ErrorBound below), so only rows whose
+//    half-precision score is within that bound of the best score or of the band edge
+//    (best - band_tau) can be decided differently than in fp32; exactly those are re-scored from
+//    an fp32 copy. Band decisions are therefore those of fp32 scoring.
+//  - Large pools: the query is projected on the principal axes of the centroids (fitted by
+//    faiss::PCAMatrix), every centroid is scored in that reduced space, and the best candidates
+//    are re-scored exactly as above.
+#include "eldr/centroid_index.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cblas.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <new>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "absl/base/internal/raw_logging.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "core/scorer_kernels.h"
+#include "eldr/errors.h"
+#include "faiss/IndexHNSW.h"
+#include "faiss/VectorTransform.h"
+#include "faiss/impl/FaissException.h"
+
+namespace eldr {
+namespace {
+
+using internal::BestKernels;
+using internal::ScorerKernels;
+
+// Largest centroid matrix accepted (rows * dim): 2^28 floats = 1 GiB, far beyond any pool.
+constexpr int64_t kMaxCells = int64_t{1} << 28;
+// Compaction pays for its per-query gather only when it drops a noticeable share of columns.
+constexpr double kCompactWhenKeptBelow = 0.9;
+
+// ---- Aligned storage ------------------------------------------------------------------------------
+
+template <typename T>
+struct AlignedAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlignment{64};
+  AlignedAllocator() = default;
+  template <typename U>
+  AlignedAllocator(const AlignedAllocator<U>&) {}  // NOLINT(google-explicit-constructor)
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlignment)); }
+  // Unsized: clang only declares the sized aligned delete with -fsized-deallocation.
+  void deallocate(T* p, size_t /*n*/) { ::operator delete(p, kAlignment); }
+  template <typename U>
+  bool operator==(const AlignedAllocator<U>&) const { return true; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, AlignedAllocator<T>>;
+
+// Row stride (in elements) that keeps every row 64-byte aligned.
+template <typename T>
+int PaddedStride(int cols) {
+  constexpr int kPerLine = 64 / static_cast<int>(sizeof(T));
+  return (cols + kPerLine - 1) / kPerLine * kPerLine;
+}
+
+// Per-thread scratch: Search is const and runs on many threads at once.
+struct Scratch {
+  AlignedVector<float> query;     // compacted query
+  AlignedVector<float> projected; // reduced-space query
+  std::vector<float> scores;
+  std::vector<float> refined;
+  std::vector<float> candidate_scores;
+  std::vector<int> ids;
+  std::vector<int> order;
+  std::vector<char> seen;
+  std::vector<int> refine_ids;
+  std::vector<const float*> f32_rows;
+  std::vector<const uint16_t*> f16_rows;
+  std::vector<float> faiss_distances;
+  std::vector<faiss::Index::idx_t> faiss_labels;
+};
+Scratch& ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+// ---- Column compaction ----------------------------------------------------------------------------
+
+class ColumnMap {
+ public:
+  // Keeps the columns that are non-zero in at least one of `rows` rows of `dim` floats.
+  ColumnMap(const float* data, int rows, int dim) : dim_(dim) {
+    std::vector<char> used(dim, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = data + r * dim;
+      for (int i = 0; i < dim; ++i) used[i] |= row[i] != 0.f;
+    }
+    for (int i = 0; i < dim; ++i) {
+      if (used[i]) kept_.push_back(i);
+    }
+    compact_ = static_cast<double>(kept_.size()) < kCompactWhenKeptBelow * dim;
+    if (!compact_) {
+      kept_.resize(dim);
+      for (int i = 0; i < dim; ++i) kept_[i] = i;
+    }
+  }
+
+  int dim() const { return dim_; }
+  int kept() const { return static_cast<int>(kept_.size()); }
+  bool compact() const { return compact_; }
+  const std::vector<int>& kept_columns() const { return kept_; }
+
+  // The kept columns of one full-dimension vector.
+  void Gather(const float* in, float* out) const {
+    const int* columns = kept_.data();
+    const int n = kept();
+    for (int i = 0; i < n; ++i) out[i] = in[columns[i]];
+  }
+
+  // Returns `query` itself when nothing is dropped, otherwise its gathered copy in `buffer`.
+  const float* Apply(const float* query, AlignedVector<float>* buffer) const {
+    if (!compact_) return query;
+    if (static_cast<int>(buffer->size()) < kept()) buffer->resize(kept());
+    Gather(query, buffer->data());
+    return buffer->data();
+  }
+
+ private:
+  int dim_;
+  bool compact_ = false;
+  std::vector<int> kept_;
+};
+
+// ---- Row storage ----------------------------------------------------------------------------------
+
+// Rows restricted to the kept columns, in fp32 and optionally binary16, 64-byte aligned.
+class RowStore {
+ public:
+  RowStore(const float* data, int rows, int dim, const ColumnMap& columns, bool half)
+      : rows_(rows), cols_(columns.kept()) {
+    const int stride32 = PaddedStride<float>(cols_);
+    f32_.assign(static_cast<size_t>(rows) * stride32, 0.f);
+    f32_rows_.resize(rows);
+    max_norm_ = 0;
+    for (int r = 0; r < rows; ++r) {
+      float* dst = f32_.data() + static_cast<size_t>(r) * stride32;
+      columns.Gather(data + static_cast<int64_t>(r) * dim, dst);
+      f32_rows_[r] = dst;
+      double norm2 = 0;
+      for (int i = 0; i < cols_; ++i) norm2 += static_cast<double>(dst[i]) * dst[i];
+      max_norm_ = std::max(max_norm_, std::sqrt(norm2));
+    }
+    if (half) {
+      const int stride16 = PaddedStride<uint16_t>(cols_);
+      f16_.assign(static_cast<size_t>(rows) * stride16, 0);
+      f16_rows_.resize(rows);
+      for (int r = 0; r < rows; ++r) {
+        uint16_t* dst = f16_.data() + static_cast<size_t>(r) * stride16;
+        internal::FloatsToHalves(f32_rows_[r], cols_, dst);
+        f16_rows_[r] = dst;
+      }
+    }
+  }
+
+  int rows() const { return rows_; }
+  int cols() const { return cols_; }
+  bool half() const { return !f16_rows_.empty(); }
+  double max_norm() const { return max_norm_; }
+  const float* const* f32_rows() const { return f32_rows_.data(); }
+  const uint16_t* const* f16_rows() const { return f16_rows_.data(); }
+  const float* f32_row(int r) const { return f32_rows_[r]; }
+  const uint16_t* f16_row(int r) const { return f16_rows_[r]; }
+  size_t bytes() const { return f32_.size() * sizeof(float) + f16_.size() * sizeof(uint16_t); }
+
+ private:
+  int rows_;
+  int cols_;
+  double max_norm_ = 0;
+  AlignedVector<float> f32_;
+  AlignedVector<uint16_t> f16_;
+  std::vector<const float*> f32_rows_;
+  std::vector<const uint16_t*> f16_rows_;
+};
+
+// Upper bound on |half-precision score - exact score| + |fp32 score - exact score| for any row of
+// `store` and a query of norm `query_norm` (both scores accumulated in fp32):
+//  - binary16 rounding of a normal entry: relative 2^-11, so |sum q_i (h_i - c_i)| <= 2^-11 *
+//    sum |q_i c_i| <= 2^-11 * |q| |c| (Cauchy-Schwarz);
+//  - entries below 2^-14 are binary16 subnormals with absolute error <= 2^-25, adding at most
+//    2^-25 * sum |q_i| <= 2^-25 * sqrt(cols) * |q|;
+//  - fp32 accumulation over at most n = AccumulationDepth additions per path: gamma_n |q| |c|
+//    for each of the two scores, with gamma_n = n u / (1 - n u), u = 2^-24.
+// 2% slack covers the rounding of the bound itself and |h| <= |c| (1 + 2^-11).
+float HalfPrecisionErrorBound(const RowStore& store, double query_norm) {
+  const double u = std::ldexp(1.0, -24);
+  const double n = internal::AccumulationDepth(store.cols());
+  const double gamma = n * u / (1 - n * u);
+  const double qc = query_norm * store.max_norm();
+  const double bound = (std::ldexp(1.0, -11) + 2 * gamma) * qc +
+                       std::ldexp(1.0, -25) * std::sqrt(static_cast<double>(store.cols())) *
+                           query_norm;
+  return static_cast<float>(bound * 1.02);
+}
+
+// Scans rows `ids` (n of them; null means rows 0..n-1) of `store` against the compacted query
+// `q`: half-precision scores when the store has them, fp32 scores otherwise.
+void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* q, const int* ids,
+              int n, Scratch* scratch, float* scores) {
+  const int cols = store.cols();
+  if (!store.half()) {
+    if (ids == nullptr) {
+      kernels.dot_rows_f32(store.f32_rows(), n, q, cols, scores);
+      return;
+    }
+    scratch->f32_rows.resize(n);
+    for (int i = 0; i < n; ++i) scratch->f32_rows[i] = store.f32_row(ids[i]);
+    kernels.dot_rows_f32(scratch->f32_rows.data(), n, q, cols, scores);
+    return;
+  }
+  if (ids == nullptr) {
+    kernels.dot_rows_f16(store.f16_rows(), n, q, cols, scores);
+    return;
+  }
+  scratch->f16_rows.resize(n);
+  for (int i = 0; i < n; ++i) scratch->f16_rows[i] = store.f16_row(ids[i]);
+  kernels.dot_rows_f16(scratch->f16_rows.data(), n, q, cols, scores);
+}
+
+// After ScanRows on a half-precision store: re-scores in fp32 every row whose decision could
+// differ from fp32 scoring. With b the error bound, m the best half-precision score and
+// tau = band_tau:
+//  - rows with score >= m - 2b: the true best row is among them (its half score is >= its fp32
+//    score - b >= m - 2b), and every other row's half score is below the fp32 score of the best,
+//    so the best returned score is the fp32 score of the true best row;
+//  - rows within 3b of m - tau: any other row is more than 3b - b (for m) from the fp32 edge,
+//    more than the b its own score can move, so it lies on the same side as in fp32.
+void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float* q, const int* ids,
+                int n, float band_tau, Scratch* scratch, float* scores) {
+  if (!store.half() || n == 0) return;
+  const int cols = store.cols();
+  float query_norm2 = 0;
+  const float* query_row = q;
+  kernels.dot_rows_f32(&query_row, 1, q, cols, &query_norm2);
+  const float bound = HalfPrecisionErrorBound(store, std::sqrt(std::max(0.f, query_norm2)));
+  float best = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < n; ++i) best = std::max(best, scores[i]);
+  const float top_floor = best - 2 * bound;
+  const float edge = best - band_tau;
+  scratch->refine_ids.clear();
+  for (int i = 0; i < n; ++i) {
+    // NaN scores (a non-finite query) are refined too: harmless, and they stay NaN.
+    if (!(scores[i] < top_floor) || !(std::fabs(scores[i] - edge) > 3 * bound)) {
+      scratch->refine_ids.push_back(i);
+    }
+  }
+  const int m = static_cast<int>(scratch->refine_ids.size());
+  if (m == 0) return;
+  scratch->f32_rows.resize(m);
+  for (int k = 0; k < m; ++k) {
+    const int i = scratch->refine_ids[k];
+    scratch->f32_rows[k] = store.f32_row(ids == nullptr ? i : ids[i]);
+  }
+  scratch->refined.resize(m);
+  kernels.dot_rows_f32(scratch->f32_rows.data(), m, q, cols, scratch->refined.data());
+  for (int k = 0; k < m; ++k) scores[scratch->refine_ids[k]] = scratch->refined[k];
+}
+
+absl::Status CheckQuery(absl::Span<const float> query, int dim) {
+  if (static_cast<int64_t>(query.size()) != dim) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("query has %d values, the centroid index has dimension %d",
+                                        query.size(), dim));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBatch(absl::Span<const float> queries, int n, absl::Span<float> scores, int rows,
+                        int dim) {
+  if (n < 0) return InvalidInput(RejectReason::kGeometry, absl::StrCat("negative batch size ", n));
+  if (static_cast<int64_t>(queries.size()) != static_cast<int64_t>(n) * dim) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("batch of %d queries of dimension %d needs %d values, got %d",
+                                        n, dim, static_cast<int64_t>(n) * dim, queries.size()));
+  }
+  if (static_cast<int64_t>(scores.size()) != static_cast<int64_t>(n) * rows) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("batch of %d queries against %d rows needs %d scores, got %d",
+                                        n, rows, static_cast<int64_t>(n) * rows, scores.size()));
+  }
+  return absl::OkStatus();
+}
+
+// Batched exact scores through sgemm over the kept columns (queries gathered first when columns
+// were dropped).
+absl::Status ScoreBatchCompacted(const RowStore& store, const ColumnMap& columns,
+                                 absl::Span<const float> queries, int n, absl::Span<float> scores) {
+  ELDR_RETURN_IF_ERROR(CheckBatch(queries, n, scores, store.rows(), columns.dim()));
+  if (n == 0) return absl::OkStatus();
+  const int cols = store.cols();
+  const int stride = PaddedStride<float>(cols);
+  const float* b = store.f32_row(0);
+  if (!columns.compact()) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, store.rows(), cols, 1.f, queries.data(),
+                cols, b, stride, 0.f, scores.data(), store.rows());
+    return absl::OkStatus();
+  }
+  std::vector<float> gathered(static_cast<size_t>(n) * cols);
+  for (int i = 0; i < n; ++i) {
+    columns.Gather(queries.data() + static_cast<int64_t>(i) * columns.dim(),
+                   gathered.data() + static_cast<int64_t>(i) * cols);
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, store.rows(), cols, 1.f, gathered.data(),
+              cols, b, stride, 0.f, scores.data(), store.rows());
+  return absl::OkStatus();
+}
+
+// ---- Exact index ----------------------------------------------------------------------------------
+
+class ExactIndex final : public CentroidIndex {
+ public:
+  ExactIndex(const float* centroids, int rows, int dim, const CentroidIndexOptions& options)
+      : dim_(dim),
+        band_tau_(static_cast<float>(options.band_tau)),
+        columns_(centroids, rows, dim),
+        store_(centroids, rows, dim, columns_, options.half_precision) {}
+
+  int rows() const override { return store_.rows(); }
+  int dim() const override { return dim_; }
+  absl::string_view kind() const override { return store_.half() ? "exact_fp16" : "exact"; }
+
+  absl::Status Search(absl::Span<const float> query, std::vector<ScoredRow>* out) const override {
+    ELDR_RETURN_IF_ERROR(CheckQuery(query, dim_));
+    Scratch& scratch = ThreadScratch();
+    const float* q = columns_.Apply(query.data(), &scratch.query);
+    const int n = store_.rows();
+    scratch.scores.resize(n);
+    ScanRows(store_, BestKernels(), q, nullptr, n, &scratch, scratch.scores.data());
+    RefineRows(store_, BestKernels(), q, nullptr, n, band_tau_, &scratch, scratch.scores.data());
+    out->resize(n);
+    for (int r = 0; r < n; ++r) (*out)[r] = ScoredRow{r, scratch.scores[r]};
+    return absl::OkStatus();
+  }
+
+  absl::Status ScoreBatch(absl::Span<const float> queries, int n,
+                          absl::Span<float> scores) const override {
+    return ScoreBatchCompacted(store_, columns_, queries, n, scores);
+  }
+
+ private:
+  int dim_;
+  float band_tau_;
+  ColumnMap columns_;
+  RowStore store_;
+};
+
+// ---- Large pools: FAISS-fitted reduced space ------------------------------------------------------
+
+// Runs `fn` and turns every exception (FAISS throws faiss::FaissException, std::bad_alloc, ...)
+// into an INTERNAL status naming `what`.
+template <typename Fn>
+absl::Status CatchFaiss(absl::string_view what, Fn&& fn) {
+  try {
+    fn();
+  } catch (const faiss::FaissException& e) {
+    return absl::InternalError(absl::StrCat(what, ": FAISS error: ", e.what()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(what, ": ", e.what()));
+  } catch (...) {
+    return absl::InternalError(absl::StrCat(what, ": unknown exception"));
+  }
+  return absl::OkStatus();
+}
+
+// FAISS wraps every search in `#pragma omp parallel`, even for a single query, and each thread of
+// the team allocates its own visited table: pure overhead for one query. One thread for the
+// duration of the call, restored afterwards so the caller's OpenMP setting is untouched.
+class SingleOmpThread {
+ public:
+  SingleOmpThread() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~SingleOmpThread() { omp_set_num_threads(saved_); }
+  SingleOmpThread(const SingleOmpThread&) = delete;
+  SingleOmpThread& operator=(const SingleOmpThread&) = delete;
+
+ private:
+  int saved_;
+};
+
+// Candidates come from the inner products y . a_j in the PCA space, where y = A q is the projected
+// query and a_j = A (c_j - mean) the projected centred centroids. Then
+//   q . c_j = q . mean + y . a_j + q . r_j,
+// r_j being the part of c_j - mean outside the kept principal axes: q . mean is the same for every
+// row, so y . a_j ranks the rows up to the residuals. The query is deliberately not centred (as an
+// IndexPreTransform would do): centring adds -(A mean) . a_j, a bias that differs per row.
+class ReducedIndex final : public CentroidIndex {
+ public:
+  static absl::StatusOr<std::unique_ptr<ReducedIndex>> Create(const float* centroids, int rows,
+                                                              int dim,
+                                                              const CentroidIndexOptions& options) {
+    auto index = std::unique_ptr<ReducedIndex>(new ReducedIndex(centroids, rows, dim, options));
+    ELDR_RETURN_IF_ERROR(index->Fit());
+    return index;
+  }
+
+  int rows() const override { return store_.rows(); }
+  int dim() const override { return dim_; }
+  absl::string_view kind() const override { return hnsw_ ? "faiss_pca_hnsw" : "faiss_pca_flat"; }
+
+  absl::Status Search(absl::Span<const float> query, std::vector<ScoredRow>* out) const override {
+    ELDR_RETURN_IF_ERROR(CheckQuery(query, dim_));
+    Scratch& scratch = ThreadScratch();
+    const ScorerKernels& kernels = BestKernels();
+    const float* q = columns_.Apply(query.data(), &scratch.query);
+    const int rows = store_.rows();
+
+    // Project: y = A q, one dot product per principal axis.
+    const int reduced = reduced_dims_;
+    if (static_cast<int>(scratch.projected.size()) < reduced_stride_) {
+      scratch.projected.resize(reduced_stride_);
+    }
+    float* y = scratch.projected.data();
+    std::fill(y, y + reduced_stride_, 0.f);
+    if (axes_half_) {
+      kernels.dot_rows_f16(axes_f16_rows_.data(), reduced, q, store_.cols(), y);
+    } else {
+      kernels.dot_rows_f32(axes_f32_rows_.data(), reduced, q, store_.cols(), y);
+    }
+
+    // Candidates in the reduced space, best first, in rounds: `candidates_` first; then, as long
+    // as the lower half (by reduced score) of what was fetched still reaches into the band, twice
+    // as many, up to max_candidates_. A large band thus costs proportionally more instead of
+    // being cut at a fixed count.
+    int fetched = 0;
+    int want = candidates_;
+    int scored = 0;
+    scratch.candidate_scores.clear();
+    if (!hnsw_) {
+      scratch.scores.resize(rows);
+      kernels.dot_rows_f32(reduced_rows_.data(), rows, y, reduced, scratch.scores.data());
+      scratch.order.resize(rows);
+      std::iota(scratch.order.begin(), scratch.order.end(), 0);
+    }
+    scratch.ids.clear();
+    float best = -std::numeric_limits<float>::infinity();
+    while (true) {
+      if (hnsw_) {
+        ELDR_RETURN_IF_ERROR(SearchHnsw(y, want, &scratch));
+      } else {
+        SelectNext(scratch.scores.data(), fetched, want, &scratch.order);
+        scratch.ids.assign(scratch.order.begin(), scratch.order.begin() + std::min(want, rows));
+      }
+      fetched = static_cast<int>(scratch.ids.size());
+      // Score the new candidates (HNSW with a larger k returns the earlier ones first).
+      scratch.candidate_scores.resize(fetched);
+      ScanRows(store_, kernels, q, scratch.ids.data() + scored, fetched - scored, &scratch,
+               scratch.candidate_scores.data() + scored);
+      for (int k = scored; k < fetched; ++k) best = std::max(best, scratch.candidate_scores[k]);
+      scored = fetched;
+      if (fetched >= std::min(rows, max_candidates_) || fetched < want) break;
+      bool band_continues = false;
+      for (int k = fetched / 2; k < fetched; ++k) {
+        band_continues |= scratch.candidate_scores[k] >= best - band_tau_;
+      }
+      if (!band_continues) break;
+      want = std::min({2 * want, rows, max_candidates_});
+    }
+
+    // Exact decisions at full dimension.
+    float* exact = scratch.candidate_scores.data();
+    RefineRows(store_, kernels, q, scratch.ids.data(), fetched, band_tau_, &scratch, exact);
+    out->resize(fetched);
+    for (int k = 0; k < fetched; ++k) (*out)[k] = ScoredRow{scratch.ids[k], exact[k]};
+    return absl::OkStatus();
+  }
+
+  absl::Status ScoreBatch(absl::Span<const float> queries, int n,
+                          absl::Span<float> scores) const override {
+    return ScoreBatchCompacted(store_, columns_, queries, n, scores);
+  }
+
+ private:
+  ReducedIndex(const float* centroids, int rows, int dim, const CentroidIndexOptions& options)
+      : dim_(dim),
+        band_tau_(static_cast<float>(options.band_tau)),
+        columns_(centroids, rows, dim),
+        store_(centroids, rows, dim, columns_, options.half_precision),
+        options_(options) {}
+
+  absl::Status Fit() {
+    const int rows = store_.rows();
+    const int cols = store_.cols();
+    reduced_dims_ = std::max(1, std::min({options_.reduced_dims, rows, cols}));
+    candidates_ = std::max(1, std::min(options_.candidates, rows));
+    max_candidates_ = std::max(candidates_, std::min(options_.max_candidates, rows));
+    reduced_stride_ = PaddedStride<float>(reduced_dims_);
+
+    // Dense compacted copy for FAISS.
+    std::vector<float> dense(static_cast<size_t>(rows) * cols);
+    for (int r = 0; r < rows; ++r) {
+      std::memcpy(dense.data() + static_cast<size_t>(r) * cols, store_.f32_row(r),
+                  sizeof(float) * cols);
+    }
+    std::vector<float> projected(static_cast<size_t>(rows) * reduced_dims_);
+    std::vector<float> axes;
+    ELDR_RETURN_IF_ERROR(CatchFaiss("PCA fit on the centroids", [&] {
+      faiss::PCAMatrix pca(cols, reduced_dims_, /*eigen_power=*/0.f, /*random_rotation=*/false);
+      pca.train(rows, dense.data());
+      pca.apply_noalloc(rows, dense.data(), projected.data());
+      axes = pca.A;
+    }));
+    if (axes.size() != static_cast<size_t>(reduced_dims_) * cols) {
+      return absl::InternalError(absl::StrFormat(
+          "PCA fit returned a %d-value matrix, expected %d x %d", axes.size(), reduced_dims_, cols));
+    }
+
+    // Principal axes as rows (binary16 when the centroids are: they only choose candidates).
+    axes_half_ = options_.half_precision;
+    axes_f32_.assign(static_cast<size_t>(reduced_dims_) * PaddedStride<float>(cols), 0.f);
+    for (int k = 0; k < reduced_dims_; ++k) {
+      float* dst = axes_f32_.data() + static_cast<size_t>(k) * PaddedStride<float>(cols);
+      std::memcpy(dst, axes.data() + static_cast<size_t>(k) * cols, sizeof(float) * cols);
+      axes_f32_rows_.push_back(dst);
+    }
+    if (axes_half_) {
+      axes_f16_.assign(static_cast<size_t>(reduced_dims_) * PaddedStride<uint16_t>(cols), 0);
+      for (int k = 0; k < reduced_dims_; ++k) {
+        uint16_t* dst = axes_f16_.data() + static_cast<size_t>(k) * PaddedStride<uint16_t>(cols);
+        internal::FloatsToHalves(axes_f32_rows_[k], cols, dst);
+        axes_f16_rows_.push_back(dst);
+      }
+    }
+
+    reduced_.assign(static_cast<size_t>(rows) * reduced_stride_, 0.f);
+    for (int r = 0; r < rows; ++r) {
+      float* dst = reduced_.data() + static_cast<size_t>(r) * reduced_stride_;
+      std::memcpy(dst, projected.data() + static_cast<size_t>(r) * reduced_dims_,
+                  sizeof(float) * reduced_dims_);
+      reduced_rows_.push_back(dst);
+    }
+
+    if (options_.use_hnsw) {
+      ELDR_RETURN_IF_ERROR(CatchFaiss("HNSW build in the reduced space", [&] {
+        auto hnsw = std::make_unique<faiss::IndexHNSWFlat>(reduced_dims_, options_.hnsw_neighbors,
+                                                           faiss::METRIC_INNER_PRODUCT);
+        hnsw->hnsw.efConstruction = std::max(40, 2 * options_.hnsw_neighbors);
+        hnsw->hnsw.efSearch = std::max(options_.hnsw_ef_search, candidates_);
+        hnsw->add(rows, projected.data());
+        hnsw_ = std::move(hnsw);
+      }));
+    }
+    return absl::OkStatus();
+  }
+
+  // Rearranges (*order)[begin, n) so that [begin, end) holds its best rows by `scores`, best
+  // first. NaN scores rank last.
+  static void SelectNext(const float* scores, int begin, int end, std::vector<int>* order) {
+    const int n = static_cast<int>(order->size());
+    end = std::min(end, n);
+    if (begin >= end) return;
+    auto better = [scores](int a, int b) {
+      const float sa = scores[a], sb = scores[b];
+      if (std::isnan(sb)) return !std::isnan(sa);
+      return sa > sb;
+    };
+    if (end < n) {
+      std::nth_element(order->begin() + begin, order->begin() + (end - 1), order->end(), better);
+    }
+    std::sort(order->begin() + begin, order->begin() + end, better);
+  }
+
+  // The `k` nearest rows of the HNSW graph, best first, into scratch->ids.
+  absl::Status SearchHnsw(const float* y, int k, Scratch* scratch) const {
+    scratch->faiss_distances.resize(k);
+    scratch->faiss_labels.resize(k);
+    ELDR_RETURN_IF_ERROR(CatchFaiss("HNSW search", [&] {
+      SingleOmpThread single;
+      hnsw_->search(1, y, k, scratch->faiss_distances.data(), scratch->faiss_labels.data());
+    }));
+    // A larger k can reorder the earlier results; keep earlier candidates first so their scores
+    // stay valid, then append the new ones.
+    const int rows = store_.rows();
+    scratch->seen.assign(rows, 0);
+    for (int id : scratch->ids) scratch->seen[id] = 1;
+    for (int i = 0; i < k; ++i) {
+      const faiss::Index::idx_t label = scratch->faiss_labels[i];
+      if (label < 0 || label >= rows || scratch->seen[label]) continue;
+      scratch->seen[label] = 1;
+      scratch->ids.push_back(static_cast<int>(label));
+    }
+    return absl::OkStatus();
+  }
+
+  int dim_;
+  float band_tau_;
+  ColumnMap columns_;
+  RowStore store_;
+  CentroidIndexOptions options_;
+  int reduced_dims_ = 0;
+  int reduced_stride_ = 0;
+  int candidates_ = 0;
+  int max_candidates_ = 0;
+  bool axes_half_ = false;
+  AlignedVector<float> axes_f32_;
+  AlignedVector<uint16_t> axes_f16_;
+  std::vector<const float*> axes_f32_rows_;
+  std::vector<const uint16_t*> axes_f16_rows_;
+  AlignedVector<float> reduced_;
+  std::vector<const float*> reduced_rows_;
+  std::unique_ptr<faiss::IndexHNSWFlat> hnsw_;
+};
+
+absl::Status ValidateBuildInput(absl::Span<const float> centroids, int rows, int dim,
+                                const CentroidIndexOptions& options) {
+  if (rows < 1) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrCat("a centroid index needs at least one row, got ", rows));
+  }
+  if (dim < 1) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrCat("centroid dimension must be positive, got ", dim));
+  }
+  if (static_cast<int64_t>(rows) * dim > kMaxCells) {
+    return InvalidInput(RejectReason::kOversized,
+                        absl::StrFormat("%d x %d centroids exceed the limit of %d values", rows,
+                                        dim, kMaxCells));
+  }
+  if (static_cast<int64_t>(centroids.size()) != static_cast<int64_t>(rows) * dim) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("%d x %d centroids need %d values, got %d", rows, dim,
+                                        static_cast<int64_t>(rows) * dim, centroids.size()));
+  }
+  for (size_t i = 0; i < centroids.size(); ++i) {
+    if (!std::isfinite(centroids[i])) {
+      return InvalidInput(RejectReason::kNonFinite,
+                          absl::StrFormat("centroid row %d, column %d is not finite",
+                                          static_cast<int64_t>(i / dim),
+                                          static_cast<int64_t>(i % dim)));
+    }
+  }
+  if (options.large_pool_min_rows < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CentroidIndexOptions.large_pool_min_rows must be >= 1, got ", options.large_pool_min_rows));
+  }
+  if (options.reduced_dims < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CentroidIndexOptions.reduced_dims must be >= 1, got ", options.reduced_dims));
+  }
+  if (options.candidates < 1 || options.max_candidates < options.candidates) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "CentroidIndexOptions.candidates must be >= 1 and max_candidates >= candidates, got %d "
+        "and %d",
+        options.candidates, options.max_candidates));
+  }
+  if (!(options.band_tau >= 0 && options.band_tau <= 2)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CentroidIndexOptions.band_tau must be in [0, 2], got ", options.band_tau));
+  }
+  if (options.hnsw_neighbors < 2 || options.hnsw_ef_search < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("CentroidIndexOptions.hnsw_neighbors must be >= 2 and hnsw_ef_search >= 1, "
+                        "got %d and %d",
+                        options.hnsw_neighbors, options.hnsw_ef_search));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(
+    CentroidIndexKind kind, absl::Span<const float> centroids, int rows, int dim,
+    const CentroidIndexOptions& options) {
+  ELDR_RETURN_IF_ERROR(ValidateBuildInput(centroids, rows, dim, options));
+  std::unique_ptr<CentroidIndex> index;
+  absl::Status status = CatchFaiss("building the centroid index", [&] {
+    if (kind == CentroidIndexKind::kExact) {
+      index = std::make_unique<ExactIndex>(centroids.data(), rows, dim, options);
+    }
+  });
+  ELDR_RETURN_IF_ERROR(status);
+  if (kind == CentroidIndexKind::kFaissReduced) {
+    ELDR_ASSIGN_OR_RETURN(index, ReducedIndex::Create(centroids.data(), rows, dim, options));
+  }
+  return index;
+}
+
+absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndex(
+    absl::Span<const float> centroids, int rows, int dim, const CentroidIndexOptions& options) {
+  const CentroidIndexKind kind = rows >= options.large_pool_min_rows
+                                     ? CentroidIndexKind::kFaissReduced
+                                     : CentroidIndexKind::kExact;
+  return BuildCentroidIndexOfKind(kind, centroids, rows, dim, options);
+}
+
+void ScoreAllPairs(absl::Span<const float> a, int n, absl::Span<const float> b, int m, int d,
+                   absl::Span<float> c) {
+  ABSL_RAW_CHECK(n >= 0 && m >= 0 && d >= 0, "ScoreAllPairs: negative size");
+  ABSL_RAW_CHECK(static_cast<int64_t>(a.size()) >= static_cast<int64_t>(n) * d &&
+                     static_cast<int64_t>(b.size()) >= static_cast<int64_t>(m) * d &&
+                     static_cast<int64_t>(c.size()) >= static_cast<int64_t>(n) * m,
+                 "ScoreAllPairs: a span is smaller than its stated size");
+  if (n == 0 || m == 0) return;
+  if (d == 0) {
+    std::fill(c.begin(), c.begin() + static_cast<int64_t>(n) * m, 0.f);
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, d, 1.f, a.data(), d, b.data(), d, 0.f,
+              c.data(), m);
+}
+
+}  // namespace eldr

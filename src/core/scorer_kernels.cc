@@ -1,0 +1,365 @@
+#include "core/scorer_kernels.h"
+
+#include <immintrin.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace eldr::internal {
+namespace {
+
+// ---- Scalar ---------------------------------------------------------------------------------------
+// Eight interleaved partial sums per row: the same accumulation depth as the vector kernels'
+// lanes, and independent dependency chains for the compiler.
+template <typename Load>
+float ScalarDot(Load load, const float* query, int dim) {
+  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    for (int lane = 0; lane < 8; ++lane) partial[lane] += load(i + lane) * query[i + lane];
+  }
+  for (int lane = 0; i < dim; ++i, ++lane) partial[lane] += load(i) * query[i];
+  return ((partial[0] + partial[4]) + (partial[2] + partial[6])) +
+         ((partial[1] + partial[5]) + (partial[3] + partial[7]));
+}
+
+void DotRowsF32Scalar(const float* const* rows, int n, const float* query, int dim, float* out) {
+  for (int r = 0; r < n; ++r) {
+    const float* row = rows[r];
+    out[r] = ScalarDot([row](int i) { return row[i]; }, query, dim);
+  }
+}
+
+void DotRowsF16Scalar(const uint16_t* const* rows, int n, const float* query, int dim,
+                      float* out) {
+  for (int r = 0; r < n; ++r) {
+    const uint16_t* row = rows[r];
+    out[r] = ScalarDot([row](int i) { return HalfToFloat(row[i]); }, query, dim);
+  }
+}
+
+// ---- AVX2 + FMA + F16C ----------------------------------------------------------------------------
+// Four rows at a time so each query chunk is loaded once for four rows; two accumulators per row
+// hide the FMA latency. The rows stream from L2/L3, which is what bounds these kernels.
+#define ELDR_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+ELDR_TARGET_AVX2 inline float HorizontalSumAvx2(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+
+ELDR_TARGET_AVX2 inline __m256 LoadAvx2(const float* p) { return _mm256_loadu_ps(p); }
+ELDR_TARGET_AVX2 inline __m256 LoadAvx2(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float LoadScalar(const float* p) { return *p; }
+inline float LoadScalar(const uint16_t* p) { return HalfToFloat(*p); }
+
+template <typename T>
+ELDR_TARGET_AVX2 void DotRowsAvx2(const T* const* rows, int n, const float* query, int dim,
+                                  float* out) {
+  int r = 0;
+  for (; r + 4 <= n; r += 4) {
+    const T* r0 = rows[r];
+    const T* r1 = rows[r + 1];
+    const T* r2 = rows[r + 2];
+    const T* r3 = rows[r + 3];
+    __m256 a0 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps();
+    __m256 a1 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps();
+    __m256 a3 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= dim; i += 16) {
+      const __m256 q0 = _mm256_loadu_ps(query + i);
+      const __m256 q1 = _mm256_loadu_ps(query + i + 8);
+      a0 = _mm256_fmadd_ps(LoadAvx2(r0 + i), q0, a0);
+      b0 = _mm256_fmadd_ps(LoadAvx2(r0 + i + 8), q1, b0);
+      a1 = _mm256_fmadd_ps(LoadAvx2(r1 + i), q0, a1);
+      b1 = _mm256_fmadd_ps(LoadAvx2(r1 + i + 8), q1, b1);
+      a2 = _mm256_fmadd_ps(LoadAvx2(r2 + i), q0, a2);
+      b2 = _mm256_fmadd_ps(LoadAvx2(r2 + i + 8), q1, b2);
+      a3 = _mm256_fmadd_ps(LoadAvx2(r3 + i), q0, a3);
+      b3 = _mm256_fmadd_ps(LoadAvx2(r3 + i + 8), q1, b3);
+    }
+    float t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+    for (; i < dim; ++i) {
+      t0 += LoadScalar(r0 + i) * query[i];
+      t1 += LoadScalar(r1 + i) * query[i];
+      t2 += LoadScalar(r2 + i) * query[i];
+      t3 += LoadScalar(r3 + i) * query[i];
+    }
+    out[r] = HorizontalSumAvx2(_mm256_add_ps(a0, b0)) + t0;
+    out[r + 1] = HorizontalSumAvx2(_mm256_add_ps(a1, b1)) + t1;
+    out[r + 2] = HorizontalSumAvx2(_mm256_add_ps(a2, b2)) + t2;
+    out[r + 3] = HorizontalSumAvx2(_mm256_add_ps(a3, b3)) + t3;
+  }
+  for (; r < n; ++r) {
+    const T* row = rows[r];
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= dim; i += 16) {
+      a = _mm256_fmadd_ps(LoadAvx2(row + i), _mm256_loadu_ps(query + i), a);
+      b = _mm256_fmadd_ps(LoadAvx2(row + i + 8), _mm256_loadu_ps(query + i + 8), b);
+    }
+    float t = 0;
+    for (; i < dim; ++i) t += LoadScalar(row + i) * query[i];
+    out[r] = HorizontalSumAvx2(_mm256_add_ps(a, b)) + t;
+  }
+}
+
+ELDR_TARGET_AVX2 void DotRowsF32Avx2(const float* const* rows, int n, const float* query, int dim,
+                                     float* out) {
+  DotRowsAvx2<float>(rows, n, query, dim, out);
+}
+ELDR_TARGET_AVX2 void DotRowsF16Avx2(const uint16_t* const* rows, int n, const float* query,
+                                     int dim, float* out) {
+  DotRowsAvx2<uint16_t>(rows, n, query, dim, out);
+}
+
+// ---- AVX-512 --------------------------------------------------------------------------------------
+// Same structure with 16 lanes; the tail (dim % 32) uses masked loads instead of a scalar loop.
+#define ELDR_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c")))
+
+// The zero-masked forms of the conversion and the extraction compile to the same instructions as
+// the plain intrinsics, whose GCC 12 implementations read an "undefined" register and trip
+// -Wmaybe-uninitialized.
+constexpr __mmask16 kAllLanes = 0xffff;
+
+ELDR_TARGET_AVX512 inline __m512 LoadAvx512(const float* p) { return _mm512_loadu_ps(p); }
+ELDR_TARGET_AVX512 inline __m512 LoadAvx512(const uint16_t* p) {
+  return _mm512_maskz_cvtph_ps(kAllLanes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+ELDR_TARGET_AVX512 inline __m512 MaskedLoadAvx512(__mmask16 mask, const float* p) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+ELDR_TARGET_AVX512 inline __m512 MaskedLoadAvx512(__mmask16 mask, const uint16_t* p) {
+  return _mm512_maskz_cvtph_ps(kAllLanes, _mm256_maskz_loadu_epi16(mask, p));
+}
+ELDR_TARGET_AVX512 inline float HorizontalSumAvx512(__m512 v) {
+  const __m512d bits = _mm512_castps_pd(v);
+  const __m256 low =
+      _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(static_cast<__mmask8>(0xff), bits, 0));
+  const __m256 high =
+      _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(static_cast<__mmask8>(0xff), bits, 1));
+  return HorizontalSumAvx2(_mm256_add_ps(low, high));
+}
+
+template <typename T>
+ELDR_TARGET_AVX512 void DotRowsAvx512(const T* const* rows, int n, const float* query, int dim,
+                                      float* out) {
+  const int full = dim & ~31;
+  const int rest = dim - full;  // 0..31 elements, in at most two masked 16-lane chunks
+  const __mmask16 mask_lo =
+      rest >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << rest) - 1);
+  const __mmask16 mask_hi =
+      rest > 16 ? static_cast<__mmask16>((1u << (rest - 16)) - 1) : static_cast<__mmask16>(0);
+  int r = 0;
+  for (; r + 4 <= n; r += 4) {
+    const T* r0 = rows[r];
+    const T* r1 = rows[r + 1];
+    const T* r2 = rows[r + 2];
+    const T* r3 = rows[r + 3];
+    __m512 a0 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps();
+    __m512 a1 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), b2 = _mm512_setzero_ps();
+    __m512 a3 = _mm512_setzero_ps(), b3 = _mm512_setzero_ps();
+    for (int i = 0; i < full; i += 32) {
+      const __m512 q0 = _mm512_loadu_ps(query + i);
+      const __m512 q1 = _mm512_loadu_ps(query + i + 16);
+      a0 = _mm512_fmadd_ps(LoadAvx512(r0 + i), q0, a0);
+      b0 = _mm512_fmadd_ps(LoadAvx512(r0 + i + 16), q1, b0);
+      a1 = _mm512_fmadd_ps(LoadAvx512(r1 + i), q0, a1);
+      b1 = _mm512_fmadd_ps(LoadAvx512(r1 + i + 16), q1, b1);
+      a2 = _mm512_fmadd_ps(LoadAvx512(r2 + i), q0, a2);
+      b2 = _mm512_fmadd_ps(LoadAvx512(r2 + i + 16), q1, b2);
+      a3 = _mm512_fmadd_ps(LoadAvx512(r3 + i), q0, a3);
+      b3 = _mm512_fmadd_ps(LoadAvx512(r3 + i + 16), q1, b3);
+    }
+    if (rest > 0) {
+      const __m512 q0 = _mm512_maskz_loadu_ps(mask_lo, query + full);
+      const __m512 q1 = _mm512_maskz_loadu_ps(mask_hi, query + full + 16);
+      a0 = _mm512_fmadd_ps(MaskedLoadAvx512(mask_lo, r0 + full), q0, a0);
+      b0 = _mm512_fmadd_ps(MaskedLoadAvx512(mask_hi, r0 + full + 16), q1, b0);
+      a1 = _mm512_fmadd_ps(MaskedLoadAvx512(mask_lo, r1 + full), q0, a1);
+      b1 = _mm512_fmadd_ps(MaskedLoadAvx512(mask_hi, r1 + full + 16), q1, b1);
+      a2 = _mm512_fmadd_ps(MaskedLoadAvx512(mask_lo, r2 + full), q0, a2);
+      b2 = _mm512_fmadd_ps(MaskedLoadAvx512(mask_hi, r2 + full + 16), q1, b2);
+      a3 = _mm512_fmadd_ps(MaskedLoadAvx512(mask_lo, r3 + full), q0, a3);
+      b3 = _mm512_fmadd_ps(MaskedLoadAvx512(mask_hi, r3 + full + 16), q1, b3);
+    }
+    out[r] = HorizontalSumAvx512(_mm512_add_ps(a0, b0));
+    out[r + 1] = HorizontalSumAvx512(_mm512_add_ps(a1, b1));
+    out[r + 2] = HorizontalSumAvx512(_mm512_add_ps(a2, b2));
+    out[r + 3] = HorizontalSumAvx512(_mm512_add_ps(a3, b3));
+  }
+  for (; r < n; ++r) {
+    const T* row = rows[r];
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    for (int i = 0; i < full; i += 32) {
+      a = _mm512_fmadd_ps(LoadAvx512(row + i), _mm512_loadu_ps(query + i), a);
+      b = _mm512_fmadd_ps(LoadAvx512(row + i + 16), _mm512_loadu_ps(query + i + 16), b);
+    }
+    if (rest > 0) {
+      a = _mm512_fmadd_ps(MaskedLoadAvx512(mask_lo, row + full),
+                          _mm512_maskz_loadu_ps(mask_lo, query + full), a);
+      b = _mm512_fmadd_ps(MaskedLoadAvx512(mask_hi, row + full + 16),
+                          _mm512_maskz_loadu_ps(mask_hi, query + full + 16), b);
+    }
+    out[r] = HorizontalSumAvx512(_mm512_add_ps(a, b));
+  }
+}
+
+ELDR_TARGET_AVX512 void DotRowsF32Avx512(const float* const* rows, int n, const float* query,
+                                         int dim, float* out) {
+  DotRowsAvx512<float>(rows, n, query, dim, out);
+}
+ELDR_TARGET_AVX512 void DotRowsF16Avx512(const uint16_t* const* rows, int n, const float* query,
+                                         int dim, float* out) {
+  DotRowsAvx512<uint16_t>(rows, n, query, dim, out);
+}
+
+ELDR_TARGET_AVX2 void FloatsToHalvesF16c(const float* in, size_t n, uint16_t* out) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  }
+  for (; i < n; ++i) out[i] = FloatToHalf(in[i]);
+}
+
+SimdLevel ComputeCpuSimdLevel() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") &&
+      __builtin_cpu_supports("fma")) {
+    // F16C is implied by AVX-512F on every CPU that has it, but GCC cannot test "f16c" here.
+    return SimdLevel::kAvx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("avx")) {
+    // __builtin_cpu_supports has no "f16c" in GCC 12; read CPUID leaf 1, ECX bit 29.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
+    if (ecx & (1u << 29)) return SimdLevel::kAvx2;
+  }
+  return SimdLevel::kScalar;
+}
+
+SimdLevel ComputeDetectedSimdLevel() {
+  SimdLevel level = CpuSimdLevel();
+  if (const char* env = std::getenv("ELDR_SIMD"); env != nullptr) {
+    const std::string requested(env);
+    SimdLevel cap = level;
+    if (requested == "scalar") cap = SimdLevel::kScalar;
+    if (requested == "avx2") cap = SimdLevel::kAvx2;
+    if (requested == "avx512") cap = SimdLevel::kAvx512;
+    if (static_cast<int>(cap) < static_cast<int>(level)) level = cap;
+  }
+  return level;
+}
+
+float BitsToFloat(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+uint32_t FloatToBits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+}  // namespace
+
+SimdLevel CpuSimdLevel() {
+  static const SimdLevel level = ComputeCpuSimdLevel();
+  return level;
+}
+
+SimdLevel DetectSimdLevel() {
+  static const SimdLevel level = ComputeDetectedSimdLevel();
+  return level;
+}
+
+absl::string_view SimdLevelName(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kScalar:
+      return "scalar";
+    case SimdLevel::kAvx2:
+      return "avx2";
+    case SimdLevel::kAvx512:
+      return "avx512";
+  }
+  return "scalar";
+}
+
+const ScorerKernels& KernelsFor(SimdLevel level) {
+  static const ScorerKernels kScalar{SimdLevel::kScalar, DotRowsF32Scalar, DotRowsF16Scalar};
+  static const ScorerKernels kAvx2{SimdLevel::kAvx2, DotRowsF32Avx2, DotRowsF16Avx2};
+  static const ScorerKernels kAvx512{SimdLevel::kAvx512, DotRowsF32Avx512, DotRowsF16Avx512};
+  if (static_cast<int>(level) > static_cast<int>(CpuSimdLevel())) level = CpuSimdLevel();
+  switch (level) {
+    case SimdLevel::kAvx512:
+      return kAvx512;
+    case SimdLevel::kAvx2:
+      return kAvx2;
+    case SimdLevel::kScalar:
+      break;
+  }
+  return kScalar;
+}
+
+const ScorerKernels& BestKernels() {
+  static const ScorerKernels& kernels = KernelsFor(DetectSimdLevel());
+  return kernels;
+}
+
+int AccumulationDepth(int dim) {
+  // Scalar: 8 interleaved partial sums of ceil(dim / 8) terms, then a 3-level tree (the vector
+  // kernels have more lanes, hence shorter chains, plus at most 1 + 4 reduction levels).
+  return (dim + 7) / 8 + 8;
+}
+
+uint16_t FloatToHalf(float value) {
+  uint32_t bits = FloatToBits(value);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  bits &= 0x7fffffffu;
+  if (bits >= 0x7f800000u) {  // Inf or NaN (NaN keeps a quiet payload bit)
+    return static_cast<uint16_t>(sign | (bits > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  }
+  if (bits >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520
+  if (bits < 0x38800000u) {
+    // Below the smallest normal half (2^-14): adding 0.5f puts the half subnormal's unit (2^-24)
+    // at the float's last mantissa bit, so the FPU does the round-to-nearest-even for us.
+    const float shifted = BitsToFloat(bits) + 0.5f;
+    return static_cast<uint16_t>(sign | (FloatToBits(shifted) - 0x3f000000u));
+  }
+  const uint32_t odd = (bits >> 13) & 1u;
+  bits += 0xc8000000u + 0x0fffu + odd;  // rebias the exponent (127 -> 15), round to nearest even
+  return static_cast<uint16_t>(sign | (bits >> 13));
+}
+
+float HalfToFloat(uint16_t half) {
+  const uint32_t sign = static_cast<uint32_t>(half & 0x8000u) << 16;
+  const uint32_t exponent = (half >> 10) & 0x1fu;
+  const uint32_t mantissa = half & 0x3ffu;
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // 2^-24
+    return BitsToFloat(sign | FloatToBits(magnitude));
+  }
+  if (exponent == 31) return BitsToFloat(sign | 0x7f800000u | (mantissa << 13));
+  return BitsToFloat(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+void FloatsToHalves(const float* in, size_t n, uint16_t* out) {
+  if (CpuSimdLevel() != SimdLevel::kScalar) {
+    FloatsToHalvesF16c(in, n, out);
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
+}
+
+}  // namespace eldr::internal

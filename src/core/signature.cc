@@ -1,0 +1,378 @@
+#include "eldr/signature.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "core/signature_kernels.h"
+#include "eldr/errors.h"
+
+namespace eldr {
+namespace {
+
+// Largest raw [layers][experts] matrix a transform accepts (16M cells, 32 MB of int16 counts):
+// far above any real MoE model, low enough that sizes never overflow.
+constexpr int64_t kMaxSignatureCells = int64_t{1} << 24;
+
+bool AllFinite(const float* src, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(src[i])) return false;
+  }
+  return true;
+}
+
+int64_t FirstNonFinite(const float* src, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(src[i])) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+int64_t FirstNegative(const float* src, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (src[i] < 0.f) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+absl::Status GeometryError(absl::string_view what, int layers, int experts, const SignatureSpec& spec) {
+  return InvalidInput(RejectReason::kGeometry,
+                      absl::StrFormat("%s geometry %dx%d does not match the calibrated transform "
+                                      "(%d layers x %d experts)",
+                                      what, layers, experts, spec.layers, spec.experts));
+}
+
+absl::Status ZeroSignatureError() {
+  return MakeInputError(absl::StatusCode::kFailedPrecondition, RejectReason::kZeroSignature,
+                        "signature is all zeros on the layers of the layer mask");
+}
+
+}  // namespace
+
+// ---- SignatureVariant / SignatureSpec ---------------------------------------------------------
+
+absl::StatusOr<SignatureVariant> ParseSignatureVariant(absl::string_view name) {
+  if (name == "count") return SignatureVariant::kCount;
+  if (name == "count_idf") return SignatureVariant::kCountIdf;
+  if (name == "gate_prob" || name == "gate_prob_all") return SignatureVariant::kGateProb;
+  return InvalidInput(RejectReason::kMalformed,
+                      absl::StrCat("unknown signature variant '", name,
+                                   "' (expected count, count_idf, gate_prob or gate_prob_all)"));
+}
+
+absl::string_view SignatureVariantName(SignatureVariant variant) {
+  switch (variant) {
+    case SignatureVariant::kCount:
+      return "count";
+    case SignatureVariant::kCountIdf:
+      return "count_idf";
+    case SignatureVariant::kGateProb:
+      return "gate_prob";
+  }
+  return "count";
+}
+
+int SignatureSpec::masked_layers() const {
+  return layer_mask.empty() ? layers : static_cast<int>(layer_mask.size());
+}
+
+int SignatureSpec::dim() const { return masked_layers() * experts; }
+
+std::vector<int> SignatureSpec::EffectiveMask() const {
+  if (!layer_mask.empty()) return layer_mask;
+  std::vector<int> all(layers > 0 ? layers : 0);
+  for (int l = 0; l < static_cast<int>(all.size()); ++l) all[l] = l;
+  return all;
+}
+
+absl::Status ValidateSignatureSpec(const SignatureSpec& spec) {
+  if (spec.layers < 1) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrCat("signature spec: layers (L) must be >= 1, got ", spec.layers));
+  }
+  if (spec.experts < 1) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrCat("signature spec: experts (e) must be >= 1, got ", spec.experts));
+  }
+  if (int64_t{spec.layers} * spec.experts > kMaxSignatureCells) {
+    return InvalidInput(RejectReason::kOversized,
+                        absl::StrFormat("signature spec: %d layers x %d experts exceeds the limit "
+                                        "of %d cells",
+                                        spec.layers, spec.experts, kMaxSignatureCells));
+  }
+  for (size_t i = 0; i < spec.layer_mask.size(); ++i) {
+    const int layer = spec.layer_mask[i];
+    if (layer < 0 || layer >= spec.layers) {
+      return InvalidInput(RejectReason::kGeometry,
+                          absl::StrFormat("signature spec: layer_mask[%d] = %d is outside [0, %d)",
+                                          i, layer, spec.layers));
+    }
+    if (i > 0 && layer <= spec.layer_mask[i - 1]) {
+      return InvalidInput(RejectReason::kMalformed,
+                          absl::StrFormat("signature spec: layer_mask must be sorted and distinct, "
+                                          "but layer_mask[%d] = %d follows %d",
+                                          i, layer, spec.layer_mask[i - 1]));
+    }
+  }
+  if (spec.variant == SignatureVariant::kCountIdf) {
+    if (static_cast<int64_t>(spec.idf.size()) != spec.dim()) {
+      return InvalidInput(RejectReason::kGeometry,
+                          absl::StrFormat("signature spec: sig_idf has %d weights, expected "
+                                          "|layer_mask| * experts = %d * %d = %d",
+                                          spec.idf.size(), spec.masked_layers(), spec.experts,
+                                          spec.dim()));
+    }
+    bool any_positive = false;
+    for (size_t i = 0; i < spec.idf.size(); ++i) {
+      const float w = spec.idf[i];
+      if (!std::isfinite(w) || w < 0.f) {
+        return InvalidInput(std::isfinite(w) ? RejectReason::kMalformed : RejectReason::kNonFinite,
+                            absl::StrFormat("signature spec: sig_idf[%d] = %g is not a finite "
+                                            "non-negative weight",
+                                            i, w));
+      }
+      any_positive |= w > 0.f;
+    }
+    if (!any_positive) {
+      return InvalidInput(RejectReason::kMalformed,
+                          "signature spec: sig_idf is all zeros, so every signature would vanish");
+    }
+  } else if (!spec.idf.empty()) {
+    return InvalidInput(RejectReason::kMalformed,
+                        absl::StrCat("signature spec: sig_idf is only valid for variant count_idf, "
+                                     "not ",
+                                     SignatureVariantName(spec.variant)));
+  }
+  return absl::OkStatus();
+}
+
+// ---- SignatureTransform ----------------------------------------------------------------------
+
+SignatureTransform::SignatureTransform(SignatureSpec spec)
+    : spec_(std::move(spec)), dim_(spec_.dim()), mask_(spec_.EffectiveMask()) {
+  all_layers_ = static_cast<int>(mask_.size()) == spec_.layers;
+  std::vector<bool> kept(spec_.layers, false);
+  for (int layer : mask_) kept[layer] = true;
+  for (int l = 0; l < spec_.layers; ++l) {
+    if (!kept[l]) unmasked_.push_back(l);
+  }
+}
+
+absl::StatusOr<SignatureTransform> SignatureTransform::Create(SignatureSpec spec) {
+  ELDR_RETURN_IF_ERROR(ValidateSignatureSpec(spec));
+  return SignatureTransform(std::move(spec));
+}
+
+absl::Status SignatureTransform::Apply(const SignatureInput& input, absl::Span<float> out) const {
+  double sum_of_squares = 0;
+  ELDR_RETURN_IF_ERROR(Convert(input, out, &sum_of_squares));
+  if (!(sum_of_squares > 0)) return ZeroSignatureError();
+  const float factor = static_cast<float>(1.0 / std::sqrt(sum_of_squares));
+  internal::BestSignatureKernels().scale(out.data(), out.size(), factor);
+  return absl::OkStatus();
+}
+
+absl::Status SignatureTransform::Weighted(const SignatureInput& input, absl::Span<float> out) const {
+  double sum_of_squares = 0;
+  return Convert(input, out, &sum_of_squares);
+}
+
+absl::Status SignatureTransform::Convert(const SignatureInput& input, absl::Span<float> out,
+                                         double* sum_of_squares) const {
+  if (static_cast<int64_t>(out.size()) != dim_) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("output buffer holds %d floats, the transform produces %d",
+                                        out.size(), dim_));
+  }
+  const internal::SignatureKernels& kernels = internal::BestSignatureKernels();
+  const size_t experts = static_cast<size_t>(spec_.experts);
+  const float* weights = spec_.variant == SignatureVariant::kCountIdf ? spec_.idf.data() : nullptr;
+  const bool wants_counts = spec_.variant != SignatureVariant::kGateProb;
+
+  if (const auto* counts = std::get_if<CountsInt16Le>(&input)) {
+    if (!wants_counts) {
+      return InvalidInput(RejectReason::kWrongEncoding,
+                          "integer counts sent to a gate_prob transform, which needs float "
+                          "gate-probability sums");
+    }
+    if (counts->layers != spec_.layers || counts->experts != spec_.experts) {
+      return GeometryError("int16 counts", counts->layers, counts->experts, spec_);
+    }
+    if (counts->bytes.size() % 2 != 0) {
+      return InvalidInput(RejectReason::kWrongEncoding,
+                          absl::StrFormat("int16 counts must have an even byte length, got %d bytes",
+                                          counts->bytes.size()));
+    }
+    const size_t cells = static_cast<size_t>(spec_.layers) * experts;
+    if (counts->bytes.size() != 2 * cells) {
+      return InvalidInput(RejectReason::kGeometry,
+                          absl::StrFormat("int16 counts for %d layers x %d experts need %d bytes, "
+                                          "got %d",
+                                          spec_.layers, spec_.experts, 2 * cells,
+                                          counts->bytes.size()));
+    }
+    const char* base = counts->bytes.data();
+    int32_t bits = 0;
+    double sum = 0;
+    if (all_layers_) {
+      sum = kernels.convert_int16(base, weights, out.data(), cells, &bits);
+    } else {
+      for (size_t j = 0; j < mask_.size(); ++j) {
+        sum += kernels.convert_int16(base + 2 * experts * mask_[j], weights ? weights + j * experts : nullptr,
+                            out.data() + j * experts, experts, &bits);
+      }
+      for (int layer : unmasked_) bits |= kernels.or_int16(base + 2 * experts * layer, experts);
+    }
+    if (bits < 0) {
+      return InvalidInput(RejectReason::kNegativeCount, "int16 counts contain a negative count");
+    }
+    *sum_of_squares = sum;
+    return absl::OkStatus();
+  }
+
+  if (const auto* counts = std::get_if<CountsInt32>(&input)) {
+    if (!wants_counts) {
+      return InvalidInput(RejectReason::kWrongEncoding,
+                          "integer counts sent to a gate_prob transform, which needs float "
+                          "gate-probability sums");
+    }
+    if (counts->layers != spec_.layers || counts->experts != spec_.experts) {
+      return GeometryError("int32 counts", counts->layers, counts->experts, spec_);
+    }
+    const size_t cells = static_cast<size_t>(spec_.layers) * experts;
+    if (counts->values.size() != cells) {
+      return InvalidInput(RejectReason::kGeometry,
+                          absl::StrFormat("int32 counts for %d layers x %d experts need %d values, "
+                                          "got %d",
+                                          spec_.layers, spec_.experts, cells,
+                                          counts->values.size()));
+    }
+    const int32_t* base = counts->values.data();
+    int32_t bits = 0;
+    double sum = 0;
+    if (all_layers_) {
+      sum = kernels.convert_int32(base, weights, out.data(), cells, &bits);
+    } else {
+      for (size_t j = 0; j < mask_.size(); ++j) {
+        sum += kernels.convert_int32(base + experts * mask_[j], weights ? weights + j * experts : nullptr,
+                            out.data() + j * experts, experts, &bits);
+      }
+      for (int layer : unmasked_) {
+        const int32_t* row = base + experts * layer;
+        for (size_t e = 0; e < experts; ++e) bits |= row[e];
+      }
+    }
+    if (bits < 0) {
+      return InvalidInput(RejectReason::kNegativeCount, "int32 counts contain a negative count");
+    }
+    *sum_of_squares = sum;
+    return absl::OkStatus();
+  }
+
+  if (const auto* sums = std::get_if<GateProbSums>(&input)) {
+    if (wants_counts) {
+      return InvalidInput(RejectReason::kWrongEncoding,
+                          absl::StrCat("float gate-probability sums sent to a ",
+                                       SignatureVariantName(spec_.variant),
+                                       " transform, which needs integer counts"));
+    }
+    if (sums->layers != spec_.layers || sums->experts != spec_.experts) {
+      return GeometryError("gate-probability sums", sums->layers, sums->experts, spec_);
+    }
+    const size_t cells = static_cast<size_t>(spec_.layers) * experts;
+    if (sums->values.size() != cells) {
+      return InvalidInput(RejectReason::kGeometry,
+                          absl::StrFormat("gate-probability sums for %d layers x %d experts need %d "
+                                          "values, got %d",
+                                          spec_.layers, spec_.experts, cells, sums->values.size()));
+    }
+    const float* base = sums->values.data();
+    int32_t negatives = 0;
+    double sum = 0;
+    if (all_layers_) {
+      sum = kernels.convert_float(base, out.data(), cells, &negatives);
+    } else {
+      for (size_t j = 0; j < mask_.size(); ++j) {
+        sum += kernels.convert_float(base + experts * mask_[j], out.data() + j * experts, experts,
+                            &negatives);
+      }
+    }
+    bool finite = std::isfinite(sum);
+    for (int layer : unmasked_) {
+      finite = finite && AllFinite(base + experts * layer, experts);
+    }
+    if (!finite) {
+      const int64_t bad = FirstNonFinite(base, cells);
+      if (bad >= 0) {
+        return InvalidInput(RejectReason::kNonFinite,
+                            absl::StrFormat("gate-probability sums: value at layer %d expert %d is "
+                                            "%g",
+                                            bad / spec_.experts, bad % spec_.experts, base[bad]));
+      }
+      // Finite values whose squares overflow float: take the norm in double.
+      sum = 0;
+      for (size_t i = 0; i < out.size(); ++i) sum += static_cast<double>(out[i]) * out[i];
+    }
+    for (int layer : unmasked_) {
+      if (FirstNegative(base + experts * layer, experts) >= 0) ++negatives;
+    }
+    if (negatives > 0) {
+      const int64_t bad = FirstNegative(base, cells);
+      return InvalidInput(RejectReason::kNegativeCount,
+                          absl::StrFormat("gate-probability sums: value at layer %d expert %d is "
+                                          "negative (%g)",
+                                          bad / spec_.experts, bad % spec_.experts, base[bad]));
+    }
+    *sum_of_squares = sum;
+    return absl::OkStatus();
+  }
+
+  const auto& vector = std::get<TransformedVector>(input);
+  if (static_cast<int64_t>(vector.values.size()) != dim_) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("transformed signature has %d values, the calibrated "
+                                        "transform has dimension %d",
+                                        vector.values.size(), dim_));
+  }
+  int32_t negatives = 0;  // a transformed vector may have any sign
+  double sum = kernels.convert_float(vector.values.data(), out.data(), out.size(), &negatives);
+  if (!std::isfinite(sum)) {
+    const int64_t bad = FirstNonFinite(vector.values.data(), vector.values.size());
+    if (bad >= 0) {
+      return InvalidInput(RejectReason::kNonFinite,
+                          absl::StrFormat("transformed signature: value %d is %g", bad,
+                                          vector.values[bad]));
+    }
+    sum = 0;
+    for (size_t i = 0; i < out.size(); ++i) sum += static_cast<double>(out[i]) * out[i];
+  }
+  *sum_of_squares = sum;
+  return absl::OkStatus();
+}
+
+// ---- IDF ---------------------------------------------------------------------------------------
+
+std::vector<float> ComputeIdf(absl::Span<const int32_t> counts, int n, int layers, int experts) {
+  if (n < 0 || layers < 1 || experts < 1 ||
+      static_cast<int64_t>(counts.size()) != int64_t{n} * layers * experts) {
+    return {};
+  }
+  const size_t cells = static_cast<size_t>(layers) * experts;
+  std::vector<int64_t> document_frequency(cells, 0);
+  for (int r = 0; r < n; ++r) {
+    const int32_t* row = counts.data() + static_cast<size_t>(r) * cells;
+    for (size_t c = 0; c < cells; ++c) document_frequency[c] += row[c] != 0 ? 1 : 0;
+  }
+  std::vector<float> idf(cells);
+  for (size_t c = 0; c < cells; ++c) {
+    idf[c] = static_cast<float>(
+        std::log((static_cast<double>(n) + 1.0) / (static_cast<double>(document_frequency[c]) + 1.0)));
+  }
+  return idf;
+}
+
+}  // namespace eldr

@@ -1,0 +1,219 @@
+#include "server/load_scrape_component.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+#include "server/logging.h"
+
+namespace eldr::server {
+namespace {
+
+absl::Status BadSetting(absl::string_view key, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat("setting '", key, "': ", why));
+}
+
+prometheus::MetricFamily Family(std::string name, std::string help, prometheus::MetricType type) {
+  prometheus::MetricFamily family;
+  family.name = std::move(name);
+  family.help = std::move(help);
+  family.type = type;
+  return family;
+}
+
+void Add(prometheus::MetricFamily* family, double value, std::vector<prometheus::ClientMetric::Label> labels) {
+  prometheus::ClientMetric metric;
+  metric.label = std::move(labels);
+  if (family->type == prometheus::MetricType::Counter) {
+    metric.counter.value = value;
+  } else {
+    metric.gauge.value = value;
+  }
+  family->metric.push_back(std::move(metric));
+}
+
+prometheus::ClientMetric::Label Label(std::string name, std::string value) {
+  prometheus::ClientMetric::Label label;
+  label.name = std::move(name);
+  label.value = std::move(value);
+  return label;
+}
+
+// Per-worker scrape figures, read from the scraper at every /metrics request.
+class ScrapeCollector : public prometheus::Collectable {
+ public:
+  explicit ScrapeCollector(std::shared_ptr<const LoadScraper> scraper) : scraper_(std::move(scraper)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::MetricType;
+    auto scrapes = Family("eldr_scrapes_total", "Successful scrapes of a decode worker's metrics endpoint.",
+                          MetricType::Counter);
+    auto errors = Family("eldr_scrape_errors_total",
+                         "Failed scrapes by kind: transport (refused, timeout, ...), http (status other than "
+                         "200), malformed (unparsable page or missing load gauges).",
+                         MetricType::Counter);
+    auto rejected = Family("eldr_scrape_rejected_reports_total",
+                           "Scraped load snapshots the router refused (e.g. worker not in the pool).",
+                           MetricType::Counter);
+    auto transitions = Family("eldr_scrape_unhealthy_transitions_total",
+                              "Times a worker was marked unhealthy after consecutive failed scrapes.",
+                              MetricType::Counter);
+    auto healthy = Family("eldr_scrape_healthy", "0 while failed scrapes hold the worker unhealthy, else 1.",
+                          MetricType::Gauge);
+    auto age = Family("eldr_scrape_last_success_age_seconds",
+                      "Seconds since the last successful scrape started; -1 before the first.", MetricType::Gauge);
+    auto duration = Family("eldr_scrape_duration_seconds", "Duration of the last completed scrape.",
+                           MetricType::Gauge);
+    const absl::Time now = absl::Now();
+    for (const WorkerScrapeStats& stats : scraper_->Stats()) {
+      const std::string& worker = stats.worker_id;
+      Add(&scrapes, static_cast<double>(stats.successes), {Label("worker", worker), Label("outcome", "ok")});
+      Add(&errors, static_cast<double>(stats.transport_errors), {Label("worker", worker), Label("kind", "transport")});
+      Add(&errors, static_cast<double>(stats.http_errors), {Label("worker", worker), Label("kind", "http")});
+      Add(&errors, static_cast<double>(stats.malformed_pages), {Label("worker", worker), Label("kind", "malformed")});
+      Add(&rejected, static_cast<double>(stats.rejected_reports), {Label("worker", worker)});
+      Add(&transitions, static_cast<double>(stats.unhealthy_transitions), {Label("worker", worker)});
+      Add(&healthy, stats.healthy ? 1 : 0, {Label("worker", worker)});
+      Add(&age, stats.last_success.has_value() ? absl::ToDoubleSeconds(now - *stats.last_success) : -1,
+          {Label("worker", worker)});
+      Add(&duration, absl::ToDoubleSeconds(stats.last_duration), {Label("worker", worker)});
+    }
+    return {std::move(scrapes), std::move(errors), std::move(rejected), std::move(transitions),
+            std::move(healthy), std::move(age), std::move(duration)};
+  }
+
+ private:
+  std::shared_ptr<const LoadScraper> scraper_;
+};
+
+class LoadScrapeComponent final : public BackgroundComponent {
+ public:
+  LoadScrapeComponent(Router* router, ServerMetrics* metrics, LoadScraperOptions options,
+                      std::vector<ScrapeTarget> configured)
+      : router_(router), metrics_(metrics), options_(std::move(options)), configured_(std::move(configured)) {}
+
+  std::string name() const override { return "load_scraper"; }
+
+  absl::Status Start() override {
+    if (configured_.empty()) return absl::OkStatus();
+    options_.on_health_change = [](const std::string& worker, bool healthy, const std::string& reason) {
+      if (healthy) {
+        ELDR_LOG(Info, "worker_healthy").With("worker", worker);
+      } else {
+        ELDR_LOG(Warning, "worker_unhealthy").With("worker", worker).With("error", reason);
+      }
+    };
+    absl::StatusOr<std::unique_ptr<LoadScraper>> scraper = LoadScraper::Create(router_, options_, PoolTargets());
+    if (!scraper.ok()) return scraper.status();
+    scraper_ = std::shared_ptr<LoadScraper>(std::move(*scraper));
+    metrics_->AddCollectable(std::make_shared<ScrapeCollector>(scraper_));
+    absl::Status started = scraper_->Start();
+    if (!started.ok()) return started;
+    ELDR_LOG(Info, "load_scraper_started")
+        .With("targets", static_cast<int64_t>(configured_.size()))
+        .With("interval", options_.interval)
+        .With("timeout", options_.timeout)
+        .With("unhealthy_after_failures", static_cast<int64_t>(options_.unhealthy_after_failures));
+    sync_thread_ = std::thread([this] {
+      while (!stop_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+        std::vector<ScrapeTarget> targets = PoolTargets();
+        std::vector<std::string> wanted, current;
+        for (const ScrapeTarget& target : targets) wanted.push_back(target.worker_id);
+        for (const WorkerScrapeStats& stats : scraper_->Stats()) current.push_back(stats.worker_id);
+        std::sort(wanted.begin(), wanted.end());  // Stats() is already in id order
+        if (wanted == current) continue;
+        absl::Status updated = scraper_->SetTargets(std::move(targets));
+        if (!updated.ok()) ELDR_LOG(Error, "load_scraper_targets").With("code", updated);
+      }
+    });
+    return absl::OkStatus();
+  }
+
+  void Stop() override {
+    if (!stop_.HasBeenNotified()) stop_.Notify();
+    if (sync_thread_.joinable()) sync_thread_.join();
+    // Also hands back the health of every worker the scraper held unhealthy.
+    if (scraper_ != nullptr) scraper_->Stop();
+  }
+
+ private:
+  // The configured targets whose worker is in the Router's pool now.
+  std::vector<ScrapeTarget> PoolTargets() const {
+    absl::flat_hash_set<std::string> pool;
+    for (const WorkerStatus& worker : router_->GetState(absl::Now()).workers) pool.insert(worker.spec.id);
+    std::vector<ScrapeTarget> targets;
+    for (const ScrapeTarget& target : configured_) {
+      if (pool.contains(target.worker_id)) targets.push_back(target);
+    }
+    return targets;
+  }
+
+  Router* const router_;
+  ServerMetrics* const metrics_;
+  LoadScraperOptions options_;
+  const std::vector<ScrapeTarget> configured_;
+  std::shared_ptr<LoadScraper> scraper_;
+  absl::Notification stop_;
+  std::thread sync_thread_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::vector<ScrapeTarget>> ScrapeTargetsFromOptions(const ServerOptions& options) {
+  absl::flat_hash_map<std::string, std::string> url_of;
+  for (const WorkerSpec& worker : options.workers) {
+    if (!worker.metrics_url.empty()) url_of[worker.id] = worker.metrics_url;
+  }
+  absl::StatusOr<std::vector<ScrapeTarget>> overrides = ParseScrapeTargets(options.worker_metrics);
+  if (!overrides.ok()) return BadSetting("worker_metrics", overrides.status().message());
+  for (const ScrapeTarget& target : *overrides) {
+    const bool known = std::any_of(options.workers.begin(), options.workers.end(),
+                                   [&](const WorkerSpec& w) { return w.id == target.worker_id; });
+    if (!known) {
+      return BadSetting("worker_metrics", absl::StrCat("'", target.worker_id, "' is not one of the workers"));
+    }
+    url_of[target.worker_id] = target.url;
+  }
+  std::vector<ScrapeTarget> targets;
+  for (const WorkerSpec& worker : options.workers) {
+    auto it = url_of.find(worker.id);
+    if (it != url_of.end()) targets.push_back({worker.id, it->second});
+  }
+  absl::Status valid = ValidateScrapeTargets(targets);
+  if (!valid.ok()) return BadSetting("worker_metrics", valid.message());
+  return targets;
+}
+
+absl::StatusOr<LoadScraperOptions> ScraperOptionsFromServerOptions(const ServerOptions& options) {
+  LoadScraperOptions scraper;
+  scraper.interval = absl::Milliseconds(options.scrape_interval_ms);
+  scraper.timeout = absl::Milliseconds(options.scrape_timeout_ms);
+  scraper.unhealthy_after_failures = static_cast<int>(options.unhealthy_after_failures);
+  scraper.engine.model_name = options.scrape_model_name;
+  // ValidateServerOptions checked the ranges; this is the scraper's own word on the result.
+  absl::Status valid = ValidateLoadScraperOptions(scraper);
+  if (!valid.ok()) return BadSetting("scrape_*", valid.message());
+  return scraper;
+}
+
+ComponentFactory LoadScrapeComponentFactory() {
+  return [](const ComponentContext& context) -> absl::StatusOr<std::unique_ptr<BackgroundComponent>> {
+    absl::StatusOr<std::vector<ScrapeTarget>> targets = ScrapeTargetsFromOptions(*context.options);
+    if (!targets.ok()) return targets.status();
+    absl::StatusOr<LoadScraperOptions> options = ScraperOptionsFromServerOptions(*context.options);
+    if (!options.ok()) return options.status();
+    return std::unique_ptr<BackgroundComponent>(
+        new LoadScrapeComponent(context.router, context.metrics, *std::move(options), *std::move(targets)));
+  };
+}
+
+}  // namespace eldr::server

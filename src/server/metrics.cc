@@ -1,0 +1,402 @@
+#include "server/metrics.h"
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <sstream>
+#include <iterator>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "prometheus/family.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
+
+namespace eldr::server {
+namespace {
+
+constexpr PolicyKind kPolicyKinds[] = {PolicyKind::kEldr, PolicyKind::kRoundRobin, PolicyKind::kRandom,
+                                       PolicyKind::kJsq, PolicyKind::kP2c};
+constexpr RouteOutcome kOutcomes[] = {RouteOutcome::kOk, RouteOutcome::kFallback, RouteOutcome::kInvalid,
+                                      RouteOutcome::kUnavailable, RouteOutcome::kError};
+constexpr FallbackReason kFallbackReasons[] = {
+    FallbackReason::kNone,         FallbackReason::kNoSignature,        FallbackReason::kZeroSignature,
+    FallbackReason::kNoCentroids,  FallbackReason::kNoEligibleCentroid, FallbackReason::kOverload,
+    FallbackReason::kAllUnhealthy};
+constexpr RejectReason kRejectReasons[] = {
+    RejectReason::kGeometry,  RejectReason::kNegativeCount, RejectReason::kNonFinite,
+    RejectReason::kZeroSignature, RejectReason::kWrongEncoding, RejectReason::kMalformed,
+    RejectReason::kUnknownWorker, RejectReason::kOversized, RejectReason::kOther};
+
+template <typename Enum, size_t N>
+size_t IndexOf(const Enum (&all)[N], Enum value, size_t fallback) {
+  for (size_t i = 0; i < N; ++i) {
+    if (all[i] == value) return i;
+  }
+  return fallback;
+}
+
+prometheus::ClientMetric::Label Label(std::string name, std::string value) {
+  prometheus::ClientMetric::Label label;
+  label.name = std::move(name);
+  label.value = std::move(value);
+  return label;
+}
+
+prometheus::MetricFamily Family(std::string name, std::string help, prometheus::MetricType type) {
+  prometheus::MetricFamily family;
+  family.name = std::move(name);
+  family.help = std::move(help);
+  family.type = type;
+  return family;
+}
+
+void AddGauge(prometheus::MetricFamily* family, double value,
+              std::vector<prometheus::ClientMetric::Label> labels = {}) {
+  prometheus::ClientMetric metric;
+  metric.label = std::move(labels);
+  metric.gauge.value = value;
+  family->metric.push_back(std::move(metric));
+}
+
+void AddCounter(prometheus::MetricFamily* family, double value) {
+  prometheus::ClientMetric metric;
+  metric.counter.value = value;
+  family->metric.push_back(std::move(metric));
+}
+
+// Per-worker and centroid state, read from the router at scrape time.
+class RouterStateCollector : public prometheus::Collectable {
+ public:
+  explicit RouterStateCollector(const Router* router) : router_(router) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::MetricType;
+    const absl::Time now = absl::Now();
+    const RouterState state = router_->GetState(now);
+
+    auto inflight = Family("eldr_worker_inflight", "Live leases (routed, not completed) per worker.",
+                           MetricType::Gauge);
+    auto effective = Family("eldr_worker_effective_load",
+                            "Load the policy sees per worker: fresh report + leases since it, or leases.",
+                            MetricType::Gauge);
+    auto reported = Family("eldr_worker_reported_load",
+                           "Last reported running + waiting requests per worker (absent: never reported).",
+                           MetricType::Gauge);
+    auto kv = Family("eldr_worker_reported_kv_usage",
+                     "Last reported KV cache usage fraction per worker (absent: never reported).",
+                     MetricType::Gauge);
+    auto age = Family("eldr_worker_report_age_seconds",
+                      "Age of the last load report per worker (absent: never reported).", MetricType::Gauge);
+    auto healthy = Family("eldr_worker_healthy", "1 when the worker is healthy, 0 when marked unhealthy.",
+                          MetricType::Gauge);
+    auto draining = Family("eldr_worker_draining", "1 while the worker is draining (no new routes).",
+                           MetricType::Gauge);
+    for (const WorkerStatus& w : state.workers) {
+      std::vector<prometheus::ClientMetric::Label> labels = {Label("worker", w.spec.id)};
+      AddGauge(&inflight, static_cast<double>(w.load.leases), labels);
+      AddGauge(&effective, w.load.effective, labels);
+      AddGauge(&healthy, w.healthy ? 1 : 0, labels);
+      AddGauge(&draining, w.state == WorkerState::kDraining ? 1 : 0, labels);
+      if (w.load.snapshot.has_value()) {
+        AddGauge(&reported, w.load.snapshot->running + w.load.snapshot->waiting, labels);
+        AddGauge(&kv, w.load.snapshot->kv_usage, labels);
+        AddGauge(&age, absl::ToDoubleSeconds(now - w.load.snapshot->taken_at), labels);
+      }
+    }
+
+    auto generation = Family("eldr_centroid_generation",
+                             "Generation of the centroid set in service (0: none loaded).", MetricType::Gauge);
+    AddGauge(&generation, static_cast<double>(state.centroid_generation));
+    auto rows = Family("eldr_centroid_rows", "Centroid rows in service.", MetricType::Gauge);
+    AddGauge(&rows, state.centroid_rows);
+    auto workers = Family("eldr_workers", "Workers in the pool.", MetricType::Gauge);
+    AddGauge(&workers, static_cast<double>(state.workers.size()));
+    auto live = Family("eldr_live_leases", "Leases not yet completed or expired.", MetricType::Gauge);
+    AddGauge(&live, static_cast<double>(state.live_leases));
+    auto expired = Family("eldr_leases_expired_total",
+                          "Leases released by expiry (their Complete never came within --lease_ttl).",
+                          MetricType::Counter);
+    AddCounter(&expired, static_cast<double>(state.leases_expired_total));
+
+    std::vector<prometheus::MetricFamily> out;
+    out.reserve(12);
+    for (auto* f : {&inflight, &effective, &reported, &kv, &age, &healthy, &draining, &generation, &rows,
+                    &workers, &live, &expired}) {
+      out.push_back(std::move(*f));
+    }
+    return out;
+  }
+
+ private:
+  const Router* router_;
+};
+
+// process_* metrics from /proc/self, the names the Prometheus client libraries use.
+class ProcessCollector : public prometheus::Collectable {
+ public:
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::MetricType;
+    std::vector<prometheus::MetricFamily> out;
+    std::ifstream stat_file("/proc/self/stat");
+    std::string stat((std::istreambuf_iterator<char>(stat_file)), std::istreambuf_iterator<char>());
+    // Fields after the parenthesised command name (which may contain spaces).
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos) return out;
+    std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ', absl::SkipEmpty());
+    // fields[0] is field 3 (state): field n is fields[n - 3].
+    if (fields.size() < 22) return out;
+    const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+    const double page = static_cast<double>(sysconf(_SC_PAGESIZE));
+    const double utime = std::stod(fields[14 - 3]);
+    const double stime = std::stod(fields[15 - 3]);
+    const double start_ticks = std::stod(fields[22 - 3]);
+    const double vsize = std::stod(fields[23 - 3]);
+    const double rss_pages = std::stod(fields[24 - 3]);
+
+    auto cpu = Family("process_cpu_seconds_total", "User and system CPU time spent in seconds.",
+                      MetricType::Counter);
+    AddCounter(&cpu, (utime + stime) / ticks);
+    out.push_back(std::move(cpu));
+    auto rss = Family("process_resident_memory_bytes", "Resident memory size in bytes.", MetricType::Gauge);
+    AddGauge(&rss, rss_pages * page);
+    out.push_back(std::move(rss));
+    auto vms = Family("process_virtual_memory_bytes", "Virtual memory size in bytes.", MetricType::Gauge);
+    AddGauge(&vms, vsize);
+    out.push_back(std::move(vms));
+    if (boot_time_ > 0) {
+      auto start = Family("process_start_time_seconds", "Start time of the process since the Unix epoch.",
+                          MetricType::Gauge);
+      AddGauge(&start, boot_time_ + start_ticks / ticks);
+      out.push_back(std::move(start));
+    }
+    auto fds = Family("process_open_fds", "Open file descriptors.", MetricType::Gauge);
+    AddGauge(&fds, CountOpenFds());
+    out.push_back(std::move(fds));
+    return out;
+  }
+
+ private:
+  static double ReadBootTime() {
+    std::ifstream in("/proc/stat");
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind("btime ", 0) == 0) return std::stod(line.substr(6));
+    }
+    return 0;
+  }
+  static double CountOpenFds() {
+    DIR* dir = opendir("/proc/self/fd");
+    if (dir == nullptr) return 0;
+    double n = 0;
+    while (dirent* entry = readdir(dir)) {
+      if (entry->d_name[0] != '.') ++n;
+    }
+    closedir(dir);
+    return n - 1;  // the descriptor opendir itself holds
+  }
+
+  const double boot_time_ = ReadBootTime();
+};
+
+}  // namespace
+
+absl::string_view RouteOutcomeLabel(RouteOutcome outcome) {
+  switch (outcome) {
+    case RouteOutcome::kOk: return "ok";
+    case RouteOutcome::kFallback: return "fallback";
+    case RouteOutcome::kInvalid: return "invalid";
+    case RouteOutcome::kUnavailable: return "unavailable";
+    case RouteOutcome::kError: return "error";
+  }
+  return "error";
+}
+
+const std::vector<double>& RouteDurationBuckets() {
+  static const auto* buckets = new std::vector<double>{
+      1e-6,  2e-6,  3e-6,   5e-6,   7.5e-6, 10e-6, 15e-6, 20e-6, 30e-6, 50e-6,
+      75e-6, 1e-4,  2e-4,   5e-4,   1e-3,   2e-3,  5e-3,  1e-2};
+  return *buckets;
+}
+
+ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& requests = prometheus::BuildCounter()
+                       .Name("eldr_route_requests_total")
+                       .Help("Route RPCs by the policy that decided (the configured one when the route "
+                             "failed) and outcome: ok, fallback, invalid, unavailable, error.")
+                       .Register(*registry_);
+  for (size_t p = 0; p < kNumPolicies; ++p) {
+    for (size_t o = 0; o < kNumOutcomes; ++o) {
+      route_requests_[p][o] = &requests.Add({{"policy", std::string(PolicyKindName(kPolicyKinds[p]))},
+                                             {"outcome", std::string(RouteOutcomeLabel(kOutcomes[o]))}});
+    }
+  }
+  route_duration_ = &prometheus::BuildHistogram()
+                         .Name("eldr_route_duration_seconds")
+                         .Help("Server-side Route decision time: from the decoded request to the "
+                               "filled response (transform, scoring, policy, lease).")
+                         .Register(*registry_)
+                         .Add({}, RouteDurationBuckets());
+  band_size_ = &prometheus::BuildHistogram()
+                    .Name("eldr_band_size")
+                    .Help("Workers in the locality band (within tau of the best similarity) per "
+                          "locality decision.")
+                    .Register(*registry_)
+                    .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128});
+  similarity_ = &prometheus::BuildHistogram()
+                     .Name("eldr_route_similarity")
+                     .Help("Best cosine similarity between signature and an eligible centroid per "
+                           "locality decision.")
+                     .Register(*registry_)
+                     .Add({}, prometheus::Histogram::BucketBoundaries{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7,
+                                                                       0.8, 0.85, 0.9, 0.95, 0.98, 1.0});
+  auto& fallbacks = prometheus::BuildCounter()
+                        .Name("eldr_fallback_total")
+                        .Help("Routes that did not follow the configured policy, by reason.")
+                        .Register(*registry_);
+  for (size_t i = 0; i < kNumFallbacks; ++i) {
+    if (kFallbackReasons[i] == FallbackReason::kNone) continue;
+    fallbacks_[i] = &fallbacks.Add({{"reason", std::string(FallbackReasonLabel(kFallbackReasons[i]))}});
+  }
+  auto& rejected = prometheus::BuildCounter()
+                       .Name("eldr_rejected_total")
+                       .Help("Rejected inputs (signatures, load reports, artifacts, admin requests) by "
+                             "reason.")
+                       .Register(*registry_);
+  for (size_t i = 0; i < kNumRejectReasons; ++i) {
+    rejected_[i] = &rejected.Add({{"reason", std::string(RejectReasonLabel(kRejectReasons[i]))}});
+  }
+  auto& completes = prometheus::BuildCounter()
+                        .Name("eldr_complete_requests_total")
+                        .Help("Complete RPCs by outcome: released, or not_found (unknown, already "
+                              "completed or expired lease).")
+                        .Register(*registry_);
+  complete_ok_ = &completes.Add({{"outcome", "released"}});
+  complete_not_found_ = &completes.Add({{"outcome", "not_found"}});
+  auto& reports = prometheus::BuildCounter()
+                      .Name("eldr_load_reports_total")
+                      .Help("Load snapshots received over ReportLoad, by outcome.")
+                      .Register(*registry_);
+  reports_accepted_ = &reports.Add({{"outcome", "accepted"}});
+  reports_rejected_ = &reports.Add({{"outcome", "rejected"}});
+  auto& reloads = prometheus::BuildCounter()
+                      .Name("eldr_centroid_reloads_total")
+                      .Help("Centroid reload attempts (SIGHUP, ReloadCentroids) by outcome.")
+                      .Register(*registry_);
+  reloads_ok_ = &reloads.Add({{"outcome", "ok"}});
+  reloads_error_ = &reloads.Add({{"outcome", "error"}});
+  auto& refused = prometheus::BuildCounter()
+                      .Name("eldr_admin_refused_total")
+                      .Help("Admin RPCs refused by the bearer-token check, by status code.")
+                      .Register(*registry_);
+  admin_unauthenticated_ = &refused.Add({{"code", "unauthenticated"}});
+  admin_permission_denied_ = &refused.Add({{"code", "permission_denied"}});
+}
+
+ServerMetrics::~ServerMetrics() { StopExposer(); }
+
+void ServerMetrics::AddCollectable(std::shared_ptr<prometheus::Collectable> collectable) {
+  collectables_.push_back(collectable);
+  if (exposer_ != nullptr) exposer_->RegisterCollectable(collectable);
+}
+
+void ServerMetrics::AttachRouter(const Router* router) {
+  AddCollectable(std::make_shared<RouterStateCollector>(router));
+  AddCollectable(std::make_shared<ProcessCollector>());
+}
+
+std::vector<std::weak_ptr<prometheus::Collectable>> ServerMetrics::AllCollectables() const {
+  std::vector<std::weak_ptr<prometheus::Collectable>> all = {registry_};
+  for (const auto& c : collectables_) all.push_back(c);
+  return all;
+}
+
+absl::StatusOr<int> ServerMetrics::StartExposer(const std::string& listen) {
+  if (exposer_ != nullptr) return absl::FailedPreconditionError("metrics endpoint already started");
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/1);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("metrics_listen ", listen, ": cannot listen: ", e.what()));
+  }
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  if (ports.empty()) {
+    exposer_.reset();
+    return absl::UnavailableError(absl::StrCat("metrics_listen ", listen, ": no listening port"));
+  }
+  for (const auto& c : AllCollectables()) exposer_->RegisterCollectable(c);
+  return ports.front();
+}
+
+void ServerMetrics::StopExposer() { exposer_.reset(); }
+
+void ServerMetrics::RecordRoute(const RouteResult& result, double seconds) {
+  const size_t policy = IndexOf(kPolicyKinds, result.policy, 0);
+  const bool fell_back = result.fallback != FallbackReason::kNone;
+  route_requests_[policy][static_cast<size_t>(fell_back ? RouteOutcome::kFallback : RouteOutcome::kOk)]
+      ->Increment();
+  route_duration_->Observe(seconds);
+  if (fell_back) {
+    prometheus::Counter* c = fallbacks_[IndexOf(kFallbackReasons, result.fallback, 0)];
+    if (c != nullptr) c->Increment();
+  }
+  if (result.band_size > 0) {
+    band_size_->Observe(result.band_size);
+    similarity_->Observe(result.similarity);
+  }
+}
+
+void ServerMetrics::RecordRouteFailure(PolicyKind policy, const absl::Status& status, double seconds) {
+  RouteOutcome outcome = RouteOutcome::kError;
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kFailedPrecondition:
+      outcome = RouteOutcome::kInvalid;
+      RecordRejected(RejectReasonOf(status));
+      break;
+    case absl::StatusCode::kUnavailable:
+      outcome = RouteOutcome::kUnavailable;
+      break;
+    default:
+      break;
+  }
+  route_requests_[IndexOf(kPolicyKinds, policy, 0)][static_cast<size_t>(outcome)]->Increment();
+  route_duration_->Observe(seconds);
+}
+
+void ServerMetrics::RecordRejected(RejectReason reason) {
+  rejected_[IndexOf(kRejectReasons, reason, std::size(kRejectReasons) - 1)]->Increment();
+}
+
+void ServerMetrics::RecordComplete(bool released) {
+  (released ? complete_ok_ : complete_not_found_)->Increment();
+}
+
+void ServerMetrics::RecordLoadReport(bool accepted) {
+  (accepted ? reports_accepted_ : reports_rejected_)->Increment();
+}
+
+void ServerMetrics::RecordReload(bool ok) { (ok ? reloads_ok_ : reloads_error_)->Increment(); }
+
+void ServerMetrics::RecordAdminRefused(bool missing) {
+  (missing ? admin_unauthenticated_ : admin_permission_denied_)->Increment();
+}
+
+std::string ServerMetrics::RenderText() const {
+  std::vector<prometheus::MetricFamily> families;
+  for (const auto& weak : AllCollectables()) {
+    if (auto c = weak.lock()) {
+      auto part = c->Collect();
+      families.insert(families.end(), std::make_move_iterator(part.begin()),
+                      std::make_move_iterator(part.end()));
+    }
+  }
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+}  // namespace eldr::server

@@ -1,0 +1,306 @@
+#include "sim/experiment.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/status_macros.h"
+#include "sim/distinct_experts.h"
+#include "sim/random.h"
+#include "sim/routing_backend.h"
+
+namespace eldr::sim {
+namespace {
+
+constexpr uint64_t kStreamCapacity = 11;
+constexpr int kLocalityBatch = 16;  // the batch size of the published same-domain measurement
+
+double RoundTwoSignificant(double x) {
+  if (x <= 0) return x;
+  const double scale = std::pow(10.0, std::floor(std::log10(x)) - 1);
+  return std::round(x / scale) * scale;
+}
+
+CentroidArtifact WithWorkers(const CentroidArtifact& artifact, const std::vector<std::string>& ids) {
+  CentroidArtifact named = artifact;
+  named.workers = ids;
+  return named;
+}
+
+}  // namespace
+
+CalibrationData WeightByDecodeTokens(const CalibrationData& data) {
+  if (data.decode_counts.empty() || data.n == 0) return data;
+  const size_t plane = static_cast<size_t>(data.layers) * data.experts;
+  // A request's decode tokens are its decode counts summed over one layer... over every layer,
+  // divided by layers: each token adds top_k to every layer, so the sum of layer 0 is tokens * top_k.
+  std::vector<double> tokens(data.n);
+  for (int i = 0; i < data.n; ++i) {
+    double sum = 0;
+    for (int e = 0; e < data.experts; ++e) sum += data.decode_counts[plane * i + e];
+    tokens[i] = sum;
+  }
+  std::vector<double> sorted = tokens;
+  std::sort(sorted.begin(), sorted.end());
+  const double unit = std::max(1.0, sorted[sorted.size() / 10]);
+  CalibrationData weighted;
+  weighted.layers = data.layers;
+  weighted.experts = data.experts;
+  weighted.label_names = data.label_names;
+  for (int i = 0; i < data.n; ++i) {
+    const int copies = std::clamp(static_cast<int>(std::lround(tokens[i] / unit)), 1, 64);
+    for (int c = 0; c < copies; ++c) {
+      weighted.prefill_counts.insert(weighted.prefill_counts.end(),
+                                     data.prefill_counts.begin() + plane * i,
+                                     data.prefill_counts.begin() + plane * (i + 1));
+      weighted.decode_counts.insert(weighted.decode_counts.end(),
+                                    data.decode_counts.begin() + plane * i,
+                                    data.decode_counts.begin() + plane * (i + 1));
+      if (!data.labels.empty()) weighted.labels.push_back(data.labels[i]);
+      ++weighted.n;
+    }
+  }
+  return weighted;
+}
+
+absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
+  std::vector<PolicySpec> policies;
+  for (absl::string_view raw : absl::StrSplit(list, ',')) {
+    const absl::string_view name = absl::StripAsciiWhitespace(raw);
+    if (name.empty()) continue;
+    PolicySpec spec;
+    spec.name = std::string(name);
+    if (name == "eldr_refit") {
+      spec.kind = PolicyKind::kEldr;
+      spec.refit = true;
+    } else {
+      absl::StatusOr<PolicyKind> kind = ParsePolicyKind(name);
+      if (!kind.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--policies: unknown policy '", name, "' (expected rr, random, jsq, p2c, eldr, eldr_refit)"));
+      }
+      spec.kind = *kind;
+    }
+    for (const PolicySpec& seen : policies) {
+      if (seen.name == spec.name) {
+        return absl::InvalidArgumentError(absl::StrCat("--policies: '", name, "' given twice"));
+      }
+    }
+    policies.push_back(std::move(spec));
+  }
+  if (policies.empty()) return absl::InvalidArgumentError("--policies: no policy given");
+  return policies;
+}
+
+absl::StatusOr<std::vector<double>> ParseRates(absl::string_view list) {
+  std::vector<double> rates;
+  for (absl::string_view raw : absl::StrSplit(list, ',')) {
+    const absl::string_view text = absl::StripAsciiWhitespace(raw);
+    if (text.empty()) continue;
+    double rate = 0;
+    if (!absl::SimpleAtod(text, &rate) || !std::isfinite(rate) || rate <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--rates: '", text, "' is not a positive number of requests per second"));
+    }
+    rates.push_back(rate);
+  }
+  if (rates.empty()) return absl::InvalidArgumentError("--rates: no rate given");
+  return rates;
+}
+
+CapacityEstimate EstimateCapacity(const Workload& workload, const ClusterOptions& cluster,
+                                  uint64_t seed) {
+  CapacityEstimate estimate;
+  double decode_steps = 0, kv_tokens = 0;
+  for (const SimRequest& request : workload.pool) {
+    decode_steps += request.decode_steps;
+    kv_tokens += request.prompt_tokens + request.decode_steps;
+  }
+  const double pool = static_cast<double>(workload.pool.size());
+  estimate.mean_decode_steps = decode_steps / pool;
+  const int kv_bound = static_cast<int>(cluster.kv_budget_tokens / (kv_tokens / pool));
+  estimate.batch = std::max(1, std::min(cluster.max_batch, kv_bound));
+
+  Rng rng = Rng::ForStream(seed, kStreamCapacity);
+  DistinctExpertCounter counter(workload.layers, workload.experts, workload.top_k);
+  constexpr int kSamples = 200;
+  double distinct = 0;
+  for (int s = 0; s < kSamples; ++s) {
+    counter.Reset();
+    for (int i = 0; i < estimate.batch; ++i) {
+      const SimRequest& request = workload.pool[rng.Below(workload.pool.size())];
+      counter.AddToken(workload.DecodeToken(request, static_cast<int>(rng.Below(request.decode_steps))));
+    }
+    distinct += static_cast<double>(counter.DistinctAllLayers());
+  }
+  distinct /= kSamples;
+  estimate.mixed_distinct = distinct / workload.layers;
+  const double step_us = DecodeStepUs(cluster.cost, estimate.batch, static_cast<int64_t>(std::lround(distinct)));
+  estimate.step_ms = step_us / 1e3;
+  estimate.requests_per_s =
+      cluster.decoders * estimate.batch / (step_us / 1e6) / estimate.mean_decode_steps;
+  return estimate;
+}
+
+std::vector<double> DefaultRates(const CapacityEstimate& capacity) {
+  return {RoundTwoSignificant(0.30 * capacity.requests_per_s),
+          RoundTwoSignificant(0.55 * capacity.requests_per_s),
+          RoundTwoSignificant(0.80 * capacity.requests_per_s)};
+}
+
+absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
+                                               const ExperimentOptions& options) {
+  auto log = [&](const std::string& line) {
+    if (options.log) options.log(line);
+  };
+  ELDR_RETURN_IF_ERROR(ValidateClusterOptions(options.cluster));
+  if (options.policies.empty()) return absl::InvalidArgumentError("--policies: no policy given");
+  if (options.requests < 20) return absl::InvalidArgumentError("--requests must be >= 20");
+  if (!(options.tau >= 0 && options.tau <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("--tau must be in [0, 1], got ", options.tau));
+  }
+  if (workload.pool.empty()) return absl::InvalidArgumentError("the workload has no request");
+  if (!workload.sample_with_replacement && static_cast<int>(workload.pool.size()) < options.requests) {
+    return absl::InvalidArgumentError("the synthetic pool is smaller than --requests");
+  }
+
+  ExperimentResult result;
+  result.workload = workload.description;
+  result.locality = MeasureWorkloadLocality(workload, kLocalityBatch, 400, 20000, options.seed);
+  log(absl::StrFormat(
+      "workload structure: a batch of %d decode tokens of one domain touches %.1f distinct experts "
+      "per layer, of mixed domains %.1f (%.1f%% fewer); prompt/decode correlation %.2f (Spearman, %d pairs)",
+      kLocalityBatch, result.locality.same_domain_distinct, result.locality.mixed_distinct,
+      100 * result.locality.same_domain_reduction, result.locality.prompt_decode_correlation,
+      result.locality.pairs));
+  result.capacity = EstimateCapacity(workload, options.cluster, options.seed);
+  result.rates = options.rates.empty() ? DefaultRates(result.capacity) : options.rates;
+  log(absl::StrFormat(
+      "estimated decode capacity %.1f req/s (%d workers x batch %d, step %.1f ms at %.1f distinct "
+      "experts/layer, %.0f decode tokens per request)",
+      result.capacity.requests_per_s, options.cluster.decoders, result.capacity.batch,
+      result.capacity.step_ms, result.capacity.mixed_distinct, result.capacity.mean_decode_steps));
+
+  // Routers. In-process ones are created per policy kind and kept for the whole invocation, in
+  // the order the runs use them, exactly as one long-running daemon would see the calls.
+  std::unique_ptr<RoutingBackend> daemon;
+  if (!options.grpc_target.empty()) {
+    ELDR_ASSIGN_OR_RETURN(DaemonInfo info, QueryDaemon(options.grpc_target, options.rpc_timeout_s));
+    if (static_cast<int>(info.worker_ids.size()) != options.cluster.decoders) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "eldr-router at %s has %d active decode workers but the simulation has %d: pass "
+          "--decoders %d or start the router with %d workers",
+          info.target, info.worker_ids.size(), options.cluster.decoders, info.worker_ids.size(),
+          options.cluster.decoders));
+    }
+    if (info.live_leases > 0) {
+      log(absl::StrFormat("warning: eldr-router at %s already holds %d leases; they count as load",
+                          info.target, info.live_leases));
+    }
+    ELDR_ASSIGN_OR_RETURN(daemon, MakeGrpcBackend(info, options.rpc_timeout_s));
+    result.router = daemon->Describe();
+    result.tau = daemon->tau();
+    for (const PolicySpec& policy : options.policies) {
+      if (policy.kind != daemon->policy()) {
+        log(absl::StrFormat("note: %s runs in-process: the daemon serves policy %s only",
+                            policy.name, PolicyKindName(daemon->policy())));
+      }
+    }
+  } else {
+    result.router = "in-process eldr::Router";
+    result.tau = options.tau;
+  }
+  std::map<PolicyKind, std::unique_ptr<RoutingBackend>> in_process;
+  auto backend_for = [&](PolicyKind kind) -> absl::StatusOr<RoutingBackend*> {
+    if (daemon != nullptr && daemon->policy() == kind) return daemon.get();
+    auto it = in_process.find(kind);
+    if (it == in_process.end()) {
+      ELDR_ASSIGN_OR_RETURN(std::unique_ptr<RoutingBackend> created,
+                            MakeInProcessBackend(kind, options.tau, options.router_seed,
+                                                 options.cluster.decoders, options.max_inflight));
+      it = in_process.emplace(kind, std::move(created)).first;
+    }
+    return it->second.get();
+  };
+
+  // Centroids, calibrated on the calibration split only.
+  CentroidArtifact centroids;
+  const bool needs_centroids =
+      std::any_of(options.policies.begin(), options.policies.end(),
+                  [](const PolicySpec& p) { return p.kind == PolicyKind::kEldr; });
+  if (needs_centroids) {
+    CalibrationOptions calibration;
+    calibration.clusters = options.cluster.decoders;
+    calibration.variant = options.variant;
+    calibration.seed = options.seed;
+    calibration.select_layers = options.select_layers;
+    calibration.model = workload.description;
+    const auto start = std::chrono::steady_clock::now();
+    const CalibrationData data = options.weight_by_decode_tokens
+                                     ? WeightByDecodeTokens(workload.calibration)
+                                     : workload.calibration;
+    absl::StatusOr<CalibrationResult> calibrated = Calibrate(data, calibration);
+    if (!calibrated.ok()) {
+      return absl::Status(calibrated.status().code(),
+                          absl::StrCat("calibrating eldr's centroids on ", workload.calibration.n,
+                                       " requests: ", calibrated.status().message()));
+    }
+    centroids = calibrated->artifact;
+    result.calibration = calibrated->report;
+    result.calibration_requests = workload.calibration.n;
+    result.signature_dim = centroids.dim();
+    log(absl::StrFormat(
+        "calibrated %d centroids on %d requests disjoint from the evaluated ones: %d of %d layers "
+        "kept (correlation %.3f), dimension %d, %.1f s",
+        centroids.k, workload.calibration.n, centroids.spec.masked_layers(), workload.layers,
+        calibrated->report.mask_correlation, centroids.dim(),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+  }
+
+  for (double rate : result.rates) {
+    const std::vector<Arrival> arrivals =
+        MakeArrivals(workload, rate, options.requests, options.seed);
+    for (const PolicySpec& policy : options.policies) {
+      ELDR_ASSIGN_OR_RETURN(RoutingBackend * backend, backend_for(policy.kind));
+      std::optional<SimRefitDriver> refit;
+      if (policy.kind == PolicyKind::kEldr) {
+        const CentroidArtifact named = WithWorkers(centroids, backend->worker_ids());
+        ELDR_RETURN_IF_ERROR(backend->InstallCentroids(named));
+        if (policy.refit) {
+          SimRefitOptions refit_options = options.refit;
+          refit_options.seed = options.seed;
+          ELDR_ASSIGN_OR_RETURN(SimRefitDriver driver, SimRefitDriver::Create(named, refit_options));
+          refit.emplace(std::move(driver));
+        }
+      }
+      const auto start = std::chrono::steady_clock::now();
+      absl::StatusOr<RunResult> run = SimulateRun(workload, arrivals, options.cluster, backend,
+                                                  refit.has_value() ? &*refit : nullptr);
+      if (!run.ok()) {
+        return absl::Status(run.status().code(),
+                            absl::StrFormat("rate %g, policy %s: %s", rate, policy.name,
+                                            run.status().message()));
+      }
+      log(absl::StrFormat("rate %g req/s, %-10s TPOT p50 %.2f ms  (%.1f s)", rate, policy.name,
+                          run->metrics.tpot_p50_ms,
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+      ExperimentCell cell;
+      cell.rate = rate;
+      cell.policy = policy;
+      cell.backend = backend->Describe();
+      cell.run = *std::move(run);
+      result.cells.push_back(std::move(cell));
+    }
+  }
+  return result;
+}
+
+}  // namespace eldr::sim

@@ -1,0 +1,157 @@
+#include "sim/report.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace eldr::sim {
+namespace {
+
+bool IsLoadBalancer(const PolicySpec& policy) { return policy.kind != PolicyKind::kEldr; }
+
+// The best (lowest) median and P99 TPOT among the load balancers at `rate`; infinity when none ran.
+struct Baseline {
+  double p50 = std::numeric_limits<double>::infinity();
+  double p99 = std::numeric_limits<double>::infinity();
+  std::string p50_policy, p99_policy;
+};
+
+Baseline BestBaseline(const ExperimentResult& result, double rate) {
+  Baseline best;
+  for (const ExperimentCell& cell : result.cells) {
+    if (cell.rate != rate || !IsLoadBalancer(cell.policy)) continue;
+    if (cell.run.metrics.tpot_p50_ms < best.p50) {
+      best.p50 = cell.run.metrics.tpot_p50_ms;
+      best.p50_policy = cell.policy.name;
+    }
+    if (cell.run.metrics.tpot_p99_ms < best.p99) {
+      best.p99 = cell.run.metrics.tpot_p99_ms;
+      best.p99_policy = cell.policy.name;
+    }
+  }
+  return best;
+}
+
+std::string LoadLabel(double rate, double capacity) {
+  if (capacity <= 0) return "";
+  return absl::StrFormat("%.0f%% of the estimated capacity %.1f req/s", 100 * rate / capacity, capacity);
+}
+
+}  // namespace
+
+std::string FormatTable(const ExperimentResult& result) {
+  std::string out;
+  absl::StrAppend(&out, "workload: ", result.workload, "\n");
+  absl::StrAppendFormat(&out,
+                        "structure: one-domain batches of %d touch %.1f%% fewer distinct experts than "
+                        "mixed ones (%.1f vs %.1f per layer); prompt/decode correlation %.2f\n",
+                        result.locality.batch, 100 * result.locality.same_domain_reduction,
+                        result.locality.same_domain_distinct, result.locality.mixed_distinct,
+                        result.locality.prompt_decode_correlation);
+  absl::StrAppendFormat(&out, "router: %s, tau %g\n", result.router, result.tau);
+  for (double rate : result.rates) {
+    absl::StrAppendFormat(&out, "\nrate %g req/s (%s)\n", rate,
+                          LoadLabel(rate, result.capacity.requests_per_s));
+    absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "policy",
+                          "TPOT p50", "p90", "p99 ms", "TTFT p50", "p99 ms", "experts/", "load",
+                          "batch", "vs best LB");
+    absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "", "", "", "",
+                          "", "", "layer", "imbalance", "", "p50 / p99");
+    const Baseline best = BestBaseline(result, rate);
+    for (const ExperimentCell& cell : result.cells) {
+      if (cell.rate != rate) continue;
+      const RunMetrics& m = cell.run.metrics;
+      std::string versus;
+      if (!IsLoadBalancer(cell.policy) && std::isfinite(best.p50)) {
+        versus = absl::StrFormat("%+.1f%% / %+.1f%%", 100 * (m.tpot_p50_ms / best.p50 - 1),
+                                 100 * (m.tpot_p99_ms / best.p99 - 1));
+      }
+      absl::StrAppendFormat(&out, "%-11s %8.2f %8.2f %8.2f %9.1f %9.1f %9.1f %9.2f %7.1f %15s\n",
+                            cell.policy.name, m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms,
+                            m.ttft_p50_ms, m.ttft_p99_ms, m.distinct_experts_per_layer,
+                            m.load_imbalance, m.mean_batch, versus);
+    }
+    if (std::isfinite(best.p50)) {
+      absl::StrAppendFormat(&out, "best load balancer: p50 %s %.2f ms, p99 %s %.2f ms\n",
+                            best.p50_policy, best.p50, best.p99_policy, best.p99);
+    }
+  }
+  return out;
+}
+
+nlohmann::json ToJson(const ExperimentResult& result, bool with_samples) {
+  nlohmann::json json;
+  json["workload"] = result.workload;
+  json["locality"] = {
+      {"batch", result.locality.batch},
+      {"same_domain_distinct_per_layer", result.locality.same_domain_distinct},
+      {"mixed_distinct_per_layer", result.locality.mixed_distinct},
+      {"same_domain_reduction", result.locality.same_domain_reduction},
+      {"prompt_decode_correlation", result.locality.prompt_decode_correlation},
+  };
+  json["capacity"] = {
+      {"requests_per_s", result.capacity.requests_per_s},
+      {"batch", result.capacity.batch},
+      {"step_ms", result.capacity.step_ms},
+      {"mixed_distinct_per_layer", result.capacity.mixed_distinct},
+      {"mean_decode_steps", result.capacity.mean_decode_steps},
+  };
+  json["calibration"] = {
+      {"requests", result.calibration_requests},
+      {"layer_mask", result.calibration.layer_mask},
+      {"mask_correlation", result.calibration.mask_correlation},
+      {"cluster_sizes", result.calibration.cluster_sizes},
+      {"signature_dim", result.signature_dim},
+  };
+  json["router"] = result.router;
+  json["tau"] = result.tau;
+  json["rates"] = result.rates;
+  nlohmann::json results = nlohmann::json::array();
+  for (const ExperimentCell& cell : result.cells) {
+    const RunMetrics& m = cell.run.metrics;
+    nlohmann::json entry = {
+        {"rate_rps", cell.rate},
+        {"policy", cell.policy.name},
+        {"router", cell.backend},
+        {"tpot_p50_ms", m.tpot_p50_ms},
+        {"tpot_p90_ms", m.tpot_p90_ms},
+        {"tpot_p99_ms", m.tpot_p99_ms},
+        {"ttft_p50_ms", m.ttft_p50_ms},
+        {"ttft_p99_ms", m.ttft_p99_ms},
+        {"distinct_experts_per_layer", m.distinct_experts_per_layer},
+        {"load_imbalance", m.load_imbalance},
+        {"mean_batch", m.mean_batch},
+        {"decode_tokens_per_s", m.decode_tokens_per_s},
+        {"measured_requests", m.measured_requests},
+        {"mean_similarity", m.mean_similarity},
+        {"mean_band_size", m.mean_band_size},
+        {"refits", cell.run.refits},
+        {"fallbacks", cell.run.fallbacks},
+    };
+    if (with_samples) entry["tpot_ms_samples"] = m.tpot_ms;
+    results.push_back(std::move(entry));
+  }
+  json["results"] = std::move(results);
+  return json;
+}
+
+std::string FormatCsv(const ExperimentResult& result) {
+  std::string out =
+      "rate_rps,policy,tpot_p50_ms,tpot_p90_ms,tpot_p99_ms,ttft_p50_ms,ttft_p99_ms,"
+      "distinct_experts_per_layer,load_imbalance,mean_batch,decode_tokens_per_s,measured_requests\n";
+  for (const ExperimentCell& cell : result.cells) {
+    const RunMetrics& m = cell.run.metrics;
+    absl::StrAppendFormat(&out, "%g,%s,%.4f,%.4f,%.4f,%.3f,%.3f,%.3f,%.4f,%.3f,%.1f,%d\n", cell.rate,
+                          cell.policy.name, m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms,
+                          m.ttft_p50_ms, m.ttft_p99_ms, m.distinct_experts_per_layer,
+                          m.load_imbalance, m.mean_batch, m.decode_tokens_per_s,
+                          m.measured_requests);
+  }
+  return out;
+}
+
+}  // namespace eldr::sim

@@ -1,0 +1,29 @@
+// eldr-sim's outputs: the comparison table, one JSON object, CSV rows, and the data file the
+// plotting script (scripts/plot_sim.py) reads.
+#ifndef ELDR_SIM_REPORT_H_
+#define ELDR_SIM_REPORT_H_
+
+#include <string>
+
+#include "nlohmann/json.hpp"
+#include "sim/experiment.h"
+
+namespace eldr::sim {
+
+// Human-readable table: one block per rate, one row per policy, and for each eldr variant its
+// median and P99 TPOT relative to the best load balancer (rr, random, jsq, p2c) at that rate.
+std::string FormatTable(const ExperimentResult& result);
+
+// One JSON object: "workload", "locality", "capacity", "calibration", "router", "rates", and
+// "results", a list with one object per (rate, policy) holding "rate_rps", "policy" and the keys
+// tpot_p50_ms, tpot_p90_ms, tpot_p99_ms, ttft_p50_ms, ttft_p99_ms, distinct_experts_per_layer,
+// load_imbalance (plus a few more figures). With `with_samples`, each result also carries
+// "tpot_ms_samples" (every measured request), which the figure needs.
+nlohmann::json ToJson(const ExperimentResult& result, bool with_samples);
+
+// A header line and one line per (rate, policy), same figures as the JSON results.
+std::string FormatCsv(const ExperimentResult& result);
+
+}  // namespace eldr::sim
+
+#endif  // ELDR_SIM_REPORT_H_

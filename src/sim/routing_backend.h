@@ -1,0 +1,92 @@
+// Where the simulator's routing decisions come from: the routing library in the same process
+// (eldr::Router, exactly what eldr-router runs), or a running eldr-router daemon over gRPC.
+//
+// The simulator owns simulated time; a backend only sees the order of Route and Complete calls.
+// Both backends see the same calls for the same seed, so a daemon started with the same settings
+// makes the same decisions as the in-process router (tested by tests/sim).
+#ifndef ELDR_SIM_ROUTING_BACKEND_H_
+#define ELDR_SIM_ROUTING_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "eldr/centroid_artifact.h"
+#include "eldr/policy.h"
+
+namespace eldr::sim {
+
+struct RouteCall {
+  int64_t request_id = 0;
+  int layers = 0;
+  int experts = 0;
+  absl::Span<const int16_t> prompt_counts;  // [layers][experts]
+  int prompt_tokens = 0;
+};
+
+struct RouteDecision {
+  int worker = -1;          // index into the backend's worker_ids()
+  uint64_t lease_id = 0;
+  float similarity = 0;
+  int band_size = 0;
+  std::string fallback;     // empty when the configured policy decided
+};
+
+// Not thread-safe: one simulation drives one backend at a time.
+class RoutingBackend {
+ public:
+  virtual ~RoutingBackend() = default;
+
+  // e.g. "in-process eldr::Router" or "eldr-router at grpc://127.0.0.1:5000".
+  virtual std::string Describe() const = 0;
+  virtual PolicyKind policy() const = 0;
+  virtual double tau() const = 0;
+  // The decode workers, in the order the simulator indexes them.
+  virtual const std::vector<std::string>& worker_ids() const = 0;
+
+  // Called before each simulated run; simulated time restarts at 0 in every run.
+  virtual void StartRun() = 0;
+  virtual absl::StatusOr<RouteDecision> Route(const RouteCall& call, double now_us) = 0;
+  virtual absl::Status Complete(uint64_t lease_id, int64_t output_tokens, double now_us) = 0;
+  // Puts `artifact` in service (its `workers` must name the backend's workers).
+  virtual absl::Status InstallCentroids(const CentroidArtifact& artifact) = 0;
+};
+
+// An eldr::Router in this process with `policy`, `tau` and the tie-breaking seed `router_seed`,
+// over workers "decode-0" .. "decode-{workers-1}", each with the overload guard `max_inflight`
+// (0: none). Simulated time is passed to the router as absl::Time, advancing monotonically across
+// runs.
+absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind policy, double tau,
+                                                                     uint64_t router_seed,
+                                                                     int workers,
+                                                                     int64_t max_inflight);
+
+// What a running daemon says about itself (RouterAdmin.GetState).
+struct DaemonInfo {
+  std::string target;  // host:port
+  PolicyKind policy = PolicyKind::kEldr;
+  double tau = 0;
+  std::vector<std::string> worker_ids;
+  int64_t live_leases = 0;
+  uint64_t centroid_generation = 0;
+};
+
+// Parses "grpc://HOST:PORT" (the scheme is required). INVALID_ARGUMENT saying what is wrong.
+absl::StatusOr<std::string> ParseGrpcTarget(const std::string& url);
+
+// Connects to eldr-router at `target` (host:port, plaintext) and reads its state; UNAVAILABLE naming
+// the target when it does not answer within `timeout_s`.
+absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, double timeout_s);
+
+// Every Route and Complete of the run goes to the daemon (DecodeRouter, synchronous stub); centroids
+// are installed with RouterAdmin.ReloadCentroids (inline JSON).
+absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeGrpcBackend(const DaemonInfo& daemon,
+                                                                double rpc_timeout_s);
+
+}  // namespace eldr::sim
+
+#endif  // ELDR_SIM_ROUTING_BACKEND_H_

@@ -1,0 +1,297 @@
+// eldr-sim: replays requests through the routing code onto simulated decode workers and compares
+// routing policies (docs/evaluation.md).
+//
+//   eldr-sim --trace data/esft-routing --prefill_fraction 0.5
+//   eldr-sim --synthetic 48x128x8 --domains 4 --rates 20,40,60 --plot sim.png
+//   eldr-sim --trace data/esft-routing --router grpc://127.0.0.1:50051
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "eldr/centroid_artifact.h"
+#include "sim/experiment.h"
+#include "sim/report.h"
+#include "sim/routing_backend.h"
+#include "sim/workload.h"
+
+extern char** environ;
+
+namespace {
+const eldr::sim::ClusterOptions kCluster;
+const eldr::sim::SyntheticOptions kSynthetic;
+const eldr::sim::TraceWorkloadOptions kTrace;
+const eldr::sim::SimRefitOptions kRefit;
+}  // namespace
+
+// ---- Workload ----
+ABSL_FLAG(std::string, trace, "", "Folder of real expert traces (<task>_topk.npy + <task>_offsets.npy)");
+ABSL_FLAG(double, prefill_fraction, kTrace.prefill_fraction,
+          "Real traces: share of each sequence that is the prompt; the rest are decode steps");
+ABSL_FLAG(int, experts, kTrace.experts, "Real traces: routed experts of the traced model");
+ABSL_FLAG(double, calibration_fraction, kTrace.calibration_fraction,
+          "Real traces: share of each domain's sequences used only to calibrate eldr's centroids");
+ABSL_FLAG(std::string, synthetic, "",
+          "Synthetic workload geometry LAYERSxEXPERTSxTOPK, e.g. 48x128x8 (Qwen3-30B-A3B)");
+ABSL_FLAG(int, domains, kSynthetic.domains, "Synthetic: number of domains");
+ABSL_FLAG(int, topics_per_domain, kSynthetic.topics_per_domain, "Synthetic: topics inside each domain");
+ABSL_FLAG(double, locality, kSynthetic.locality,
+          "Synthetic: strength of domain and topic structure (0 = none; 1 = the published structure)");
+ABSL_FLAG(int, calibration_requests, kSynthetic.calibration_requests,
+          "Synthetic: requests generated only to calibrate eldr's centroids");
+ABSL_FLAG(double, prompt_tokens_mean, kSynthetic.prompt_tokens_mean, "Synthetic: mean prompt tokens");
+ABSL_FLAG(double, output_tokens_mean, kSynthetic.output_tokens_mean, "Synthetic: mean output tokens");
+ABSL_FLAG(int, requests, kSynthetic.requests, "Arrivals simulated per rate");
+
+// ---- Cluster and cost model ----
+ABSL_FLAG(int, decoders, kCluster.decoders,
+          "Decode workers (with --router: defaults to the daemon's worker count)");
+ABSL_FLAG(int, prefill_workers, kCluster.prefill_workers, "Prefill servers");
+ABSL_FLAG(int, max_batch, kCluster.max_batch, "Continuous batching limit of a decode worker");
+ABSL_FLAG(int64_t, kv_budget_tokens, kCluster.kv_budget_tokens, "KV cache of a decode worker, tokens");
+ABSL_FLAG(double, t_fixed_us, kCluster.cost.t_fixed_us, "Decode step: fixed cost, us");
+ABSL_FLAG(double, t_token_us, kCluster.cost.t_token_us, "Decode step: cost per token in the batch, us");
+ABSL_FLAG(double, t_expert_us, kCluster.cost.t_expert_us,
+          "Decode step: cost per distinct expert per layer (weight load), us");
+ABSL_FLAG(double, prefill_fixed_us, kCluster.cost.prefill_fixed_us, "Prefill: fixed cost, us");
+ABSL_FLAG(double, prefill_token_us, kCluster.cost.prefill_token_us, "Prefill: cost per prompt token, us");
+ABSL_FLAG(double, kv_transfer_us, kCluster.cost.kv_transfer_us, "KV handoff prefill -> decode, us");
+
+// ---- Policies and router ----
+ABSL_FLAG(std::string, policies, "rr,random,jsq,p2c,eldr,eldr_refit",
+          "Policies to compare: rr, random, jsq, p2c, eldr, eldr_refit");
+ABSL_FLAG(double, tau, 0.1, "eldr locality band width (in-process routers; a daemon uses its own)");
+ABSL_FLAG(int64_t, max_inflight, 0,
+          "Overload guard of the in-process routers: a worker with this many in-flight requests "
+          "leaves eldr's band (0: none)");
+ABSL_FLAG(std::string, variant, "count_idf", "Signature variant for calibration: count or count_idf");
+ABSL_FLAG(bool, select_layers, true, "Calibration: greedy layer-mask search");
+ABSL_FLAG(bool, weight_by_decode_tokens, true,
+          "Calibration: repeat each request in proportion to its decode tokens, so balanced "
+          "clusters balance decode work rather than request counts");
+ABSL_FLAG(std::string, router, "",
+          "grpc://HOST:PORT of a running eldr-router: every Route and Complete of the policies it "
+          "serves goes to it; empty: the routing library in this process");
+ABSL_FLAG(uint64_t, router_seed, 0x5eed,
+          "Tie-breaking seed of the in-process routers (eldr-router's default)");
+ABSL_FLAG(double, rpc_timeout_s, 10, "Deadline of each RPC to the router, seconds");
+ABSL_FLAG(double, refit_interval_s, kRefit.interval_s, "eldr_refit: simulated seconds between refits");
+ABSL_FLAG(double, refit_window_s, kRefit.window_s, "eldr_refit: rolling window of signatures, seconds");
+
+// ---- Run ----
+ABSL_FLAG(std::string, rates, "",
+          "Comma-separated arrival rates, requests/s; empty: 30%, 55% and 80% of the estimated capacity");
+ABSL_FLAG(uint64_t, seed, 1, "Seed of the workload, arrivals, split and calibration");
+ABSL_FLAG(double, warmup_fraction, kCluster.warmup_fraction, "Share of first arrivals not measured");
+ABSL_FLAG(double, cooldown_fraction, kCluster.cooldown_fraction, "Share of last arrivals not measured");
+
+// ---- Output ----
+ABSL_FLAG(bool, json, false, "Print one JSON object on stdout instead of the table");
+ABSL_FLAG(bool, csv, false, "Print CSV on stdout instead of the table");
+ABSL_FLAG(std::string, json_out, "", "Also write the JSON object to this file");
+ABSL_FLAG(std::string, csv_out, "", "Also write the CSV to this file");
+ABSL_FLAG(std::string, plot, "", "Write the figure (PNG: TPOT CDFs, median/P99 bars) to this file");
+ABSL_FLAG(std::string, plot_script, ELDR_SIM_DEFAULT_PLOT_SCRIPT, "The plotting script");
+ABSL_FLAG(std::string, python, "/usr/bin/python3", "Python with matplotlib, for --plot");
+ABSL_FLAG(bool, quiet, false, "No progress lines on stderr");
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::cerr << "eldr-sim: " << message << "\n";
+  return 2;
+}
+
+int Fail(const absl::Status& status) { return Fail(std::string(status.message())); }
+
+// Runs `argv` (no shell) and waits; returns its exit status or a message.
+absl::Status RunCommand(const std::vector<std::string>& argv) {
+  std::vector<char*> raw;
+  for (const std::string& arg : argv) raw.push_back(const_cast<char*>(arg.c_str()));
+  raw.push_back(nullptr);
+  pid_t pid = 0;
+  const int spawned = posix_spawnp(&pid, raw[0], nullptr, nullptr, raw.data(), environ);
+  if (spawned != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot start ", argv[0], ": ", std::strerror(spawned)));
+  }
+  int status = 0;
+  if (waitpid(pid, &status, 0) < 0) return absl::InternalError("waitpid failed");
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return absl::InternalError(absl::StrCat(absl::StrJoin(argv, " "), " failed (status ", status, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DrawFigure(const eldr::sim::ExperimentResult& result, const std::string& png) {
+  char data_path[] = "/tmp/eldr-sim-plot-XXXXXX";
+  const int fd = mkstemp(data_path);
+  if (fd < 0) return absl::InternalError("cannot create a temporary file for the figure data");
+  close(fd);
+  const std::string text = eldr::sim::ToJson(result, /*with_samples=*/true).dump();
+  absl::Status status = eldr::WriteFileAtomically(data_path, text);
+  if (status.ok()) {
+    status = RunCommand({absl::GetFlag(FLAGS_python), absl::GetFlag(FLAGS_plot_script), "--input",
+                         data_path, "--out", png});
+  }
+  std::remove(data_path);
+  return status;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Simulates a prefill/decode-disaggregated MoE pool and compares decode routing policies.\n"
+      "  eldr-sim --trace DIR [--prefill_fraction F]   real expert traces\n"
+      "  eldr-sim --synthetic LxExK [--domains N]      synthetic workload\n"
+      "See docs/evaluation.md.");
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {
+    return Fail(absl::StrCat("unexpected argument '", positional[1], "' (flags are --name=value)"));
+  }
+  const bool quiet = absl::GetFlag(FLAGS_quiet);
+  auto log = [quiet](const std::string& line) {
+    if (!quiet) std::cerr << line << std::endl;
+  };
+
+  // Workload.
+  const std::string trace_dir = absl::GetFlag(FLAGS_trace);
+  const std::string geometry = absl::GetFlag(FLAGS_synthetic);
+  if (trace_dir.empty() == geometry.empty()) {
+    return Fail("give exactly one workload: --trace DIR (real traces) or --synthetic LxExK");
+  }
+  const int requests = absl::GetFlag(FLAGS_requests);
+  if (requests < 20) return Fail("--requests must be >= 20");
+  absl::StatusOr<eldr::sim::Workload> workload;
+  if (!trace_dir.empty()) {
+    eldr::sim::TraceWorkloadOptions options;
+    options.dir = trace_dir;
+    options.experts = absl::GetFlag(FLAGS_experts);
+    options.prefill_fraction = absl::GetFlag(FLAGS_prefill_fraction);
+    options.calibration_fraction = absl::GetFlag(FLAGS_calibration_fraction);
+    options.seed = absl::GetFlag(FLAGS_seed);
+    workload = eldr::sim::LoadTraceWorkload(options);
+  } else {
+    eldr::sim::SyntheticOptions options;
+    if (absl::Status parsed = eldr::sim::ParseGeometry(geometry, &options); !parsed.ok()) {
+      return Fail(parsed);
+    }
+    options.domains = absl::GetFlag(FLAGS_domains);
+    options.topics_per_domain = absl::GetFlag(FLAGS_topics_per_domain);
+    options.locality = absl::GetFlag(FLAGS_locality);
+    options.requests = requests;
+    options.calibration_requests = absl::GetFlag(FLAGS_calibration_requests);
+    options.prompt_tokens_mean = absl::GetFlag(FLAGS_prompt_tokens_mean);
+    options.output_tokens_mean = absl::GetFlag(FLAGS_output_tokens_mean);
+    options.seed = absl::GetFlag(FLAGS_seed);
+    log("generating the synthetic workload");
+    workload = eldr::sim::GenerateSyntheticWorkload(options);
+  }
+  if (!workload.ok()) return Fail(workload.status());
+
+  // Experiment.
+  eldr::sim::ExperimentOptions options;
+  options.cluster.decoders = absl::GetFlag(FLAGS_decoders);
+  options.cluster.prefill_workers = absl::GetFlag(FLAGS_prefill_workers);
+  options.cluster.max_batch = absl::GetFlag(FLAGS_max_batch);
+  options.cluster.kv_budget_tokens = absl::GetFlag(FLAGS_kv_budget_tokens);
+  options.cluster.cost.t_fixed_us = absl::GetFlag(FLAGS_t_fixed_us);
+  options.cluster.cost.t_token_us = absl::GetFlag(FLAGS_t_token_us);
+  options.cluster.cost.t_expert_us = absl::GetFlag(FLAGS_t_expert_us);
+  options.cluster.cost.prefill_fixed_us = absl::GetFlag(FLAGS_prefill_fixed_us);
+  options.cluster.cost.prefill_token_us = absl::GetFlag(FLAGS_prefill_token_us);
+  options.cluster.cost.kv_transfer_us = absl::GetFlag(FLAGS_kv_transfer_us);
+  options.cluster.warmup_fraction = absl::GetFlag(FLAGS_warmup_fraction);
+  options.cluster.cooldown_fraction = absl::GetFlag(FLAGS_cooldown_fraction);
+  if (absl::Status valid = eldr::sim::ValidateClusterOptions(options.cluster); !valid.ok()) {
+    return Fail(valid);
+  }
+  absl::StatusOr<std::vector<eldr::sim::PolicySpec>> policies =
+      eldr::sim::ParsePolicies(absl::GetFlag(FLAGS_policies));
+  if (!policies.ok()) return Fail(policies.status());
+  options.policies = *policies;
+  if (const std::string rates = absl::GetFlag(FLAGS_rates); !rates.empty()) {
+    absl::StatusOr<std::vector<double>> parsed = eldr::sim::ParseRates(rates);
+    if (!parsed.ok()) return Fail(parsed.status());
+    options.rates = *parsed;
+  }
+  options.requests = requests;
+  options.tau = absl::GetFlag(FLAGS_tau);
+  options.seed = absl::GetFlag(FLAGS_seed);
+  options.router_seed = absl::GetFlag(FLAGS_router_seed);
+  options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
+  if (options.max_inflight < 0) return Fail("--max_inflight must be >= 0");
+  absl::StatusOr<eldr::SignatureVariant> variant =
+      eldr::ParseSignatureVariant(absl::GetFlag(FLAGS_variant));
+  if (!variant.ok() || *variant == eldr::SignatureVariant::kGateProb) {
+    return Fail(absl::StrCat("--variant '", absl::GetFlag(FLAGS_variant),
+                             "': the simulator replays expert counts, so count or count_idf"));
+  }
+  options.variant = *variant;
+  options.select_layers = absl::GetFlag(FLAGS_select_layers);
+  options.weight_by_decode_tokens = absl::GetFlag(FLAGS_weight_by_decode_tokens);
+  options.refit.interval_s = absl::GetFlag(FLAGS_refit_interval_s);
+  options.refit.window_s = absl::GetFlag(FLAGS_refit_window_s);
+  if (!(options.refit.interval_s > 0) || !(options.refit.window_s > 0)) {
+    return Fail("--refit_interval_s and --refit_window_s must be > 0");
+  }
+  options.rpc_timeout_s = absl::GetFlag(FLAGS_rpc_timeout_s);
+  if (!(options.rpc_timeout_s > 0)) return Fail("--rpc_timeout_s must be > 0");
+  if (const std::string router = absl::GetFlag(FLAGS_router); !router.empty()) {
+    absl::StatusOr<std::string> target = eldr::sim::ParseGrpcTarget(router);
+    if (!target.ok()) return Fail(target.status());
+    options.grpc_target = *target;
+    // Without an explicit --decoders, simulate as many decode workers as the daemon routes to.
+    if (absl::GetFlag(FLAGS_decoders) == kCluster.decoders) {
+      absl::StatusOr<eldr::sim::DaemonInfo> daemon =
+          eldr::sim::QueryDaemon(options.grpc_target, options.rpc_timeout_s);
+      if (!daemon.ok()) return Fail(daemon.status());
+      options.cluster.decoders = static_cast<int>(daemon->worker_ids.size());
+    }
+  }
+  const bool json = absl::GetFlag(FLAGS_json), csv = absl::GetFlag(FLAGS_csv);
+  if (json && csv) return Fail("--json and --csv both print on stdout: pick one (or use --csv_out)");
+  options.log = log;
+  log(absl::StrCat("workload: ", workload->description));
+
+  absl::StatusOr<eldr::sim::ExperimentResult> result = eldr::sim::RunExperiment(*workload, options);
+  if (!result.ok()) return Fail(result.status());
+
+  // Outputs.
+  if (const std::string path = absl::GetFlag(FLAGS_json_out); !path.empty()) {
+    if (absl::Status s = eldr::WriteFileAtomically(path, eldr::sim::ToJson(*result, false).dump(2) + "\n");
+        !s.ok()) {
+      return Fail(s);
+    }
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_csv_out); !path.empty()) {
+    if (absl::Status s = eldr::WriteFileAtomically(path, eldr::sim::FormatCsv(*result)); !s.ok()) {
+      return Fail(s);
+    }
+  }
+  if (json) {
+    std::cout << eldr::sim::ToJson(*result, false).dump(2) << "\n";
+  } else if (csv) {
+    std::cout << eldr::sim::FormatCsv(*result);
+  } else {
+    std::cout << eldr::sim::FormatTable(*result);
+  }
+  if (const std::string png = absl::GetFlag(FLAGS_plot); !png.empty()) {
+    if (absl::Status drawn = DrawFigure(*result, png); !drawn.ok()) return Fail(drawn);
+    (json || csv ? std::cerr : std::cout) << "figure written to " << png << "\n";
+  }
+  return 0;
+}

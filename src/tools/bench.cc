@@ -1,0 +1,454 @@
+// eldr-bench: closed-loop load generator for eldr-router.
+//
+// --concurrency slots each run Route (and, with --complete, the Complete of its lease) back to
+// back over the async callback API, on one or more channels, for --warmup_s + --duration_s.
+// Only RPCs that finish inside the measured window count. Signatures come from the bundled real
+// traces (--trace: each sequence's prefill counts) or are random counts of --geometry.
+//
+// Also writes fixtures for a benchmark: --write_artifact (random unit centroids of --geometry for
+// --workers workers named w0..wN-1) and --write_workers (their worker file).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "eldr/centroid_artifact.h"
+#include "eldr/trace.h"
+#include "eldr/v1/router.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "host:port of eldr-router.");
+ABSL_FLAG(double, duration_s, 10, "Measured duration in seconds.");
+ABSL_FLAG(double, warmup_s, 1, "Unmeasured warm-up before the measured window.");
+ABSL_FLAG(int, concurrency, 8, "Closed-loop slots (requests in flight).");
+ABSL_FLAG(int, channels, 1, "gRPC channels (TCP connections) the slots are spread over.");
+ABSL_FLAG(std::string, trace, "",
+          "Directory of real expert traces (data/esft-routing): signatures are each sequence's "
+          "prefill counts. Empty: random counts of --geometry.");
+ABSL_FLAG(double, prefill_fraction, 0.5, "With --trace: fraction of each sequence taken as its prompt.");
+ABSL_FLAG(std::string, geometry, "48x128", "LxE (layers x experts) of random signatures.");
+ABSL_FLAG(std::string, encoding, "int16", "Counts on the wire: int16 (int16_le bytes) or int32 (packed).");
+ABSL_FLAG(int, signatures, 1024, "Distinct random signatures to cycle through.");
+ABSL_FLAG(bool, complete, false, "Send Complete for every lease (two RPCs per route).");
+ABSL_FLAG(bool, json, false, "Print one JSON object instead of text.");
+ABSL_FLAG(uint64_t, seed, 1, "Seed of the random signatures and fixtures.");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle to verify the router (enables TLS).");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM client key for mutual TLS.");
+ABSL_FLAG(std::string, tls_server_name, "", "Expected server name in the certificate (default: target host).");
+ABSL_FLAG(std::string, write_artifact, "",
+          "Write a random centroid artifact of --geometry for --workers workers here, and exit.");
+ABSL_FLAG(std::string, write_workers, "",
+          "With --write_artifact: also write the worker file (w<i> at 127.0.0.1:<20000+i>).");
+ABSL_FLAG(int, workers, 16, "Workers of --write_artifact.");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+absl::StatusOr<std::pair<int, int>> ParseGeometry(const std::string& text) {
+  std::vector<std::string> parts = absl::StrSplit(text, 'x');
+  int layers = 0;
+  int experts = 0;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &layers) || !absl::SimpleAtoi(parts[1], &experts) ||
+      layers <= 0 || experts <= 0 || layers > 4096 || experts > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("--geometry '", text, "': expected LxE such as 48x128"));
+  }
+  return std::make_pair(layers, experts);
+}
+
+std::string ReadFileOrDie(const std::string& path) {
+  auto text = eldr::ReadFile(path);
+  if (!text.ok()) {
+    std::fprintf(stderr, "eldr-bench: %s\n", std::string(text.status().message()).c_str());
+    std::exit(2);
+  }
+  return *text;
+}
+
+eldr::v1::RouteRequest MakeRequest(int layers, int experts, const std::vector<int32_t>& counts, bool int16,
+                                   int64_t prompt_tokens, int index) {
+  eldr::v1::RouteRequest request;
+  request.set_request_id(absl::StrCat("bench-", index));
+  request.set_prompt_tokens(prompt_tokens);
+  eldr::v1::ExpertCounts* c = request.mutable_counts();
+  c->set_layers(layers);
+  c->set_experts(experts);
+  if (int16) {
+    std::string bytes(counts.size() * 2, '\0');
+    for (size_t i = 0; i < counts.size(); ++i) {
+      const auto v = static_cast<uint16_t>(std::min<int32_t>(counts[i], INT16_MAX));
+      bytes[2 * i] = static_cast<char>(v & 0xff);
+      bytes[2 * i + 1] = static_cast<char>(v >> 8);
+    }
+    c->set_int16_le(std::move(bytes));
+  } else {
+    c->mutable_values()->mutable_values()->Add(counts.begin(), counts.end());
+  }
+  return request;
+}
+
+// Random counts shaped like top-k routing: per layer a few popular experts take most tokens.
+std::vector<eldr::v1::RouteRequest> RandomRequests(int layers, int experts, int n, bool int16, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<eldr::v1::RouteRequest> out;
+  out.reserve(n);
+  std::vector<int32_t> counts(static_cast<size_t>(layers) * experts);
+  for (int i = 0; i < n; ++i) {
+    const int tokens = std::uniform_int_distribution<int>(32, 1024)(rng);
+    std::fill(counts.begin(), counts.end(), 0);
+    for (int l = 0; l < layers; ++l) {
+      // 12 hot experts per layer share the tokens; the rest get a few.
+      for (int h = 0; h < 12; ++h) {
+        const int e = std::uniform_int_distribution<int>(0, experts - 1)(rng);
+        counts[static_cast<size_t>(l) * experts + e] += std::uniform_int_distribution<int>(1, tokens / 2 + 1)(rng);
+      }
+      for (int e = 0; e < experts; e += 7) counts[static_cast<size_t>(l) * experts + e] += 1;
+    }
+    out.push_back(MakeRequest(layers, experts, counts, int16, tokens, i));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<eldr::v1::RouteRequest>> TraceRequests(const std::string& dir, double fraction,
+                                                                  bool int16, std::string* geometry) {
+  auto trace = eldr::LoadExpertTrace(dir);
+  if (!trace.ok()) return trace.status();
+  std::vector<eldr::v1::RouteRequest> out;
+  std::vector<int32_t> counts(static_cast<size_t>(trace->layers) * trace->experts);
+  int index = 0;
+  for (const eldr::TraceSequence& seq : trace->sequences) {
+    std::fill(counts.begin(), counts.end(), 0);
+    const int prompt = eldr::PrefillTokens(seq.tokens, fraction);
+    eldr::AccumulateCounts(*trace, seq, 0, prompt, absl::Span<int32_t>(counts));
+    out.push_back(MakeRequest(trace->layers, trace->experts, counts, int16, prompt, index++));
+  }
+  if (out.empty()) return absl::NotFoundError(absl::StrCat(dir, ": no sequences"));
+  *geometry = absl::StrCat(trace->layers, "x", trace->experts);
+  return out;
+}
+
+int WriteFixtures(int layers, int experts) {
+  const int k = absl::GetFlag(FLAGS_workers);
+  if (k <= 0) {
+    std::fprintf(stderr, "eldr-bench: --workers must be positive\n");
+    return 2;
+  }
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> idf(0.5f, 3.0f);
+  eldr::CentroidArtifact artifact;
+  artifact.spec.layers = layers;
+  artifact.spec.experts = experts;
+  artifact.spec.variant = eldr::SignatureVariant::kCountIdf;
+  artifact.spec.idf.resize(static_cast<size_t>(layers) * experts);
+  for (float& w : artifact.spec.idf) w = idf(rng);
+  artifact.k = k;
+  artifact.centroids.resize(static_cast<size_t>(k) * layers * experts);
+  const size_t dim = static_cast<size_t>(layers) * experts;
+  for (int r = 0; r < k; ++r) {
+    double norm = 0;
+    for (size_t j = 0; j < dim; ++j) {
+      const float v = std::abs(normal(rng));
+      artifact.centroids[r * dim + j] = v;
+      norm += double{v} * v;
+    }
+    const float inv = static_cast<float>(1.0 / std::sqrt(norm));
+    for (size_t j = 0; j < dim; ++j) artifact.centroids[r * dim + j] *= inv;
+    artifact.workers.push_back(absl::StrCat("w", r));
+  }
+  artifact.model = absl::StrCat("random-", layers, "x", experts);
+  artifact.seed = absl::GetFlag(FLAGS_seed);
+  if (absl::Status s = eldr::SaveCentroidArtifact(artifact, absl::GetFlag(FLAGS_write_artifact)); !s.ok()) {
+    std::fprintf(stderr, "eldr-bench: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_write_workers); !path.empty()) {
+    nlohmann::json workers = nlohmann::json::array();
+    for (int r = 0; r < k; ++r) {
+      workers.push_back({{"id", absl::StrCat("w", r)}, {"address", absl::StrCat("127.0.0.1:", 20000 + r)}});
+    }
+    if (absl::Status s = eldr::WriteFileAtomically(path, workers.dump(2) + "\n"); !s.ok()) {
+      std::fprintf(stderr, "eldr-bench: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+  }
+  return 0;
+}
+
+// Per-slot results; a slot's chain of callbacks is sequential, so no locking inside a slot.
+struct SlotStats {
+  std::vector<int64_t> route_ns;
+  std::vector<int64_t> complete_ns;
+  int64_t routes = 0;
+  int64_t completes = 0;
+  int64_t errors = 0;
+  std::map<std::string, int64_t> error_codes;
+  std::string last_error;
+};
+
+class Run;
+
+class Slot {
+ public:
+  Slot(Run* run, eldr::v1::DecodeRouter::Stub* stub, size_t first) : run_(run), stub_(stub), next_(first) {}
+  void Start() { StartRoute(); }
+  SlotStats& stats() { return stats_; }
+
+ private:
+  void StartRoute();
+  void OnRoute(const grpc::Status& status);
+  void OnComplete(const grpc::Status& status);
+  void RecordError(const grpc::Status& status);
+
+  Run* const run_;
+  eldr::v1::DecodeRouter::Stub* const stub_;
+  size_t next_;
+  std::unique_ptr<grpc::ClientContext> context_;
+  eldr::v1::RouteResponse route_response_;
+  eldr::v1::CompleteRequest complete_request_;
+  eldr::v1::CompleteResponse complete_response_;
+  Clock::time_point sent_;
+  SlotStats stats_;
+};
+
+class Run {
+ public:
+  Run(const std::vector<eldr::v1::RouteRequest>* requests, bool complete, Clock::time_point measure_from,
+      Clock::time_point measure_to)
+      : requests_(requests), complete_(complete), from_(measure_from), to_(measure_to) {}
+
+  const eldr::v1::RouteRequest& request(size_t i) const { return (*requests_)[i % requests_->size()]; }
+  bool complete() const { return complete_; }
+  bool stopping(Clock::time_point now) const { return now >= to_; }
+  bool measured(Clock::time_point t) const { return t >= from_ && t < to_; }
+
+  void SlotFinished() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++finished_;
+    cv_.notify_all();
+  }
+  void WaitForSlots(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return finished_ == n; });
+  }
+
+ private:
+  const std::vector<eldr::v1::RouteRequest>* requests_;
+  const bool complete_;
+  const Clock::time_point from_;
+  const Clock::time_point to_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int finished_ = 0;
+};
+
+void Slot::StartRoute() {
+  const Clock::time_point now = Clock::now();
+  if (run_->stopping(now)) {
+    run_->SlotFinished();
+    return;
+  }
+  context_ = std::make_unique<grpc::ClientContext>();
+  route_response_.Clear();
+  sent_ = now;
+  stub_->async()->Route(context_.get(), &run_->request(next_++), &route_response_,
+                        [this](grpc::Status status) { OnRoute(status); });
+}
+
+void Slot::RecordError(const grpc::Status& status) {
+  ++stats_.errors;
+  ++stats_.error_codes[absl::StrCat(status.error_code())];
+  stats_.last_error = status.error_message();
+}
+
+void Slot::OnRoute(const grpc::Status& status) {
+  const Clock::time_point done = Clock::now();
+  const bool measured = run_->measured(done);
+  if (measured) {
+    ++stats_.routes;
+    stats_.route_ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(done - sent_).count());
+    if (!status.ok()) RecordError(status);
+  }
+  if (status.ok() && run_->complete()) {
+    context_ = std::make_unique<grpc::ClientContext>();
+    complete_request_.set_lease_id(route_response_.lease_id());
+    complete_response_.Clear();
+    sent_ = Clock::now();
+    stub_->async()->Complete(context_.get(), &complete_request_, &complete_response_,
+                             [this](grpc::Status s) { OnComplete(s); });
+    return;
+  }
+  StartRoute();
+}
+
+void Slot::OnComplete(const grpc::Status& status) {
+  const Clock::time_point done = Clock::now();
+  if (run_->measured(done)) {
+    ++stats_.completes;
+    stats_.complete_ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(done - sent_).count());
+    if (!status.ok()) RecordError(status);
+  }
+  StartRoute();
+}
+
+double PercentileUs(std::vector<int64_t>& ns, double q) {
+  if (ns.empty()) return 0;
+  const size_t i = std::min(ns.size() - 1, static_cast<size_t>(std::ceil(q * ns.size())) - (q > 0 ? 1 : 0));
+  std::nth_element(ns.begin(), ns.begin() + i, ns.end());
+  return ns[i] / 1000.0;
+}
+
+std::shared_ptr<grpc::ChannelCredentials> MakeCredentials() {
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca);
+  if (ca.empty()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = ReadFileOrDie(ca);
+  if (const std::string cert = absl::GetFlag(FLAGS_tls_cert); !cert.empty()) {
+    ssl.pem_cert_chain = ReadFileOrDie(cert);
+    ssl.pem_private_key = ReadFileOrDie(absl::GetFlag(FLAGS_tls_key));
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("Load generator for eldr-router: eldr-bench --target=host:port [--complete] [--json]");
+  absl::ParseCommandLine(argc, argv);
+
+  auto geometry = ParseGeometry(absl::GetFlag(FLAGS_geometry));
+  if (!geometry.ok()) {
+    std::fprintf(stderr, "eldr-bench: %s\n", std::string(geometry.status().message()).c_str());
+    return 2;
+  }
+  if (!absl::GetFlag(FLAGS_write_artifact).empty()) return WriteFixtures(geometry->first, geometry->second);
+
+  const std::string encoding = absl::GetFlag(FLAGS_encoding);
+  if (encoding != "int16" && encoding != "int32") {
+    std::fprintf(stderr, "eldr-bench: --encoding must be int16 or int32\n");
+    return 2;
+  }
+  const int concurrency = absl::GetFlag(FLAGS_concurrency);
+  const int channels = absl::GetFlag(FLAGS_channels);
+  const double duration_s = absl::GetFlag(FLAGS_duration_s);
+  const double warmup_s = absl::GetFlag(FLAGS_warmup_s);
+  if (concurrency <= 0 || channels <= 0 || !(duration_s > 0) || !(warmup_s >= 0)) {
+    std::fprintf(stderr, "eldr-bench: --concurrency, --channels and --duration_s must be positive\n");
+    return 2;
+  }
+
+  std::vector<eldr::v1::RouteRequest> requests;
+  std::string geometry_label = absl::GetFlag(FLAGS_geometry);
+  if (const std::string dir = absl::GetFlag(FLAGS_trace); !dir.empty()) {
+    auto loaded = TraceRequests(dir, absl::GetFlag(FLAGS_prefill_fraction), encoding == "int16", &geometry_label);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "eldr-bench: %s\n", std::string(loaded.status().message()).c_str());
+      return 2;
+    }
+    requests = *std::move(loaded);
+  } else {
+    requests = RandomRequests(geometry->first, geometry->second, std::max(1, absl::GetFlag(FLAGS_signatures)),
+                              encoding == "int16", absl::GetFlag(FLAGS_seed));
+  }
+
+  const auto credentials = MakeCredentials();
+  std::vector<std::shared_ptr<grpc::Channel>> channel_list;
+  std::vector<std::unique_ptr<eldr::v1::DecodeRouter::Stub>> stubs;
+  for (int c = 0; c < channels; ++c) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // one connection per channel
+    args.SetInt("eldr.bench.channel", c);
+    if (const std::string name = absl::GetFlag(FLAGS_tls_server_name); !name.empty()) {
+      args.SetSslTargetNameOverride(name);
+    }
+    auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), credentials, args);
+    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
+      std::fprintf(stderr, "eldr-bench: cannot connect to %s\n", absl::GetFlag(FLAGS_target).c_str());
+      return 1;
+    }
+    stubs.push_back(eldr::v1::DecodeRouter::NewStub(channel));
+    channel_list.push_back(std::move(channel));
+  }
+
+  const Clock::time_point start = Clock::now();
+  const auto from = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(warmup_s));
+  const auto to = from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration_s));
+  Run run(&requests, absl::GetFlag(FLAGS_complete), from, to);
+  std::vector<std::unique_ptr<Slot>> slots;
+  for (int i = 0; i < concurrency; ++i) {
+    const size_t first = static_cast<size_t>(i) * requests.size() / concurrency;
+    slots.push_back(std::make_unique<Slot>(&run, stubs[i % channels].get(), first));
+  }
+  for (auto& slot : slots) slot->Start();
+  run.WaitForSlots(concurrency);
+
+  SlotStats total;
+  for (auto& slot : slots) {
+    SlotStats& s = slot->stats();
+    total.routes += s.routes;
+    total.completes += s.completes;
+    total.errors += s.errors;
+    total.route_ns.insert(total.route_ns.end(), s.route_ns.begin(), s.route_ns.end());
+    total.complete_ns.insert(total.complete_ns.end(), s.complete_ns.begin(), s.complete_ns.end());
+    for (const auto& [code, n] : s.error_codes) total.error_codes[code] += n;
+    if (!s.last_error.empty()) total.last_error = s.last_error;
+  }
+  const double qps = total.routes / duration_s;
+  nlohmann::json out = {
+      {"requests", total.routes},
+      {"errors", total.errors},
+      {"qps", std::round(qps * 10) / 10},
+      {"p50_us", PercentileUs(total.route_ns, 0.50)},
+      {"p90_us", PercentileUs(total.route_ns, 0.90)},
+      {"p99_us", PercentileUs(total.route_ns, 0.99)},
+      {"p999_us", PercentileUs(total.route_ns, 0.999)},
+      {"max_us", PercentileUs(total.route_ns, 1.0)},
+      {"completes", total.completes},
+      {"complete_p50_us", PercentileUs(total.complete_ns, 0.50)},
+      {"complete_p99_us", PercentileUs(total.complete_ns, 0.99)},
+      {"duration_s", duration_s},
+      {"concurrency", concurrency},
+      {"channels", channels},
+      {"geometry", geometry_label},
+      {"encoding", encoding},
+      {"signatures", requests.size()},
+      {"error_codes", total.error_codes},
+  };
+  if (!total.last_error.empty()) out["last_error"] = total.last_error;
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", out.dump().c_str());
+  } else {
+    std::printf("routes %lld in %.1f s: %.0f/s, errors %lld\n", static_cast<long long>(total.routes), duration_s,
+                qps, static_cast<long long>(total.errors));
+    std::printf("Route latency us: p50 %.1f  p90 %.1f  p99 %.1f  p99.9 %.1f  max %.1f\n",
+                out["p50_us"].get<double>(), out["p90_us"].get<double>(), out["p99_us"].get<double>(),
+                out["p999_us"].get<double>(), out["max_us"].get<double>());
+    if (total.completes > 0) {
+      std::printf("Complete latency us: p50 %.1f  p99 %.1f (%lld completes)\n", out["complete_p50_us"].get<double>(),
+                  out["complete_p99_us"].get<double>(), static_cast<long long>(total.completes));
+    }
+    if (total.errors > 0) std::printf("last error: %s\n", total.last_error.c_str());
+  }
+  return 0;
+}

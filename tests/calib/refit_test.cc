@@ -1,0 +1,436 @@
+// Online refit against a real in-process Router, on signatures of the bundled real traces.
+#include "eldr/refit.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "eldr/calibration.h"
+#include "eldr/centroid_artifact.h"
+#include "eldr/router.h"
+#include "eldr/trace.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace eldr {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kLayers = 26, kExperts = 64;
+constexpr size_t kCells = kLayers * kExperts;
+
+double Cosine(absl::Span<const float> a, absl::Span<const float> b) {
+  double dot = 0, na = 0, nb = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    dot += a[i] * b[i];
+    na += a[i] * a[i];
+    nb += b[i] * b[i];
+  }
+  return dot / std::sqrt(na * nb);
+}
+
+const std::vector<float>& Row(const std::map<std::string, std::vector<float>>& rows, const std::string& id) {
+  return rows.at(id);
+}
+
+std::map<std::string, std::vector<float>> RowsByWorker(const CentroidArtifact& artifact) {
+  std::map<std::string, std::vector<float>> rows;
+  for (int r = 0; r < artifact.k; ++r) {
+    const auto row = artifact.row(r);
+    rows[artifact.workers[r]] = std::vector<float>(row.begin(), row.end());
+  }
+  return rows;
+}
+
+class RefitTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const char* dir = std::getenv("ELDR_DATA_DIR");
+    absl::StatusOr<ExpertTrace> trace = LoadExpertTrace(std::string(dir ? dir : "data") + "/esft-routing", 64);
+    ASSERT_TRUE(trace.ok()) << trace.status();
+    absl::StatusOr<CalibrationData> data = CalibrationDataFromTrace(*trace, 0.5, {});
+    ASSERT_TRUE(data.ok()) << data.status();
+    CalibrationOptions options;
+    options.clusters = 4;
+    options.seed = 2;
+    options.select_layers = false;  // the refit does not care which layers; keep the suite fast
+    options.worker_ids = {"w0", "w1", "w2", "w3"};
+    absl::StatusOr<CalibrationResult> result = Calibrate(*data, options);
+    ASSERT_TRUE(result.ok()) << result.status();
+    data_ = new CalibrationData(*std::move(data));
+    artifact_ = new CentroidArtifact(result->artifact);
+  }
+  static void TearDownTestSuite() {
+    delete data_;
+    delete artifact_;
+  }
+
+  void SetUp() override {
+    state_dir_ = std::filesystem::path(::testing::TempDir()) /
+                 ("refit_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    std::filesystem::remove_all(state_dir_);
+    router_ = MakeRouter(slot_.Callback());
+  }
+  void TearDown() override {
+    slot_.Attach(nullptr);
+    if (refitter_) refitter_->Stop();
+    refitter_.reset();
+    router_.reset();
+    std::filesystem::remove_all(state_dir_);
+  }
+
+  static std::unique_ptr<Router> MakeRouter(
+      std::function<void(absl::Span<const float>, const std::string&)> on_signature) {
+    RouterOptions options;
+    options.tau = 0;  // pure locality: a route goes to the nearest centroid's worker
+    options.on_signature = std::move(on_signature);
+    std::vector<WorkerSpec> workers;
+    for (const std::string& id : artifact_->workers) workers.push_back(WorkerSpec{id, id + ":9000", 1.0, 0});
+    absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(options, workers);
+    EXPECT_TRUE(router.ok()) << router.status();
+    EXPECT_TRUE((*router)->InstallCentroids(*artifact_).ok());
+    return *std::move(router);
+  }
+
+  void MakeRefitter(RefitOptions options) {
+    absl::StatusOr<std::unique_ptr<OnlineRefitter>> refitter = OnlineRefitter::Create(std::move(options), router_.get());
+    ASSERT_TRUE(refitter.ok()) << refitter.status();
+    refitter_ = *std::move(refitter);
+    slot_.Attach(refitter_.get());
+  }
+
+  static SignatureInput Request(int r) {
+    return CountsInt32{kLayers, kExperts, absl::MakeConstSpan(data_->prefill_counts).subspan(r * kCells, kCells)};
+  }
+
+  // Routes every trace request once (filling the window); returns the workers used, by count.
+  std::map<std::string, int> RouteAll() {
+    std::map<std::string, int> used;
+    for (int r = 0; r < data_->n; ++r) {
+      const SignatureInput input = Request(r);
+      absl::StatusOr<RouteResult> routed = router_->Route(&input);
+      EXPECT_TRUE(routed.ok()) << routed.status();
+      if (!routed.ok()) continue;
+      ++used[routed->worker_id];
+      EXPECT_TRUE(router_->Complete(routed->lease_id).ok());
+    }
+    return used;
+  }
+
+  static CalibrationData* data_;
+  static CentroidArtifact* artifact_;
+  RefitObserverSlot slot_;
+  std::unique_ptr<Router> router_;
+  std::unique_ptr<OnlineRefitter> refitter_;
+  std::filesystem::path state_dir_;
+};
+CalibrationData* RefitTest::data_ = nullptr;
+CentroidArtifact* RefitTest::artifact_ = nullptr;
+
+TEST_F(RefitTest, PeriodicRefitDuringConcurrentRoutingNeverFailsARoute) {
+  RefitOptions options;
+  options.interval = absl::Milliseconds(20);
+  options.min_signatures_per_centroid = 8;
+  MakeRefitter(options);
+  refitter_->Start();
+
+  std::atomic<int> failures{0}, routes{0};
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> highest_generation{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      // Paced, so the fits get CPU time on a small machine; still thousands of routes per refit.
+      for (int i = t; !stop.load(); i = (i + 2) % data_->n, absl::SleepFor(absl::Microseconds(20))) {
+        const SignatureInput input = Request(i);
+        absl::StatusOr<RouteResult> routed = router_->Route(&input);
+        if (!routed.ok() || !router_->Complete(routed->lease_id).ok()) {
+          ++failures;
+          continue;
+        }
+        ++routes;
+        uint64_t seen = highest_generation.load();
+        while (routed->centroid_generation > seen &&
+               !highest_generation.compare_exchange_weak(seen, routed->centroid_generation)) {
+        }
+      }
+    });
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < deadline && refitter_->stats().refits_completed < 3) absl::SleepFor(absl::Milliseconds(10));
+  stop = true;
+  for (auto& thread : threads) thread.join();
+  refitter_->Stop();
+
+  const RefitStats stats = refitter_->stats();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(routes.load(), 100);
+  EXPECT_GE(stats.refits_completed, 3u) << stats.last_error;
+  EXPECT_EQ(stats.refits_failed, 0u) << stats.last_error;
+  EXPECT_EQ(stats.refits_started, stats.refits_completed + stats.refits_failed + stats.refits_skipped);
+  EXPECT_GT(stats.centroid_generation, 1u);
+  EXPECT_EQ(router_->GetState(absl::Now()).centroid_generation, stats.centroid_generation);
+  EXPECT_GT(highest_generation.load(), 1u);  // routes saw refitted sets
+  EXPECT_GT(stats.last_fit_seconds, 0.0);
+  EXPECT_LT(stats.last_fit_seconds, 2.0);
+  EXPECT_GT(stats.signatures_observed, 0u);
+}
+
+TEST_F(RefitTest, RefitKeepsEveryWorkerNearItsOldZone) {
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  MakeRefitter(options);
+  RouteAll();
+  EXPECT_EQ(refitter_->stats().window_signatures, data_->n);
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  const RefitStats stats = refitter_->stats();
+  ASSERT_EQ(stats.refits_completed, 1u) << stats.last_error;
+  absl::StatusOr<CentroidArtifact> now = router_->CurrentCentroids();
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->k, 4);
+  const auto before = RowsByWorker(*artifact_);
+  const auto after = RowsByWorker(*now);
+  for (const auto& [id, row] : before) {
+    // Aligned: each worker's new row is closer to its own old row than to any other old row.
+    const double own = Cosine(row, Row(after, id));
+    for (const auto& [other, other_row] : before) {
+      if (other != id) EXPECT_GT(own, Cosine(other_row, Row(after, id))) << id << " vs " << other;
+    }
+  }
+  // Same transform in service after the swap.
+  EXPECT_EQ(now->spec.idf, artifact_->spec.idf);
+}
+
+TEST_F(RefitTest, PersistedStateSurvivesARestart) {
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  options.state_dir = state_dir_.string();
+  MakeRefitter(options);
+  RouteAll();
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  const std::string state_path = OnlineRefitter::StatePath(state_dir_.string());
+  ASSERT_TRUE(std::filesystem::exists(state_path));
+  absl::StatusOr<CentroidArtifact> learnt = router_->CurrentCentroids();
+  ASSERT_TRUE(learnt.ok());
+
+  // The configured artifact is the original calibration; the state wins because the transform is
+  // the same.
+  const std::string configured = (state_dir_ / "configured.json").string();
+  ASSERT_TRUE(SaveCentroidArtifact(*artifact_, configured).ok());
+  absl::StatusOr<StartupCentroids> startup =
+      OnlineRefitter::LoadStartupCentroids(state_dir_.string(), configured, {"w0", "w1", "w2", "w3"});
+  ASSERT_TRUE(startup.ok()) << startup.status();
+  EXPECT_TRUE(startup->from_state);
+  EXPECT_EQ(startup->artifact.workers, learnt->workers);
+  ASSERT_EQ(startup->artifact.centroids.size(), learnt->centroids.size());
+  for (size_t i = 0; i < learnt->centroids.size(); ++i) {
+    ASSERT_NEAR(startup->artifact.centroids[i], learnt->centroids[i], 1e-6);
+  }
+  // A restarted router serves the learnt centroids.
+  std::unique_ptr<Router> restarted = MakeRouter(nullptr);
+  ASSERT_TRUE(restarted->InstallCentroids(startup->artifact).ok());
+  EXPECT_EQ(RowsByWorker(*restarted->CurrentCentroids()).size(), 4u);
+
+  // Workers that left while the router was down lose their rows.
+  startup = OnlineRefitter::LoadStartupCentroids(state_dir_.string(), configured, {"w0", "w2", "w9"});
+  ASSERT_TRUE(startup.ok());
+  EXPECT_TRUE(startup->from_state);
+  EXPECT_EQ(startup->artifact.workers, (std::vector<std::string>{"w0", "w2"}));
+
+  // A recalibration (different transform) replaces the learnt state.
+  CentroidArtifact recalibrated = *artifact_;
+  recalibrated.spec.layer_mask = {0, 1, 2};
+  recalibrated.spec.idf.resize(3 * kExperts);
+  ASSERT_TRUE(recalibrated.spec.idf.size() == 3 * kExperts);
+  // New centroids of the new dimension: reuse the first 3 layers of each row, renormalised.
+  std::vector<float> rows;
+  for (int r = 0; r < recalibrated.k; ++r) {
+    std::vector<float> row(artifact_->row(r).begin(), artifact_->row(r).begin() + 3 * kExperts);
+    double norm = 0;
+    for (float x : row) norm += x * x;
+    for (float& x : row) x = static_cast<float>(x / std::sqrt(norm));
+    rows.insert(rows.end(), row.begin(), row.end());
+  }
+  recalibrated.centroids = rows;
+  ASSERT_TRUE(SaveCentroidArtifact(recalibrated, configured).ok());
+  startup = OnlineRefitter::LoadStartupCentroids(state_dir_.string(), configured, {});
+  ASSERT_TRUE(startup.ok());
+  EXPECT_FALSE(startup->from_state);
+  EXPECT_THAT(startup->note, HasSubstr("transform differs"));
+  EXPECT_EQ(startup->artifact.spec.layer_mask, (std::vector<int>{0, 1, 2}));
+
+  // A corrupt state falls back to the configured artifact and says why.
+  std::ofstream(state_path) << "{ not json";
+  startup = OnlineRefitter::LoadStartupCentroids(state_dir_.string(), configured, {});
+  ASSERT_TRUE(startup.ok());
+  EXPECT_FALSE(startup->from_state);
+  EXPECT_THAT(startup->note, HasSubstr("not used"));
+
+  // Nothing to start from.
+  std::filesystem::remove(state_path);
+  EXPECT_EQ(OnlineRefitter::LoadStartupCentroids(state_dir_.string(), "", {}).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(RefitTest, AddedWorkerGetsAZoneAndTraffic) {
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  MakeRefitter(options);
+  RouteAll();
+  ASSERT_TRUE(router_->UpsertWorker(WorkerSpec{"w4", "w4:9000", 1.0, 0}).ok());
+  EXPECT_EQ(RouteAll().count("w4"), 0u);  // no centroid yet: eldr never picks it
+  ASSERT_TRUE(refitter_->OnWorkerAdded("w4").ok()) << refitter_->stats().last_error;
+
+  absl::StatusOr<CentroidArtifact> now = router_->CurrentCentroids();
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->k, 5);
+  EXPECT_EQ(now->workers, (std::vector<std::string>{"w0", "w1", "w2", "w3", "w4"}));
+  for (const WorkerStatus& w : router_->GetState(absl::Now()).workers) EXPECT_TRUE(w.has_centroid) << w.spec.id;
+  // Existing workers keep zones near their old ones.
+  const auto before = RowsByWorker(*artifact_);
+  const auto after = RowsByWorker(*now);
+  for (const auto& [id, row] : before) EXPECT_GT(Cosine(row, Row(after, id)), 0.8) << id;
+  const std::map<std::string, int> used = RouteAll();
+  EXPECT_GT(used.count("w4") ? used.at("w4") : 0, 0);
+  EXPECT_EQ(used.size(), 5u);
+  EXPECT_THAT(refitter_->OnWorkerAdded("nobody").message(), HasSubstr("unknown"));
+}
+
+TEST_F(RefitTest, RemovedWorkerZoneIsAbsorbed) {
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  MakeRefitter(options);
+  RouteAll();
+  EXPECT_EQ(refitter_->OnWorkerRemoved("w1").code(), absl::StatusCode::kFailedPrecondition);  // still active
+  ASSERT_TRUE(router_->DrainWorker("w1").ok());
+  ASSERT_TRUE(refitter_->OnWorkerRemoved("w1").ok()) << refitter_->stats().last_error;
+  absl::StatusOr<CentroidArtifact> now = router_->CurrentCentroids();
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->workers, (std::vector<std::string>{"w0", "w2", "w3"}));
+  ASSERT_TRUE(router_->RemoveWorker("w1").ok());
+  const std::map<std::string, int> used = RouteAll();
+  EXPECT_EQ(used.count("w1"), 0u);
+  EXPECT_EQ(used.size(), 3u);
+  int total = 0;
+  for (const auto& [id, count] : used) total += count;
+  EXPECT_EQ(total, data_->n);
+  // The next refit keeps the three.
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  EXPECT_EQ(router_->CurrentCentroids()->k, 3);
+}
+
+TEST_F(RefitTest, WithoutDataAnAdditionWaitsAndARemovalDropsTheRow) {
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  MakeRefitter(options);
+  ASSERT_TRUE(router_->UpsertWorker(WorkerSpec{"w4", "w4:9000", 1.0, 0}).ok());
+  const absl::Status added = refitter_->OnWorkerAdded("w4");
+  EXPECT_EQ(added.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(added.message(), HasSubstr("the window holds 0 usable signatures"));
+  EXPECT_EQ(router_->GetState(absl::Now()).centroid_generation, 1u);
+
+  ASSERT_TRUE(router_->DrainWorker("w2").ok());
+  ASSERT_TRUE(refitter_->OnWorkerRemoved("w2").ok());
+  absl::StatusOr<CentroidArtifact> now = router_->CurrentCentroids();
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->workers, (std::vector<std::string>{"w0", "w1", "w3"}));
+  // The kept rows are unchanged (no data to refit them).
+  const auto before = RowsByWorker(*artifact_);
+  const auto after = RowsByWorker(*now);
+  for (const std::string id : {"w0", "w1", "w3"}) EXPECT_EQ(Row(before, id), Row(after, id));
+  // Once traffic arrives, a periodic refit gives w4 its zone.
+  RouteAll();
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  EXPECT_EQ(router_->CurrentCentroids()->workers, (std::vector<std::string>{"w0", "w1", "w3", "w4"}));
+}
+
+TEST_F(RefitTest, WindowForgetsOldSignaturesAndOtherDimensions) {
+  absl::Mutex clock_mu;
+  absl::Time fake_now = absl::FromUnixSeconds(1000);
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  options.window = absl::Seconds(30);
+  options.clock = [&] {
+    absl::MutexLock lock(&clock_mu);
+    return fake_now;
+  };
+  MakeRefitter(options);
+  RouteAll();
+  {
+    absl::MutexLock lock(&clock_mu);
+    fake_now += absl::Minutes(2);
+  }
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  RefitStats stats = refitter_->stats();
+  EXPECT_EQ(stats.refits_skipped, 1u);
+  EXPECT_THAT(stats.last_error, HasSubstr("holds 0 usable signatures"));
+  RouteAll();  // fresh traffic at the new time
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  EXPECT_EQ(refitter_->stats().refits_completed, 1u) << refitter_->stats().last_error;
+
+  // Signatures of another dimension (a reload changed the transform) restart the window.
+  refitter_->Observe(std::vector<float>(8, 0.5f), "w0");
+  EXPECT_EQ(refitter_->stats().window_signatures, 1);
+  refitter_->ResetWindow();
+  EXPECT_EQ(refitter_->stats().window_signatures, 0);
+}
+
+TEST_F(RefitTest, WindowIsBoundedBySize) {
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  options.max_window_signatures = 64;
+  MakeRefitter(options);
+  RouteAll();
+  const RefitStats stats = refitter_->stats();
+  EXPECT_EQ(stats.signatures_observed, static_cast<uint64_t>(data_->n));
+  EXPECT_GE(stats.window_signatures, 64);
+  EXPECT_LE(stats.window_signatures, 64 + 32);  // whole chunks are dropped
+}
+
+TEST_F(RefitTest, DetachedSlotStopsObservations) {
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  MakeRefitter(options);
+  RouteAll();
+  slot_.Attach(nullptr);
+  RouteAll();
+  EXPECT_EQ(refitter_->stats().signatures_observed, static_cast<uint64_t>(data_->n));
+}
+
+TEST(RefitOptionsTest, CreateRejectsBadOptions) {
+  absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(RouterOptions{}, {WorkerSpec{"a", "a:1", 1.0, 0}});
+  ASSERT_TRUE(router.ok());
+  RefitOptions options;
+  EXPECT_FALSE(OnlineRefitter::Create(options, nullptr).ok());
+  options.window = absl::ZeroDuration();
+  EXPECT_THAT(OnlineRefitter::Create(options, router->get()).status().message(), HasSubstr("window must be positive"));
+  options = RefitOptions{};
+  options.max_window_signatures = 0;
+  EXPECT_FALSE(OnlineRefitter::Create(options, router->get()).ok());
+  options = RefitOptions{};
+  options.interval = absl::Seconds(-1);
+  EXPECT_FALSE(OnlineRefitter::Create(options, router->get()).ok());
+  options = RefitOptions{};
+  options.state_dir = "/proc/eldr-cannot-create-this";
+  EXPECT_THAT(OnlineRefitter::Create(options, router->get()).status().message(), HasSubstr("cannot create state folder"));
+  // No centroids installed: a refit is skipped, not failed.
+  absl::StatusOr<std::unique_ptr<OnlineRefitter>> refitter = OnlineRefitter::Create(RefitOptions{}, router->get());
+  ASSERT_TRUE(refitter.ok());
+  EXPECT_TRUE((*refitter)->RefitNow().ok());
+  EXPECT_EQ((*refitter)->stats().refits_skipped, 1u);
+}
+
+}  // namespace
+}  // namespace eldr

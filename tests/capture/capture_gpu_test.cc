@@ -1,0 +1,318 @@
+// The CUDA path against the CPU reference, bit for bit: the same engine scenarios (random and real
+// traces, every counter width, both index types, per-layer and per-batch resets, host and device
+// block tables, finishes split over many blocks) run on both devices, and the finished counts, the
+// statistics, each finish's statistics snapshot and every block's counts must be identical.
+// Without a usable GPU every test skips and says why.
+#include <cstdint>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "capture/capture_test_util.h"
+#include "eldr/capture.hpp"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+#ifdef ELDR_CAPTURE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace eldr::capture {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomRequests;
+using testing::RunScenario;
+using testing::ScenarioConfig;
+using testing::ScenarioOutcome;
+
+#define SKIP_WITHOUT_GPU()                                                  \
+  do {                                                                      \
+    const absl::Status gpu = testing::GpuUsable();                          \
+    if (!gpu.ok()) GTEST_SKIP() << "no GPU for the CUDA path: " << gpu.message(); \
+  } while (false)
+
+std::unique_ptr<Capture> MustCreate(const Options& options) {
+  absl::StatusOr<std::unique_ptr<Capture>> capture = Capture::Create(options);
+  EXPECT_TRUE(capture.ok()) << capture.status();
+  return capture.ok() ? *std::move(capture) : nullptr;
+}
+
+void ExpectIdentical(const ScenarioOutcome& cpu, const ScenarioOutcome& gpu) {
+  ASSERT_EQ(cpu.finished.size(), gpu.finished.size());
+  for (size_t r = 0; r < cpu.finished.size(); ++r) {
+    ASSERT_EQ(gpu.finished[r], cpu.finished[r]) << "request " << r;
+    ASSERT_EQ(cpu.finished[r], cpu.expected[r]) << "request " << r;
+  }
+  EXPECT_EQ(gpu.stats, cpu.stats) << "gpu: " << StatsToString(gpu.stats)
+                                  << "\ncpu: " << StatsToString(cpu.stats);
+  EXPECT_EQ(gpu.finish_stats, cpu.finish_stats);
+  EXPECT_EQ(gpu.block_counts, cpu.block_counts);
+  EXPECT_EQ(cpu.stats.recorded_choices, cpu.expected_recorded);
+  EXPECT_EQ(cpu.stats.bad_expert_ids, cpu.expected_bad_ids);
+}
+
+void RunOnBoth(const ScenarioConfig& config, const std::vector<testing::RequestSpec>& requests) {
+  auto cpu = MustCreate(testing::OptionsFor(config, Device::kCpu));
+  auto gpu = MustCreate(testing::OptionsFor(config, Device::kCuda));
+  ASSERT_NE(cpu, nullptr);
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_EQ(gpu->info().counter_bits, cpu->info().counter_bits);
+  const ScenarioOutcome on_cpu = RunScenario(*cpu, Device::kCpu, config, requests);
+  const ScenarioOutcome on_gpu = RunScenario(*gpu, Device::kCuda, config, requests);
+  ExpectIdentical(on_cpu, on_gpu);
+}
+
+struct GpuCase {
+  int block_size;
+  int top_k;
+  IndexType id_type;
+  IndexType slot_type;
+  bool batch_reset;
+  OutputType output_type;
+  int counter_bits;
+};
+
+class CaptureGpuEngineTest : public ::testing::TestWithParam<GpuCase> {};
+
+TEST_P(CaptureGpuEngineTest, MatchesTheCpuReferenceBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const GpuCase& c = GetParam();
+  ScenarioConfig config;
+  config.layers = 6;
+  config.experts = 40;
+  config.top_k = c.top_k;
+  config.block_size = c.block_size;
+  const int max_tokens = std::max(70, 3 * c.block_size);
+  config.num_blocks = 40 * max_tokens / c.block_size + 64;
+  config.max_batch_tokens = 128;
+  config.id_type = c.id_type;
+  config.slot_type = c.slot_type;
+  config.batch_reset = c.batch_reset;
+  config.output_type = c.output_type;
+  config.seed = static_cast<uint32_t>(c.block_size * 7 + c.top_k);
+  std::vector<testing::RequestSpec> requests =
+      RandomRequests(config, 40, max_tokens, 0.02, 0.35, config.seed + 3);
+  auto cpu_options = testing::OptionsFor(config, Device::kCpu);
+  auto gpu_options = testing::OptionsFor(config, Device::kCuda);
+  cpu_options.counter_bits = gpu_options.counter_bits = c.counter_bits;
+  auto cpu = MustCreate(cpu_options);
+  auto gpu = MustCreate(gpu_options);
+  ASSERT_NE(cpu, nullptr);
+  ASSERT_NE(gpu, nullptr);
+  ExpectIdentical(RunScenario(*cpu, Device::kCpu, config, requests),
+                  RunScenario(*gpu, Device::kCuda, config, requests));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CaptureGpuEngineTest,
+    ::testing::Values(
+        GpuCase{16, 2, IndexType::kInt32, IndexType::kInt64, false, OutputType::kInt32, 0},
+        GpuCase{16, 8, IndexType::kInt64, IndexType::kInt64, false, OutputType::kInt16, 0},
+        GpuCase{16, 8, IndexType::kInt32, IndexType::kInt32, true, OutputType::kInt16, 16},
+        GpuCase{16, 8, IndexType::kInt64, IndexType::kInt32, false, OutputType::kInt32, 32},
+        GpuCase{1, 3, IndexType::kInt32, IndexType::kInt32, false, OutputType::kInt32, 0},
+        GpuCase{17, 4, IndexType::kInt64, IndexType::kInt32, true, OutputType::kInt16, 0},
+        GpuCase{64, 6, IndexType::kInt32, IndexType::kInt64, true, OutputType::kInt32, 0},
+        GpuCase{40, 8, IndexType::kInt64, IndexType::kInt64, false, OutputType::kInt32, 0}),
+    [](const ::testing::TestParamInfo<GpuCase>& info) {
+      const GpuCase& c = info.param;
+      return "bs" + std::to_string(c.block_size) + "_k" + std::to_string(c.top_k) +
+             (c.id_type == IndexType::kInt64 ? "_ids64" : "_ids32") +
+             (c.slot_type == IndexType::kInt64 ? "_slots64" : "_slots32") +
+             (c.batch_reset ? "_batchreset" : "_layerreset") +
+             (c.output_type == OutputType::kInt16 ? "_out16" : "_out32") + "_bits" +
+             std::to_string(c.counter_bits);
+    });
+
+TEST(CaptureGpuRealTraceTest, MatchesTheCpuReferenceBitForBit) {
+  SKIP_WITHOUT_GPU();
+  absl::StatusOr<testing::LoadedTraces> traces = testing::LoadBundledTraces(8);
+  ASSERT_TRUE(traces.ok()) << traces.status();
+  ScenarioConfig config;
+  config.layers = traces->layers;
+  config.experts = traces->experts;
+  config.top_k = traces->top_k;
+  config.block_size = 16;
+  config.num_blocks = 256;
+  config.max_batch_tokens = 512;
+  config.output_type = OutputType::kInt16;
+  config.max_finish_per_call = 4;
+  RunOnBoth(config, testing::TraceRequests(config, traces->sequences, traces->tokens, 600));
+}
+
+// One request of 8192 tokens (512 blocks) and several short ones in one finish: the long one is
+// split over thread blocks and summed through the 64-bit staging buffer.
+TEST(CaptureGpuFinishTest, LongRequestsSplitAcrossThreadBlocksMatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  ScenarioConfig config;
+  config.layers = 8;
+  config.experts = 64;
+  config.top_k = 8;
+  config.block_size = 16;
+  config.num_blocks = 1200;
+  config.max_batch_tokens = 8192;
+  config.max_finish_per_call = 4;
+  config.output_type = OutputType::kInt32;
+  std::vector<testing::RequestSpec> requests = RandomRequests(config, 6, 400, 0.0, 0.0, 99);
+  requests[2] = RandomRequests(config, 1, 1, 0.0, 0.0, 5)[0];
+  requests[2].tokens = 8192;
+  requests[2].routing.resize(int64_t{8192} * config.layers * config.top_k);
+  for (size_t i = 0; i < requests[2].routing.size(); ++i) requests[2].routing[i] = (i * 7) % 64;
+  RunOnBoth(config, requests);
+}
+
+TEST(CaptureGpuFinishTest, Int16SaturationMatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  Options options;
+  options.num_layers = 1;
+  options.num_experts = 2;
+  options.max_top_k = 1;
+  options.block_size = 256;
+  options.num_blocks = 160;
+  options.max_finish_requests = 1;
+  std::vector<int64_t> slots(40000);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::vector<int32_t> ids(40000, 1);
+  std::vector<int32_t> table(160);
+  std::iota(table.begin(), table.end(), 0);
+  const std::vector<int64_t> lengths = {40000};
+  std::vector<int16_t> results[2];
+  Stats stats[2];
+  for (Device device : {Device::kCpu, Device::kCuda}) {
+    options.device = device;
+    auto capture = MustCreate(options);
+    ASSERT_NE(capture, nullptr);
+    testing::DeviceArrays arrays(device);
+    ASSERT_TRUE(capture->Record(0, arrays.Upload(ids), IndexType::kInt32, 1, arrays.Upload(slots),
+                                IndexType::kInt64, 40000, 0, nullptr).ok());
+    auto result = capture->Finish(arrays.Upload(table), 160, lengths.data(), 1,
+                                  OutputType::kInt16, nullptr);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_TRUE((*result)->Wait().ok());
+    const int d = static_cast<int>(device);
+    results[d].assign((*result)->counts_int16(), (*result)->counts_int16() + 2);
+    stats[d] = (*result)->stats();
+  }
+  EXPECT_EQ(results[1], results[0]);
+  EXPECT_EQ(results[0], (std::vector<int16_t>{0, 32767}));
+  EXPECT_EQ(stats[1], stats[0]);
+  EXPECT_EQ(stats[0].saturated_outputs, 1u);
+}
+
+TEST(CaptureGpuDirectTest, MatchesTheCpuReference) {
+  SKIP_WITHOUT_GPU();
+  Options options;
+  options.num_layers = 4;
+  options.num_experts = 32;
+  options.max_top_k = 8;
+  options.max_direct_requests = 16;
+  options.max_finish_requests = 16;
+  std::mt19937 rng(3);
+  std::vector<std::vector<int32_t>> ids(4, std::vector<int32_t>(3000 * 8));
+  for (auto& layer : ids) {
+    for (int32_t& id : layer) id = static_cast<int32_t>(rng() % 34) - 1;
+  }
+  std::vector<int32_t> requests(3000);
+  for (int32_t& r : requests) r = static_cast<int32_t>(rng() % 20) - 2;
+  const std::vector<int32_t> finishing = {3, 0, 15, 7};
+  std::vector<int32_t> out[2], remaining[2];
+  Stats stats[2];
+  for (Device device : {Device::kCpu, Device::kCuda}) {
+    options.device = device;
+    auto capture = MustCreate(options);
+    ASSERT_NE(capture, nullptr);
+    testing::DeviceArrays arrays(device);
+    const int32_t* device_requests = arrays.Upload(requests);
+    for (int layer = 0; layer < 4; ++layer) {
+      ASSERT_TRUE(capture->RecordDirect(layer, arrays.Upload(ids[layer]), IndexType::kInt32, 8,
+                                        device_requests, IndexType::kInt32, 3000, nullptr).ok());
+    }
+    auto result = capture->FinishDirect(finishing.data(), 4, OutputType::kInt32, nullptr);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_TRUE((*result)->Wait().ok());
+    const int d = static_cast<int>(device);
+    out[d].assign((*result)->counts_int32(), (*result)->counts_int32() + 4 * 128);
+    remaining[d].resize(16 * 128);
+    ASSERT_TRUE(capture->ReadDirectCounts(0, 16, remaining[d].data(), nullptr).ok());
+    stats[d] = (*result)->stats();
+  }
+  EXPECT_EQ(out[1], out[0]);
+  EXPECT_EQ(remaining[1], remaining[0]);
+  EXPECT_EQ(stats[1], stats[0]);
+  EXPECT_GT(stats[0].bad_expert_ids, 0u);
+  EXPECT_GT(stats[0].bad_request_indices, 0u);
+  EXPECT_GT(stats[0].padding_tokens, 0u);
+}
+
+#ifdef ELDR_CAPTURE_HAVE_CUDA
+
+TEST(CaptureGpuApiTest, RejectsPageableHostPointersBeforeLaunching) {
+  SKIP_WITHOUT_GPU();
+  Options options;
+  options.device = Device::kCuda;
+  options.num_layers = 2;
+  options.num_experts = 4;
+  options.max_top_k = 2;
+  options.num_blocks = 4;
+  options.block_size = 4;
+  auto capture = MustCreate(options);
+  ASSERT_NE(capture, nullptr);
+  const std::vector<int32_t> host_ids = {0, 1};
+  const std::vector<int64_t> host_slots = {0};
+  testing::DeviceArrays arrays(Device::kCuda);
+  const absl::Status ids_status =
+      capture->Record(0, host_ids.data(), IndexType::kInt32, 2, arrays.Upload(host_slots),
+                      IndexType::kInt64, 1, 0, nullptr);
+  EXPECT_EQ(ids_status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ids_status.message(), HasSubstr("record: topk_ids is pageable host memory"));
+  const absl::Status slots_status =
+      capture->Record(0, arrays.Upload(host_ids), IndexType::kInt32, 2, host_slots.data(),
+                      IndexType::kInt64, 1, 0, nullptr);
+  EXPECT_THAT(slots_status.message(), HasSubstr("record: slot_mapping is pageable host memory"));
+  // The context is still healthy.
+  EXPECT_TRUE(capture->Record(0, arrays.Upload(host_ids), IndexType::kInt32, 2,
+                              arrays.Upload(host_slots), IndexType::kInt64, 1, 0, nullptr).ok());
+  EXPECT_EQ(capture->ReadStats(nullptr)->recorded_choices, 2u);
+}
+
+TEST(CaptureGpuApiTest, WorksOnACallerStreamAndSignalsCompletion) {
+  SKIP_WITHOUT_GPU();
+  Options options;
+  options.device = Device::kCuda;
+  options.num_layers = 1;
+  options.num_experts = 8;
+  options.max_top_k = 1;
+  options.num_blocks = 64;
+  options.block_size = 16;
+  auto capture = MustCreate(options);
+  ASSERT_NE(capture, nullptr);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  std::vector<int64_t> slots(1024);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::vector<int32_t> ids(1024);
+  for (int t = 0; t < 1024; ++t) ids[t] = t % 8;
+  testing::DeviceArrays arrays(Device::kCuda);
+  ASSERT_TRUE(capture->Record(0, arrays.Upload(ids), IndexType::kInt32, 1, arrays.Upload(slots),
+                              IndexType::kInt64, 1024, 0, stream).ok());
+  std::vector<int32_t> table(64);
+  std::iota(table.begin(), table.end(), 0);
+  const std::vector<int64_t> lengths = {1024};
+  auto result = capture->Finish(table.data(), 64, lengths.data(), 1, OutputType::kInt16, stream);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_TRUE((*result)->Wait().ok());
+  absl::StatusOr<bool> ready = (*result)->Query();
+  ASSERT_TRUE(ready.ok());
+  EXPECT_TRUE(*ready);
+  EXPECT_EQ(std::vector<int16_t>((*result)->counts_int16(), (*result)->counts_int16() + 8),
+            std::vector<int16_t>(8, 128));
+  cudaStreamDestroy(stream);
+}
+
+#endif  // ELDR_CAPTURE_HAVE_CUDA
+
+}  // namespace
+}  // namespace eldr::capture

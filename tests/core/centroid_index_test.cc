@@ -1,0 +1,652 @@
+// Tests of the centroid index: the SIMD kernels at every instruction-set level this CPU has, the
+// binary16 conversions, decisions of the exact scorer against a double-precision reference,
+// candidate recall of the FAISS reduced-space index, batched scoring, and input validation.
+#include "eldr/centroid_index.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "core/scorer_kernels.h"
+#include "eldr/errors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace eldr {
+namespace {
+
+using internal::CpuSimdLevel;
+using internal::FloatToHalf;
+using internal::HalfToFloat;
+using internal::KernelsFor;
+using internal::SimdLevel;
+using ::testing::HasSubstr;
+
+// ---- Data ---------------------------------------------------------------------------------------
+
+void Normalize(float* v, int dim) {
+  double norm2 = 0;
+  for (int i = 0; i < dim; ++i) norm2 += static_cast<double>(v[i]) * v[i];
+  const double inv = norm2 > 0 ? 1.0 / std::sqrt(norm2) : 0.0;
+  for (int i = 0; i < dim; ++i) v[i] = static_cast<float>(v[i] * inv);
+}
+
+// Unit rows with independent Gaussian entries (mixed signs).
+std::vector<float> RandomRows(int rows, int dim, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> data(static_cast<size_t>(rows) * dim);
+  for (float& v : data) v = normal(rng);
+  for (int r = 0; r < rows; ++r) Normalize(data.data() + static_cast<size_t>(r) * dim, dim);
+  return data;
+}
+
+// Signature-like clustered data: non-negative vectors. `domains` sparse-ish profiles; every
+// centroid is its domain's profile plus its own perturbation; queries are a domain profile plus
+// heavier per-request noise (a single request is noisier than a mean). Columns in `zero_columns`
+// (a fraction of all) are zero everywhere, as experts with IDF weight 0 are.
+struct Clustered {
+  int dim = 0;
+  int rows = 0;
+  std::vector<float> centroids;
+  std::vector<int> domain_of_row;
+  std::vector<std::vector<float>> profiles;
+};
+
+Clustered MakeClustered(int rows, int dim, int domains, double zero_fraction, double row_spread,
+                        std::mt19937_64& rng) {
+  Clustered c;
+  c.dim = dim;
+  c.rows = rows;
+  std::uniform_real_distribution<float> uniform(0.f, 1.f);
+  std::exponential_distribution<float> exponential(1.f);
+  std::vector<char> zero(dim, 0);
+  for (int i = 0; i < dim; ++i) zero[i] = uniform(rng) < zero_fraction;
+  for (int d = 0; d < domains; ++d) {
+    std::vector<float> profile(dim);
+    for (int i = 0; i < dim; ++i) {
+      // Each domain favours ~20% of the columns strongly.
+      const float base = exponential(rng);
+      profile[i] = zero[i] ? 0.f : (uniform(rng) < 0.2f ? 4.f * base : 0.5f * base);
+    }
+    Normalize(profile.data(), dim);
+    c.profiles.push_back(std::move(profile));
+  }
+  c.centroids.resize(static_cast<size_t>(rows) * dim);
+  for (int r = 0; r < rows; ++r) {
+    const int d = r % domains;
+    c.domain_of_row.push_back(d);
+    float* row = c.centroids.data() + static_cast<size_t>(r) * dim;
+    // Workers differ in how far they sit from their domain's profile.
+    const float spread = static_cast<float>(row_spread) * (0.5f + uniform(rng));
+    for (int i = 0; i < dim; ++i) {
+      row[i] = zero[i] ? 0.f
+                       : std::max(0.f, c.profiles[d][i] + spread * (exponential(rng) - 1.f) /
+                                                              std::sqrt(float(dim)));
+    }
+    Normalize(row, dim);
+  }
+  return c;
+}
+
+// A request near worker `row`: its centroid plus per-request noise of relative size `noise`.
+std::vector<float> QueryNear(const Clustered& c, int row, double noise, std::mt19937_64& rng) {
+  std::exponential_distribution<float> exponential(1.f);
+  std::vector<float> q(c.dim);
+  const float* centroid = c.centroids.data() + static_cast<size_t>(row) * c.dim;
+  for (int i = 0; i < c.dim; ++i) {
+    q[i] = centroid[i] == 0.f && c.profiles[c.domain_of_row[row]][i] == 0.f
+               ? 0.f
+               : std::max(0.f, centroid[i] + static_cast<float>(noise) * (exponential(rng) - 1.f) /
+                                                 std::sqrt(float(c.dim)));
+  }
+  Normalize(q.data(), c.dim);
+  return q;
+}
+
+std::vector<double> ReferenceScores(const std::vector<float>& centroids, int rows, int dim,
+                                    const float* q) {
+  std::vector<double> scores(rows);
+  for (int r = 0; r < rows; ++r) {
+    double s = 0;
+    for (int i = 0; i < dim; ++i) s += static_cast<double>(centroids[static_cast<size_t>(r) * dim + i]) * q[i];
+    scores[r] = s;
+  }
+  return scores;
+}
+
+// Compares the band an index's Search output implies with the double-precision reference band.
+// Rows within `tolerance` of the reference edge are not judged. Returns the number of rows
+// decided differently; *best_mismatch is set when the best row differs while the reference's top
+// two are more than `tolerance` apart.
+int BandMismatches(const std::vector<ScoredRow>& got, const std::vector<double>& reference,
+                   double tau, double tolerance, bool* best_mismatch) {
+  const int rows = static_cast<int>(reference.size());
+  const double ref_best = *std::max_element(reference.begin(), reference.end());
+  const double ref_edge = ref_best - tau;
+  float got_best = -1e30f;
+  int got_best_row = -1;
+  for (const ScoredRow& s : got) {
+    if (s.score > got_best) {
+      got_best = s.score;
+      got_best_row = s.row;
+    }
+  }
+  std::vector<char> in_band(rows, 0);
+  for (const ScoredRow& s : got) in_band[s.row] = s.score >= got_best - static_cast<float>(tau);
+  int mismatches = 0;
+  for (int r = 0; r < rows; ++r) {
+    if (std::fabs(reference[r] - ref_edge) <= tolerance) continue;
+    const bool ref_in = reference[r] >= ref_edge;
+    if (ref_in != static_cast<bool>(in_band[r])) ++mismatches;
+  }
+  std::vector<double> sorted = reference;
+  std::sort(sorted.rbegin(), sorted.rend());
+  const bool clear_winner = rows < 2 || sorted[0] - sorted[1] > tolerance;
+  *best_mismatch = clear_winner && reference[got_best_row] != ref_best;
+  return mismatches;
+}
+
+std::vector<SimdLevel> AvailableLevels() {
+  std::vector<SimdLevel> levels = {SimdLevel::kScalar};
+  if (static_cast<int>(CpuSimdLevel()) >= static_cast<int>(SimdLevel::kAvx2)) {
+    levels.push_back(SimdLevel::kAvx2);
+  }
+  if (CpuSimdLevel() == SimdLevel::kAvx512) levels.push_back(SimdLevel::kAvx512);
+  return levels;
+}
+
+// ---- binary16 conversions -----------------------------------------------------------------------
+
+uint32_t Bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+TEST(HalfConversionTest, RoundTripsEveryHalf) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(f)))) << h;
+      continue;
+    }
+    ASSERT_EQ(FloatToHalf(f), h) << "half 0x" << std::hex << h << " -> " << f;
+  }
+}
+
+TEST(HalfConversionTest, KnownValues) {
+  EXPECT_EQ(FloatToHalf(1.f), 0x3c00);
+  EXPECT_EQ(FloatToHalf(-2.f), 0xc000);
+  EXPECT_EQ(FloatToHalf(65504.f), 0x7bff);
+  EXPECT_EQ(FloatToHalf(65520.f), 0x7c00);  // rounds to +Inf
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.f, -24)), 0x0001);  // smallest subnormal
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.f, -26)), 0x0000);  // below half of it: rounds to 0
+  EXPECT_EQ(HalfToFloat(0x0001), std::ldexp(1.f, -24));
+  EXPECT_EQ(HalfToFloat(0x3555), 0.333251953125f);
+  // Ties go to even: 1 + 2^-11 is halfway between 1 and 1 + 2^-10.
+  EXPECT_EQ(FloatToHalf(1.f + std::ldexp(1.f, -11)), 0x3c00);
+  EXPECT_EQ(FloatToHalf(1.f + 3 * std::ldexp(1.f, -11)), 0x3c02);
+}
+
+// The hardware conversion (F16C, round to nearest even) is the reference for random floats over
+// the whole range, subnormals and overflow included.
+__attribute__((target("f16c,avx"))) uint16_t HardwareHalf(float f) {
+  return static_cast<uint16_t>(
+      _mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT), 0));
+}
+
+TEST(HalfConversionTest, MatchesHardwareOnRandomFloats) {
+  if (CpuSimdLevel() == SimdLevel::kScalar) GTEST_SKIP() << "CPU without F16C";
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> exponent(-30.f, 17.f);
+  std::uniform_real_distribution<float> mantissa(1.f, 2.f);
+  for (int i = 0; i < 200000; ++i) {
+    float f = std::ldexp(mantissa(rng), static_cast<int>(exponent(rng)));
+    if (i % 2) f = -f;
+    ASSERT_EQ(FloatToHalf(f), HardwareHalf(f)) << f << " bits 0x" << std::hex << Bits(f);
+  }
+  std::vector<float> batch(1001);
+  std::vector<uint16_t> halves(batch.size());
+  for (float& f : batch) f = std::ldexp(mantissa(rng), static_cast<int>(exponent(rng)));
+  internal::FloatsToHalves(batch.data(), batch.size(), halves.data());
+  for (size_t i = 0; i < batch.size(); ++i) ASSERT_EQ(halves[i], FloatToHalf(batch[i]));
+}
+
+// ---- Kernels ------------------------------------------------------------------------------------
+
+TEST(ScorerKernelsTest, EveryLevelMatchesDoubleReference) {
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (SimdLevel level : AvailableLevels()) {
+    const internal::ScorerKernels& kernels = KernelsFor(level);
+    ASSERT_EQ(kernels.level, level);
+    for (int dim : {0, 1, 7, 15, 16, 17, 31, 32, 33, 47, 100, 1664, 6144}) {
+      for (int n : {0, 1, 3, 4, 5, 9}) {
+        // One spare element so that rows start unaligned (offset 1).
+        std::vector<float> data(static_cast<size_t>(n) * dim + 1);
+        for (float& v : data) v = normal(rng);
+        std::vector<uint16_t> halves(data.size());
+        for (size_t i = 0; i < data.size(); ++i) halves[i] = FloatToHalf(data[i]);
+        std::vector<float> query(dim + 1);
+        for (float& v : query) v = normal(rng);
+        std::vector<const float*> f32_rows;
+        std::vector<const uint16_t*> f16_rows;
+        for (int r = 0; r < n; ++r) {
+          f32_rows.push_back(data.data() + 1 + static_cast<size_t>(r) * dim);
+          f16_rows.push_back(halves.data() + 1 + static_cast<size_t>(r) * dim);
+        }
+        std::vector<float> out32(n, -7.f), out16(n, -7.f);
+        kernels.dot_rows_f32(f32_rows.data(), n, query.data() + 1, dim, out32.data());
+        kernels.dot_rows_f16(f16_rows.data(), n, query.data() + 1, dim, out16.data());
+        for (int r = 0; r < n; ++r) {
+          double ref32 = 0, ref16 = 0, magnitude = 0;
+          for (int i = 0; i < dim; ++i) {
+            ref32 += static_cast<double>(f32_rows[r][i]) * query[1 + i];
+            ref16 += static_cast<double>(HalfToFloat(f16_rows[r][i])) * query[1 + i];
+            magnitude += std::fabs(static_cast<double>(f32_rows[r][i]) * query[1 + i]);
+          }
+          // gamma_n * sum |products|, with the accumulation depth the kernels promise.
+          const double tolerance =
+              internal::AccumulationDepth(dim) * std::ldexp(1.0, -24) * magnitude * 1.01 + 1e-30;
+          EXPECT_NEAR(out32[r], ref32, tolerance)
+              << SimdLevelName(level) << " dim " << dim << " n " << n << " row " << r;
+          EXPECT_NEAR(out16[r], ref16, tolerance)
+              << SimdLevelName(level) << " dim " << dim << " n " << n << " row " << r;
+        }
+      }
+    }
+  }
+}
+
+TEST(ScorerKernelsTest, LevelNamesAndDetection) {
+  EXPECT_EQ(internal::SimdLevelName(SimdLevel::kScalar), "scalar");
+  EXPECT_EQ(internal::SimdLevelName(SimdLevel::kAvx2), "avx2");
+  EXPECT_EQ(internal::SimdLevelName(SimdLevel::kAvx512), "avx512");
+  EXPECT_LE(static_cast<int>(internal::DetectSimdLevel()), static_cast<int>(CpuSimdLevel()));
+  // Asking for more than the CPU has is clamped.
+  EXPECT_LE(static_cast<int>(KernelsFor(SimdLevel::kAvx512).level),
+            static_cast<int>(CpuSimdLevel()));
+}
+
+// ---- Exact scorer: decisions against the double-precision reference -----------------------------
+
+struct DecisionCase {
+  const char* name;
+  bool clustered;
+  int rows;
+  int dim;
+};
+
+TEST(ExactIndexTest, DecidesAsDoubleReferenceExceptNearTheEdge) {
+  const DecisionCase cases[] = {
+      {"random", false, 16, 1664}, {"random", false, 37, 300},  {"clustered", true, 16, 6144},
+      {"clustered", true, 64, 1664}, {"clustered", true, 8, 6144},
+  };
+  std::mt19937_64 rng(2024);
+  int judged_queries = 0;
+  for (const DecisionCase& c : cases) {
+    Clustered data;
+    if (c.clustered) {
+      data = MakeClustered(c.rows, c.dim, /*domains=*/4, /*zero_fraction=*/0.4, /*row_spread=*/3.0,
+                           rng);
+    } else {
+      data.dim = c.dim;
+      data.rows = c.rows;
+      data.centroids = RandomRows(c.rows, c.dim, rng);
+    }
+    for (double tau : {0.0, 0.05, 0.1, 0.3}) {
+      for (bool half : {true, false}) {
+        CentroidIndexOptions options;
+        options.half_precision = half;
+        options.band_tau = tau;
+        auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, c.rows,
+                                              c.dim, options);
+        ASSERT_TRUE(index.ok()) << index.status();
+        EXPECT_EQ((*index)->kind(), half ? "exact_fp16" : "exact");
+        std::vector<ScoredRow> got;
+        for (int k = 0; k < 60; ++k) {
+          std::vector<float> q = c.clustered ? QueryNear(data, static_cast<int>(rng() % data.rows), 0.5, rng)
+                                             : RandomRows(1, c.dim, rng);
+          ASSERT_TRUE((*index)->Search(q, &got).ok());
+          ASSERT_EQ(got.size(), static_cast<size_t>(c.rows));
+          std::vector<double> reference = ReferenceScores(data.centroids, c.rows, c.dim, q.data());
+          bool best_mismatch = false;
+          const int mismatches = BandMismatches(got, reference, tau, 1e-4, &best_mismatch);
+          EXPECT_EQ(mismatches, 0) << c.name << " " << c.rows << "x" << c.dim << " tau " << tau
+                                   << " half " << half << " query " << k;
+          EXPECT_FALSE(best_mismatch) << c.name << " tau " << tau << " query " << k;
+          // Every score is within the fp16 bound of the reference (1e-3 for unit vectors).
+          for (const ScoredRow& s : got) EXPECT_NEAR(s.score, reference[s.row], half ? 1e-3 : 1e-5);
+          ++judged_queries;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(judged_queries, 5 * 4 * 2 * 60);
+}
+
+// A row placed 1.5e-4 above the band edge whose half-precision score falls below it: the rounding
+// errors of 16 coordinates add up coherently (-2.4e-4). Refinement must put it back in the band.
+TEST(ExactIndexTest, RefinementRescuesRowsThatHalfPrecisionMisplaces) {
+  const int dim = 64;
+  std::vector<float> q(dim, 0.f);
+  for (int i = 0; i < 16; ++i) q[i] = 0.25f;  // unit norm
+  auto make_row = [&](float value) {
+    std::vector<float> row(dim, 0.f);
+    for (int i = 0; i < 16; ++i) row[i] = value;
+    const float rest = std::sqrt((1.f - 16 * value * value) / (dim - 16));
+    for (int i = 16; i < dim; ++i) row[i] = rest;
+    return row;
+  };
+  const float best_value = 0.2249755859375f;  // exact in binary16: best score 0.89990234375
+  const double best_score = 16 * 0.25 * static_cast<double>(best_value);
+  const double tau = 0.1;
+  // 6e-5 above a binary16 grid point (half the spacing there is 6.1e-5): rounds down by 6e-5.
+  const float edge_value = 0.199951171875f + 6.0e-5f;
+  ASSERT_LT(HalfToFloat(FloatToHalf(edge_value)), edge_value - 5e-5f) << "setup: must round down";
+  std::vector<float> centroids;
+  for (float v : {best_value, edge_value, 0.15f}) {
+    std::vector<float> row = make_row(v);
+    centroids.insert(centroids.end(), row.begin(), row.end());
+  }
+  const std::vector<double> reference = ReferenceScores(centroids, 3, dim, q.data());
+  ASSERT_GT(reference[1] - (reference[0] - tau), 1e-4);
+  ASSERT_LT(reference[1] - (reference[0] - tau), 2e-4);
+
+  // Without refinement at this edge (index tuned for another tau), half precision misplaces row 1.
+  CentroidIndexOptions other_tau;
+  other_tau.band_tau = 0.3;
+  auto unrefined = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, centroids, 3, dim, other_tau);
+  ASSERT_TRUE(unrefined.ok());
+  std::vector<ScoredRow> got;
+  ASSERT_TRUE((*unrefined)->Search(q, &got).ok());
+  ASSERT_LT(got[1].score, got[0].score - tau) << "setup: half precision must misplace row 1";
+
+  CentroidIndexOptions options;
+  options.band_tau = tau;
+  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, centroids, 3, dim, options);
+  ASSERT_TRUE(index.ok());
+  ASSERT_TRUE((*index)->Search(q, &got).ok());
+  EXPECT_GE(got[1].score, got[0].score - tau);
+  EXPECT_NEAR(got[1].score, reference[1], 1e-6);
+  bool best_mismatch = false;
+  EXPECT_EQ(BandMismatches(got, reference, tau, 1e-4, &best_mismatch), 0);
+  EXPECT_FALSE(best_mismatch);
+}
+
+TEST(ExactIndexTest, DropsAllZeroColumnsWithoutChangingScores) {
+  std::mt19937_64 rng(5);
+  Clustered data = MakeClustered(12, 512, 3, /*zero_fraction=*/0.6, 3.0, rng);
+  CentroidIndexOptions options;
+  options.half_precision = false;
+  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, 12, 512, options);
+  ASSERT_TRUE(index.ok());
+  // A query with mass on the dropped columns: they must not contribute.
+  std::vector<float> q = RandomRows(1, 512, rng);
+  std::vector<ScoredRow> got;
+  ASSERT_TRUE((*index)->Search(q, &got).ok());
+  const std::vector<double> reference = ReferenceScores(data.centroids, 12, 512, q.data());
+  for (const ScoredRow& s : got) EXPECT_NEAR(s.score, reference[s.row], 1e-5);
+  std::vector<float> batch(12);
+  ASSERT_TRUE((*index)->ScoreBatch(q, 1, absl::MakeSpan(batch)).ok());
+  for (int r = 0; r < 12; ++r) EXPECT_NEAR(batch[r], reference[r], 1e-5);
+}
+
+TEST(ExactIndexTest, ConcurrentSearchesAgree) {
+  std::mt19937_64 rng(9);
+  Clustered data = MakeClustered(16, 1664, 4, 0.3, 3.0, rng);
+  auto index = BuildCentroidIndex(data.centroids, 16, 1664, CentroidIndexOptions());
+  ASSERT_TRUE(index.ok());
+  std::vector<std::vector<float>> queries;
+  std::vector<std::vector<ScoredRow>> expected(32);
+  for (int k = 0; k < 32; ++k) {
+    queries.push_back(QueryNear(data, static_cast<int>(rng() % data.rows), 0.5, rng));
+    ASSERT_TRUE((*index)->Search(queries[k], &expected[k]).ok());
+  }
+  std::vector<int> failures(4, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<ScoredRow> got;
+      for (int round = 0; round < 50; ++round) {
+        for (int k = 0; k < 32; ++k) {
+          if (!(*index)->Search(queries[k], &got).ok()) ++failures[t];
+          for (size_t i = 0; i < got.size(); ++i) {
+            if (got[i].row != expected[k][i].row || got[i].score != expected[k][i].score) {
+              ++failures[t];
+            }
+          }
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_THAT(failures, ::testing::Each(0));
+}
+
+// ---- Large pools --------------------------------------------------------------------------------
+
+struct RecallStats {
+  int queries = 0;
+  int best_found = 0;
+  int band_matches = 0;
+  double mean_band = 0;
+};
+
+RecallStats MeasureRecall(const CentroidIndex& index, const Clustered& data, double tau,
+                          int queries, std::mt19937_64& rng) {
+  RecallStats stats;
+  std::vector<ScoredRow> got;
+  for (int k = 0; k < queries; ++k) {
+    std::vector<float> q = QueryNear(data, static_cast<int>(rng() % data.rows), 0.5, rng);
+    EXPECT_TRUE(index.Search(q, &got).ok());
+    const std::vector<double> reference =
+        ReferenceScores(data.centroids, data.rows, data.dim, q.data());
+    const int best = static_cast<int>(std::max_element(reference.begin(), reference.end()) -
+                                      reference.begin());
+    bool found = false;
+    for (const ScoredRow& s : got) {
+      found |= s.row == best;
+      EXPECT_NEAR(s.score, reference[s.row], 1e-3) << "candidates are re-scored exactly";
+    }
+    bool best_mismatch = false;
+    const int mismatches = BandMismatches(got, reference, tau, 1e-4, &best_mismatch);
+    const double edge = reference[best] - tau;
+    stats.mean_band += std::count_if(reference.begin(), reference.end(),
+                                      [edge](double s) { return s >= edge; });
+    ++stats.queries;
+    stats.best_found += found;
+    stats.band_matches += mismatches == 0 && !best_mismatch;
+  }
+  stats.mean_band /= std::max(1, stats.queries);
+  std::printf("%s: %d queries, best among candidates %d, band as exact %d, mean band %.1f rows\n",
+              std::string(index.kind()).c_str(), stats.queries, stats.best_found,
+              stats.band_matches, stats.mean_band);
+  return stats;
+}
+
+// Hundreds of workers in a handful of domains, each worker its own sub-cluster.
+Clustered LargePool(int rows, int dim, std::mt19937_64& rng) {
+  return MakeClustered(rows, dim, /*domains=*/512, /*zero_fraction=*/0.4, /*row_spread=*/0.5, rng);
+}
+
+TEST(ReducedIndexTest, FlatCandidatesContainTheBestAndTheBand) {
+  std::mt19937_64 rng(77);
+  const Clustered data = LargePool(512, 1664, rng);
+  CentroidIndexOptions options;
+  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, data.rows,
+                                        data.dim, options);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ((*index)->kind(), "faiss_pca_flat");
+  EXPECT_EQ((*index)->rows(), 512);
+  EXPECT_EQ((*index)->dim(), 1664);
+  const RecallStats stats = MeasureRecall(**index, data, 0.1, 300, rng);
+  RecordProperty("best_found", stats.best_found);
+  RecordProperty("band_matches", stats.band_matches);
+  EXPECT_EQ(stats.best_found, stats.queries);
+  EXPECT_GE(stats.band_matches, 0.95 * stats.queries) << "mean band " << stats.mean_band;
+}
+
+TEST(ReducedIndexTest, HnswCandidatesContainTheBest) {
+  std::mt19937_64 rng(78);
+  const Clustered data = LargePool(512, 1664, rng);
+  CentroidIndexOptions options;
+  options.use_hnsw = true;
+  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, data.rows,
+                                        data.dim, options);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ((*index)->kind(), "faiss_pca_hnsw");
+  const RecallStats stats = MeasureRecall(**index, data, 0.1, 300, rng);
+  EXPECT_GE(stats.best_found, 0.98 * stats.queries);
+  EXPECT_GE(stats.band_matches, 0.9 * stats.queries) << "mean band " << stats.mean_band;
+}
+
+TEST(ReducedIndexTest, SmallPoolsAndFewRowsStillWork) {
+  // Fewer rows than reduced_dims and candidates: every row is a candidate, so the result is exact.
+  std::mt19937_64 rng(79);
+  const Clustered data = MakeClustered(6, 256, 2, 0.0, 3.0, rng);
+  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, 6, 256,
+                                        CentroidIndexOptions());
+  ASSERT_TRUE(index.ok()) << index.status();
+  std::vector<float> q = QueryNear(data, 1, 0.5, rng);
+  std::vector<ScoredRow> got;
+  ASSERT_TRUE((*index)->Search(q, &got).ok());
+  ASSERT_EQ(got.size(), 6u);
+  const std::vector<double> reference = ReferenceScores(data.centroids, 6, 256, q.data());
+  for (const ScoredRow& s : got) EXPECT_NEAR(s.score, reference[s.row], 1e-3);
+}
+
+TEST(BuildCentroidIndexTest, PicksTheImplementationByPoolSize) {
+  std::mt19937_64 rng(3);
+  const std::vector<float> centroids = RandomRows(40, 128, rng);
+  CentroidIndexOptions options;
+  options.large_pool_min_rows = 40;
+  auto large = BuildCentroidIndex(centroids, 40, 128, options);
+  ASSERT_TRUE(large.ok());
+  EXPECT_EQ((*large)->kind(), "faiss_pca_flat");
+  options.large_pool_min_rows = 41;
+  auto small = BuildCentroidIndex(centroids, 40, 128, options);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ((*small)->kind(), "exact_fp16");
+  options.half_precision = false;
+  auto small32 = BuildCentroidIndex(centroids, 40, 128, options);
+  ASSERT_TRUE(small32.ok());
+  EXPECT_EQ((*small32)->kind(), "exact");
+  EXPECT_GE(CentroidIndexOptions().large_pool_min_rows, 2);
+}
+
+// ---- Batches ------------------------------------------------------------------------------------
+
+TEST(ScoreBatchTest, MatchesReferenceForBothImplementations) {
+  std::mt19937_64 rng(13);
+  const Clustered data = MakeClustered(150, 700, 5, 0.3, 6.0, rng);
+  const int n = 23;
+  std::vector<float> queries;
+  for (int k = 0; k < n; ++k) {
+    std::vector<float> q = QueryNear(data, k % data.rows, 0.5, rng);
+    queries.insert(queries.end(), q.begin(), q.end());
+  }
+  for (CentroidIndexKind kind : {CentroidIndexKind::kExact, CentroidIndexKind::kFaissReduced}) {
+    auto index = BuildCentroidIndexOfKind(kind, data.centroids, data.rows, data.dim,
+                                          CentroidIndexOptions());
+    ASSERT_TRUE(index.ok()) << index.status();
+    std::vector<float> scores(static_cast<size_t>(n) * data.rows);
+    ASSERT_TRUE((*index)->ScoreBatch(queries, n, absl::MakeSpan(scores)).ok());
+    for (int k = 0; k < n; ++k) {
+      const std::vector<double> reference =
+          ReferenceScores(data.centroids, data.rows, data.dim, queries.data() + k * data.dim);
+      for (int r = 0; r < data.rows; ++r) {
+        ASSERT_NEAR(scores[static_cast<size_t>(k) * data.rows + r], reference[r], 2e-5)
+            << (*index)->kind() << " query " << k << " row " << r;
+      }
+    }
+    // Empty batch.
+    EXPECT_TRUE((*index)->ScoreBatch({}, 0, {}).ok());
+  }
+}
+
+TEST(ScoreAllPairsTest, ComputesRowMajorProducts) {
+  const std::vector<float> a = {1, 2, 3, 4, 5, 6};        // 2 x 3
+  const std::vector<float> b = {1, 0, 0, 0, 1, 1, 2, 2, 2, 0, 0, 0};  // 4 x 3
+  std::vector<float> c(8, -1.f);
+  ScoreAllPairs(a, 2, b, 4, 3, absl::MakeSpan(c));
+  EXPECT_THAT(c, ::testing::ElementsAre(1, 5, 12, 0, 4, 11, 30, 0));
+  std::vector<float> zero_dim(4, -1.f);
+  ScoreAllPairs({}, 2, {}, 2, 0, absl::MakeSpan(zero_dim));
+  EXPECT_THAT(zero_dim, ::testing::Each(0.f));
+}
+
+// ---- Validation ---------------------------------------------------------------------------------
+
+TEST(CentroidIndexValidationTest, RejectsBadBuildInput) {
+  const std::vector<float> four(4, 0.5f);
+  auto wrong_size = BuildCentroidIndex(four, 2, 3, CentroidIndexOptions());
+  EXPECT_EQ(wrong_size.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RejectReasonOf(wrong_size.status()), RejectReason::kGeometry);
+  EXPECT_THAT(wrong_size.status().message(), HasSubstr("need 6 values, got 4"));
+
+  EXPECT_EQ(RejectReasonOf(BuildCentroidIndex({}, 0, 4, CentroidIndexOptions()).status()),
+            RejectReason::kGeometry);
+  EXPECT_EQ(RejectReasonOf(BuildCentroidIndex({}, 1, 0, CentroidIndexOptions()).status()),
+            RejectReason::kGeometry);
+  EXPECT_EQ(BuildCentroidIndex({}, 1 << 20, 1 << 20, CentroidIndexOptions()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  std::vector<float> nan = four;
+  nan[3] = std::nanf("");
+  auto non_finite = BuildCentroidIndex(nan, 2, 2, CentroidIndexOptions());
+  EXPECT_EQ(RejectReasonOf(non_finite.status()), RejectReason::kNonFinite);
+  EXPECT_THAT(non_finite.status().message(), HasSubstr("row 1, column 1"));
+
+  for (auto mutate : std::vector<void (*)(CentroidIndexOptions&)>{
+           [](CentroidIndexOptions& o) { o.large_pool_min_rows = 0; },
+           [](CentroidIndexOptions& o) { o.reduced_dims = 0; },
+           [](CentroidIndexOptions& o) { o.candidates = 0; },
+           [](CentroidIndexOptions& o) { o.band_tau = -0.1; },
+           [](CentroidIndexOptions& o) { o.band_tau = std::nan(""); },
+           [](CentroidIndexOptions& o) { o.hnsw_neighbors = 1; },
+       }) {
+    CentroidIndexOptions options;
+    mutate(options);
+    auto built = BuildCentroidIndex(four, 2, 2, options);
+    EXPECT_EQ(built.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(built.status().message(), HasSubstr("CentroidIndexOptions."));
+  }
+}
+
+TEST(CentroidIndexValidationTest, RejectsBadQueries) {
+  std::mt19937_64 rng(1);
+  const std::vector<float> centroids = RandomRows(8, 32, rng);
+  for (CentroidIndexKind kind : {CentroidIndexKind::kExact, CentroidIndexKind::kFaissReduced}) {
+    auto index = BuildCentroidIndexOfKind(kind, centroids, 8, 32, CentroidIndexOptions());
+    ASSERT_TRUE(index.ok());
+    std::vector<ScoredRow> got;
+    const std::vector<float> short_query(31, 0.1f);
+    const absl::Status status = (*index)->Search(short_query, &got);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(RejectReasonOf(status), RejectReason::kGeometry);
+    EXPECT_THAT(status.message(), HasSubstr("31 values"));
+
+    std::vector<float> scores(8);
+    EXPECT_EQ(RejectReasonOf((*index)->ScoreBatch(short_query, 1, absl::MakeSpan(scores))),
+              RejectReason::kGeometry);
+    const std::vector<float> one(32, 0.1f);
+    std::vector<float> too_few(7);
+    EXPECT_EQ(RejectReasonOf((*index)->ScoreBatch(one, 1, absl::MakeSpan(too_few))),
+              RejectReason::kGeometry);
+    EXPECT_EQ(RejectReasonOf((*index)->ScoreBatch(one, -1, absl::MakeSpan(scores))),
+              RejectReason::kGeometry);
+  }
+}
+
+}  // namespace
+}  // namespace eldr

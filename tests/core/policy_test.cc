@@ -1,0 +1,273 @@
+#include "eldr/policy.h"
+
+#include <map>
+#include <set>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace eldr {
+namespace {
+
+std::vector<WorkerLoadView> Loads(const std::vector<double>& loads) {
+  std::vector<WorkerLoadView> views;
+  for (double load : loads) {
+    WorkerLoadView view;
+    view.load = load;
+    views.push_back(view);
+  }
+  return views;
+}
+
+PolicyDecision PickEldr(RoutingPolicy& policy, const std::vector<WorkerLoadView>& workers,
+                        const std::vector<ScoredRow>& scores, double tau) {
+  PolicyInput input;
+  input.workers = workers;
+  input.scores = scores;
+  input.tau = tau;
+  return policy.Pick(input);
+}
+
+TEST(PolicyNamesTest, ParseAndName) {
+  for (PolicyKind kind : {PolicyKind::kEldr, PolicyKind::kRoundRobin, PolicyKind::kRandom,
+                          PolicyKind::kJsq, PolicyKind::kP2c}) {
+    EXPECT_EQ(*ParsePolicyKind(PolicyKindName(kind)), kind);
+    EXPECT_EQ(MakePolicy(kind, 1)->kind(), kind);
+  }
+  EXPECT_EQ(PolicyKindName(PolicyKind::kRoundRobin), "rr");
+  EXPECT_FALSE(ParsePolicyKind("least_loaded").ok());
+  EXPECT_EQ(FallbackReasonLabel(FallbackReason::kNone), "");
+  EXPECT_EQ(FallbackReasonLabel(FallbackReason::kOverload), "overload");
+  EXPECT_EQ(FallbackReasonLabel(FallbackReason::kNoEligibleCentroid), "no_eligible_centroid");
+  EXPECT_EQ(FallbackReasonLabel(FallbackReason::kAllUnhealthy), "all_unhealthy");
+}
+
+// ---- eldr ----------------------------------------------------------------------------------------
+
+TEST(EldrPolicyTest, BandThenLeastLoaded) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  // Scores 0.90, 0.85, 0.70, 0.88; tau 0.1 -> band {0, 1, 3}; worker 1 is least loaded in it,
+  // worker 2 is even less loaded but outside the band.
+  const auto workers = Loads({5, 2, 0, 3});
+  const std::vector<ScoredRow> scores = {{0, 0.90f}, {1, 0.85f}, {2, 0.70f}, {3, 0.88f}};
+  const PolicyDecision d = PickEldr(*policy, workers, scores, 0.1);
+  EXPECT_EQ(d.worker, 1);
+  EXPECT_EQ(d.band_size, 3);
+  EXPECT_FLOAT_EQ(d.best_similarity, 0.90f);
+  EXPECT_EQ(d.fallback, FallbackReason::kNone);
+  EXPECT_EQ(d.used, PolicyKind::kEldr);
+}
+
+TEST(EldrPolicyTest, TauZeroIsPureLocality) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  const auto workers = Loads({100, 0, 0});
+  const std::vector<ScoredRow> scores = {{0, 0.91f}, {1, 0.90f}, {2, 0.2f}};
+  const PolicyDecision d = PickEldr(*policy, workers, scores, 0.0);
+  EXPECT_EQ(d.worker, 0);
+  EXPECT_EQ(d.band_size, 1);
+}
+
+TEST(EldrPolicyTest, TauOneIsPureLoadBalance) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  const auto workers = Loads({4, 9, 1, 7});
+  const std::vector<ScoredRow> scores = {{0, 0.99f}, {1, 0.5f}, {2, 0.0f}, {3, 0.3f}};
+  const PolicyDecision d = PickEldr(*policy, workers, scores, 1.0);
+  EXPECT_EQ(d.worker, 2);
+  EXPECT_EQ(d.band_size, 4);
+}
+
+TEST(EldrPolicyTest, CapacityWeightsDivideLoad) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  auto workers = Loads({6, 4});
+  workers[0].capacity = 3;  // 6 / 3 = 2 < 4 / 1
+  const std::vector<ScoredRow> scores = {{0, 0.8f}, {1, 0.8f}};
+  EXPECT_EQ(PickEldr(*policy, workers, scores, 0.1).worker, 0);
+  workers[0].capacity = 1;
+  EXPECT_EQ(PickEldr(*policy, workers, scores, 0.1).worker, 1);
+}
+
+TEST(EldrPolicyTest, IneligibleCandidatesDoNotSetTheBest) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  auto workers = Loads({0, 3, 1});
+  workers[0].eligible = false;  // best score but draining
+  const std::vector<ScoredRow> scores = {{0, 0.99f}, {1, 0.60f}, {2, 0.45f}};
+  const PolicyDecision d = PickEldr(*policy, workers, scores, 0.1);
+  EXPECT_EQ(d.worker, 1);
+  EXPECT_FLOAT_EQ(d.best_similarity, 0.60f);
+  EXPECT_EQ(d.band_size, 1);
+}
+
+TEST(EldrPolicyTest, BandMemberAtLimitLeavesTheBand) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  auto workers = Loads({1, 3, 0});
+  workers[0].max_inflight = 1;  // at its limit
+  const std::vector<ScoredRow> scores = {{0, 0.9f}, {1, 0.85f}, {2, 0.1f}};
+  const PolicyDecision d = PickEldr(*policy, workers, scores, 0.1);
+  EXPECT_EQ(d.worker, 1);
+  EXPECT_EQ(d.fallback, FallbackReason::kNone);
+  EXPECT_EQ(d.band_size, 2);
+}
+
+TEST(EldrPolicyTest, OverloadSpillsToLeastLoadedOverall) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  auto workers = Loads({4, 4, 6, 5});
+  workers[0].max_inflight = 4;
+  workers[1].max_inflight = 4;
+  const std::vector<ScoredRow> scores = {{0, 0.9f}, {1, 0.88f}, {2, 0.1f}, {3, 0.2f}};
+  const PolicyDecision d = PickEldr(*policy, workers, scores, 0.1);
+  EXPECT_EQ(d.fallback, FallbackReason::kOverload);
+  EXPECT_EQ(d.used, PolicyKind::kJsq);
+  EXPECT_EQ(d.worker, 3);  // least loaded below its limit (5 < 6)
+  EXPECT_EQ(d.band_size, 2);
+  // Everyone at the limit: the request still goes to the least loaded.
+  workers[2].max_inflight = 6;
+  workers[3].max_inflight = 5;
+  workers[0].load = 7;
+  workers[0].max_inflight = 4;
+  const PolicyDecision all = PickEldr(*policy, workers, scores, 0.1);
+  EXPECT_EQ(all.fallback, FallbackReason::kOverload);
+  EXPECT_EQ(all.worker, 1);
+}
+
+TEST(EldrPolicyTest, NoScoresFallsBackToJsqWithCallersReason) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  const auto workers = Loads({3, 1, 2});
+  for (FallbackReason reason : {FallbackReason::kNoSignature, FallbackReason::kZeroSignature,
+                                FallbackReason::kNoCentroids}) {
+    PolicyInput input;
+    input.workers = workers;
+    input.no_scores_reason = reason;
+    const PolicyDecision d = policy->Pick(input);
+    EXPECT_EQ(d.worker, 1);
+    EXPECT_EQ(d.fallback, reason);
+    EXPECT_EQ(d.used, PolicyKind::kJsq);
+    EXPECT_EQ(d.band_size, 0);
+    EXPECT_EQ(d.best_similarity, 0.f);
+  }
+}
+
+TEST(EldrPolicyTest, NoEligibleCandidateFallsBack) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  auto workers = Loads({0, 5, 2});
+  workers[0].eligible = false;
+  const std::vector<ScoredRow> scores = {{0, 0.9f}};
+  const PolicyDecision d = PickEldr(*policy, workers, scores, 0.1);
+  EXPECT_EQ(d.fallback, FallbackReason::kNoEligibleCentroid);
+  EXPECT_EQ(d.worker, 2);
+}
+
+TEST(EldrPolicyTest, TiesAreRandomButReproducibleForASeed) {
+  const auto workers = Loads({1, 1, 1, 1});
+  const std::vector<ScoredRow> scores = {{0, 0.5f}, {1, 0.5f}, {2, 0.5f}, {3, 0.5f}};
+  auto run = [&](uint64_t seed) {
+    auto policy = MakePolicy(PolicyKind::kEldr, seed);
+    std::vector<int> picks;
+    for (int i = 0; i < 400; ++i) picks.push_back(PickEldr(*policy, workers, scores, 0.0).worker);
+    return picks;
+  };
+  const std::vector<int> a = run(42);
+  EXPECT_EQ(a, run(42));
+  EXPECT_NE(a, run(43));
+  std::map<int, int> histogram;
+  for (int w : a) ++histogram[w];
+  ASSERT_EQ(histogram.size(), 4u);
+  for (const auto& [worker, count] : histogram) EXPECT_GT(count, 60) << worker;  // ~100 each
+}
+
+TEST(EldrPolicyTest, NoEligibleWorkerAtAll) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  auto workers = Loads({0, 0});
+  workers[0].eligible = workers[1].eligible = false;
+  const std::vector<ScoredRow> scores = {{0, 0.9f}};
+  EXPECT_EQ(PickEldr(*policy, workers, scores, 0.1).worker, -1);
+}
+
+// ---- Baselines ----------------------------------------------------------------------------------
+
+TEST(RoundRobinPolicyTest, CyclesAndSkipsIneligible) {
+  auto policy = MakePolicy(PolicyKind::kRoundRobin, 1);
+  auto workers = Loads({0, 0, 0, 0});
+  workers[2].eligible = false;
+  PolicyInput input;
+  input.workers = workers;
+  std::vector<int> picks;
+  for (int i = 0; i < 7; ++i) picks.push_back(policy->Pick(input).worker);
+  EXPECT_EQ(picks, (std::vector<int>{0, 1, 3, 0, 1, 3, 0}));
+  EXPECT_EQ(policy->Pick(input).used, PolicyKind::kRoundRobin);
+  for (auto& w : workers) w.eligible = false;
+  EXPECT_EQ(policy->Pick(input).worker, -1);
+}
+
+TEST(RandomPolicyTest, UniformOverEligibleAndSeeded) {
+  auto workers = Loads({0, 0, 0, 0});
+  workers[1].eligible = false;
+  PolicyInput input;
+  input.workers = workers;
+  auto policy = MakePolicy(PolicyKind::kRandom, 7);
+  auto again = MakePolicy(PolicyKind::kRandom, 7);
+  std::map<int, int> histogram;
+  for (int i = 0; i < 3000; ++i) {
+    const int w = policy->Pick(input).worker;
+    EXPECT_EQ(w, again->Pick(input).worker);
+    ++histogram[w];
+  }
+  EXPECT_EQ(histogram.count(1), 0u);
+  for (int w : {0, 2, 3}) EXPECT_NEAR(histogram[w], 1000, 150) << w;
+}
+
+TEST(JsqPolicyTest, LeastLoadPerCapacityWithRandomTies) {
+  auto policy = MakePolicy(PolicyKind::kJsq, 3);
+  auto workers = Loads({3, 2, 2, 5});
+  workers[3].capacity = 4;  // 1.25 per capacity
+  PolicyInput input;
+  input.workers = workers;
+  EXPECT_EQ(policy->Pick(input).worker, 3);
+  workers[3].capacity = 1;
+  std::set<int> seen;
+  for (int i = 0; i < 200; ++i) seen.insert(policy->Pick(input).worker);
+  EXPECT_EQ(seen, (std::set<int>{1, 2}));
+  workers[1].eligible = false;
+  EXPECT_EQ(policy->Pick(input).worker, 2);
+}
+
+TEST(P2cPolicyTest, TwoDistinctCandidatesLessLoadedWins) {
+  // With four workers of distinct loads, p2c never picks the most loaded one (it would need to be
+  // drawn twice), and picks the least loaded one exactly when it is drawn: 1/2 of the time.
+  auto workers = Loads({0, 1, 2, 3});
+  PolicyInput input;
+  input.workers = workers;
+  auto policy = MakePolicy(PolicyKind::kP2c, 5);
+  std::map<int, int> histogram;
+  const int n = 6000;
+  for (int i = 0; i < n; ++i) ++histogram[policy->Pick(input).worker];
+  EXPECT_EQ(histogram[3], 0);
+  EXPECT_NEAR(histogram[0], n / 2, 300);
+  EXPECT_NEAR(histogram[1], n / 3, 300);
+  EXPECT_NEAR(histogram[2], n / 6, 300);
+}
+
+TEST(P2cPolicyTest, RespectsEligibilityAndCapacity) {
+  auto workers = Loads({0, 8, 9});
+  workers[0].eligible = false;
+  workers[2].capacity = 3;  // 3 per capacity < 8
+  PolicyInput input;
+  input.workers = workers;
+  auto policy = MakePolicy(PolicyKind::kP2c, 5);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(policy->Pick(input).worker, 2);
+  workers[1].eligible = false;
+  EXPECT_EQ(policy->Pick(input).worker, 2);  // a single eligible worker
+  workers[2].eligible = false;
+  EXPECT_EQ(policy->Pick(input).worker, -1);
+}
+
+TEST(P2cPolicyTest, ReproducibleForASeed) {
+  const auto workers = Loads({1, 1, 2, 2, 3});
+  PolicyInput input;
+  input.workers = workers;
+  auto a = MakePolicy(PolicyKind::kP2c, 99);
+  auto b = MakePolicy(PolicyKind::kP2c, 99);
+  for (int i = 0; i < 500; ++i) EXPECT_EQ(a->Pick(input).worker, b->Pick(input).worker);
+}
+
+}  // namespace
+}  // namespace eldr

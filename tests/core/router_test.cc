@@ -1,0 +1,491 @@
+#include "eldr/router.h"
+
+#include <atomic>
+#include <iostream>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "eldr/errors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace eldr {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kLayers = 2;
+constexpr int kExperts = 4;
+const absl::Time kT0 = absl::FromUnixSeconds(1700000000);
+
+WorkerSpec Worker(const std::string& id, double capacity = 1, int64_t max_inflight = 0) {
+  WorkerSpec spec;
+  spec.id = id;
+  spec.address = absl::StrCat(id, ".decode:8000");
+  spec.capacity = capacity;
+  spec.max_inflight = max_inflight;
+  return spec;
+}
+
+// Row i is hot on expert i in both layers (count variant, all layers, dim 8).
+CentroidArtifact Artifact(int k, std::vector<std::string> workers = {}) {
+  CentroidArtifact artifact;
+  artifact.spec.layers = kLayers;
+  artifact.spec.experts = kExperts;
+  artifact.spec.variant = SignatureVariant::kCount;
+  artifact.k = k;
+  artifact.centroids.assign(static_cast<size_t>(k) * kLayers * kExperts, 0.f);
+  for (int r = 0; r < k; ++r) {
+    const int expert = r % kExperts;
+    artifact.centroids[r * 8 + expert] = static_cast<float>(M_SQRT1_2);
+    artifact.centroids[r * 8 + 4 + expert] = static_cast<float>(M_SQRT1_2);
+  }
+  artifact.workers = std::move(workers);
+  artifact.model = "test";
+  return artifact;
+}
+
+// Counts that choose `expert` in both layers, plus a little of the next expert.
+std::vector<int32_t> Counts(int expert, int32_t hot = 10, int32_t side = 1) {
+  std::vector<int32_t> counts(kLayers * kExperts, 0);
+  for (int l = 0; l < kLayers; ++l) {
+    counts[l * kExperts + expert] = hot;
+    counts[l * kExperts + (expert + 1) % kExperts] += side;
+  }
+  return counts;
+}
+
+std::unique_ptr<Router> MakeRouter(std::vector<WorkerSpec> workers, RouterOptions options = {}) {
+  absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(std::move(options), std::move(workers));
+  EXPECT_TRUE(router.ok()) << router.status();
+  return *std::move(router);
+}
+
+TEST(RouterCreateTest, ValidatesOptionsAndWorkers) {
+  RouterOptions options;
+  options.tau = 1.5;
+  EXPECT_EQ(Router::Create(options, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  options.tau = std::nan("");
+  EXPECT_EQ(Router::Create(options, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  options = {};
+  options.load.lease_ttl = absl::ZeroDuration();
+  EXPECT_EQ(Router::Create(options, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(Router::Create({}, {Worker("a"), Worker("a")}).status().message()),
+              HasSubstr("duplicate worker id 'a'"));
+  EXPECT_EQ(Router::Create({}, {Worker("")}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Router::Create({}, {Worker("a", 0)}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Router::Create({}, {Worker("a", 1, -1)}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Router::Create({}, {}).ok());
+}
+
+TEST(RouterTest, FallsBackWithoutCentroidsOrSignature) {
+  auto router = MakeRouter({Worker("a"), Worker("b")});
+  const std::vector<int32_t> counts = Counts(1);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  absl::StatusOr<RouteResult> no_centroids = router->Route(&input, kT0);
+  ASSERT_TRUE(no_centroids.ok()) << no_centroids.status();
+  EXPECT_EQ(no_centroids->fallback, FallbackReason::kNoCentroids);
+  EXPECT_EQ(no_centroids->policy, PolicyKind::kJsq);
+  EXPECT_EQ(no_centroids->centroid_generation, 0u);
+  // jsq: the other worker is now less loaded.
+  absl::StatusOr<RouteResult> no_signature = router->Route(nullptr, kT0);
+  ASSERT_TRUE(no_signature.ok());
+  EXPECT_EQ(no_signature->fallback, FallbackReason::kNoSignature);
+  EXPECT_NE(no_signature->worker_id, no_centroids->worker_id);
+  EXPECT_EQ(router->CurrentCentroids().status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(RouterTest, RoutesToTheClosestCentroid) {
+  auto router = MakeRouter({Worker("a"), Worker("b"), Worker("c")});
+  ASSERT_TRUE(router->InstallCentroids(Artifact(3)).ok());
+  for (int expert = 0; expert < 3; ++expert) {
+    const std::vector<int32_t> counts = Counts(expert);
+    const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+    absl::StatusOr<RouteResult> result = router->Route(&input, kT0);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->worker_id, std::string(1, static_cast<char>('a' + expert)));
+    EXPECT_EQ(result->address, result->worker_id + ".decode:8000");
+    EXPECT_NEAR(result->similarity, 10.0 / std::sqrt(101.0), 1e-3);
+    EXPECT_EQ(result->policy, PolicyKind::kEldr);
+    EXPECT_EQ(result->fallback, FallbackReason::kNone);
+    EXPECT_EQ(result->centroid_generation, 1u);
+    EXPECT_EQ(result->band_size, 1);
+    EXPECT_TRUE(router->Complete(result->lease_id).ok());
+  }
+  // The same bytes as int16 little-endian, as the reference engine sends them.
+  const std::vector<int32_t> counts = Counts(2);
+  std::string bytes;
+  for (int32_t c : counts) {
+    bytes.push_back(static_cast<char>(c & 0xff));
+    bytes.push_back(static_cast<char>((c >> 8) & 0xff));
+  }
+  const SignatureInput input16 = CountsInt16Le{kLayers, kExperts, bytes};
+  EXPECT_EQ(router->Route(&input16, kT0)->worker_id, "c");
+}
+
+TEST(RouterTest, ZeroSignatureFallsBackAndBadInputIsRejected) {
+  auto router = MakeRouter({Worker("a"), Worker("b")});
+  ASSERT_TRUE(router->InstallCentroids(Artifact(2)).ok());
+  const std::vector<int32_t> zeros(8, 0);
+  const SignatureInput zero = CountsInt32{kLayers, kExperts, zeros};
+  absl::StatusOr<RouteResult> result = router->Route(&zero, kT0);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->fallback, FallbackReason::kZeroSignature);
+  EXPECT_EQ(result->policy, PolicyKind::kJsq);
+
+  const std::vector<int32_t> wrong(9, 1);
+  const SignatureInput geometry = CountsInt32{3, 3, wrong};
+  const absl::Status status = router->Route(&geometry, kT0).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RejectReasonOf(status), RejectReason::kGeometry);
+  std::vector<int32_t> negative = Counts(0);
+  negative[3] = -2;
+  const SignatureInput neg = CountsInt32{kLayers, kExperts, negative};
+  EXPECT_EQ(RejectReasonOf(router->Route(&neg, kT0).status()), RejectReason::kNegativeCount);
+  // Rejected requests take no lease.
+  EXPECT_EQ(router->GetState(kT0).live_leases, 1);
+}
+
+TEST(RouterTest, InstallMapsRowsOrFailsClearly) {
+  auto router = MakeRouter({Worker("a"), Worker("b")});
+  absl::Status mismatch = router->InstallCentroids(Artifact(3));
+  EXPECT_EQ(mismatch.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(mismatch.message()), HasSubstr("k = 3 unnamed rows but the router has 2"));
+  absl::Status unknown = router->InstallCentroids(Artifact(2, {"a", "zz"}));
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(RejectReasonOf(unknown), RejectReason::kUnknownWorker);
+  EXPECT_THAT(std::string(unknown.message()), HasSubstr("zz"));
+  CentroidArtifact invalid = Artifact(2);
+  invalid.centroids[0] = 3.f;
+  EXPECT_EQ(router->InstallCentroids(invalid).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(router->GetState(kT0).centroid_generation, 0u);
+
+  // Named rows in any order: row 0 belongs to b.
+  ASSERT_TRUE(router->InstallCentroids(Artifact(2, {"b", "a"})).ok());
+  const std::vector<int32_t> counts = Counts(0);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  EXPECT_EQ(router->Route(&input, kT0)->worker_id, "b");
+  // Unnamed rows follow insertion order; CurrentCentroids reports the names.
+  ASSERT_TRUE(router->InstallCentroids(Artifact(2)).ok());
+  EXPECT_EQ(router->Route(&input, kT0)->worker_id, "a");
+  absl::StatusOr<CentroidArtifact> current = router->CurrentCentroids();
+  ASSERT_TRUE(current.ok());
+  EXPECT_EQ(current->workers, (std::vector<std::string>{"a", "b"}));
+  const RouterState state = router->GetState(kT0);
+  EXPECT_EQ(state.centroid_generation, 2u);  // failed installs do not consume a generation
+  EXPECT_EQ(state.centroid_rows, 2);
+  EXPECT_FALSE(state.index_kind.empty());
+  // A failed install leaves the set in service.
+  EXPECT_FALSE(router->InstallCentroids(Artifact(5)).ok());
+  EXPECT_EQ(router->GetState(kT0).centroid_generation, 2u);
+  EXPECT_EQ(router->Route(&input, kT0)->worker_id, "a");
+}
+
+TEST(RouterTest, WorkerTableChangesRemapRows) {
+  auto router = MakeRouter({Worker("a"), Worker("b"), Worker("c")});
+  ASSERT_TRUE(router->InstallCentroids(Artifact(3)).ok());
+  const std::vector<int32_t> for_b = Counts(1);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, for_b};
+  absl::StatusOr<RouteResult> first = router->Route(&input, kT0);
+  ASSERT_EQ(first->worker_id, "b");
+
+  // Removing a (index 0) shifts b and c; b keeps its centroid.
+  ASSERT_TRUE(router->RemoveWorker("a").ok());
+  EXPECT_EQ(router->Route(&input, kT0)->worker_id, "b");
+  // Removing b drops its leases and its locality: b's requests fall back.
+  ASSERT_TRUE(router->RemoveWorker("b").ok());
+  EXPECT_EQ(router->Complete(first->lease_id).code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<RouteResult> orphan = router->Route(&input, kT0);
+  ASSERT_TRUE(orphan.ok());
+  EXPECT_EQ(orphan->worker_id, "c");  // the only candidate left with a centroid
+  // A new worker has no centroid until b (named in the set) comes back.
+  ASSERT_TRUE(router->UpsertWorker(Worker("d")).ok());
+  RouterState state = router->GetState(kT0);
+  ASSERT_EQ(state.workers.size(), 2u);
+  EXPECT_EQ(state.workers[0].spec.id, "c");
+  EXPECT_TRUE(state.workers[0].has_centroid);
+  EXPECT_FALSE(state.workers[1].has_centroid);
+  ASSERT_TRUE(router->UpsertWorker(Worker("b")).ok());
+  state = router->GetState(kT0);
+  EXPECT_TRUE(state.workers[2].has_centroid);
+  EXPECT_EQ(router->Route(&input, kT0)->worker_id, "b");
+  EXPECT_EQ(router->RemoveWorker("nobody").code(), absl::StatusCode::kNotFound);
+}
+
+TEST(RouterTest, NoCandidateWithCentroidFallsBack) {
+  auto router = MakeRouter({Worker("a"), Worker("b")});
+  ASSERT_TRUE(router->InstallCentroids(Artifact(1, {"a"})).ok());
+  ASSERT_TRUE(router->DrainWorker("a").ok());
+  const std::vector<int32_t> counts = Counts(0);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  absl::StatusOr<RouteResult> result = router->Route(&input, kT0);
+  ASSERT_TRUE(result.ok());
+  EXPECT_EQ(result->worker_id, "b");
+  EXPECT_EQ(result->fallback, FallbackReason::kNoEligibleCentroid);
+  EXPECT_EQ(result->policy, PolicyKind::kJsq);
+}
+
+TEST(RouterTest, DrainingAndHealth) {
+  auto router = MakeRouter({Worker("a"), Worker("b")});
+  ASSERT_TRUE(router->InstallCentroids(Artifact(2)).ok());
+  const std::vector<int32_t> counts = Counts(0);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  absl::StatusOr<RouteResult> leased = router->Route(&input, kT0);
+  ASSERT_EQ(leased->worker_id, "a");
+  ASSERT_TRUE(router->DrainWorker("a").ok());
+  EXPECT_EQ(router->Route(&input, kT0)->worker_id, "b");
+  EXPECT_TRUE(router->Complete(leased->lease_id).ok());  // its leases finish normally
+  ASSERT_TRUE(router->DrainWorker("b").ok());
+  EXPECT_EQ(router->Route(&input, kT0).status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(router->UpsertWorker(Worker("a")).ok());  // active again
+  EXPECT_EQ(router->Route(&input, kT0)->worker_id, "a");
+  EXPECT_EQ(router->GetState(kT0).workers[1].state, WorkerState::kDraining);
+
+  ASSERT_TRUE(router->UpsertWorker(Worker("b")).ok());
+  ASSERT_TRUE(router->SetWorkerHealthy("a", false).ok());
+  absl::StatusOr<RouteResult> healthy_only = router->Route(&input, kT0);
+  EXPECT_EQ(healthy_only->worker_id, "b");
+  EXPECT_EQ(healthy_only->fallback, FallbackReason::kNone);
+  ASSERT_TRUE(router->SetWorkerHealthy("b", false).ok());
+  absl::StatusOr<RouteResult> fail_open = router->Route(&input, kT0);
+  ASSERT_TRUE(fail_open.ok());
+  EXPECT_EQ(fail_open->worker_id, "a");
+  EXPECT_EQ(fail_open->fallback, FallbackReason::kAllUnhealthy);
+  EXPECT_EQ(router->SetWorkerHealthy("zz", true).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(router->DrainWorker("zz").code(), absl::StatusCode::kNotFound);
+
+  auto empty = MakeRouter({});
+  EXPECT_EQ(empty->Route(nullptr, kT0).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(RouterTest, LoadReportsAndCapacityDriveTheBand) {
+  RouterOptions options;
+  options.tau = 1.0;  // every worker in the band: pure load balance
+  auto router = MakeRouter({Worker("a"), Worker("b"), Worker("c", 4)}, options);
+  ASSERT_TRUE(router->InstallCentroids(Artifact(3)).ok());
+  ASSERT_TRUE(router->ReportLoad("a", {.running = 1, .waiting = 0, .kv_usage = 0.1, .taken_at = kT0}).ok());
+  ASSERT_TRUE(router->ReportLoad("b", {.running = 0, .waiting = 0, .kv_usage = 0.1, .taken_at = kT0}).ok());
+  ASSERT_TRUE(router->ReportLoad("c", {.running = 6, .waiting = 2, .kv_usage = 0.9, .taken_at = kT0}).ok());
+  const std::vector<int32_t> counts = Counts(0);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  const absl::Time now = kT0 + absl::Seconds(1);
+  // b (0) < a (1) < c (8 / 4 = 2).
+  absl::StatusOr<RouteResult> r = router->Route(&input, now);
+  EXPECT_EQ(r->worker_id, "b");
+  EXPECT_EQ(r->band_size, 3);
+  // b reports 5 running after that lease was taken: b = 5 + 1 lease since, a = 1, c = 2.
+  ASSERT_TRUE(router->ReportLoad("b", {.running = 5, .taken_at = kT0 + absl::Milliseconds(500)}).ok());
+  EXPECT_EQ(router->Route(&input, now)->worker_id, "a");
+  const RouterState state = router->GetState(now);
+  EXPECT_DOUBLE_EQ(state.workers[2].load.effective, 8);
+  EXPECT_TRUE(state.workers[2].load.snapshot_fresh);
+  EXPECT_EQ(router->ReportLoad("a", {.running = -1, .taken_at = kT0}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(router->ReportLoad("x", {.running = 1, .taken_at = kT0}).code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(RouterTest, OverloadGuardSpills) {
+  RouterOptions options;
+  options.tau = 0.0;
+  auto router = MakeRouter({Worker("a", 1, 2), Worker("b")}, options);
+  ASSERT_TRUE(router->InstallCentroids(Artifact(2)).ok());
+  const std::vector<int32_t> counts = Counts(0);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  EXPECT_EQ(router->Route(&input, kT0)->worker_id, "a");
+  EXPECT_EQ(router->Route(&input, kT0)->worker_id, "a");
+  absl::StatusOr<RouteResult> spilled = router->Route(&input, kT0);
+  EXPECT_EQ(spilled->worker_id, "b");
+  EXPECT_EQ(spilled->fallback, FallbackReason::kOverload);
+}
+
+TEST(RouterTest, LeasesExpireAndCompleteOnce) {
+  RouterOptions options;
+  options.load.lease_ttl = absl::Seconds(10);
+  auto router = MakeRouter({Worker("a")}, options);
+  absl::StatusOr<RouteResult> first = router->Route(nullptr, kT0);
+  absl::StatusOr<RouteResult> second = router->Route(nullptr, kT0 + absl::Seconds(8));
+  EXPECT_NE(first->lease_id, second->lease_id);
+  EXPECT_EQ(router->ExpireLeases(kT0 + absl::Seconds(11)), 1);
+  EXPECT_EQ(router->Complete(first->lease_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(router->Complete(second->lease_id).ok());
+  EXPECT_EQ(router->Complete(second->lease_id).code(), absl::StatusCode::kNotFound);
+  const RouterState state = router->GetState(kT0 + absl::Seconds(12));
+  EXPECT_EQ(state.live_leases, 0);
+  EXPECT_EQ(state.leases_expired_total, 1);
+  EXPECT_EQ(state.workers[0].load.leases, 0);
+}
+
+TEST(RouterTest, OnSignatureSeesAcceptedSignaturesOnly) {
+  std::mutex mu;
+  std::vector<std::pair<std::vector<float>, std::string>> seen;
+  RouterOptions options;
+  options.on_signature = [&](absl::Span<const float> signature, const std::string& worker) {
+    std::lock_guard<std::mutex> lock(mu);
+    seen.emplace_back(std::vector<float>(signature.begin(), signature.end()), worker);
+  };
+  auto router = MakeRouter({Worker("a"), Worker("b")}, options);
+  ASSERT_TRUE(router->InstallCentroids(Artifact(2)).ok());
+  const std::vector<int32_t> counts = Counts(1, 3, 4);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  ASSERT_TRUE(router->Route(&input, kT0).ok());
+  ASSERT_TRUE(router->Route(nullptr, kT0).ok());
+  const std::vector<int32_t> zeros(8, 0);
+  const SignatureInput zero = CountsInt32{kLayers, kExperts, zeros};
+  ASSERT_TRUE(router->Route(&zero, kT0).ok());
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].second, "b");
+  ASSERT_EQ(seen[0].first.size(), 8u);
+  EXPECT_NEAR(seen[0].first[1], 3 / std::sqrt(50.0), 1e-6);  // unit-norm transformed vector
+}
+
+TEST(RouterTest, BaselinePoliciesStillValidateSignatures) {
+  RouterOptions options;
+  options.policy = PolicyKind::kRoundRobin;
+  auto router = MakeRouter({Worker("a"), Worker("b"), Worker("c")}, options);
+  ASSERT_TRUE(router->InstallCentroids(Artifact(3)).ok());
+  const std::vector<int32_t> counts = Counts(0);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  std::vector<std::string> picks;
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<RouteResult> result = router->Route(&input, kT0);
+    ASSERT_TRUE(result.ok());
+    EXPECT_EQ(result->policy, PolicyKind::kRoundRobin);
+    EXPECT_EQ(result->fallback, FallbackReason::kNone);
+    EXPECT_EQ(result->band_size, 0);
+    picks.push_back(result->worker_id);
+  }
+  EXPECT_EQ(picks, (std::vector<std::string>{"a", "b", "c", "a"}));
+  const std::vector<int32_t> wrong(3, 1);
+  const SignatureInput bad = CountsInt32{1, 3, wrong};
+  EXPECT_EQ(router->Route(&bad, kT0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Many threads route and complete while centroids are swapped and the worker table changes.
+TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
+  RouterOptions options;
+  std::atomic<int64_t> callbacks{0};
+  options.on_signature = [&](absl::Span<const float>, const std::string&) { callbacks++; };
+  auto router = MakeRouter({Worker("a"), Worker("b"), Worker("c"), Worker("d")}, options);
+  ASSERT_TRUE(router->InstallCentroids(Artifact(4)).ok());
+
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> routes{0}, attempts{0}, errors{0}, lost_to_removal{0};
+  std::atomic<int64_t> swaps{0}, churns{0};
+  // Routers keep going until the swapper and the churner have run a while alongside them.
+  constexpr int kMinRoutesPerThread = 2000;
+  constexpr int kMinBackgroundRounds = 30;
+  auto keep_routing = [&](int i) {
+    if (i < kMinRoutesPerThread) return true;
+    return (swaps.load() < kMinBackgroundRounds || churns.load() < kMinBackgroundRounds) &&
+           i < 100 * kMinRoutesPerThread;
+  };
+  std::mutex error_mu;
+  std::string first_error;
+  auto record_error = [&](const absl::Status& status) {
+    errors++;
+    std::lock_guard<std::mutex> lock(error_mu);
+    if (first_error.empty()) first_error = status.ToString();
+  };
+
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<uint64_t> held;
+      std::vector<std::string> held_by;
+      for (int i = 0; keep_routing(i); ++i) {
+        attempts++;
+        // Requests do not arrive back to back on every thread; without pauses, 8 spinning threads
+        // on a small machine starve the lock's other users and the test measures the scheduler.
+        if (i % 16 == 0) std::this_thread::yield();
+        const std::vector<int32_t> counts = Counts((t + i) % kExperts, 5 + i % 7, i % 3);
+        const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+        absl::StatusOr<RouteResult> result =
+            router->Route(i % 10 == 0 ? nullptr : &input, absl::Now());
+        if (!result.ok()) {
+          record_error(result.status());
+          continue;
+        }
+        routes++;
+        held.push_back(result->lease_id);
+        held_by.push_back(result->worker_id);
+        // Keep a few requests in flight so loads are non-trivial.
+        if (held.size() > 3) {
+          const absl::Status done = router->Complete(held.front());
+          if (!done.ok()) {
+            // Only a removed worker's leases may vanish.
+            if (done.code() == absl::StatusCode::kNotFound && held_by.front() == "extra") {
+              lost_to_removal++;
+            } else {
+              record_error(done);
+            }
+          }
+          held.erase(held.begin());
+          held_by.erase(held_by.begin());
+        }
+      }
+      for (size_t j = 0; j < held.size(); ++j) {
+        const absl::Status done = router->Complete(held[j]);
+        if (!done.ok() && !(done.code() == absl::StatusCode::kNotFound && held_by[j] == "extra")) {
+          record_error(done);
+        }
+      }
+    });
+  }
+  threads.emplace_back([&] {  // centroid swaps: named and unnamed artifacts, rows permuted
+    int i = 0;
+    while (!stop.load()) {
+      const absl::Status status =
+          i % 2 == 0 ? router->InstallCentroids(Artifact(4, {"d", "c", "b", "a"}))
+                     : router->InstallCentroids(Artifact(4, {"a", "b", "c", "d"}));
+      if (!status.ok()) record_error(status);
+      ++i;
+      swaps++;
+      std::this_thread::yield();
+    }
+  });
+  threads.emplace_back([&] {  // worker churn, load reports, health flaps, expiry
+    int i = 0;
+    while (!stop.load()) {
+      absl::Status status = router->UpsertWorker(Worker("extra", 1 + i % 3));
+      if (status.ok() && i % 3 == 0) status = router->DrainWorker("extra");
+      if (status.ok()) status = router->ReportLoad("b", {.running = static_cast<double>(i % 5),
+                                                          .taken_at = absl::Now()});
+      if (status.ok()) status = router->SetWorkerHealthy("c", i % 4 != 0);
+      if (status.ok() && i % 2 == 1) status = router->RemoveWorker("extra");
+      if (!status.ok()) record_error(status);
+      (void)router->ExpireLeases(absl::Now());
+      (void)router->GetState(absl::Now());
+      ++i;
+      churns++;
+      std::this_thread::yield();
+    }
+  });
+  for (int t = 0; t < 8; ++t) threads[t].join();
+  stop.store(true);
+  threads[8].join();
+  threads[9].join();
+
+  EXPECT_EQ(errors.load(), 0) << first_error;
+  EXPECT_EQ(routes.load(), attempts.load());
+  EXPECT_GE(routes.load(), 8 * kMinRoutesPerThread);
+  EXPECT_GE(swaps.load(), kMinBackgroundRounds);
+  EXPECT_GE(churns.load(), kMinBackgroundRounds);
+  const RouterState state = router->GetState(absl::Now());
+  EXPECT_EQ(state.live_leases, 0);
+  for (const WorkerStatus& worker : state.workers) EXPECT_EQ(worker.load.leases, 0) << worker.spec.id;
+  EXPECT_GT(state.centroid_generation, 1u);
+  EXPECT_GT(callbacks.load(), 0);
+  std::cout << "routes " << routes.load() << ", centroid swaps " << swaps.load()
+            << ", worker churn rounds " << churns.load() << ", leases lost to removal "
+            << lost_to_removal.load() << "\n";
+}
+
+}  // namespace
+}  // namespace eldr

@@ -1,0 +1,580 @@
+"""Shared helpers of the packaging tests (tests/deploy): rendering the Kustomize overlays, running a
+container of a rendered pod the way the kubelet would (on loopback, in a temporary directory), gRPC
+health checks, metric scrapes and the PromQL metric names of the monitoring files.
+
+Run with Debian's /usr/bin/python3 (python3-yaml, python3-grpcio, python3-protobuf).
+"""
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import yaml
+
+SOURCE_DIR = os.environ.get("ELDR_SOURCE_DIR") or os.path.abspath(
+    os.path.join(os.path.dirname(__file__), "..", ".."))
+BIN_DIR = os.environ.get("ELDR_BIN_DIR") or os.path.join(SOURCE_DIR, "build", "bin")
+DEPLOY_DIR = os.path.join(SOURCE_DIR, "deploy")
+MONITORING_DIR = os.path.join(DEPLOY_DIR, "monitoring")
+KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+OVERLAYS = ("standalone", "sidecar", "tls")
+ROUTER_CONTAINER = "eldr-router"
+# Where the image puts its binaries (docker/Dockerfile); tests run the build's instead.
+IMAGE_BIN_DIR = "/usr/local/bin"
+# The daemon's listener flags, each taking host:port.
+LISTEN_FLAGS = ("listen", "admin_listen", "metrics_listen")
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+
+_render_cache = {}
+
+
+def render(path):
+    """Objects of `kubectl kustomize <path>` (a folder relative to deploy/ or absolute), as dicts."""
+    full = path if os.path.isabs(path) else os.path.join(DEPLOY_DIR, path)
+    if full not in _render_cache:
+        result = subprocess.run([KUBECTL, "kustomize", full], capture_output=True, text=True,
+                                timeout=120)
+        if result.returncode != 0:
+            raise AssertionError(f"kubectl kustomize {full} failed:\n{result.stderr}")
+        _render_cache[full] = [o for o in yaml.safe_load_all(result.stdout) if o]
+    return _render_cache[full]
+
+
+def render_overlay(name):
+    return render(os.path.join("overlays", name))
+
+
+def find(objects, kind, name=None):
+    """The objects of `kind` (and `name`); a list."""
+    return [o for o in objects
+            if o.get("kind") == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def find_one(objects, kind, name):
+    found = find(objects, kind, name)
+    if len(found) != 1:
+        raise AssertionError(f"expected one {kind} {name}, found {len(found)}")
+    return found[0]
+
+
+def pod_spec(workload):
+    return workload["spec"]["template"]["spec"]
+
+
+def all_containers(spec):
+    """Containers and init containers (native sidecars are init containers) of a pod spec."""
+    return list(spec.get("initContainers", [])) + list(spec.get("containers", []))
+
+
+def router_workload(objects):
+    """(workload, pod spec, eldr-router container) of the one workload that runs the router."""
+    hits = []
+    for workload in find(objects, "Deployment") + find(objects, "StatefulSet"):
+        spec = pod_spec(workload)
+        for container in all_containers(spec):
+            if container["name"] == ROUTER_CONTAINER:
+                hits.append((workload, spec, container))
+    if len(hits) != 1:
+        raise AssertionError(f"expected one workload running {ROUTER_CONTAINER}, found {len(hits)}")
+    return hits[0]
+
+
+def flag_values(args):
+    """--name=value arguments as a dict (the daemon's flags all use the = form in the manifests)."""
+    values = {}
+    for arg in args:
+        match = re.fullmatch(r"--([A-Za-z0-9_]+)=(.*)", arg)
+        if not match:
+            raise AssertionError(f"argument {arg!r} is not of the form --flag=value")
+        values[match.group(1)] = match.group(2)
+    return values
+
+
+def split_host_port(text):
+    match = re.fullmatch(r"(\[[^\]]*\]|[^:]*):(\d+)", text)
+    if not match:
+        raise AssertionError(f"{text!r} is not host:port")
+    return match.group(1), int(match.group(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ports, processes, health, scrapes
+# ---------------------------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def encode_health_request(service):
+    data = service.encode()
+    if not data:
+        return b""
+    return b"\x0a" + _varint(len(data)) + data
+
+
+def _varint(value):
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def decode_health_response(data):
+    """ServingStatus of a HealthCheckResponse (0 UNKNOWN, 1 SERVING, 2 NOT_SERVING, 3 SERVICE_UNKNOWN)."""
+    status, pos = 0, 0
+    while pos < len(data):
+        tag, pos = _read_varint(data, pos)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _read_varint(data, pos)
+            if field == 1:
+                status = value
+        elif wire == 2:
+            length, pos = _read_varint(data, pos)
+            pos += length
+        else:
+            raise ValueError(f"unexpected wire type {wire} in HealthCheckResponse")
+    return status
+
+
+def _read_varint(data, pos):
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+SERVING = 1
+NOT_SERVING = 2
+
+
+def grpc_health(address, service="", timeout=2.0, credentials=None):
+    """What a kubelet gRPC probe sees: the ServingStatus, or an exception text when the call fails."""
+    import grpc  # python3-grpcio
+    channel = (grpc.secure_channel(address, credentials) if credentials
+               else grpc.insecure_channel(address))
+    try:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        response = check(encode_health_request(service), timeout=timeout)
+        return decode_health_response(response)
+    except grpc.RpcError as error:
+        return f"{error.code().name}: {error.details()}"
+    finally:
+        channel.close()
+
+
+def http_get(url, timeout=5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.status, response.read().decode()
+
+
+def parse_exposition(text):
+    """{sample name: [(labels dict, value)]} of a Prometheus text page; raises on a malformed line."""
+    samples = {}
+    line_re = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\d+)?$')
+    label_re = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        match = line_re.match(line)
+        if not match:
+            raise AssertionError(f"malformed exposition line: {line!r}")
+        labels = {}
+        body = match.group(3) or ""
+        pos = 0
+        while pos < len(body):
+            label = label_re.match(body, pos)
+            if not label:
+                raise AssertionError(f"malformed labels in: {line!r}")
+            labels[label.group(1)] = label.group(2)
+            pos = label.end()
+        samples.setdefault(match.group(1), []).append((labels, float(match.group(4))))
+    return samples
+
+
+def wait_until(predicate, timeout, interval=0.1, what="condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last is True:
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a container of a rendered pod like the kubelet would, on loopback
+# ---------------------------------------------------------------------------------------------
+
+def write_projected_volume(directory, files):
+    """Writes `files` {name: bytes} the way the kubelet's atomic writer lays out ConfigMap and
+    Secret volumes: the data lives in a timestamped folder, `..data` links to it and each key is a
+    link through `..data`. update_projected_volume swaps `..data` atomically, like a ConfigMap edit."""
+    os.makedirs(directory, exist_ok=True)
+    _write_generation(directory, files)
+    for name in files:
+        os.symlink(os.path.join("..data", name), os.path.join(directory, name))
+
+
+def update_projected_volume(directory, files):
+    old = os.readlink(os.path.join(directory, "..data"))
+    _write_generation(directory, files)
+    shutil.rmtree(os.path.join(directory, old))
+
+
+def _write_generation(directory, files):
+    generation = tempfile.mkdtemp(prefix="..%s." % time.strftime("%Y_%m_%d_%H_%M_%S"), dir=directory)
+    for name, data in files.items():
+        with open(os.path.join(generation, name), "wb") as out:
+            out.write(data)
+    link = os.path.join(directory, "..data_tmp")
+    os.symlink(os.path.basename(generation), link)
+    os.rename(link, os.path.join(directory, "..data"))
+
+
+class PodContainer:
+    """One container of a rendered pod, run as a local process.
+
+    Like the kubelet: each volume is materialised at its mount path (below a temporary root);
+    environment variables are resolved (values and resourceFieldRef); command and args are used
+    as written, with only these rewrites: image paths of binaries point at the build's bin folder,
+    mount paths point below the temporary root, and every host:port the daemon listens on becomes
+    127.0.0.1 with a free port (the same mapping applies to the probes).
+    """
+
+    def __init__(self, objects, spec, container, secrets=None, rewrite_files=None):
+        self.objects = objects
+        self.spec = spec
+        self.container = container
+        self.secrets = secrets or {}
+        self.root = tempfile.mkdtemp(prefix="eldr-pod-")
+        self.mounts = {}    # mountPath -> local folder
+        self.ports = {}     # container port -> local port
+        self.process = None
+        self.log_path = os.path.join(self.root, "container.log")
+        self._materialise_volumes(rewrite_files or {})
+        self._map_ports()
+
+    # -- volumes --
+    def _volume(self, name):
+        for volume in self.spec.get("volumes", []):
+            if volume["name"] == name:
+                return volume
+        raise AssertionError(f"volume {name} mounted by {self.container['name']} is not in the pod")
+
+    def _materialise_volumes(self, rewrite_files):
+        for mount in self.container.get("volumeMounts", []):
+            if "subPath" in mount:
+                raise AssertionError(f"{mount['name']} is mounted with subPath: it would never be "
+                                     "updated when its ConfigMap or Secret changes")
+            local = os.path.join(self.root, mount["mountPath"].lstrip("/"))
+            volume = self._volume(mount["name"])
+            if "configMap" in volume:
+                config_map = find_one(self.objects, "ConfigMap", volume["configMap"]["name"])
+                files = {k: v.encode() for k, v in config_map.get("data", {}).items()}
+            elif "secret" in volume:
+                name = volume["secret"]["secretName"]
+                if name not in self.secrets:
+                    raise AssertionError(f"the test provides no Secret {name}")
+                files = dict(self.secrets[name])
+            elif "emptyDir" in volume:
+                files = None
+            else:
+                raise AssertionError(f"unsupported volume type in {volume}")
+            if files is None:
+                os.makedirs(local, exist_ok=True)
+            else:
+                for name, rewrite in rewrite_files.items():
+                    if name in files:
+                        files[name] = rewrite(files[name])
+                write_projected_volume(local, files)
+            self.mounts[mount["mountPath"]] = local
+
+    def local_path(self, path):
+        """The local path of a path inside the container."""
+        for mount_path in sorted(self.mounts, key=len, reverse=True):
+            if path == mount_path or path.startswith(mount_path.rstrip("/") + "/"):
+                return self.mounts[mount_path] + path[len(mount_path):]
+        if path.startswith(IMAGE_BIN_DIR + "/"):
+            return os.path.join(BIN_DIR, os.path.basename(path))
+        return path
+
+    # -- ports --
+    def _map_ports(self):
+        flags = flag_values(self.container.get("args", []))
+        for flag in LISTEN_FLAGS:
+            if flag in flags and flags[flag]:
+                _, port = split_host_port(flags[flag])
+                self.ports.setdefault(port, free_port())
+
+    def listen_port(self, flag):
+        """Local port of the listener of --<flag>."""
+        _, port = split_host_port(flag_values(self.container["args"])[flag])
+        return self.ports[port]
+
+    def rewrite(self, text):
+        def host_port(match):
+            port = int(match.group(2))
+            if port not in self.ports:
+                return match.group(0)
+            return f"127.0.0.1:{self.ports[port]}"
+        text = re.sub(r"(0\.0\.0\.0|127\.0\.0\.1|localhost|\[::\]):(\d+)\b", host_port, text)
+        # Paths: anything after `=` or a whole argument that is an absolute container path.
+        def path(match):
+            return match.group(1) + self.local_path(match.group(2))
+        return re.sub(r"(^|=)(/[^\s,]*)", path, text)
+
+    def command_line(self):
+        return [self.rewrite(arg) for arg in
+                list(self.container.get("command", [])) + list(self.container.get("args", []))]
+
+    def environment(self):
+        env = {"PATH": "/usr/bin:/bin", "HOME": self.root}
+        limits = self.container.get("resources", {}).get("limits", {})
+        for var in self.container.get("env", []):
+            if "value" in var:
+                env[var["name"]] = var["value"]
+                continue
+            ref = var.get("valueFrom", {}).get("resourceFieldRef")
+            if not ref:
+                raise AssertionError(f"unsupported env source in {var}")
+            resource = ref["resource"]
+            if resource != "limits.cpu" or "cpu" not in limits:
+                raise AssertionError(f"unsupported resourceFieldRef {ref}")
+            divisor = parse_cpu(ref.get("divisor", "1"))
+            # The kubelet rounds up: a 500m limit with divisor 1 is 1.
+            env[var["name"]] = str(math.ceil(parse_cpu(limits["cpu"]) / divisor))
+        return env
+
+    # -- lifecycle --
+    def start(self):
+        log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.command_line(), env=self.environment(), cwd=self.root,
+                                        stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        log.close()
+        return self
+
+    def log(self):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self, sig=signal.SIGTERM, timeout=20.0):
+        """Signals the process; returns its exit code (kills it when it outlives `timeout`)."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise AssertionError(f"{self.container['name']} did not exit within {timeout} s "
+                                     f"of signal {sig}\n{self.log()}")
+        return self.process.returncode
+
+    def cleanup(self):
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- probes --
+    def run_probe(self, probe):
+        """One probe attempt, as the kubelet makes it: True, or the reason it failed."""
+        timeout = float(probe.get("timeoutSeconds", 1))
+        if "grpc" in probe:
+            port = probe["grpc"]["port"]
+            if port not in self.ports:
+                return f"gRPC probe port {port} is not a port the daemon listens on {sorted(self.ports)}"
+            status = grpc_health(f"127.0.0.1:{self.ports[port]}", probe["grpc"].get("service", ""),
+                                 timeout)
+            return True if status == SERVING else f"health status {status}"
+        if "exec" in probe:
+            command = [self.rewrite(arg) for arg in probe["exec"]["command"]]
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                        env=self.environment(), cwd=self.root)
+            except subprocess.TimeoutExpired:
+                return f"exec probe timed out after {timeout} s"
+            if result.returncode == 0:
+                return True
+            return f"exit {result.returncode}: {result.stderr.strip()}"
+        raise AssertionError(f"unsupported probe {probe}")
+
+    def pass_probe(self, kind):
+        """Runs probe `kind` (startupProbe, ...) until it succeeds, within the time the kubelet would
+        allow before acting on it (failureThreshold x periodSeconds, at least one attempt). Attempts
+        come faster than periodSeconds to keep the test short. Returns the seconds it took."""
+        probe = self.container[kind]
+        budget = float(probe.get("failureThreshold", 3)) * float(probe.get("periodSeconds", 10))
+        start = time.monotonic()
+        last = None
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise AssertionError(f"{self.container['name']} exited with {self.process.returncode} "
+                                     f"before its {kind} passed\n{self.log()}")
+            last = self.run_probe(probe)
+            if last is True:
+                return time.monotonic() - start
+            if time.monotonic() - start > budget:
+                raise AssertionError(f"{kind} still failing after {budget} s: {last}\n{self.log()}")
+            time.sleep(0.2)
+
+
+def parse_cpu(text):
+    text = str(text)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+@contextlib.contextmanager
+def running(pod_container):
+    try:
+        yield pod_container.start()
+    finally:
+        pod_container.cleanup()
+
+
+def start_with_retries(make, attempts=3):
+    """Starts the container made by `make()`; a port taken between probing and binding (tests run in
+    parallel) makes the daemon exit at once, so that case is retried with new ports."""
+    for attempt in range(attempts):
+        container = make().start()
+        time.sleep(0.3)
+        if container.process.poll() is None or attempt == attempts - 1:
+            return container
+        log = container.log()
+        container.cleanup()
+        if "address" not in log.lower() and "bind" not in log.lower():
+            raise AssertionError(f"daemon exited at start:\n{log}")
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------
+# Monitoring files
+# ---------------------------------------------------------------------------------------------
+
+def load_rules():
+    """The PrometheusRule object of deploy/monitoring."""
+    with open(os.path.join(MONITORING_DIR, "prometheusrule.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def load_dashboard():
+    with open(os.path.join(MONITORING_DIR, "eldr-router-dashboard.json")) as f:
+        return json.load(f)
+
+
+def dashboard_panels(dashboard):
+    for panel in dashboard["panels"]:
+        yield panel
+        for inner in panel.get("panels", []):
+            yield inner
+
+
+def dashboard_exprs(dashboard):
+    """(panel title, expr) of every query of the dashboard."""
+    for panel in dashboard_panels(dashboard):
+        for target in panel.get("targets", []):
+            yield panel["title"], target["expr"]
+
+
+def rule_exprs(rule_object):
+    for group in rule_object["spec"]["groups"]:
+        for rule in group["rules"]:
+            yield rule.get("alert") or rule.get("record"), rule["expr"]
+
+
+# Series Prometheus makes itself rather than scraping them.
+PROMETHEUS_SYNTHETIC = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
+
+_PROMQL_WORDS = {
+    "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",
+    "count_values", "group", "by", "without", "on", "ignoring", "group_left", "group_right", "and",
+    "or", "unless", "bool", "offset", "rate", "irate", "increase", "delta", "idelta", "deriv",
+    "histogram_quantile", "clamp_min", "clamp_max", "clamp", "abs", "absent", "absent_over_time",
+    "avg_over_time", "max_over_time", "min_over_time", "sum_over_time", "count_over_time",
+    "last_over_time", "changes", "resets", "time", "vector", "scalar", "label_replace", "label_join",
+    "round", "ceil", "floor", "sort", "sort_desc", "timestamp", "predict_linear", "inf", "nan",
+}
+
+
+def metric_names(expr):
+    """Metric names an expression selects (PromQL: strings, label matchers, ranges and the label
+    lists of by/without/on/ignoring are skipped; what is left and is not a keyword or function is a
+    metric name)."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)        # strings
+    text = re.sub(r"\{[^}]*\}", " ", text)                  # label matchers
+    text = re.sub(r"\[[^\]]*\]", " ", text)                 # ranges
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    names = set()
+    for match in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", text):
+        word = match.group(0)
+        if word in _PROMQL_WORDS or word.startswith("$"):
+            continue
+        before = text[:match.start()]
+        if before.endswith("$"):                              # Grafana variables ($__rate_interval)
+            continue
+        if re.match(r"\s*\(", text[match.end():]):            # a function call
+            continue
+        if re.fullmatch(r"\d+[smhdwy]?", word):
+            continue
+        names.add(word)
+    return names
+
+
+def grafana_to_promql(expr):
+    """Replaces Grafana's variables with values Prometheus accepts, to check an expression."""
+    expr = expr.replace("$__rate_interval", "1m").replace("$__interval", "1m")
+    return re.sub(r"\$\{?[a-zA-Z_]+\}?", ".*", expr)
+
+
+def run(command, timeout=120, **kwargs):
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def require_binary(name):
+    path = os.path.join(BIN_DIR, name)
+    if not os.access(path, os.X_OK):
+        raise AssertionError(f"{path} is not built (build the {name} target first)")
+    return path
+
+
+def protobuf_modules():
+    """The eldr.v1 protobuf messages for Python, generated by protoc into a temporary folder."""
+    out = tempfile.mkdtemp(prefix="eldr-pb-")
+    result = run(["protoc", f"--proto_path={SOURCE_DIR}/proto", f"--python_out={out}",
+                  os.path.join(SOURCE_DIR, "proto", "eldr", "v1", "router.proto")])
+    if result.returncode != 0:
+        raise AssertionError(f"protoc failed: {result.stderr}")
+    sys.path.insert(0, out)
+    from eldr.v1 import router_pb2  # noqa: E402  (generated just above)
+    return router_pb2

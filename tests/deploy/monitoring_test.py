@@ -1,0 +1,224 @@
+"""Static checks of deploy/monitoring: the alert rules parse and behave (promtool), the dashboard's
+queries parse, and both cover what operators need on the daemon's real metric names.
+(Whether every name appears in a live scrape is live_daemon_test.py's job.)"""
+
+import os
+import re
+import shutil
+import tempfile
+import unittest
+
+import yaml
+
+import deploy_testlib as lib
+
+
+def metrics_defined_in_source():
+    """Metric family names the daemon's sources register (string literals "eldr_..." and "process_...")."""
+    names = set()
+    for folder in ("src/server", "src/core", "src/loadsignals", "src/calib"):
+        root = os.path.join(lib.SOURCE_DIR, folder)
+        if not os.path.isdir(root):
+            continue
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                if name.endswith((".cc", ".h")):
+                    with open(os.path.join(dirpath, name), errors="replace") as f:
+                        names.update(re.findall(r'"((?:eldr|process)_[a-z0-9_]+)"', f.read()))
+    return names
+
+
+def base_metric(sample_name, defined):
+    """The family a sample name belongs to (histogram samples carry _bucket, _sum or _count)."""
+    if sample_name in defined:
+        return sample_name
+    for suffix in ("_bucket", "_sum", "_count"):
+        if sample_name.endswith(suffix) and sample_name[:-len(suffix)] in defined:
+            return sample_name[:-len(suffix)]
+    return None
+
+
+class AlertRulesTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.rules = lib.load_rules()
+        cls.workdir = tempfile.mkdtemp(prefix="eldr-rules-")
+        cls.rules_file = os.path.join(cls.workdir, "rules.yaml")
+        with open(cls.rules_file, "w") as f:
+            yaml.safe_dump(cls.rules["spec"], f)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.workdir, ignore_errors=True)
+
+    def alerts(self):
+        return {rule["alert"]: rule for group in self.rules["spec"]["groups"]
+                for rule in group["rules"] if "alert" in rule}
+
+    def test_prometheus_rule_object(self):
+        self.assertEqual(self.rules["apiVersion"], "monitoring.coreos.com/v1")
+        self.assertEqual(self.rules["kind"], "PrometheusRule")
+
+    def test_promtool_check_rules(self):
+        result = lib.run([lib.PROMTOOL, "check", "rules", self.rules_file])
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn(f"SUCCESS: {len(self.alerts())} rules found", result.stdout)
+
+    def test_promtool_unit_tests(self):
+        shutil.copy(os.path.join(os.path.dirname(__file__), "alerts_test.yaml"), self.workdir)
+        result = lib.run([lib.PROMTOOL, "test", "rules", "alerts_test.yaml"], cwd=self.workdir)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+
+    def test_every_alert_has_a_unit_test(self):
+        with open(os.path.join(os.path.dirname(__file__), "alerts_test.yaml")) as f:
+            tests = yaml.safe_load(f)["tests"]
+        firing = {case["alertname"] for test in tests for case in test["alert_rule_test"]
+                  if case["exp_alerts"]}
+        self.assertEqual(set(self.alerts()) - firing, set(),
+                         "alerts never shown to fire in alerts_test.yaml")
+
+    def test_required_alerts_exist(self):
+        alerts = self.alerts()
+        exprs = {name: rule["expr"] for name, rule in alerts.items()}
+
+        def uses(fragment):
+            return [name for name, expr in exprs.items() if fragment in expr]
+
+        self.assertTrue(uses("eldr_fallback_total"), "no alert on fallbacks")
+        self.assertTrue(uses('outcome="invalid"'), "no alert on rejections")
+        self.assertTrue(uses("eldr_worker_report_age_seconds"), "no alert on stale worker reports")
+        self.assertTrue(uses("eldr_route_duration_seconds_bucket"), "no alert on decision latency")
+        self.assertIn("EldrRouterNoRoutes", alerts)
+        refit = [name for name, expr in exprs.items() if re.search(r"eldr_refits?_\w*fail", expr)]
+        self.assertTrue(refit, "no alert on refit failures")
+
+    def test_alert_metadata(self):
+        with open(os.path.join(lib.SOURCE_DIR, "docs", "operations.md")) as f:
+            operations = f.read()
+        anchors = {re.sub(r"[^a-z0-9 -]", "", m.group(1).strip().lower()).replace(" ", "-")
+                   for m in re.finditer(r"^#+\s+(.*)$", operations, re.M)}
+        for name, rule in self.alerts().items():
+            with self.subTest(alert=name):
+                self.assertIn(rule["labels"].get("severity"), {"warning", "critical"})
+                for key in ("summary", "description", "runbook"):
+                    self.assertTrue(rule["annotations"].get(key), f"{name} lacks {key}")
+                runbook = rule["annotations"]["runbook"]
+                self.assertTrue(runbook.startswith("docs/operations.md#"), runbook)
+                self.assertIn(runbook.split("#", 1)[1], anchors,
+                              f"{name}: runbook anchor missing from docs/operations.md")
+
+    def test_metric_names_are_the_daemons(self):
+        defined = metrics_defined_in_source()
+        for name, expr in lib.rule_exprs(self.rules):
+            for metric in lib.metric_names(expr) - lib.PROMETHEUS_SYNTHETIC:
+                with self.subTest(alert=name, metric=metric):
+                    self.assertIsNotNone(base_metric(metric, defined),
+                                         f"{metric} is not registered anywhere in src/")
+
+
+class DashboardTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dashboard = lib.load_dashboard()
+
+    def test_structure(self):
+        dashboard = self.dashboard
+        self.assertEqual(dashboard["uid"], "eldr-router")
+        ids = [panel["id"] for panel in lib.dashboard_panels(dashboard)]
+        self.assertEqual(len(ids), len(set(ids)), "panel ids must be unique")
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        self.assertEqual(variables["datasource"]["type"], "datasource")
+        self.assertEqual(variables["datasource"]["query"], "prometheus")
+        for panel in lib.dashboard_panels(dashboard):
+            if panel["type"] == "row":
+                continue
+            with self.subTest(panel=panel["title"]):
+                self.assertEqual(panel["datasource"]["uid"], "${datasource}")
+                self.assertTrue(panel.get("description"), "every panel explains itself")
+                self.assertTrue(panel["targets"])
+                for target in panel["targets"]:
+                    self.assertEqual(target["datasource"]["uid"], "${datasource}")
+                    for variable in ("$namespace", "$job", "$pod"):
+                        self.assertIn(variable, target["expr"],
+                                      "every query honours the namespace, job and pod selectors")
+
+    def test_panels_do_not_overlap(self):
+        cells = {}
+        for panel in self.dashboard["panels"]:
+            pos = panel["gridPos"]
+            self.assertLessEqual(pos["x"] + pos["w"], 24, panel["title"])
+            for x in range(pos["x"], pos["x"] + pos["w"]):
+                for y in range(pos["y"], pos["y"] + pos["h"]):
+                    self.assertNotIn((x, y), cells,
+                                     f"{panel['title']} overlaps {cells.get((x, y))}")
+                    cells[(x, y)] = panel["title"]
+
+    def test_queries_parse(self):
+        # promtool parses every query as a recording rule (Grafana variables replaced first).
+        rules = {"groups": [{"name": "dashboard", "rules": [
+            {"record": f"dashboard:query_{i}", "expr": lib.grafana_to_promql(expr)}
+            for i, (_, expr) in enumerate(lib.dashboard_exprs(self.dashboard))]}]}
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            yaml.safe_dump(rules, f)
+        try:
+            result = lib.run([lib.PROMTOOL, "check", "rules", f.name])
+        finally:
+            os.unlink(f.name)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+
+    def test_covers_what_operators_watch(self):
+        used = set()
+        for _, expr in lib.dashboard_exprs(self.dashboard):
+            used |= lib.metric_names(expr)
+        required = {
+            "eldr_route_requests_total",                 # route rate by policy and outcome
+            "eldr_route_duration_seconds_bucket",        # decision latency percentiles
+            "eldr_band_size_bucket",                     # band size
+            "eldr_route_similarity_bucket",              # similarity
+            "eldr_worker_inflight",                      # per-worker in-flight
+            "eldr_worker_reported_load",                 # per-worker reported load
+            "eldr_worker_report_age_seconds",            # report age
+            "eldr_fallback_total",                       # fallbacks by reason
+            "eldr_rejected_total",                       # rejections by reason
+            "eldr_centroid_generation",                  # centroid generation
+        }
+        self.assertEqual(required - used, set())
+        self.assertTrue([m for m in used if re.match(r"eldr_refits?_", m)], "no refit panel")
+        by_reason = [expr for _, expr in lib.dashboard_exprs(self.dashboard)
+                     if "by (reason)" in expr]
+        self.assertTrue(any("eldr_fallback_total" in e for e in by_reason))
+        self.assertTrue(any("eldr_rejected_total" in e for e in by_reason))
+        self.assertTrue(any("by (policy, outcome)" in e for _, e in lib.dashboard_exprs(self.dashboard)))
+
+    def test_metric_names_are_the_daemons(self):
+        defined = metrics_defined_in_source()
+        for title, expr in lib.dashboard_exprs(self.dashboard):
+            for metric in lib.metric_names(expr) - lib.PROMETHEUS_SYNTHETIC:
+                with self.subTest(panel=title, metric=metric):
+                    self.assertIsNotNone(base_metric(metric, defined),
+                                         f"{metric} is not registered anywhere in src/")
+
+    def test_dashboard_config_map_matches_file(self):
+        for overlay in ("standalone", "sidecar"):
+            objects = lib.render_overlay(overlay)
+            config_map = lib.find_one(objects, "ConfigMap", "eldr-router-dashboard")
+            self.assertEqual(config_map["metadata"]["labels"].get("grafana_dashboard"), "1")
+            import json
+            self.assertEqual(json.loads(config_map["data"]["eldr-router-dashboard.json"]),
+                             self.dashboard)
+            self.assertEqual(len(lib.find(objects, "PrometheusRule", "eldr-router")), 1)
+
+
+class MetricNameParserTest(unittest.TestCase):
+    """The PromQL name extraction the coverage checks rely on."""
+
+    def test_extracts_only_metric_names(self):
+        expr = ('histogram_quantile(0.99, sum by (namespace, job, le) (rate(eldr_route_duration_seconds_bucket'
+                '{namespace=~"$namespace", outcome="ok"}[$__rate_interval]))) > 0.00025 and '
+                'sum without (pod) (eldr_worker_inflight) / ignoring(reason) group_left() up')
+        self.assertEqual(lib.metric_names(expr),
+                         {"eldr_route_duration_seconds_bucket", "eldr_worker_inflight", "up"})
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,85 @@
+// eldr-bench against a real eldr-router: the load generator's JSON contract and both signature
+// sources (random geometry, bundled real traces).
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "router_harness.h"
+
+namespace eldr::testing {
+namespace {
+
+nlohmann::json RunBench(const std::vector<std::string>& args) {
+  ProcessResult result = RunProcess(BinaryPath("eldr-bench"), args, absl::Seconds(60));
+  EXPECT_EQ(result.exit_code, 0) << result.stderr_text;
+  nlohmann::json j = nlohmann::json::parse(result.stdout_text, nullptr, false);
+  EXPECT_FALSE(j.is_discarded()) << result.stdout_text;
+  return j;
+}
+
+TEST(BenchIntegration, RandomSignaturesWithCompleteReportsTheContractFields) {
+  TempDir dir;
+  const std::string artifact = dir.File("a.json");
+  const std::string workers = dir.File("w.json");
+  ProcessResult fixtures = RunProcess(BinaryPath("eldr-bench"),
+                                      {"--write_artifact=" + artifact, "--write_workers=" + workers,
+                                       "--geometry=12x32", "--workers=6"});
+  ASSERT_EQ(fixtures.exit_code, 0) << fixtures.stderr_text;
+  auto router = RouterProcess::Start(dir, {"--workers=" + workers, "--centroids=" + artifact});
+  ASSERT_TRUE(router.ok()) << router.status();
+
+  nlohmann::json out = RunBench({"--target=" + (*router)->target(), "--duration_s=1", "--warmup_s=0.2",
+                                 "--concurrency=4", "--geometry=12x32", "--complete", "--json"});
+  ASSERT_TRUE(out.is_object());
+  for (const char* key : {"requests", "errors", "qps", "p50_us", "p90_us", "p99_us"}) {
+    EXPECT_TRUE(out.contains(key)) << key;
+  }
+  EXPECT_GT(out["requests"].get<int64_t>(), 50);
+  EXPECT_EQ(out["errors"].get<int64_t>(), 0);
+  EXPECT_GT(out["qps"].get<double>(), 0);
+  EXPECT_LE(out["p50_us"].get<double>(), out["p90_us"].get<double>());
+  EXPECT_LE(out["p90_us"].get<double>(), out["p99_us"].get<double>());
+  // Complete was sent for (almost) every route; the last routes may end with the window.
+  EXPECT_GE(out["completes"].get<int64_t>(), out["requests"].get<int64_t>() - 8);
+
+  // The daemon agrees: every completed lease was released, none is left behind.
+  auto metrics = ScrapeMetrics((*router)->metrics_port());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(metrics->Value("eldr_live_leases"), 0);
+  EXPECT_GE(metrics->Value("eldr_route_requests_total", {{"policy", "eldr"}, {"outcome", "ok"}}).value_or(0),
+            out["requests"].get<double>());
+}
+
+TEST(BenchIntegration, BundledTracesDriveLocalityRoutes) {
+  const char* data = std::getenv("ELDR_DATA_DIR");
+  ASSERT_NE(data, nullptr);
+  TempDir dir;
+  const std::string artifact = dir.File("a.json");
+  WriteTextFile(artifact, ArtifactJson({0, 1, 2, 3}, {"w0", "w1", "w2", "w3"}));
+  auto router = RouterProcess::Start(dir, {"--workers=" + WorkerFlag(4), "--centroids=" + artifact});
+  ASSERT_TRUE(router.ok()) << router.status();
+  nlohmann::json out = RunBench({"--target=" + (*router)->target(), "--duration_s=1", "--warmup_s=0.2",
+                                 "--concurrency=2", "--trace=" + std::string(data) + "/esft-routing", "--json"});
+  EXPECT_EQ(out["geometry"], "26x64");
+  EXPECT_EQ(out["signatures"].get<int>(), 213);  // 127 + 33 + 13 + 40 sequences
+  EXPECT_GT(out["requests"].get<int64_t>(), 20);
+  EXPECT_EQ(out["errors"].get<int64_t>(), 0);
+  auto metrics = ScrapeMetrics((*router)->metrics_port());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  // Real signatures are scored against the centroids (no fallback).
+  EXPECT_GE(metrics->Value("eldr_band_size_count").value_or(0), out["requests"].get<double>());
+}
+
+TEST(BenchIntegration, UnreachableTargetFailsClearly) {
+  ProcessResult result = RunProcess(BinaryPath("eldr-bench"),
+                                    {"--target=127.0.0.1:1", "--duration_s=1", "--json"}, absl::Seconds(60));
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_THAT(result.stderr_text, ::testing::HasSubstr("cannot connect"));
+}
+
+}  // namespace
+}  // namespace eldr::testing

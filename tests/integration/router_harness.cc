@@ -1,0 +1,425 @@
+#include "router_harness.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "eldr/centroid_artifact.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace eldr::testing {
+namespace {
+
+// fork + exec with stdout/stderr redirected to files. The child dies with the test process.
+pid_t Spawn(const std::string& binary, const std::vector<std::string>& args, const std::string& stdout_path,
+            const std::string& stderr_path) {
+  std::vector<std::string> argv_storage;
+  argv_storage.push_back(binary);
+  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& a : argv_storage) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    // Only async-signal-safe calls between fork and exec.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
+    const int out = open(stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int err = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (out < 0 || err < 0) _exit(126);
+    dup2(out, 1);
+    dup2(err, 2);
+    execv(binary.c_str(), argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+int DecodeWaitStatus(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return -1;
+}
+
+// Polls waitpid until the child exits or `timeout` passes.
+std::optional<int> WaitPid(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    int status = 0;
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return DecodeWaitStatus(status);
+    if (r < 0 && errno != EINTR) return -1;
+    if (absl::Now() >= deadline) return std::nullopt;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+bool HasFlag(const std::vector<std::string>& args, const std::string& name) {
+  for (const std::string& a : args) {
+    if (a == "--" + name || absl::StartsWith(a, "--" + name + "=")) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+TempDir::TempDir() {
+  std::string pattern = ::testing::TempDir();
+  if (pattern.empty() || pattern.back() != '/') pattern += '/';
+  pattern += "eldr_it_XXXXXX";
+  std::vector<char> buf(pattern.begin(), pattern.end());
+  buf.push_back('\0');
+  const char* made = mkdtemp(buf.data());
+  if (made == nullptr) {
+    ADD_FAILURE() << "mkdtemp failed for " << pattern;
+    return;
+  }
+  path_ = made;
+}
+
+TempDir::~TempDir() {
+  if (path_.empty()) return;
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+void WriteTextFile(const std::string& path, const std::string& contents) {
+  absl::Status status = WriteFileAtomically(path, contents);
+  ASSERT_TRUE(status.ok()) << status;
+}
+
+std::string ReadTextFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string BinaryPath(const std::string& name) {
+  const char* dir = std::getenv("ELDR_BIN_DIR");
+  return absl::StrCat(dir != nullptr ? dir : ".", "/", name);
+}
+
+absl::StatusOr<std::unique_ptr<RouterProcess>> RouterProcess::Start(const TempDir& dir, std::vector<std::string> args,
+                                                                    absl::Duration timeout) {
+  static int counter = 0;
+  const int id = ++counter;
+  const std::string port_file = dir.File(absl::StrCat("ports-", id, ".json"));
+  if (!HasFlag(args, "listen")) args.push_back("--listen=127.0.0.1:0");
+  if (!HasFlag(args, "metrics_listen")) args.push_back("--metrics_listen=127.0.0.1:0");
+  args.push_back("--port_file=" + port_file);
+  std::unique_ptr<RouterProcess> p(new RouterProcess());
+  p->log_path_ = dir.File(absl::StrCat("router-", id, ".log"));
+  p->pid_ = Spawn(BinaryPath("eldr-router"), args, "/dev/null", p->log_path_);
+  if (p->pid_ < 0) return absl::InternalError("fork failed");
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const std::string text = ReadTextFile(port_file);
+    if (!text.empty()) {
+      nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+      if (!j.is_discarded()) {
+        p->grpc_port_ = j.value("grpc_port", 0);
+        p->admin_port_ = j.value("admin_port", 0);
+        p->metrics_port_ = j.value("metrics_port", 0);
+        return p;
+      }
+    }
+    if (auto code = WaitPid(p->pid_, absl::ZeroDuration()); code.has_value()) {
+      p->exited_ = true;
+      p->exit_code_ = *code;
+      return absl::FailedPreconditionError(
+          absl::StrCat("eldr-router exited with ", *code, " during startup:\n", p->Log()));
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("eldr-router did not start in time:\n", p->Log()));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+RouterProcess::~RouterProcess() {
+  if (pid_ > 0 && !exited_) {
+    kill(pid_, SIGKILL);
+    WaitPid(pid_, absl::Seconds(10));
+  }
+}
+
+void RouterProcess::Signal(int signal) const { kill(pid_, signal); }
+
+std::optional<int> RouterProcess::WaitForExit(absl::Duration timeout) {
+  if (exited_) return exit_code_;
+  auto code = WaitPid(pid_, timeout);
+  if (code.has_value()) {
+    exited_ = true;
+    exit_code_ = *code;
+  }
+  return code;
+}
+
+std::string RouterProcess::Log() const { return ReadTextFile(log_path_); }
+
+std::shared_ptr<grpc::Channel> RouterProcess::Channel() const {
+  return grpc::CreateChannel(target(), grpc::InsecureChannelCredentials());
+}
+std::unique_ptr<eldr::v1::DecodeRouter::Stub> RouterProcess::RouterStub() const {
+  return eldr::v1::DecodeRouter::NewStub(Channel());
+}
+std::unique_ptr<eldr::v1::RouterAdmin::Stub> RouterProcess::AdminStub() const {
+  return eldr::v1::RouterAdmin::NewStub(grpc::CreateChannel(admin_target(), grpc::InsecureChannelCredentials()));
+}
+std::unique_ptr<grpc::health::v1::Health::Stub> RouterProcess::HealthStub() const {
+  return grpc::health::v1::Health::NewStub(Channel());
+}
+
+ProcessResult RunProcess(const std::string& binary, const std::vector<std::string>& args, absl::Duration timeout) {
+  TempDir dir;
+  const std::string out = dir.File("stdout");
+  const std::string err = dir.File("stderr");
+  ProcessResult result;
+  const pid_t pid = Spawn(binary, args, out, err);
+  auto code = WaitPid(pid, timeout);
+  if (!code.has_value()) {
+    kill(pid, SIGKILL);
+    WaitPid(pid, absl::Seconds(10));
+    ADD_FAILURE() << binary << " did not finish within " << timeout;
+  }
+  result.exit_code = code.value_or(-1);
+  result.stdout_text = ReadTextFile(out);
+  result.stderr_text = ReadTextFile(err);
+  return result;
+}
+
+std::string ArtifactJson(const std::vector<int>& blocks, const std::vector<std::string>& workers) {
+  CentroidArtifact artifact;
+  artifact.spec.layers = kLayers;
+  artifact.spec.experts = kExperts;
+  artifact.spec.variant = SignatureVariant::kCount;
+  artifact.k = static_cast<int>(blocks.size());
+  const int dim = kLayers * kExperts;
+  artifact.centroids.assign(static_cast<size_t>(artifact.k) * dim, 0.f);
+  const float v = 1.0f / std::sqrt(static_cast<float>(kLayers * 16));
+  for (int r = 0; r < artifact.k; ++r) {
+    for (int l = 0; l < kLayers; ++l) {
+      for (int j = 0; j < 16; ++j) {
+        artifact.centroids[static_cast<size_t>(r) * dim + l * kExperts + blocks[r] * 16 + j] = v;
+      }
+    }
+  }
+  artifact.workers = workers;
+  artifact.model = "test-26x64";
+  artifact.seed = 7;
+  return SerializeCentroidArtifact(artifact);
+}
+
+std::string WorkerFlag(int n) {
+  std::vector<std::string> items;
+  for (int i = 0; i < n; ++i) items.push_back(absl::StrCat("w", i, "=10.0.0.", i, ":8000"));
+  return absl::StrJoin(items, ",");
+}
+
+eldr::v1::RouteRequest BlockRequest(int block, const std::string& request_id) {
+  eldr::v1::RouteRequest request;
+  request.set_request_id(request_id);
+  request.set_prompt_tokens(20);
+  auto* counts = request.mutable_counts();
+  counts->set_layers(kLayers);
+  counts->set_experts(kExperts);
+  std::string bytes(static_cast<size_t>(kLayers) * kExperts * 2, '\0');
+  for (int l = 0; l < kLayers; ++l) {
+    for (int j = 0; j < 4; ++j) {
+      const size_t cell = static_cast<size_t>(l) * kExperts + block * 16 + j;
+      bytes[2 * cell] = 5;  // little-endian 5
+    }
+  }
+  counts->set_int16_le(std::move(bytes));
+  return request;
+}
+
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError("socket failed");
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("connect to 127.0.0.1:", port, " failed"));
+  }
+  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+  if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return absl::UnavailableError("send failed");
+  }
+  std::string response;
+  char buf[8192];
+  while (true) {
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n > 0) {
+      response.append(buf, static_cast<size_t>(n));
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      break;
+    }
+  }
+  close(fd);
+  const size_t header_end = response.find("\r\n\r\n");
+  if (header_end == std::string::npos) return absl::DataLossError("no HTTP header in the response");
+  const std::string status_line = response.substr(0, response.find("\r\n"));
+  if (status_line.find(" 200") == std::string::npos) {
+    return absl::UnavailableError(absl::StrCat("HTTP status: ", status_line));
+  }
+  return response.substr(header_end + 4);
+}
+
+std::optional<double> ParsedMetrics::Value(const std::string& name,
+                                           const std::map<std::string, std::string>& labels) const {
+  auto it = samples.find(name);
+  if (it == samples.end()) return std::nullopt;
+  for (const Sample& s : it->second) {
+    bool match = true;
+    for (const auto& [k, v] : labels) {
+      auto l = s.labels.find(k);
+      if (l == s.labels.end() || l->second != v) match = false;
+    }
+    if (match) return s.value;
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<ParsedMetrics> ParsePrometheusText(const std::string& text) {
+  ParsedMetrics out;
+  int line_number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_number;
+    if (line.empty()) continue;
+    auto bad = [&](absl::string_view why) {
+      return absl::InvalidArgumentError(absl::StrCat("line ", line_number, " (", why, "): ", line));
+    };
+    if (line[0] == '#') {
+      std::vector<absl::string_view> parts = absl::StrSplit(line, absl::MaxSplits(' ', 3));
+      if (parts.size() >= 4 && parts[1] == "TYPE") out.types[std::string(parts[2])] = std::string(parts[3]);
+      continue;
+    }
+    size_t pos = 0;
+    while (pos < line.size() && (std::isalnum(static_cast<unsigned char>(line[pos])) || line[pos] == '_' ||
+                                 line[pos] == ':')) {
+      ++pos;
+    }
+    if (pos == 0) return bad("no metric name");
+    Sample sample;
+    const std::string name(line.substr(0, pos));
+    if (pos < line.size() && line[pos] == '{') {
+      ++pos;
+      while (pos < line.size() && line[pos] != '}') {
+        const size_t eq = line.find('=', pos);
+        if (eq == absl::string_view::npos || eq + 1 >= line.size() || line[eq + 1] != '"') return bad("label");
+        const std::string key(line.substr(pos, eq - pos));
+        std::string value;
+        size_t i = eq + 2;
+        for (; i < line.size() && line[i] != '"'; ++i) {
+          if (line[i] == '\\' && i + 1 < line.size()) ++i;
+          value.push_back(line[i]);
+        }
+        if (i >= line.size()) return bad("unterminated label value");
+        sample.labels[key] = value;
+        pos = i + 1;
+        if (pos < line.size() && line[pos] == ',') ++pos;
+      }
+      if (pos >= line.size()) return bad("unterminated labels");
+      ++pos;
+    }
+    if (pos >= line.size() || line[pos] != ' ') return bad("no value");
+    std::vector<absl::string_view> rest = absl::StrSplit(line.substr(pos + 1), ' ', absl::SkipEmpty());
+    if (rest.empty() || rest.size() > 2) return bad("value and optional timestamp expected");
+    const absl::string_view v = rest[0];
+    if (v == "+Inf") {
+      sample.value = INFINITY;
+    } else if (v == "-Inf") {
+      sample.value = -INFINITY;
+    } else if (v == "NaN") {
+      sample.value = NAN;
+    } else if (!absl::SimpleAtod(v, &sample.value)) {
+      return bad("unparsable value");
+    }
+    out.samples[name].push_back(std::move(sample));
+  }
+  return out;
+}
+
+absl::StatusOr<ParsedMetrics> ScrapeMetrics(int port) {
+  auto body = HttpGet(port, "/metrics");
+  if (!body.ok()) return body.status();
+  return ParsePrometheusText(*body);
+}
+
+absl::StatusOr<CertificateSet> MakeCertificates(const TempDir& dir, const std::string& prefix) {
+  CertificateSet set;
+  const std::string p = dir.File(prefix);
+  set.ca_cert = p + "ca.crt";
+  set.server_cert = p + "server.crt";
+  set.server_key = p + "server.key";
+  set.client_cert = p + "client.crt";
+  set.client_key = p + "client.key";
+  const std::string ca_key = p + "ca.key";
+  const std::vector<std::string> ec = {"-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"};
+  auto run = [](std::vector<std::string> args) -> absl::Status {
+    ProcessResult r = RunProcess("/usr/bin/openssl", args, absl::Seconds(30));
+    if (r.exit_code != 0) {
+      return absl::InternalError(absl::StrCat("openssl ", absl::StrJoin(args, " "), " failed: ", r.stderr_text));
+    }
+    return absl::OkStatus();
+  };
+  std::vector<std::string> ca_args = {"req", "-x509"};
+  ca_args.insert(ca_args.end(), ec.begin(), ec.end());
+  ca_args.insert(ca_args.end(), {"-keyout", ca_key, "-out", set.ca_cert, "-days", "2", "-subj",
+                                 "/CN=eldr-test-ca-" + prefix});
+  if (absl::Status s = run(ca_args); !s.ok()) return s;
+  struct Leaf {
+    std::string cert, key, subject, san;
+  };
+  for (const Leaf& leaf : {Leaf{set.server_cert, set.server_key, "/CN=localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1"},
+                           Leaf{set.client_cert, set.client_key, "/CN=eldr-test-client", "subjectAltName=DNS:client"}}) {
+    const std::string csr = leaf.cert + ".csr";
+    std::vector<std::string> req = {"req", "-new"};
+    req.insert(req.end(), ec.begin(), ec.end());
+    req.insert(req.end(), {"-keyout", leaf.key, "-out", csr, "-subj", leaf.subject, "-addext", leaf.san});
+    if (absl::Status s = run(req); !s.ok()) return s;
+    if (absl::Status s = run({"x509", "-req", "-in", csr, "-CA", set.ca_cert, "-CAkey", ca_key, "-CAcreateserial",
+                              "-out", leaf.cert, "-days", "2", "-copy_extensions", "copy"});
+        !s.ok()) {
+      return s;
+    }
+  }
+  return set;
+}
+
+}  // namespace eldr::testing

@@ -1,0 +1,141 @@
+// Test harness for integration tests: runs the real eldr-router binary on kernel-chosen loopback
+// ports, writes small centroid artifacts, builds Route requests, scrapes and parses /metrics,
+// generates TLS certificates with the openssl CLI.
+//
+// Every wait is bounded; a RouterProcess kills its child when it goes out of scope (and the child
+// dies with the test process through PR_SET_PDEATHSIG), so a failing test never leaks a daemon.
+#ifndef ELDR_TESTS_INTEGRATION_ROUTER_HARNESS_H_
+#define ELDR_TESTS_INTEGRATION_ROUTER_HARNESS_H_
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "eldr/v1/router.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "health.grpc.pb.h"
+
+namespace eldr::testing {
+
+// A fresh directory under the test temp dir, removed by the destructor.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// Writes `contents` to `path` (replacing it atomically); fails the test on error.
+void WriteTextFile(const std::string& path, const std::string& contents);
+std::string ReadTextFile(const std::string& path);
+
+// <ELDR_BIN_DIR>/<name>.
+std::string BinaryPath(const std::string& name);
+
+class RouterProcess {
+ public:
+  // Starts eldr-router with `args` plus --listen/--metrics_listen on 127.0.0.1:0 (unless `args`
+  // sets them) and a --port_file, and waits (bounded) until the port file appears.
+  static absl::StatusOr<std::unique_ptr<RouterProcess>> Start(const TempDir& dir, std::vector<std::string> args,
+                                                              absl::Duration timeout = absl::Seconds(20));
+  ~RouterProcess();
+
+  int grpc_port() const { return grpc_port_; }
+  int admin_port() const { return admin_port_; }
+  int metrics_port() const { return metrics_port_; }
+  pid_t pid() const { return pid_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(grpc_port_); }
+  std::string admin_target() const { return "127.0.0.1:" + std::to_string(admin_port_); }
+
+  void Signal(int signal) const;
+  // The exit code (or 128 + signal) once it exits; nullopt on timeout.
+  std::optional<int> WaitForExit(absl::Duration timeout);
+  // Everything the daemon wrote to stderr so far.
+  std::string Log() const;
+
+  std::shared_ptr<grpc::Channel> Channel() const;
+  std::unique_ptr<eldr::v1::DecodeRouter::Stub> RouterStub() const;
+  std::unique_ptr<eldr::v1::RouterAdmin::Stub> AdminStub() const;
+  std::unique_ptr<grpc::health::v1::Health::Stub> HealthStub() const;
+
+ private:
+  RouterProcess() = default;
+
+  pid_t pid_ = -1;
+  bool exited_ = false;
+  int exit_code_ = 0;
+  std::string log_path_;
+  int grpc_port_ = 0;
+  int admin_port_ = 0;
+  int metrics_port_ = 0;
+};
+
+// Runs a binary to completion (bounded); returns exit code (128 + signal when killed) and stderr.
+struct ProcessResult {
+  int exit_code = -1;
+  std::string stdout_text;
+  std::string stderr_text;
+};
+ProcessResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
+                         absl::Duration timeout = absl::Seconds(60));
+
+// ---- Artifacts and requests: the bundled traces' geometry (26 x 64) ----
+inline constexpr int kLayers = 26;
+inline constexpr int kExperts = 64;
+
+// An artifact (variant "count", every layer) whose row i is uniform over the experts of block
+// blocks[i] (16 experts per block: block b = experts [16b, 16b + 16)) in every layer, so a
+// signature concentrated on block b scores only the rows of block b. `workers` names the rows
+// (empty: unnamed rows).
+std::string ArtifactJson(const std::vector<int>& blocks, const std::vector<std::string>& workers = {});
+// `n` workers w0..w(n-1) at fictitious addresses 10.0.0.<i>:8000, as a --workers value.
+std::string WorkerFlag(int n);
+
+// Counts concentrated on block b (plus nothing elsewhere), int16 little-endian.
+eldr::v1::RouteRequest BlockRequest(int block, const std::string& request_id = "req");
+
+// ---- Metrics ----
+// HTTP GET http://127.0.0.1:<port><path>; returns the body of a 200 response.
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+struct Sample {
+  std::map<std::string, std::string> labels;
+  double value = 0;
+};
+// Parses the Prometheus text format; every non-comment line must be `name{labels} value`.
+// Returns samples by metric name (histograms under name_bucket/_sum/_count) and the TYPE lines.
+struct ParsedMetrics {
+  std::map<std::string, std::vector<Sample>> samples;
+  std::map<std::string, std::string> types;  // family name -> counter/gauge/histogram/...
+  // Value of the sample of `name` whose labels include all of `labels`; nullopt if none.
+  std::optional<double> Value(const std::string& name, const std::map<std::string, std::string>& labels = {}) const;
+};
+absl::StatusOr<ParsedMetrics> ParsePrometheusText(const std::string& text);
+absl::StatusOr<ParsedMetrics> ScrapeMetrics(int port);
+
+// ---- TLS ----
+struct CertificateSet {
+  std::string ca_cert;      // paths
+  std::string server_cert;
+  std::string server_key;
+  std::string client_cert;
+  std::string client_key;
+};
+// A CA, a server certificate for localhost/127.0.0.1 and a client certificate, all signed by
+// the CA, written under `dir` with file names prefixed by `prefix`. EC P-256 keys (fast).
+absl::StatusOr<CertificateSet> MakeCertificates(const TempDir& dir, const std::string& prefix);
+
+}  // namespace eldr::testing
+
+#endif  // ELDR_TESTS_INTEGRATION_ROUTER_HARNESS_H_
