@@ -154,11 +154,16 @@ T* ToDevice(const std::vector<T>& host) {
 }
 
 // GPU time per layer call: 48 record calls (one per layer, as an engine's forward makes them)
-// between two CUDA events. With skip_reset, one reset_batch_blocks per batch is included.
-void BM_GpuRecordLayer(benchmark::State& state, bool skip_reset) {
+// between two CUDA events. Default: the library's defaults (per-layer reset kernel + add kernel,
+// pointer check on). integration_path: what the vLLM integration does (one reset_batch_blocks per
+// batch, included, then one add kernel per layer; pointers checked by the caller).
+void BM_GpuRecordLayer(benchmark::State& state, bool integration_path) {
+  const bool skip_reset = integration_path;
   const int tokens = static_cast<int>(state.range(0));
   const Batch batch = MakeBatch(tokens, 8, 3);
-  auto capture = MustCreate(BenchOptions(Device::kCuda, tokens / kBlockSize + 8), state);
+  Options options = BenchOptions(Device::kCuda, tokens / kBlockSize + 8);
+  options.validate_pointers = !integration_path;
+  auto capture = MustCreate(options, state);
   if (capture == nullptr) return;
   int32_t* ids = ToDevice(batch.ids);
   int64_t* slots = ToDevice(batch.slots);
@@ -239,7 +244,7 @@ void RegisterGpuBenchmarks() {
       ->Arg(8192)
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);
-  benchmark::RegisterBenchmark("BM_GpuRecordLayerSkipReset", BM_GpuRecordLayer, true)
+  benchmark::RegisterBenchmark("BM_GpuRecordLayerIntegrationPath", BM_GpuRecordLayer, true)
       ->Arg(8192)
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);

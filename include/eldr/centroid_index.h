@@ -25,6 +25,8 @@ struct ScoredRow {
   float score = 0.f;  // exact cosine similarity with the query
 };
 
+enum class HalfFormat { kBfloat16, kBinary16 };
+
 struct CentroidIndexOptions {
   // Pools with at least this many centroids use the FAISS reduced-space index; smaller pools are
   // scored exactly. Default: the crossover measured by eldr-microbench (docs/benchmarks.md).
@@ -43,17 +45,21 @@ struct CentroidIndexOptions {
   // least `candidates`).
   int hnsw_neighbors = 32;
   int hnsw_ef_search = 64;
-  // Store centroids in half precision (IEEE binary16) for the scan: half the bytes read per query.
-  // Rows whose half-precision score could be decided differently than in fp32 (see band_tau) are
-  // re-scored from an fp32 copy, so decisions are those of fp32 scoring.
+  // Scan a 16-bit copy of the centroids (half the bytes read per query). Rows whose 16-bit score
+  // could be decided differently than in fp32 (see band_tau) are re-scored from an fp32 copy, so
+  // decisions are those of fp32 scoring.
   bool half_precision = true;
+  // The 16-bit format: bfloat16 scans fastest (no conversion instruction; error bound ~4e-3 for
+  // unit vectors, so more rows are re-scored), binary16 is 8x more precise but its conversion
+  // costs more than the bytes it saves (docs/benchmarks.md).
+  HalfFormat half_format = HalfFormat::kBfloat16;
   // The locality band width the caller applies to the scores (Router: RouterOptions::tau), in
-  // [0, 2]. With half_precision, Search re-scores in fp32 every row whose half-precision score is
-  // within a certified error bound (about 5e-4 for unit vectors) of the best score or of
-  // best - band_tau. Hence the best returned score is the fp32 score of the true best row, and
-  // every row lies on the same side of best - band_tau as in fp32 scoring (which in turn matches a
-  // double-precision reference except within ~1e-5 of the edge). For any other tau the scores are
-  // still within that error bound of fp32.
+  // [0, 2]. With half_precision, every row lies on the same side of best - band_tau as with fp32
+  // scores (which match a double-precision reference except within ~1e-5 of the edge): 16-bit
+  // scores carry a certified error bound b (for unit vectors about 4e-3 with bfloat16, 5e-4 with
+  // binary16), and when a row's 16-bit score is within 3b of the 16-bit edge, the rows near the
+  // edge and near the best are re-scored in fp32 (then the best score is exact too). Otherwise
+  // scores, the best included, are within b of fp32. For another tau the same bound holds.
   double band_tau = 0.1;
 };
 
@@ -64,7 +70,8 @@ class CentroidIndex {
 
   virtual int rows() const = 0;
   virtual int dim() const = 0;
-  // "exact", "exact_fp16", "faiss_pca_flat", "faiss_pca_hnsw": for logs and benchmarks.
+  // "exact", "exact_bf16", "exact_fp16", "faiss_pca_flat", "faiss_pca_hnsw": for logs and
+  // benchmarks.
   virtual absl::string_view kind() const = 0;
 
   // Scores one unit query (dim() finite floats). Fills `out` with exact scores of a candidate set

@@ -102,6 +102,7 @@ class OnlineRefitter {
   void Observe(absl::Span<const float> signature, const std::string& worker);
 
   // Starts the periodic refit thread (no-op when the interval is zero/infinite or it runs already).
+  // The thread runs at nice +10, so fits yield the CPU to routing threads.
   void Start();
   // Stops and joins the thread; a refit in progress finishes first. Idempotent.
   void Stop();

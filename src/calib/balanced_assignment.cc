@@ -29,7 +29,7 @@ constexpr double kDoubleExactLimit = static_cast<double>(int64_t{1} << 49);
 struct IntegerProblem {
   int n = 0;
   int k = 0;
-  std::vector<int64_t> cost;  // n * k, each row shifted to start at 0, in [0, kCostGrid]
+  std::vector<int32_t> cost;  // n * k, each row shifted to start at 0, in [0, kCostGrid]
   std::vector<int> capacity;  // k, each clamped to n
 };
 
@@ -85,8 +85,9 @@ absl::StatusOr<IntegerProblem> MakeIntegerProblem(absl::Span<const double> cost,
   problem.cost.resize(cost.size());
   for (int i = 0; i < n; ++i) {
     const double* row = cost.data() + static_cast<size_t>(i) * k;
-    int64_t* out = problem.cost.data() + static_cast<size_t>(i) * k;
-    for (int j = 0; j < k; ++j) out[j] = std::llround((row[j] - row_min[i]) * scale);
+    int32_t* out = problem.cost.data() + static_cast<size_t>(i) * k;
+    // Non-negative, so adding 0.5 and truncating rounds to nearest (and vectorises, unlike llround).
+    for (int j = 0; j < k; ++j) out[j] = static_cast<int32_t>((row[j] - row_min[i]) * scale + 0.5);
   }
   return problem;
 }
@@ -162,7 +163,6 @@ class ClusterPathSolver {
         capacity_(problem.capacity),
         load_(k_, 0),
         assignment_(n_, -1),
-        version_(n_, 0),
         pi_(k_ + 1, 0),
         heaps_built_(k_, 0),
         heaps_(static_cast<size_t>(k_) * k_),
@@ -180,11 +180,11 @@ class ClusterPathSolver {
   static constexpr int64_t kInfinity = std::numeric_limits<int64_t>::max() / 4;
 
   // A candidate move of `point` out of the heap's cluster a into cluster b, valid while the point
-  // is still in a with the same version (a point's version changes whenever it moves).
+  // is in a. A point that leaves a and comes back finds its old entries valid again, which is
+  // right: the move's cost depends only on the point and the two clusters.
   struct Move {
-    int64_t delta;  // c[point][b] - c[point][a]
+    int32_t delta;  // c[point][b] - c[point][a], within +-kCostGrid
     int32_t point;
-    uint32_t version;
   };
   // std heaps are max-heaps: "less" means "comes out later". Cheapest delta first, then lowest id.
   struct LaterMove {
@@ -193,7 +193,7 @@ class ClusterPathSolver {
     }
   };
 
-  const int64_t* Row(int point) const { return cost_ + static_cast<size_t>(point) * k_; }
+  const int32_t* Row(int point) const { return cost_ + static_cast<size_t>(point) * k_; }
   std::vector<Move>& Heap(int a, int b) { return heaps_[static_cast<size_t>(a) * k_ + b]; }
 
   // Heaps of moves out of cluster a are built on first use, from the points it holds then.
@@ -202,9 +202,9 @@ class ClusterPathSolver {
     heaps_built_[a] = 1;
     for (int p = 0; p < n_; ++p) {
       if (assignment_[p] != a) continue;
-      const int64_t* row = Row(p);
+      const int32_t* row = Row(p);
       for (int b = 0; b < k_; ++b) {
-        if (b != a) Heap(a, b).push_back(Move{row[b] - row[a], p, version_[p]});
+        if (b != a) Heap(a, b).push_back(Move{row[b] - row[a], p});
       }
     }
     for (int b = 0; b < k_; ++b) {
@@ -215,13 +215,12 @@ class ClusterPathSolver {
   // Puts `point` into `cluster` (loads are the caller's business).
   void Put(int point, int cluster) {
     assignment_[point] = cluster;
-    ++version_[point];
     if (!heaps_built_[cluster]) return;
-    const int64_t* row = Row(point);
+    const int32_t* row = Row(point);
     for (int b = 0; b < k_; ++b) {
       if (b == cluster) continue;
       std::vector<Move>& heap = Heap(cluster, b);
-      heap.push_back(Move{row[b] - row[cluster], point, version_[point]});
+      heap.push_back(Move{row[b] - row[cluster], point});
       std::push_heap(heap.begin(), heap.end(), LaterMove());
     }
   }
@@ -231,7 +230,7 @@ class ClusterPathSolver {
     std::vector<Move>& heap = Heap(a, b);
     while (!heap.empty()) {
       const Move& top = heap.front();
-      if (assignment_[top.point] == a && version_[top.point] == top.version) {
+      if (assignment_[top.point] == a) {
         *point = top.point;
         return top.delta;
       }
@@ -242,7 +241,7 @@ class ClusterPathSolver {
   }
 
   void Place(int i) {
-    const int64_t* row = Row(i);
+    const int32_t* row = Row(i);
     const int sink = k_;
     int cheapest = 0;
     int64_t cheapest_label = kInfinity;
@@ -287,7 +286,7 @@ class ClusterPathSolver {
       for (int v = 0; v < k_; ++v) {
         if (v == u || settled_[v]) continue;
         int point = -1;
-        const int64_t delta = CheapestMove(u, v, &point);
+        const int64_t delta = CheapestMove(u, v, &point);  // kInfinity when a holds no point
         if (delta == kInfinity) continue;
         const int64_t candidate = dist_[u] + delta + pi_[u] - pi_[v];
         if (candidate < dist_[v]) {
@@ -318,11 +317,10 @@ class ClusterPathSolver {
 
   const int n_;
   const int k_;
-  const int64_t* cost_;
+  const int32_t* cost_;
   const std::vector<int> capacity_;
   std::vector<int> load_;
   std::vector<int> assignment_;
-  std::vector<uint32_t> version_;
   std::vector<int64_t> pi_;  // clusters 0..k-1, sink k
   std::vector<char> heaps_built_;
   std::vector<std::vector<Move>> heaps_;  // [a * k + b]: moves from cluster a to cluster b

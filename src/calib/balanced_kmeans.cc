@@ -125,6 +125,10 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> p
                                                    " values, expected n * dim = ",
                                                    static_cast<int64_t>(n) * dim));
   }
+  if (!(options.tolerance >= 0) || !std::isfinite(options.tolerance)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("balanced k-means: tolerance = ", options.tolerance, ", need a finite value >= 0"));
+  }
   if (options.max_iterations < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("balanced k-means: max_iterations = ", options.max_iterations, ", need >= 1"));
@@ -186,10 +190,11 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> p
     result.objective = objective;
     result.objective_per_iteration.push_back(objective);
     result.iterations = iteration + 1;
-    // Stable assignment: the means would not move. No improvement: further steps can only trade
-    // points between equally good assignments.
+    // Stable assignment: the means would not move. Improvement within tolerance: further steps
+    // only trade boundary points (tolerance 0 still stops when nothing improves, as steps can then
+    // only swap points between equally good assignments).
     if (assignment == previous ||
-        (iteration > 0 && objective >= previous_objective - 1e-12 * n)) {
+        (iteration > 0 && previous_objective - objective <= options.tolerance * previous_objective + 1e-12 * n)) {
       result.converged = true;
       break;
     }

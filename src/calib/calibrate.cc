@@ -169,6 +169,7 @@ absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data,
   kmeans.capacity_weights = options.capacity_weights;
   kmeans.seed = options.seed;
   kmeans.max_iterations = options.max_iterations;
+  kmeans.tolerance = options.tolerance;
   kmeans.seeding_sample = options.seeding_sample;
   absl::StatusOr<BalancedKMeansResult> fit = FitBalancedKMeans(*points, usable_n, transform->dim(), kmeans);
   if (!fit.ok()) return fit.status();

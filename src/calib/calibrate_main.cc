@@ -55,6 +55,9 @@ ABSL_FLAG(std::string, report, "", "Report to write (JSON); written atomically")
 ABSL_FLAG(double, holdout_fraction, 0.0,
           "Fraction of requests held out of the fit to measure routing agreement (stratified by label)");
 ABSL_FLAG(int, max_iterations, 50, "Most balanced k-means iterations");
+ABSL_FLAG(double, tolerance, 1e-4,
+          "Stop k-means when an iteration improves the objective by at most this fraction (0: until "
+          "the assignment is stable)");
 ABSL_FLAG(int, mask_pairs, 30000, "Request pairs for the layer-mask Spearman search");
 ABSL_FLAG(bool, select_layers, true,
           "Greedy layer mask (variant count_idf with decode counts); false keeps every layer");
@@ -144,6 +147,8 @@ int RunCalibration(const std::vector<std::string>& extra_captures) {
   }
   options.seed = absl::GetFlag(FLAGS_seed);
   options.max_iterations = absl::GetFlag(FLAGS_max_iterations);
+  options.tolerance = absl::GetFlag(FLAGS_tolerance);
+  if (!(options.tolerance >= 0) || !std::isfinite(options.tolerance)) return UsageError("--tolerance must be >= 0");
   options.mask_pairs = absl::GetFlag(FLAGS_mask_pairs);
   options.select_layers = absl::GetFlag(FLAGS_select_layers);
   options.seeding_sample = absl::GetFlag(FLAGS_seeding_sample);
@@ -267,6 +272,7 @@ int RunBenchmark() {
         options.seed = seed;
         options.select_layers = false;
         options.max_iterations = absl::GetFlag(FLAGS_max_iterations);
+        options.tolerance = absl::GetFlag(FLAGS_tolerance);
         options.seeding_sample = absl::GetFlag(FLAGS_seeding_sample);
         absl::StatusOr<CalibrationResult> result = Calibrate(data, options);
         if (!result.ok()) return Fail(kExitBadInput, result.status());
@@ -285,7 +291,8 @@ int RunBenchmark() {
                            {"seconds_kmeans", r.seconds_kmeans}, {"seconds_seeding", r.seconds_seeding},
                            {"seconds_scoring", r.seconds_scoring}, {"seconds_assignment", r.seconds_assignment},
                            {"seconds_update", r.seconds_update}, {"iterations", r.iterations},
-                           {"converged", r.converged}, {"objective", r.objective}});
+                           {"converged", r.converged}, {"objective", r.objective},
+                           {"objective_per_iteration", r.objective_per_iteration}});
       }
     }
   }

@@ -1,6 +1,10 @@
 // Online refit and elastic pools (see include/eldr/refit.h for the contract).
 #include "eldr/refit.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -158,6 +162,9 @@ void OnlineRefitter::Stop() {
 }
 
 void OnlineRefitter::RunPeriodic() {
+  // Fits yield the CPU to routing: on Linux a thread has its own nice value. Best effort (an
+  // unprivileged process may always lower its priority).
+  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
   thread_mu_.Lock();
   while (!stopping_) {
     const absl::Time deadline = absl::Now() + options_.interval;

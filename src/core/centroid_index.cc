@@ -36,6 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "core/centroid_index_internal.h"
 #include "core/scorer_kernels.h"
 #include "eldr/errors.h"
 #include "faiss/IndexHNSW.h"
@@ -90,7 +91,8 @@ struct Scratch {
   std::vector<char> seen;
   std::vector<int> refine_ids;
   std::vector<const float*> f32_rows;
-  std::vector<const uint16_t*> f16_rows;
+  std::vector<const uint16_t*> h16_rows;
+  int64_t refined_rows = 0;  // rows re-scored in fp32 by this thread (statistics)
   std::vector<float> faiss_distances;
   std::vector<faiss::Index::idx_t> faiss_labels;
 };
@@ -116,42 +118,57 @@ class ColumnMap {
     compact_ = static_cast<double>(kept_.size()) < kCompactWhenKeptBelow * dim;
     if (!compact_) {
       kept_.resize(dim);
-      for (int i = 0; i < dim; ++i) kept_[i] = i;
+      std::iota(kept_.begin(), kept_.end(), 0);
     }
+    masks_.assign((dim + 15) / 16, 0);
+    for (int i : kept_) masks_[i >> 4] |= static_cast<uint16_t>(1u << (i & 15));
   }
 
   int dim() const { return dim_; }
   int kept() const { return static_cast<int>(kept_.size()); }
   bool compact() const { return compact_; }
-  const std::vector<int>& kept_columns() const { return kept_; }
 
-  // The kept columns of one full-dimension vector.
+  // The kept columns of one full-dimension vector (build time and batches).
   void Gather(const float* in, float* out) const {
     const int* columns = kept_.data();
     const int n = kept();
     for (int i = 0; i < n; ++i) out[i] = in[columns[i]];
   }
 
-  // Returns `query` itself when nothing is dropped, otherwise its gathered copy in `buffer`.
-  const float* Apply(const float* query, AlignedVector<float>* buffer) const {
-    if (!compact_) return query;
-    if (static_cast<int>(buffer->size()) < kept()) buffer->resize(kept());
-    Gather(query, buffer->data());
-    return buffer->data();
+  // The query restricted to the kept columns (`query` itself when nothing is dropped, else its
+  // gathered copy in `buffer`) and its norm over those columns.
+  struct Prepared {
+    const float* data;
+    float norm;
+  };
+  Prepared Prepare(const float* query, const ScorerKernels& kernels,
+                   AlignedVector<float>* buffer) const {
+    if (!compact_) {
+      float norm2 = 0;
+      kernels.dot_rows_f32(&query, 1, query, dim_, &norm2);
+      return {query, std::sqrt(std::max(0.f, norm2))};
+    }
+    if (static_cast<int>(buffer->size()) < kept() + 16) buffer->resize(kept() + 16);
+    const float norm2 =
+        kernels.gather_columns(query, dim_, masks_.data(), kept_.data(), kept(), buffer->data());
+    return {buffer->data(), std::sqrt(std::max(0.f, norm2))};
   }
 
  private:
   int dim_;
   bool compact_ = false;
   std::vector<int> kept_;
+  std::vector<uint16_t> masks_;  // bit i % 16 of masks_[i / 16]: column i is kept
 };
 
 // ---- Row storage ----------------------------------------------------------------------------------
 
-// Rows restricted to the kept columns, in fp32 and optionally binary16, 64-byte aligned.
+// Rows restricted to the kept columns: fp32 (always, for refinement and batches) and optionally
+// a 16-bit copy for the scan, binary16 or paired-layout bfloat16. Rows are 64-byte aligned.
 class RowStore {
  public:
-  RowStore(const float* data, int rows, int dim, const ColumnMap& columns, bool half)
+  RowStore(const float* data, int rows, int dim, const ColumnMap& columns,
+           const CentroidIndexOptions& options)
       : rows_(rows), cols_(columns.kept()) {
     const int stride32 = PaddedStride<float>(cols_);
     f32_.assign(static_cast<size_t>(rows) * stride32, 0.f);
@@ -165,60 +182,81 @@ class RowStore {
       for (int i = 0; i < cols_; ++i) norm2 += static_cast<double>(dst[i]) * dst[i];
       max_norm_ = std::max(max_norm_, std::sqrt(norm2));
     }
-    if (half) {
-      const int stride16 = PaddedStride<uint16_t>(cols_);
-      f16_.assign(static_cast<size_t>(rows) * stride16, 0);
-      f16_rows_.resize(rows);
-      for (int r = 0; r < rows; ++r) {
-        uint16_t* dst = f16_.data() + static_cast<size_t>(r) * stride16;
+    if (!options.half_precision) return;
+    format_ = options.half_format;
+    const int stride16 = format_ == HalfFormat::kBfloat16
+                             ? internal::PairedBfloat16Elements(cols_)
+                             : PaddedStride<uint16_t>(cols_);
+    h16_.assign(static_cast<size_t>(rows) * stride16, 0);
+    h16_rows_.resize(rows);
+    for (int r = 0; r < rows; ++r) {
+      uint16_t* dst = h16_.data() + static_cast<size_t>(r) * stride16;
+      if (format_ == HalfFormat::kBfloat16) {
+        internal::PackBfloat16Row(f32_rows_[r], cols_, dst);
+      } else {
         internal::FloatsToHalves(f32_rows_[r], cols_, dst);
-        f16_rows_[r] = dst;
       }
+      h16_rows_[r] = dst;
     }
   }
 
   int rows() const { return rows_; }
   int cols() const { return cols_; }
-  bool half() const { return !f16_rows_.empty(); }
+  bool half() const { return !h16_rows_.empty(); }
+  HalfFormat format() const { return format_; }
   double max_norm() const { return max_norm_; }
   const float* const* f32_rows() const { return f32_rows_.data(); }
-  const uint16_t* const* f16_rows() const { return f16_rows_.data(); }
+  const uint16_t* const* h16_rows() const { return h16_rows_.data(); }
   const float* f32_row(int r) const { return f32_rows_[r]; }
-  const uint16_t* f16_row(int r) const { return f16_rows_[r]; }
-  size_t bytes() const { return f32_.size() * sizeof(float) + f16_.size() * sizeof(uint16_t); }
+  const uint16_t* h16_row(int r) const { return h16_rows_[r]; }
+
+  // Scores n rows given by pointers from the 16-bit copy.
+  void ScanHalf(const ScorerKernels& kernels, const uint16_t* const* rows, int n, const float* q,
+                float* scores) const {
+    if (format_ == HalfFormat::kBfloat16) {
+      kernels.dot_rows_bf16(rows, n, q, cols_, scores);
+    } else {
+      kernels.dot_rows_f16(rows, n, q, cols_, scores);
+    }
+  }
 
  private:
   int rows_;
   int cols_;
+  HalfFormat format_ = HalfFormat::kBfloat16;
   double max_norm_ = 0;
   AlignedVector<float> f32_;
-  AlignedVector<uint16_t> f16_;
+  AlignedVector<uint16_t> h16_;
   std::vector<const float*> f32_rows_;
-  std::vector<const uint16_t*> f16_rows_;
+  std::vector<const uint16_t*> h16_rows_;
 };
 
-// Upper bound on |half-precision score - exact score| + |fp32 score - exact score| for any row of
-// `store` and a query of norm `query_norm` (both scores accumulated in fp32):
-//  - binary16 rounding of a normal entry: relative 2^-11, so |sum q_i (h_i - c_i)| <= 2^-11 *
-//    sum |q_i c_i| <= 2^-11 * |q| |c| (Cauchy-Schwarz);
-//  - entries below 2^-14 are binary16 subnormals with absolute error <= 2^-25, adding at most
-//    2^-25 * sum |q_i| <= 2^-25 * sqrt(cols) * |q|;
+// Upper bound on |16-bit score - exact score| + |fp32 score - exact score| for any row of `store`
+// and a query of norm `query_norm` (both scores accumulated in fp32):
+//  - rounding to 16 bits (nearest even) has relative error u16 = 2^-11 for binary16 and 2^-8
+//    for bfloat16, so |sum q_i (h_i - c_i)| <= u16 * sum |q_i c_i| <= u16 * |q| |c|
+//    (Cauchy-Schwarz);
+//  - binary16 entries below 2^-14 are subnormals with absolute error <= 2^-25, adding at most
+//    2^-25 * sum |q_i| <= 2^-25 * sqrt(cols) * |q| (bfloat16 keeps the float exponent range);
 //  - fp32 accumulation over at most n = AccumulationDepth additions per path: gamma_n |q| |c|
-//    for each of the two scores, with gamma_n = n u / (1 - n u), u = 2^-24.
-// 2% slack covers the rounding of the bound itself and |h| <= |c| (1 + 2^-11).
+//    for each of the two scores, gamma_n = n u / (1 - n u), u = 2^-24.
+// 2% slack covers the rounding of the bound itself and |h| <= |c| (1 + u16).
 float HalfPrecisionErrorBound(const RowStore& store, double query_norm) {
   const double u = std::ldexp(1.0, -24);
   const double n = internal::AccumulationDepth(store.cols());
   const double gamma = n * u / (1 - n * u);
   const double qc = query_norm * store.max_norm();
-  const double bound = (std::ldexp(1.0, -11) + 2 * gamma) * qc +
-                       std::ldexp(1.0, -25) * std::sqrt(static_cast<double>(store.cols())) *
-                           query_norm;
+  const bool binary16 = store.format() == HalfFormat::kBinary16;
+  const double rounding = std::ldexp(1.0, binary16 ? -11 : -8);
+  double bound = (rounding + 2 * gamma) * qc;
+  if (binary16) {
+    bound += std::ldexp(1.0, -25) * std::sqrt(static_cast<double>(store.cols())) * query_norm;
+  }
   return static_cast<float>(bound * 1.02);
 }
 
-// Scans rows `ids` (n of them; null means rows 0..n-1) of `store` against the compacted query
-// `q`: half-precision scores when the store has them, fp32 scores otherwise.
+// Scans rows `ids` (n of them; null means rows 0..n-1) of `store` against the prepared query `q`:
+// 16-bit scores when the store has a 16-bit copy, fp32 scores otherwise.
 void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* q, const int* ids,
               int n, Scratch* scratch, float* scores) {
   const int cols = store.cols();
@@ -233,42 +271,44 @@ void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* 
     return;
   }
   if (ids == nullptr) {
-    kernels.dot_rows_f16(store.f16_rows(), n, q, cols, scores);
+    store.ScanHalf(kernels, store.h16_rows(), n, q, scores);
     return;
   }
-  scratch->f16_rows.resize(n);
-  for (int i = 0; i < n; ++i) scratch->f16_rows[i] = store.f16_row(ids[i]);
-  kernels.dot_rows_f16(scratch->f16_rows.data(), n, q, cols, scores);
+  scratch->h16_rows.resize(n);
+  for (int i = 0; i < n; ++i) scratch->h16_rows[i] = store.h16_row(ids[i]);
+  store.ScanHalf(kernels, scratch->h16_rows.data(), n, q, scores);
 }
 
-// After ScanRows on a half-precision store: re-scores in fp32 every row whose decision could
-// differ from fp32 scoring. With b the error bound, m the best half-precision score and
-// tau = band_tau:
-//  - rows with score >= m - 2b: the true best row is among them (its half score is >= its fp32
-//    score - b >= m - 2b), and every other row's half score is below the fp32 score of the best,
-//    so the best returned score is the fp32 score of the true best row;
-//  - rows within 3b of m - tau: any other row is more than 3b - b (for m) from the fp32 edge,
-//    more than the b its own score can move, so it lies on the same side as in fp32.
-void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float* q, const int* ids,
-                int n, float band_tau, Scratch* scratch, float* scores) {
+// After ScanRows on a 16-bit store: re-scores in fp32 what is needed for every row to fall on the
+// same side of the band edge as with fp32 scores. With b the error bound, m the best 16-bit score,
+// tau = band_tau and the 16-bit edge e = m - tau (the fp32 edge is within b of it):
+//  - a row more than 3b from e is decided: its fp32 score is more than 3b - 2b = b from the fp32
+//    edge, on the same side. When every row is, nothing is re-scored (the common case).
+//  - otherwise the rows within 3b of e are re-scored, and so are the rows with score >= m - 2b:
+//    the true best row is among them (its 16-bit score is >= its fp32 score - b >= m - 2b) and
+//    every other row's 16-bit score is below the fp32 score of the best, so the best returned
+//    score, and the edge the caller derives from it, are those of fp32 scoring.
+// Scores that are not re-scored stay within b of fp32.
+void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float* q,
+                float query_norm, const int* ids, int n, float band_tau, Scratch* scratch,
+                float* scores) {
   if (!store.half() || n == 0) return;
-  const int cols = store.cols();
-  float query_norm2 = 0;
-  const float* query_row = q;
-  kernels.dot_rows_f32(&query_row, 1, q, cols, &query_norm2);
-  const float bound = HalfPrecisionErrorBound(store, std::sqrt(std::max(0.f, query_norm2)));
+  const float bound = HalfPrecisionErrorBound(store, query_norm);
   float best = -std::numeric_limits<float>::infinity();
   for (int i = 0; i < n; ++i) best = std::max(best, scores[i]);
   const float top_floor = best - 2 * bound;
   const float edge = best - band_tau;
+  // NaN scores (a non-finite query) compare false everywhere: they are re-scored, harmlessly.
+  auto near_edge = [&](float score) { return !(std::fabs(score - edge) > 3 * bound); };
+  bool any_near_edge = false;
+  for (int i = 0; i < n && !any_near_edge; ++i) any_near_edge = near_edge(scores[i]);
+  if (!any_near_edge) return;
   scratch->refine_ids.clear();
   for (int i = 0; i < n; ++i) {
-    // NaN scores (a non-finite query) are refined too: harmless, and they stay NaN.
-    if (!(scores[i] < top_floor) || !(std::fabs(scores[i] - edge) > 3 * bound)) {
-      scratch->refine_ids.push_back(i);
-    }
+    if (!(scores[i] < top_floor) || near_edge(scores[i])) scratch->refine_ids.push_back(i);
   }
   const int m = static_cast<int>(scratch->refine_ids.size());
+  scratch->refined_rows += m;
   if (m == 0) return;
   scratch->f32_rows.resize(m);
   for (int k = 0; k < m; ++k) {
@@ -276,7 +316,7 @@ void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float
     scratch->f32_rows[k] = store.f32_row(ids == nullptr ? i : ids[i]);
   }
   scratch->refined.resize(m);
-  kernels.dot_rows_f32(scratch->f32_rows.data(), m, q, cols, scratch->refined.data());
+  kernels.dot_rows_f32(scratch->f32_rows.data(), m, q, store.cols(), scratch->refined.data());
   for (int k = 0; k < m; ++k) scores[scratch->refine_ids[k]] = scratch->refined[k];
 }
 
@@ -337,20 +377,25 @@ class ExactIndex final : public CentroidIndex {
       : dim_(dim),
         band_tau_(static_cast<float>(options.band_tau)),
         columns_(centroids, rows, dim),
-        store_(centroids, rows, dim, columns_, options.half_precision) {}
+        store_(centroids, rows, dim, columns_, options) {}
 
   int rows() const override { return store_.rows(); }
   int dim() const override { return dim_; }
-  absl::string_view kind() const override { return store_.half() ? "exact_fp16" : "exact"; }
+  absl::string_view kind() const override {
+    if (!store_.half()) return "exact";
+    return store_.format() == HalfFormat::kBfloat16 ? "exact_bf16" : "exact_fp16";
+  }
 
   absl::Status Search(absl::Span<const float> query, std::vector<ScoredRow>* out) const override {
     ELDR_RETURN_IF_ERROR(CheckQuery(query, dim_));
     Scratch& scratch = ThreadScratch();
-    const float* q = columns_.Apply(query.data(), &scratch.query);
+    const ScorerKernels& kernels = BestKernels();
+    const ColumnMap::Prepared q = columns_.Prepare(query.data(), kernels, &scratch.query);
     const int n = store_.rows();
     scratch.scores.resize(n);
-    ScanRows(store_, BestKernels(), q, nullptr, n, &scratch, scratch.scores.data());
-    RefineRows(store_, BestKernels(), q, nullptr, n, band_tau_, &scratch, scratch.scores.data());
+    ScanRows(store_, kernels, q.data, nullptr, n, &scratch, scratch.scores.data());
+    RefineRows(store_, kernels, q.data, q.norm, nullptr, n, band_tau_, &scratch,
+               scratch.scores.data());
     out->resize(n);
     for (int r = 0; r < n; ++r) (*out)[r] = ScoredRow{r, scratch.scores[r]};
     return absl::OkStatus();
@@ -424,7 +469,8 @@ class ReducedIndex final : public CentroidIndex {
     ELDR_RETURN_IF_ERROR(CheckQuery(query, dim_));
     Scratch& scratch = ThreadScratch();
     const ScorerKernels& kernels = BestKernels();
-    const float* q = columns_.Apply(query.data(), &scratch.query);
+    const ColumnMap::Prepared prepared = columns_.Prepare(query.data(), kernels, &scratch.query);
+    const float* q = prepared.data;
     const int rows = store_.rows();
 
     // Project: y = A q, one dot product per principal axis.
@@ -435,7 +481,7 @@ class ReducedIndex final : public CentroidIndex {
     float* y = scratch.projected.data();
     std::fill(y, y + reduced_stride_, 0.f);
     if (axes_half_) {
-      kernels.dot_rows_f16(axes_f16_rows_.data(), reduced, q, store_.cols(), y);
+      kernels.dot_rows_bf16(axes_bf16_rows_.data(), reduced, q, store_.cols(), y);
     } else {
       kernels.dot_rows_f32(axes_f32_rows_.data(), reduced, q, store_.cols(), y);
     }
@@ -481,7 +527,8 @@ class ReducedIndex final : public CentroidIndex {
 
     // Exact decisions at full dimension.
     float* exact = scratch.candidate_scores.data();
-    RefineRows(store_, kernels, q, scratch.ids.data(), fetched, band_tau_, &scratch, exact);
+    RefineRows(store_, kernels, q, prepared.norm, scratch.ids.data(), fetched, band_tau_, &scratch,
+               exact);
     out->resize(fetched);
     for (int k = 0; k < fetched; ++k) (*out)[k] = ScoredRow{scratch.ids[k], exact[k]};
     return absl::OkStatus();
@@ -497,7 +544,7 @@ class ReducedIndex final : public CentroidIndex {
       : dim_(dim),
         band_tau_(static_cast<float>(options.band_tau)),
         columns_(centroids, rows, dim),
-        store_(centroids, rows, dim, columns_, options.half_precision),
+        store_(centroids, rows, dim, columns_, options),
         options_(options) {}
 
   absl::Status Fit() {
@@ -527,7 +574,8 @@ class ReducedIndex final : public CentroidIndex {
           "PCA fit returned a %d-value matrix, expected %d x %d", axes.size(), reduced_dims_, cols));
     }
 
-    // Principal axes as rows (binary16 when the centroids are: they only choose candidates).
+    // Principal axes as rows, in bfloat16 when the centroids have a 16-bit copy: they only choose
+    // candidates, so their precision does not reach any decision.
     axes_half_ = options_.half_precision;
     axes_f32_.assign(static_cast<size_t>(reduced_dims_) * PaddedStride<float>(cols), 0.f);
     for (int k = 0; k < reduced_dims_; ++k) {
@@ -536,11 +584,12 @@ class ReducedIndex final : public CentroidIndex {
       axes_f32_rows_.push_back(dst);
     }
     if (axes_half_) {
-      axes_f16_.assign(static_cast<size_t>(reduced_dims_) * PaddedStride<uint16_t>(cols), 0);
+      const int stride = internal::PairedBfloat16Elements(cols);
+      axes_bf16_.assign(static_cast<size_t>(reduced_dims_) * stride, 0);
       for (int k = 0; k < reduced_dims_; ++k) {
-        uint16_t* dst = axes_f16_.data() + static_cast<size_t>(k) * PaddedStride<uint16_t>(cols);
-        internal::FloatsToHalves(axes_f32_rows_[k], cols, dst);
-        axes_f16_rows_.push_back(dst);
+        uint16_t* dst = axes_bf16_.data() + static_cast<size_t>(k) * stride;
+        internal::PackBfloat16Row(axes_f32_rows_[k], cols, dst);
+        axes_bf16_rows_.push_back(dst);
       }
     }
 
@@ -615,9 +664,9 @@ class ReducedIndex final : public CentroidIndex {
   int max_candidates_ = 0;
   bool axes_half_ = false;
   AlignedVector<float> axes_f32_;
-  AlignedVector<uint16_t> axes_f16_;
+  AlignedVector<uint16_t> axes_bf16_;
   std::vector<const float*> axes_f32_rows_;
-  std::vector<const uint16_t*> axes_f16_rows_;
+  std::vector<const uint16_t*> axes_bf16_rows_;
   AlignedVector<float> reduced_;
   std::vector<const float*> reduced_rows_;
   std::unique_ptr<faiss::IndexHNSWFlat> hnsw_;
@@ -679,6 +728,8 @@ absl::Status ValidateBuildInput(absl::Span<const float> centroids, int rows, int
 }
 
 }  // namespace
+
+int64_t internal::RefinedRowsOnThisThread() { return ThreadScratch().refined_rows; }
 
 absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(
     CentroidIndexKind kind, absl::Span<const float> centroids, int rows, int dim,

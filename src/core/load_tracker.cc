@@ -122,13 +122,16 @@ int64_t LoadTracker::ExpireLeases(absl::Time now) {
   MutexLock lock(&mu_);
   const absl::Time cutoff = now - options_.lease_ttl;
   int64_t expired = 0;
-  absl::erase_if(leases_, [&](const auto& entry) {
-    const Lease& lease = entry.second;
-    if (lease.acquired >= cutoff) return false;
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    const Lease& lease = it->second;
+    if (lease.acquired >= cutoff) {
+      ++it;
+      continue;
+    }
     if (auto w = workers_.find(lease.worker); w != workers_.end()) w->second.OnRelease(lease.acquired);
     ++expired;
-    return true;
-  });
+    leases_.erase(it++);  // erasing does not invalidate the other iterators
+  }
   expired_total_ += expired;
   return expired;
 }

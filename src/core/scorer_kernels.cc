@@ -39,6 +39,25 @@ void DotRowsF16Scalar(const uint16_t* const* rows, int n, const float* query, in
   }
 }
 
+void DotRowsBf16Scalar(const uint16_t* const* rows, int n, const float* query, int dim,
+                       float* out) {
+  for (int r = 0; r < n; ++r) {
+    const uint16_t* row = rows[r];
+    out[r] = ScalarDot([row](int i) { return PairedBfloat16At(row, i); }, query, dim);
+  }
+}
+
+float GatherColumnsScalar(const float* in, int /*dim*/, const uint16_t* /*masks*/, const int* kept,
+                          int kept_count, float* out) {
+  float sum = 0;
+  for (int i = 0; i < kept_count; ++i) {
+    const float v = in[kept[i]];
+    out[i] = v;
+    sum += v * v;
+  }
+  return sum;
+}
+
 // ---- AVX2 + FMA + F16C ----------------------------------------------------------------------------
 // Four rows at a time so each query chunk is loaded once for four rows; two accumulators per row
 // hide the FMA latency. The rows stream from L2/L3, which is what bounds these kernels.
@@ -117,6 +136,81 @@ ELDR_TARGET_AVX2 void DotRowsF32Avx2(const float* const* rows, int n, const floa
 ELDR_TARGET_AVX2 void DotRowsF16Avx2(const uint16_t* const* rows, int n, const float* query,
                                      int dim, float* out) {
   DotRowsAvx2<uint16_t>(rows, n, query, dim, out);
+}
+
+// Paired bfloat16, 32 values per block: words 0-7 carry values 0-7 (low halves) and 16-23 (high
+// halves), words 8-15 carry 8-15 and 24-31.
+ELDR_TARGET_AVX2 inline __m256 LowBf16Avx2(__m256i words) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+ELDR_TARGET_AVX2 inline __m256 HighBf16Avx2(__m256i words) {
+  return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+ELDR_TARGET_AVX2 void DotRowsBf16Avx2(const uint16_t* const* rows, int n, const float* query,
+                                      int dim, float* out) {
+  const int full = dim & ~31;
+  int r = 0;
+  for (; r + 4 <= n; r += 4) {
+    __m256 lo[4], hi[4];
+    for (int k = 0; k < 4; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
+    for (int i = 0; i < full; i += 32) {
+      const __m256 q0 = _mm256_loadu_ps(query + i);
+      const __m256 q1 = _mm256_loadu_ps(query + i + 8);
+      const __m256 q2 = _mm256_loadu_ps(query + i + 16);
+      const __m256 q3 = _mm256_loadu_ps(query + i + 24);
+      for (int k = 0; k < 4; ++k) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r + k] + i));
+        const __m256i w1 =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r + k] + i + 16));
+        lo[k] = _mm256_fmadd_ps(LowBf16Avx2(w0), q0, lo[k]);
+        hi[k] = _mm256_fmadd_ps(HighBf16Avx2(w0), q2, hi[k]);
+        lo[k] = _mm256_fmadd_ps(LowBf16Avx2(w1), q1, lo[k]);
+        hi[k] = _mm256_fmadd_ps(HighBf16Avx2(w1), q3, hi[k]);
+      }
+    }
+    for (int k = 0; k < 4; ++k) {
+      float tail = 0;
+      for (int i = full; i < dim; ++i) tail += PairedBfloat16At(rows[r + k], i) * query[i];
+      out[r + k] = HorizontalSumAvx2(_mm256_add_ps(lo[k], hi[k])) + tail;
+    }
+  }
+  if (r < n) DotRowsBf16Scalar(rows + r, n - r, query, dim, out + r);
+}
+
+// Lane permutations that move the selected lanes of an 8-lane register to the front.
+struct CompressTable {
+  alignas(32) int32_t perm[256][8];
+  CompressTable() {
+    for (int m = 0; m < 256; ++m) {
+      int k = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        if (m & (1 << lane)) perm[m][k++] = lane;
+      }
+      while (k < 8) perm[m][k++] = 0;
+    }
+  }
+};
+
+ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_t* masks,
+                                         const int* /*kept*/, int /*kept_count*/, float* out) {
+  static const CompressTable table;
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256 sum = _mm256_setzero_ps();
+  int pos = 0;
+  for (int i = 0; i < dim; i += 8) {
+    const int m = (masks[i >> 4] >> (i & 8)) & 0xff;
+    if (m == 0) continue;
+    // Masked load: unselected lanes (and lanes past dim, never selected) read as 0.
+    const __m256i selected = _mm256_cmpeq_epi32(
+        _mm256_and_si256(_mm256_set1_epi32(m), lane_bits), lane_bits);
+    const __m256 v = _mm256_maskload_ps(in + i, selected);
+    sum = _mm256_fmadd_ps(v, v, sum);
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(table.perm[m]));
+    _mm256_storeu_ps(out + pos, _mm256_permutevar8x32_ps(v, perm));
+    pos += __builtin_popcount(static_cast<unsigned>(m));
+  }
+  return HorizontalSumAvx2(sum);
 }
 
 // ---- AVX-512 --------------------------------------------------------------------------------------
@@ -221,6 +315,58 @@ ELDR_TARGET_AVX512 void DotRowsF16Avx512(const uint16_t* const* rows, int n, con
   DotRowsAvx512<uint16_t>(rows, n, query, dim, out);
 }
 
+ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, const float* query,
+                                          int dim, float* out) {
+  const int full = dim & ~31;
+  const int rest = dim - full;
+  const __mmask16 mask_lo =
+      rest >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << rest) - 1);
+  const __mmask16 mask_hi =
+      rest > 16 ? static_cast<__mmask16>((1u << (rest - 16)) - 1) : static_cast<__mmask16>(0);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  int r = 0;
+  for (; r + 4 <= n; r += 4) {
+    __m512 lo[4], hi[4];
+    for (int k = 0; k < 4; ++k) lo[k] = hi[k] = _mm512_setzero_ps();
+    for (int i = 0; i < full; i += 32) {
+      const __m512 q0 = _mm512_loadu_ps(query + i);
+      const __m512 q1 = _mm512_loadu_ps(query + i + 16);
+      for (int k = 0; k < 4; ++k) {
+        const __m512i w = _mm512_loadu_si512(rows[r + k] + i);
+        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0, lo[k]);
+        hi[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high_half)), q1, hi[k]);
+      }
+    }
+    if (rest > 0) {
+      // The row's padding is zero; the query is read only up to dim.
+      const __m512 q0 = _mm512_maskz_loadu_ps(mask_lo, query + full);
+      const __m512 q1 = _mm512_maskz_loadu_ps(mask_hi, query + full + 16);
+      for (int k = 0; k < 4; ++k) {
+        const __m512i w = _mm512_loadu_si512(rows[r + k] + full);
+        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0, lo[k]);
+        hi[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high_half)), q1, hi[k]);
+      }
+    }
+    for (int k = 0; k < 4; ++k) out[r + k] = HorizontalSumAvx512(_mm512_add_ps(lo[k], hi[k]));
+  }
+  if (r < n) DotRowsBf16Scalar(rows + r, n - r, query, dim, out + r);
+}
+
+ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uint16_t* masks,
+                                             const int* /*kept*/, int /*kept_count*/, float* out) {
+  __m512 sum = _mm512_setzero_ps();
+  int pos = 0;
+  for (int i = 0; i < dim; i += 16) {
+    const __mmask16 m = masks[i >> 4];
+    if (m == 0) continue;
+    const __m512 v = _mm512_maskz_loadu_ps(m, in + i);  // lanes past dim are never selected
+    sum = _mm512_fmadd_ps(v, v, sum);
+    _mm512_storeu_ps(out + pos, _mm512_maskz_compress_ps(m, v));
+    pos += __builtin_popcount(static_cast<unsigned>(m));
+  }
+  return HorizontalSumAvx512(sum);
+}
+
 ELDR_TARGET_AVX2 void FloatsToHalvesF16c(const float* in, size_t n, uint16_t* out) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -297,9 +443,12 @@ absl::string_view SimdLevelName(SimdLevel level) {
 }
 
 const ScorerKernels& KernelsFor(SimdLevel level) {
-  static const ScorerKernels kScalar{SimdLevel::kScalar, DotRowsF32Scalar, DotRowsF16Scalar};
-  static const ScorerKernels kAvx2{SimdLevel::kAvx2, DotRowsF32Avx2, DotRowsF16Avx2};
-  static const ScorerKernels kAvx512{SimdLevel::kAvx512, DotRowsF32Avx512, DotRowsF16Avx512};
+  static const ScorerKernels kScalar{SimdLevel::kScalar, DotRowsF32Scalar, DotRowsF16Scalar,
+                                     DotRowsBf16Scalar, GatherColumnsScalar};
+  static const ScorerKernels kAvx2{SimdLevel::kAvx2, DotRowsF32Avx2, DotRowsF16Avx2,
+                                   DotRowsBf16Avx2, GatherColumnsAvx2};
+  static const ScorerKernels kAvx512{SimdLevel::kAvx512, DotRowsF32Avx512, DotRowsF16Avx512,
+                                     DotRowsBf16Avx512, GatherColumnsAvx512};
   if (static_cast<int>(level) > static_cast<int>(CpuSimdLevel())) level = CpuSimdLevel();
   switch (level) {
     case SimdLevel::kAvx512:
@@ -360,6 +509,32 @@ void FloatsToHalves(const float* in, size_t n, uint16_t* out) {
     return;
   }
   for (size_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
+}
+
+uint16_t FloatToBfloat16(float value) {
+  const uint32_t bits = FloatToBits(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+float Bfloat16ToFloat(uint16_t value) { return BitsToFloat(static_cast<uint32_t>(value) << 16); }
+
+void PackBfloat16Row(const float* in, int dim, uint16_t* out) {
+  const int elements = PairedBfloat16Elements(dim);
+  for (int block = 0; block < elements; block += 32) {
+    for (int j = 0; j < 16; ++j) {
+      const int low = block + j;
+      const int high = block + j + 16;
+      out[block + 2 * j] = low < dim ? FloatToBfloat16(in[low]) : 0;
+      out[block + 2 * j + 1] = high < dim ? FloatToBfloat16(in[high]) : 0;
+    }
+  }
+}
+
+float PairedBfloat16At(const uint16_t* row, int i) {
+  const int block = i & ~31;
+  const int j = i & 31;
+  return Bfloat16ToFloat(row[block + (j < 16 ? 2 * j : 2 * (j - 16) + 1)]);
 }
 
 }  // namespace eldr::internal

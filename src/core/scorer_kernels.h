@@ -35,10 +35,27 @@ using DotRowsF32Fn = void (*)(const float* const* rows, int n, const float* quer
 using DotRowsF16Fn = void (*)(const uint16_t* const* rows, int n, const float* query, int dim,
                               float* out);
 
+// bfloat16 rows in the "paired" layout (PackBfloat16Row): ceil(dim / 32) blocks of 32 values,
+// zero padded, in which 32-bit word j of a block holds value j in its low half and value j + 16
+// in its high half. A bfloat16 in the high half of a word is already the float it stands for, and
+// one in the low half is one shift away, so the scan needs no conversion instruction: that is why
+// this format scans faster than binary16 (see docs/benchmarks.md).
+using DotRowsBf16Fn = void (*)(const uint16_t* const* rows, int n, const float* query, int dim,
+                               float* out);
+
+// Copies the columns of `in` (dim floats) whose bit is set in `masks` (bit i % 16 of masks[i / 16])
+// to `out`, in order, and returns the sum of their squares. `out` must have room for the kept
+// count plus 16 floats (the vector versions store whole registers). `kept` lists the same columns
+// (the scalar version walks it).
+using GatherColumnsFn = float (*)(const float* in, int dim, const uint16_t* masks,
+                                  const int* kept, int kept_count, float* out);
+
 struct ScorerKernels {
   SimdLevel level = SimdLevel::kScalar;
   DotRowsF32Fn dot_rows_f32 = nullptr;
   DotRowsF16Fn dot_rows_f16 = nullptr;
+  DotRowsBf16Fn dot_rows_bf16 = nullptr;
+  GatherColumnsFn gather_columns = nullptr;
 };
 
 // Kernels of `level`, which must not exceed CpuSimdLevel() (it is clamped to it).
@@ -54,6 +71,16 @@ int AccumulationDepth(int dim);
 uint16_t FloatToHalf(float value);
 float HalfToFloat(uint16_t half);
 void FloatsToHalves(const float* in, size_t n, uint16_t* out);
+
+// bfloat16 (the top 16 bits of a float), round to nearest even; NaN stays NaN.
+uint16_t FloatToBfloat16(float value);
+float Bfloat16ToFloat(uint16_t value);
+// Elements a paired-layout bfloat16 row of `dim` values occupies: dim rounded up to 32.
+inline int PairedBfloat16Elements(int dim) { return (dim + 31) / 32 * 32; }
+// Writes `in` (dim floats) as one paired-layout row of PairedBfloat16Elements(dim) values.
+void PackBfloat16Row(const float* in, int dim, uint16_t* out);
+// Value i of a paired-layout row.
+float PairedBfloat16At(const uint16_t* row, int i);
 
 }  // namespace eldr::internal
 

@@ -193,6 +193,7 @@ const std::vector<OptionDef>& OptionTable() {
       DurationOption("max_connection_idle", &ServerOptions::max_connection_idle),
       DurationOption("max_connection_age", &ServerOptions::max_connection_age),
       DurationOption("max_connection_age_grace", &ServerOptions::max_connection_age_grace),
+      DurationOption("shutdown_drain_delay", &ServerOptions::shutdown_drain_delay),
       DurationOption("shutdown_grace", &ServerOptions::shutdown_grace),
       OptionDef{"log_level",
                 [](absl::string_view v, ServerOptions* o) -> absl::Status {
@@ -376,6 +377,9 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
                                {"max_connection_age", o.max_connection_age},
                                {"max_connection_age_grace", o.max_connection_age_grace}}) {
     if (d <= absl::ZeroDuration()) return bad(key, "must be positive (inf: never)");
+  }
+  if (o.shutdown_drain_delay < absl::ZeroDuration() || o.shutdown_drain_delay == absl::InfiniteDuration()) {
+    return bad("shutdown_drain_delay", "must be finite and not negative");
   }
   if (o.shutdown_grace < absl::ZeroDuration() || o.shutdown_grace == absl::InfiniteDuration()) {
     return bad("shutdown_grace", "must be finite and not negative");

@@ -99,7 +99,11 @@ struct ServerOptions {
   absl::Duration max_connection_age_grace = absl::InfiniteDuration();
 
   // ---- Lifecycle and logs ----
-  // On SIGTERM: time in-flight RPCs get to finish before they are cancelled and the daemon exits.
+  // On SIGTERM health turns NOT_SERVING at once, and the daemon keeps serving for this long so
+  // load balancers and clients watching health stop sending before the listeners close (RPCs that
+  // race with the close are refused or cancelled by gRPC). 0: close at once.
+  absl::Duration shutdown_drain_delay = absl::ZeroDuration();
+  // Then: time in-flight RPCs get to finish before they are cancelled and the daemon exits.
   absl::Duration shutdown_grace = absl::Seconds(10);
   LogLevel log_level = LogLevel::kInfo;
   LogFormat log_format = LogFormat::kKeyValue;

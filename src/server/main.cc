@@ -64,7 +64,7 @@ ABSL_FLAG(int64_t, scrape_timeout_ms, kDefaults.scrape_timeout_ms, "A scrape tak
 ABSL_FLAG(int64_t, unhealthy_after_failures, kDefaults.unhealthy_after_failures,
           "Consecutive failed scrapes that mark a worker unhealthy until one succeeds (0: never).");
 ABSL_FLAG(std::string, scrape_model_name, kDefaults.scrape_model_name,
-          "Sum only the series with this model_name label (empty: all series on the page).
+          "Sum only the series with this model_name label (empty: all series on the page).");
 ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert, "PEM certificate chain: enables TLS on the gRPC ports.");
 ABSL_FLAG(std::string, tls_key, kDefaults.tls_key, "PEM private key of --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, kDefaults.tls_client_ca,
@@ -93,6 +93,8 @@ ABSL_FLAG(absl::Duration, max_connection_age, kDefaults.max_connection_age,
           "Close connections older than this (inf: never).");
 ABSL_FLAG(absl::Duration, max_connection_age_grace, kDefaults.max_connection_age_grace,
           "Grace for calls on a connection closed for its age (inf: unlimited).");
+ABSL_FLAG(absl::Duration, shutdown_drain_delay, kDefaults.shutdown_drain_delay,
+          "On SIGTERM, keep serving this long after health turns NOT_SERVING, before closing.");
 ABSL_FLAG(absl::Duration, shutdown_grace, kDefaults.shutdown_grace,
           "On SIGTERM, in-flight RPCs get this long to finish.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error.");

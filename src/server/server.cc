@@ -24,6 +24,10 @@ namespace {
 
 constexpr char kDecodeRouterServiceName[] = "eldr.v1.DecodeRouter";
 constexpr char kRouterAdminServiceName[] = "eldr.v1.RouterAdmin";
+// Health service name for liveness probes: SERVING from the moment the listener is up until
+// shutdown, whatever the pool and centroids (readiness uses ""), so a router whose workers are all
+// drained is taken out of rotation but not restarted.
+constexpr char kLivenessServiceName[] = "liveness";
 
 // gRPC channel arguments take milliseconds as int; INT_MAX means "never" for the connection
 // limits and is the largest representable keepalive.
@@ -228,6 +232,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> RouterServer::BuildServer(const st
   health->SetServingStatus("", false);
   if (data_plane) health->SetServingStatus(kDecodeRouterServiceName, false);
   if (admin) health->SetServingStatus(kRouterAdminServiceName, false);
+  health->SetServingStatus(kLivenessServiceName, true);
   return server;
 }
 
@@ -327,7 +332,10 @@ void RouterServer::UpdateHealth() {
   if (!started_ || shutting_down_) return;
   const bool serving = active > 0 && centroids_ok;
   for (grpc::Server* s : {data_server_.get(), admin_server_.get()}) {
-    if (s != nullptr) s->GetHealthCheckService()->SetServingStatus(serving);
+    if (s != nullptr) {
+      s->GetHealthCheckService()->SetServingStatus(serving);  // every name, liveness included
+      s->GetHealthCheckService()->SetServingStatus(kLivenessServiceName, true);
+    }
   }
   if (serving != serving_) {
     serving_ = serving;
@@ -428,10 +436,13 @@ void RouterServer::Shutdown() {
       if (s != nullptr) s->GetHealthCheckService()->Shutdown();
     }
   }
-  ELDR_LOG(Info, "shutdown_started").With("grace", options_.shutdown_grace);
-  decode_service_->FinishStreamsForShutdown();
+  ELDR_LOG(Info, "shutdown_started")
+      .With("drain_delay", options_.shutdown_drain_delay)
+      .With("grace", options_.shutdown_grace);
+  if (options_.shutdown_drain_delay > absl::ZeroDuration()) absl::SleepFor(options_.shutdown_drain_delay);
+  decode_service_->FinishStreamsForShutdown(absl::Milliseconds(200));
   const std::chrono::system_clock::time_point deadline =
-      absl::ToChronoTime(begin + options_.shutdown_grace);
+      absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
   // Both listeners stop accepting at once and share the grace period.
   std::thread admin_stop;
   if (admin_server_ != nullptr) admin_stop = std::thread([this, deadline] { admin_server_->Shutdown(deadline); });

@@ -116,8 +116,10 @@ class RouterServer {
   // FAILED_PRECONDITION when the rows do not match the workers. The current set stays on error.
   absl::StatusOr<std::pair<uint64_t, int>> ReloadCentroids(const std::string& path, const std::string* inline_json);
 
-  // Graceful shutdown: health NOT_SERVING, open ReportLoad streams answered, no new RPCs, in-flight
-  // RPCs get up to shutdown_grace to finish, then components stop. Idempotent; blocks until done.
+  // Graceful shutdown: health NOT_SERVING (RPCs still served for shutdown_drain_delay), then open
+  // ReportLoad streams are answered, no new RPCs are taken, in-flight RPCs get up to
+  // shutdown_grace to finish, and components stop. Idempotent; blocks until done (at most
+  // drain delay + grace + the components' Stop).
   void Shutdown();
   // Blocks until a Shutdown (from any thread) has completed.
   void Wait();

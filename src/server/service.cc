@@ -147,8 +147,9 @@ grpc::Status AdminAuthorizer::Check(const grpc::CallbackServerContext& context) 
 // (gRPC dispatches them), so holding mu_ around those calls cannot deadlock.
 class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReactor<eldr::v1::LoadReport> {
  public:
-  LoadReportReactor(DecodeRouterService* service, std::string peer, eldr::v1::ReportLoadResponse* response)
-      : service_(service), peer_(std::move(peer)), response_(response) {}
+  LoadReportReactor(DecodeRouterService* service, grpc::CallbackServerContext* context,
+                    eldr::v1::ReportLoadResponse* response)
+      : service_(service), context_(context), peer_(context->peer()), response_(response) {}
 
   void Begin(bool finish_now) {
     absl::MutexLock lock(&mu_);
@@ -182,7 +183,13 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
     FinishLocked(grpc::Status::OK);
   }
 
+  // The read still pending after Finish only completes when the client half-closes or the call
+  // is cancelled; a worker that keeps its stream open would hold the server's shutdown until the
+  // grace deadline. Cancelling once the status went out ends the call without changing it.
+  void CancelAfterFinish() { context_->TryCancel(); }
+
   void OnDone() override {
+    ELDR_LOG(Info, "TMPDEBUG_stream_done");
     service_->StreamDone(this);
     delete this;
   }
@@ -195,6 +202,7 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
   }
 
   DecodeRouterService* const service_;
+  grpc::CallbackServerContext* const context_;
   const std::string peer_;
   eldr::v1::ReportLoadResponse* const response_;
   absl::Mutex mu_;
@@ -304,7 +312,7 @@ absl::Status DecodeRouterService::ApplyReport(const eldr::v1::LoadReport& report
 
 grpc::ServerReadReactor<eldr::v1::LoadReport>* DecodeRouterService::ReportLoad(
     grpc::CallbackServerContext* context, eldr::v1::ReportLoadResponse* response) {
-  auto* reactor = new LoadReportReactor(this, context->peer(), response);
+  auto* reactor = new LoadReportReactor(this, context, response);
   bool finish_now = false;
   {
     absl::MutexLock lock(&streams_mu_);
@@ -320,12 +328,20 @@ void DecodeRouterService::StreamDone(LoadReportReactor* reactor) {
   streams_.erase(reactor);
 }
 
-void DecodeRouterService::FinishStreamsForShutdown() {
+void DecodeRouterService::FinishStreamsForShutdown(absl::Duration settle) {
   // Reactors delete themselves in OnDone after removing themselves from streams_ under
   // streams_mu_; holding it here keeps every listed reactor alive while it is asked to finish.
   absl::MutexLock lock(&streams_mu_);
   shutting_down_ = true;
   for (LoadReportReactor* reactor : streams_) reactor->FinishForShutdown();
+  // Streams whose clients half-close on the status end by themselves; the others are cancelled
+  // once their status had `settle` to reach the client.
+  streams_mu_.AwaitWithTimeout(
+      absl::Condition(+[](absl::flat_hash_set<LoadReportReactor*>* streams) { return streams->empty(); },
+                      &streams_),
+      settle);
+  ELDR_LOG(Info, "TMPDEBUG_after_settle").With("left", streams_.size());
+  for (LoadReportReactor* reactor : streams_) reactor->CancelAfterFinish();
 }
 
 // ---------------------------------------------------------------------------------------------

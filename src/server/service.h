@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "eldr/router.h"
 #include "eldr/signature.h"
 #include "eldr/v1/router.grpc.pb.h"
@@ -99,8 +100,9 @@ class DecodeRouterService final : public eldr::v1::DecodeRouter::CallbackService
                                                             eldr::v1::ReportLoadResponse* response) override;
 
   // Ends every open ReportLoad stream with OK and its summary, and makes new streams end at once,
-  // so a graceful shutdown does not wait for workers to hang up.
-  void FinishStreamsForShutdown();
+  // so a graceful shutdown does not wait for workers to hang up: a client that has not
+  // half-closed `settle` after its status was sent is cancelled (it has its answer by then).
+  void FinishStreamsForShutdown(absl::Duration settle);
 
   // The conversion + routing step of Route (exposed for tests): fills `response` and, for the
   // metrics, `decided` (whose worker_id/address strings are moved into the response).

@@ -201,6 +201,15 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
           info.target, info.worker_ids.size(), options.cluster.decoders, info.worker_ids.size(),
           options.cluster.decoders));
     }
+    for (size_t i = 0; i < info.max_inflight.size(); ++i) {
+      if (info.max_inflight[i] != options.max_inflight) {
+        log(absl::StrFormat(
+            "note: eldr-router's worker %s has max_inflight %d, the in-process routers %d: decisions "
+            "differ once a worker reaches the smaller limit",
+            info.worker_ids[i], info.max_inflight[i], options.max_inflight));
+        break;
+      }
+    }
     if (info.live_leases > 0) {
       log(absl::StrFormat("warning: eldr-router at %s already holds %d leases; they count as load",
                           info.target, info.live_leases));
@@ -270,20 +279,19 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
         MakeArrivals(workload, rate, options.requests, options.seed);
     for (const PolicySpec& policy : options.policies) {
       ELDR_ASSIGN_OR_RETURN(RoutingBackend * backend, backend_for(policy.kind));
-      std::optional<SimRefitDriver> refit;
+      std::unique_ptr<SimRefitDriver> refit;
       if (policy.kind == PolicyKind::kEldr) {
         const CentroidArtifact named = WithWorkers(centroids, backend->worker_ids());
         ELDR_RETURN_IF_ERROR(backend->InstallCentroids(named));
         if (policy.refit) {
           SimRefitOptions refit_options = options.refit;
           refit_options.seed = options.seed;
-          ELDR_ASSIGN_OR_RETURN(SimRefitDriver driver, SimRefitDriver::Create(named, refit_options));
-          refit.emplace(std::move(driver));
+          ELDR_ASSIGN_OR_RETURN(refit, SimRefitDriver::Create(named, refit_options));
         }
       }
       const auto start = std::chrono::steady_clock::now();
       absl::StatusOr<RunResult> run = SimulateRun(workload, arrivals, options.cluster, backend,
-                                                  refit.has_value() ? &*refit : nullptr);
+                                                  refit.get());
       if (!run.ok()) {
         return absl::Status(run.status().code(),
                             absl::StrFormat("rate %g, policy %s: %s", rate, policy.name,

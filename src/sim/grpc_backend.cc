@@ -167,6 +167,7 @@ absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, double timeout
   for (const eldr::v1::WorkerState& worker : state.workers()) {
     if (worker.state() != "active") continue;
     info.worker_ids.push_back(worker.worker().id());
+    info.max_inflight.push_back(worker.worker().max_inflight());
   }
   if (info.worker_ids.empty()) {
     return absl::FailedPreconditionError(

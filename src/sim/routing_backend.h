@@ -71,6 +71,7 @@ struct DaemonInfo {
   PolicyKind policy = PolicyKind::kEldr;
   double tau = 0;
   std::vector<std::string> worker_ids;
+  std::vector<int64_t> max_inflight;  // per worker, 0: no overload guard
   int64_t live_leases = 0;
   uint64_t centroid_generation = 0;
 };

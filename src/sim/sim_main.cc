@@ -74,9 +74,9 @@ ABSL_FLAG(double, kv_transfer_us, kCluster.cost.kv_transfer_us, "KV handoff pref
 ABSL_FLAG(std::string, policies, "rr,random,jsq,p2c,eldr,eldr_refit",
           "Policies to compare: rr, random, jsq, p2c, eldr, eldr_refit");
 ABSL_FLAG(double, tau, 0.1, "eldr locality band width (in-process routers; a daemon uses its own)");
-ABSL_FLAG(int64_t, max_inflight, 0,
-          "Overload guard of the in-process routers: a worker with this many in-flight requests "
-          "leaves eldr's band (0: none)");
+ABSL_FLAG(int64_t, max_inflight, -1,
+          "Overload guard of the in-process routers (WorkerSpec::max_inflight): a worker with this "
+          "many in-flight requests leaves eldr's band. -1: --max_batch; 0: no guard");
 ABSL_FLAG(std::string, variant, "count_idf", "Signature variant for calibration: count or count_idf");
 ABSL_FLAG(bool, select_layers, true, "Calibration: greedy layer-mask search");
 ABSL_FLAG(bool, weight_by_decode_tokens, true,
@@ -233,7 +233,8 @@ int main(int argc, char** argv) {
   options.seed = absl::GetFlag(FLAGS_seed);
   options.router_seed = absl::GetFlag(FLAGS_router_seed);
   options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
-  if (options.max_inflight < 0) return Fail("--max_inflight must be >= 0");
+  if (options.max_inflight == -1) options.max_inflight = options.cluster.max_batch;
+  if (options.max_inflight < 0) return Fail("--max_inflight must be -1 (= --max_batch), 0 (none) or positive");
   absl::StatusOr<eldr::SignatureVariant> variant =
       eldr::ParseSignatureVariant(absl::GetFlag(FLAGS_variant));
   if (!variant.ok() || *variant == eldr::SignatureVariant::kGateProb) {

@@ -3,13 +3,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
-#include "eldr/calibration.h"
 
 namespace eldr::sim {
 
-absl::StatusOr<SimRefitDriver> SimRefitDriver::Create(const CentroidArtifact& initial,
-                                                      const SimRefitOptions& options) {
+absl::StatusOr<std::unique_ptr<SimRefitDriver>> SimRefitDriver::Create(
+    const CentroidArtifact& initial, const SimRefitOptions& options) {
   if (!(options.interval_s > 0) || !(options.window_s > 0) || options.max_iterations < 1 ||
       options.min_signatures_per_centroid < 1) {
     return absl::InvalidArgumentError(
@@ -17,56 +17,63 @@ absl::StatusOr<SimRefitDriver> SimRefitDriver::Create(const CentroidArtifact& in
         "signatures >= 1");
   }
   ELDR_RETURN_IF_ERROR(ValidateCentroidArtifact(initial));
+  if (initial.workers.empty()) {
+    return absl::InvalidArgumentError("refit: the initial artifact must name its workers");
+  }
   ELDR_ASSIGN_OR_RETURN(SignatureTransform transform, SignatureTransform::Create(initial.spec));
-  return SimRefitDriver(initial, std::move(transform), options);
+  std::unique_ptr<SimRefitDriver> driver(new SimRefitDriver(options, std::move(transform)));
+
+  std::vector<WorkerSpec> workers;
+  for (const std::string& id : initial.workers) {
+    WorkerSpec spec;
+    spec.id = id;
+    spec.address = id;
+    workers.push_back(std::move(spec));
+  }
+  RouterOptions host_options;
+  host_options.policy = PolicyKind::kEldr;
+  ELDR_ASSIGN_OR_RETURN(driver->host_, Router::Create(host_options, std::move(workers)));
+  ELDR_RETURN_IF_ERROR(driver->host_->InstallCentroids(initial));
+
+  RefitOptions refit;
+  refit.window = absl::Microseconds(static_cast<int64_t>(options.window_s * 1e6));
+  refit.interval = absl::ZeroDuration();  // no background thread: RefitNow at simulated times
+  refit.min_signatures_per_centroid = options.min_signatures_per_centroid;
+  refit.max_iterations = options.max_iterations;
+  refit.seed = options.seed;
+  std::shared_ptr<double> clock_us = driver->clock_us_;
+  refit.clock = [clock_us] {
+    return absl::UnixEpoch() + absl::Microseconds(static_cast<int64_t>(*clock_us));
+  };
+  ELDR_ASSIGN_OR_RETURN(driver->refitter_, OnlineRefitter::Create(refit, driver->host_.get()));
+  return driver;
+}
+
+SimRefitDriver::~SimRefitDriver() {
+  if (refitter_ != nullptr) refitter_->Stop();
 }
 
 void SimRefitDriver::Observe(absl::Span<const int16_t> counts, int layers, int experts,
                              double now_us) {
-  Observation observation;
-  observation.time_us = now_us;
-  observation.signature.resize(transform_.dim());
+  *clock_us_ = now_us;
+  scratch_.resize(transform_.dim());
   const SignatureInput input = CountsInt16Le{
       layers, experts,
       absl::string_view(reinterpret_cast<const char*>(counts.data()), counts.size() * sizeof(int16_t))};
-  if (!transform_.Apply(input, absl::MakeSpan(observation.signature)).ok()) return;
-  window_.push_back(std::move(observation));
+  if (!transform_.Apply(input, absl::MakeSpan(scratch_)).ok()) return;
+  refitter_->Observe(scratch_, "");
 }
 
 absl::StatusOr<std::optional<CentroidArtifact>> SimRefitDriver::Refit(double now_us) {
-  const double oldest = now_us - options_.window_s * 1e6;
-  while (!window_.empty() && window_.front().time_us <= oldest) window_.pop_front();
-  const int k = current_.k;
-  const int n = static_cast<int>(window_.size());
-  if (n < k * options_.min_signatures_per_centroid) return std::optional<CentroidArtifact>();
-
-  const int dim = current_.dim();
-  std::vector<float> points(static_cast<size_t>(n) * dim);
-  for (int i = 0; i < n; ++i) {
-    std::copy(window_[i].signature.begin(), window_[i].signature.end(),
-              points.begin() + static_cast<size_t>(i) * dim);
-  }
-  BalancedKMeansOptions fit;
-  fit.clusters = k;
-  fit.seed = options_.seed + static_cast<uint64_t>(refits_);
-  fit.max_iterations = options_.max_iterations;
-  fit.initial_centroids = current_.centroids;
-  absl::StatusOr<BalancedKMeansResult> result = FitBalancedKMeans(points, n, dim, fit);
-  if (!result.ok()) {
-    return absl::Status(result.status().code(),
-                        absl::StrCat("refit on ", n, " signatures: ", result.status().message()));
-  }
-  // new row permutation[i] takes the worker of old row i.
-  const std::vector<int> permutation = AlignCentroids(current_.centroids, result->centroids, k, dim);
-  CentroidArtifact next = current_;
-  for (int i = 0; i < k; ++i) {
-    std::copy(result->centroids.begin() + static_cast<size_t>(permutation[i]) * dim,
-              result->centroids.begin() + static_cast<size_t>(permutation[i] + 1) * dim,
-              next.centroids.begin() + static_cast<size_t>(i) * dim);
-  }
-  current_ = next;
+  *clock_us_ = now_us;
+  const uint64_t completed_before = refitter_->stats().refits_completed;
+  ELDR_RETURN_IF_ERROR(refitter_->RefitNow());
+  const RefitStats stats = refitter_->stats();
+  // RefitNow fails on a fit or install error and succeeds when it skipped for lack of data.
+  if (stats.refits_completed == completed_before) return std::optional<CentroidArtifact>();
   ++refits_;
-  return std::optional<CentroidArtifact>(std::move(next));
+  ELDR_ASSIGN_OR_RETURN(CentroidArtifact artifact, host_->CurrentCentroids());
+  return std::optional<CentroidArtifact>(std::move(artifact));
 }
 
 }  // namespace eldr::sim

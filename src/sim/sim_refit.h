@@ -1,69 +1,74 @@
-// Online refit driven at simulated times (DESIGN.md, algorithm step 4), for the eldr_refit policy.
+// Online refit driven at simulated times, for the eldr_refit policy.
 //
-// The daemon refits on a background thread at wall-clock intervals; a simulation must refit at
-// simulated instants to stay deterministic, so this driver runs the same steps synchronously:
-// keep a rolling window of the transformed signatures of routed requests, fit balanced spherical
-// k-means warm-started from the centroids in service (eldr::FitBalancedKMeans), align the new rows
-// to the workers by the exact K x K assignment (eldr::AlignCentroids), and hand the artifact back
-// for the caller to install (in-process or over gRPC). The signature transform (layer mask, IDF)
-// stays the calibrated one; only centroids move.
+// The product's refitter (eldr::OnlineRefitter, include/eldr/refit.h) does the work: a rolling
+// window of transformed signatures, a balanced k-means fit warm-started from the centroids in
+// service, alignment of the new rows to the workers, installation. eldr-router runs it on a
+// background thread at wall-clock intervals; a simulation must refit at simulated instants to stay
+// deterministic, so this driver gives the refitter a simulated clock and calls RefitNow() from a
+// simulated event.
+//
+// The refitter installs into a private "host" eldr::Router that holds only centroids; after each
+// completed refit the driver hands the new artifact to the caller, which installs it where routing
+// happens (the in-process router, or a daemon over gRPC with ReloadCentroids). The same refits thus
+// serve both modes, and in-process and gRPC runs stay identical.
 #ifndef ELDR_SIM_SIM_REFIT_H_
 #define ELDR_SIM_SIM_REFIT_H_
 
 #include <cstdint>
-#include <deque>
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "eldr/centroid_artifact.h"
+#include "eldr/refit.h"
+#include "eldr/router.h"
 #include "eldr/signature.h"
 
 namespace eldr::sim {
 
 struct SimRefitOptions {
   double interval_s = 5;    // simulated seconds between refits
-  double window_s = 30;     // signatures older than this are dropped from the window
-  int max_iterations = 10;  // k-means iterations per refit (warm start converges fast)
-  // A refit needs at least this many signatures per centroid in the window.
-  int min_signatures_per_centroid = 4;
+  double window_s = 30;     // signatures older than this leave the window
+  int max_iterations = 20;  // k-means iterations per refit (the refitter's default)
+  // A refit needs at least this many signatures per centroid in the window (the refitter's default).
+  int min_signatures_per_centroid = 16;
   uint64_t seed = 1;
 };
 
 // Not thread-safe.
 class SimRefitDriver {
  public:
-  // `initial` is the calibrated artifact in service when the run starts (workers named).
-  static absl::StatusOr<SimRefitDriver> Create(const CentroidArtifact& initial,
-                                               const SimRefitOptions& options);
+  // `initial` is the calibrated artifact in service when the run starts, its `workers` naming the
+  // pool's workers.
+  static absl::StatusOr<std::unique_ptr<SimRefitDriver>> Create(const CentroidArtifact& initial,
+                                                                const SimRefitOptions& options);
+  ~SimRefitDriver();
 
   const SimRefitOptions& options() const { return options_; }
 
   // Adds a routed request's prompt counts ([layers][experts] int16) at simulated time `now_us`.
-  // Signatures that the transform rejects (e.g. all zero on the masked layers) are skipped.
+  // Signatures the transform rejects (e.g. all zero on the masked layers) are skipped, as the
+  // router skips them.
   void Observe(absl::Span<const int16_t> counts, int layers, int experts, double now_us);
 
-  // Refits on the signatures of (now - window, now]. Returns the aligned new artifact, or nullopt
-  // when the window holds too few signatures. The result becomes the warm start of the next refit.
+  // Refits at simulated time `now_us`. Returns the new artifact, or nullopt when the refitter
+  // skipped (too few signatures in the window).
   absl::StatusOr<std::optional<CentroidArtifact>> Refit(double now_us);
 
   int refits() const { return refits_; }
-  int window_size() const { return static_cast<int>(window_.size()); }
 
  private:
-  SimRefitDriver(CentroidArtifact current, SignatureTransform transform, SimRefitOptions options)
-      : current_(std::move(current)), transform_(std::move(transform)), options_(options) {}
+  SimRefitDriver(SimRefitOptions options, SignatureTransform transform)
+      : options_(options), transform_(std::move(transform)) {}
 
-  struct Observation {
-    double time_us;
-    std::vector<float> signature;
-  };
-
-  CentroidArtifact current_;
-  SignatureTransform transform_;
   SimRefitOptions options_;
-  std::deque<Observation> window_;
+  SignatureTransform transform_;
+  std::shared_ptr<double> clock_us_ = std::make_shared<double>(0);
+  std::unique_ptr<Router> host_;
+  std::unique_ptr<OnlineRefitter> refitter_;
+  std::vector<float> scratch_;
   int refits_ = 0;
 };
 

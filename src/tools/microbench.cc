@@ -33,6 +33,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
+#include "core/centroid_index_internal.h"
 #include "core/scorer_kernels.h"
 #include "eldr/centroid_index.h"
 #include "eldr/policy.h"
@@ -265,6 +266,7 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
   std::vector<ScoredRow> scores;
   size_t i = 0;
   int64_t band_total = 0;
+  const int64_t refined_before = internal::RefinedRowsOnThisThread();
   for (auto _ : state) {
     const size_t q = i++ % w.query_bytes.size();
     const absl::Status status =
@@ -282,6 +284,8 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
   SetCommonCounters(state, w);
   const double n = std::max<double>(1, static_cast<double>(state.iterations()));
   state.counters["band"] = static_cast<double>(band_total) / n;
+  state.counters["refined"] =
+      static_cast<double>(internal::RefinedRowsOnThisThread() - refined_before) / n;
 }
 
 void Transform(benchmark::State& state, Geometry g) {
@@ -308,6 +312,7 @@ void ScoreWithIndex(benchmark::State& state, Geometry g, int k, CentroidIndexKin
   std::vector<ScoredRow> scores;
   size_t i = 0;
   int64_t returned = 0;
+  const int64_t refined_before = internal::RefinedRowsOnThisThread();
   for (auto _ : state) {
     if (!index->Search(w.query_vectors[i++ % w.query_vectors.size()], &scores).ok()) {
       state.SkipWithError("search failed");
@@ -317,8 +322,45 @@ void ScoreWithIndex(benchmark::State& state, Geometry g, int k, CentroidIndexKin
     benchmark::DoNotOptimize(scores.data());
   }
   state.SetLabel(std::string(index->kind()));
-  state.counters["candidates"] =
-      static_cast<double>(returned) / std::max<double>(1, static_cast<double>(state.iterations()));
+  const double n = std::max<double>(1, static_cast<double>(state.iterations()));
+  state.counters["candidates"] = static_cast<double>(returned) / n;
+  state.counters["refined"] =
+      static_cast<double>(internal::RefinedRowsOnThisThread() - refined_before) / n;
+  // Quality against a double-precision reference over every query: the best row among the
+  // candidates, and the band at tau = 0.1 decided as the reference decides it (rows within 1e-4
+  // of the reference edge are not judged).
+  int best_found = 0, band_match = 0;
+  for (const std::vector<float>& q : w.query_vectors) {
+    if (!index->Search(q, &scores).ok()) break;
+    std::vector<double> reference(k);
+    for (int r = 0; r < k; ++r) {
+      double sum = 0;
+      for (int c = 0; c < w.dim; ++c) {
+        sum += static_cast<double>(w.centroids[static_cast<size_t>(r) * w.dim + c]) * q[c];
+      }
+      reference[r] = sum;
+    }
+    const int best = static_cast<int>(std::max_element(reference.begin(), reference.end()) -
+                                      reference.begin());
+    float got_best = -1e30f;
+    std::vector<char> in_band(k, 0);
+    for (const ScoredRow& s : scores) got_best = std::max(got_best, s.score);
+    bool found = false;
+    for (const ScoredRow& s : scores) {
+      found |= s.row == best;
+      in_band[s.row] = static_cast<double>(s.score) >= static_cast<double>(got_best) - kTau;
+    }
+    bool match = true;
+    for (int r = 0; r < k; ++r) {
+      const double edge = reference[best] - kTau;
+      if (std::fabs(reference[r] - edge) <= 1e-4) continue;
+      match &= (reference[r] >= edge) == static_cast<bool>(in_band[r]);
+    }
+    best_found += found;
+    band_match += match;
+  }
+  state.counters["best_found"] = static_cast<double>(best_found) / w.query_vectors.size();
+  state.counters["band_match"] = static_cast<double>(band_match) / w.query_vectors.size();
   SetCommonCounters(state, w);
 }
 
@@ -352,7 +394,7 @@ void ScoreWithFaissFlat(benchmark::State& state, Geometry g, int k, int blas_thr
 // K/16 accumulators per entry instead of streaming rows.
 class TransposedScorer {
  public:
-  TransposedScorer(const float* rows, int k, int dim) : k_(k), dim_(dim) {
+  TransposedScorer(const float* rows, int k, int dim) : k_(k), dim_(dim), nonzero_(dim) {
     columns_.assign(static_cast<size_t>(dim) * k, 0);
     for (int i = 0; i < dim; ++i) {
       for (int r = 0; r < k; ++r) {
@@ -367,9 +409,15 @@ class TransposedScorer {
     const int chunks = k_ / 16;
     __m512 acc[2][4];  // K <= 64
     for (int c = 0; c < chunks; ++c) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
-    int parity = 0;
+    // Nonzero entries listed without branches first, so that the scan itself does not branch.
+    int nonzero = 0;
     for (int i = 0; i < dim_; ++i) {
-      if (q[i] == 0.f) continue;
+      nonzero_[nonzero] = i;
+      nonzero += q[i] != 0.f;
+    }
+    int parity = 0;
+    for (int n = 0; n < nonzero; ++n) {
+      const int i = nonzero_[n];
       const __m512 qi = _mm512_set1_ps(q[i]);
       const uint16_t* column = columns_.data() + static_cast<size_t>(i) * k_;
       for (int c = 0; c < chunks; ++c) {
@@ -388,6 +436,7 @@ class TransposedScorer {
   int k_;
   int dim_;
   std::vector<uint16_t> columns_;
+  mutable std::vector<int> nonzero_;
 };
 
 void ScoreTransposed(benchmark::State& state, Geometry g, int k) {
@@ -433,6 +482,15 @@ void ScoreBatch(benchmark::State& state, Geometry g, int k, int n) {
   state.SetItemsProcessed(state.iterations() * n);
 }
 
+// Microseconds, plus a "min" aggregate next to mean/median/stddev when --benchmark_repetitions
+// is given: on a shared machine the minimum is the least disturbed figure.
+void CommonSettings(benchmark::internal::Benchmark* b) {
+  b->Unit(benchmark::kMicrosecond);
+  b->ComputeStatistics("min", [](const std::vector<double>& v) {
+    return *std::min_element(v.begin(), v.end());
+  });
+}
+
 void RegisterAll() {
   const Geometry geometries[] = {{26, 64, 6}, {48, 128, 8}};
   const int pools[] = {8, 16, 64, 256, 1024};
@@ -441,7 +499,7 @@ void RegisterAll() {
       benchmark::RegisterBenchmark(
           absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k).c_str(),
           [g, k](benchmark::State& state) { RouteDecision(state, g, k, SignatureVariant::kCountIdf); })
-          ->Unit(benchmark::kMicrosecond);
+          ->Apply(CommonSettings);
     }
   }
   // No IDF: no column is zero everywhere, the exact scorer reads every column.
@@ -450,12 +508,12 @@ void RegisterAll() {
     benchmark::RegisterBenchmark(
         absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k, "/count").c_str(),
         [g, k](benchmark::State& state) { RouteDecision(state, g, k, SignatureVariant::kCount); })
-        ->Unit(benchmark::kMicrosecond);
+        ->Apply(CommonSettings);
   }
   for (const Geometry& g : geometries) {
     benchmark::RegisterBenchmark(absl::StrCat("BM_Transform/", g.name()).c_str(),
                                  [g](benchmark::State& state) { Transform(state, g); })
-        ->Unit(benchmark::kMicrosecond);
+        ->Apply(CommonSettings);
   }
   for (const Geometry& g : geometries) {
     for (int k : {16, 32, 64, 128, 256, 512, 1024}) {
@@ -463,30 +521,50 @@ void RegisterAll() {
       CentroidIndexOptions fp32;
       fp32.half_precision = false;
       CentroidIndexOptions fp16;
+      fp16.half_format = HalfFormat::kBinary16;
+      CentroidIndexOptions bf16;
       CentroidIndexOptions hnsw;
       hnsw.use_hnsw = true;
       benchmark::RegisterBenchmark((prefix + "exact_fp32").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kExact, fp32);
-      })->Unit(benchmark::kMicrosecond);
+      })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "exact_fp16").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kExact, fp16);
-      })->Unit(benchmark::kMicrosecond);
+      })->Apply(CommonSettings);
+      benchmark::RegisterBenchmark((prefix + "exact_bf16").c_str(), [=](benchmark::State& s) {
+        ScoreWithIndex(s, g, k, CentroidIndexKind::kExact, bf16);
+      })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "reduced_flat").c_str(), [=](benchmark::State& s) {
-        ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, fp16);
-      })->Unit(benchmark::kMicrosecond);
+        ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, bf16);
+      })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "reduced_hnsw").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, hnsw);
-      })->Unit(benchmark::kMicrosecond);
+      })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "faiss_flat_ip").c_str(), [=](benchmark::State& s) {
         ScoreWithFaissFlat(s, g, k, /*blas_threshold=*/20);
-      })->Unit(benchmark::kMicrosecond);
+      })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "faiss_flat_ip_blas").c_str(),
                                    [=](benchmark::State& s) { ScoreWithFaissFlat(s, g, k, 1); })
-          ->Unit(benchmark::kMicrosecond);
+          ->Apply(CommonSettings);
+      if (k >= 256) {
+        for (int dims : {16, 32, 64}) {
+          for (int candidates : {16, 32, 48}) {
+            CentroidIndexOptions reduced = bf16;
+            reduced.reduced_dims = dims;
+            reduced.candidates = candidates;
+            benchmark::RegisterBenchmark(
+                absl::StrCat(prefix, "reduced_flat/d:", dims, "/m:", candidates).c_str(),
+                [=](benchmark::State& s) {
+                  ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, reduced);
+                })
+                ->Apply(CommonSettings);
+          }
+        }
+      }
       if (k <= 64) {
         benchmark::RegisterBenchmark((prefix + "transposed_fp16_skip_zeros").c_str(),
                                      [=](benchmark::State& s) { ScoreTransposed(s, g, k); })
-            ->Unit(benchmark::kMicrosecond);
+            ->Apply(CommonSettings);
       }
     }
   }
@@ -494,7 +572,7 @@ void RegisterAll() {
     const Geometry g{48, 128, 8};
     benchmark::RegisterBenchmark(absl::StrCat("BM_ScoreBatch/", g.name(), "/K:256/n:", n).c_str(),
                                  [g, n](benchmark::State& s) { ScoreBatch(s, g, 256, n); })
-        ->Unit(benchmark::kMicrosecond);
+        ->Apply(CommonSettings);
   }
 }
 

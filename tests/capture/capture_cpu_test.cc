@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <thread>
@@ -517,6 +518,10 @@ struct RandomCase {
   bool batch_reset;
   OutputType output_type;
 };
+
+void PrintTo(const RandomCase& c, std::ostream* os) {
+  *os << "block_size " << c.block_size << " top_k " << c.top_k;
+}
 
 class CaptureRandomEngineTest : public ::testing::TestWithParam<RandomCase> {};
 

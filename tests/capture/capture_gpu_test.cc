@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -74,6 +75,11 @@ struct GpuCase {
   OutputType output_type;
   int counter_bits;
 };
+
+void PrintTo(const GpuCase& c, std::ostream* os) {
+  *os << "block_size " << c.block_size << " top_k " << c.top_k << " counter_bits "
+      << c.counter_bits;
+}
 
 class CaptureGpuEngineTest : public ::testing::TestWithParam<GpuCase> {};
 

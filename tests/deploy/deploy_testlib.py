@@ -314,6 +314,10 @@ class PodContainer:
                 for name, rewrite in rewrite_files.items():
                     if name in files:
                         files[name] = rewrite(files[name])
+                for name, data in files.items():
+                    if re.search(rb"https?://(?!127\.0\.0\.1[:/])", data):
+                        raise AssertionError(f"{name} would make the daemon leave loopback: "
+                                             "rewrite its URLs (rewrite_files)")
                 write_projected_volume(local, files)
             self.mounts[mount["mountPath"]] = local
 
@@ -352,8 +356,12 @@ class PodContainer:
         return re.sub(r"(^|=)(/[^\s,]*)", path, text)
 
     def command_line(self):
-        return [self.rewrite(arg) for arg in
+        line = [self.rewrite(arg) for arg in
                 list(self.container.get("command", [])) + list(self.container.get("args", []))]
+        for arg in line:
+            if re.search(r"https?://(?!127\.0\.0\.1[:/])", arg):
+                raise AssertionError(f"argument {arg!r} would make the daemon leave loopback")
+        return line
 
     def environment(self):
         env = {"PATH": "/usr/bin:/bin", "HOME": self.root}
@@ -476,6 +484,73 @@ def start_with_retries(make, attempts=3):
         if "address" not in log.lower() and "bind" not in log.lower():
             raise AssertionError(f"daemon exited at start:\n{log}")
     raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode workers' metrics pages, faked on loopback
+# ---------------------------------------------------------------------------------------------
+
+class FakeVllmMetrics:
+    """An HTTP server on 127.0.0.1 serving each worker's Prometheus page the way vLLM does
+    (`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` with a
+    model_name label), at /<worker id>/metrics. `load[worker] = (running, waiting, kv_usage)`."""
+
+    def __init__(self, workers, running=3, waiting=1, kv_usage=0.5):
+        import http.server
+        import threading
+        self.load = {w: (running, waiting, kv_usage) for w in workers}
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                worker = self.path.strip("/").split("/")[0]
+                if worker not in fake.load or not self.path.endswith("/metrics"):
+                    self.send_error(404)
+                    return
+                body = fake.page(*fake.load[worker]).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def page(running, waiting, kv_usage):
+        labels = 'engine="0",model_name="deepseek-ai/DeepSeek-V2-Lite"'
+        return (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{labels}}} {float(running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{labels}}} {float(waiting)}\n"
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {float(kv_usage)}\n")
+
+    def url(self, worker):
+        return f"http://127.0.0.1:{self.server.server_address[1]}/{worker}/metrics"
+
+    def rewrite_workers_json(self, data):
+        """The workers file with every metrics_url pointing here: the daemon must never resolve the
+        cluster names of the manifests (tests send traffic to loopback only)."""
+        config = json.loads(data)
+        for worker in config["workers"]:
+            if "metrics_url" in worker:
+                worker["metrics_url"] = self.url(worker["id"])
+        return json.dumps(config).encode()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
 
 
 # ---------------------------------------------------------------------------------------------

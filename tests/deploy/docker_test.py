@@ -103,8 +103,12 @@ class DockerfileTest(unittest.TestCase):
         (entrypoint,) = self.instructions(self.runtime, "ENTRYPOINT")
         (cmd,) = self.instructions(self.runtime, "CMD")
         defaults = lib.flag_values(exec_form(cmd))
-        for flag in lib.LISTEN_FLAGS:
+        public_flags = ("listen", "metrics_listen")
+        for flag in public_flags:
             self.assertIn(lib.split_host_port(defaults[flag])[1], exposed, flag)
+        admin_host, admin_port = lib.split_host_port(defaults["admin_listen"])
+        self.assertEqual(admin_host, "127.0.0.1")
+        self.assertNotIn(admin_port, exposed, "the loopback-only admin port is not exposed")
         for overlay in lib.OVERLAYS:
             with self.subTest(overlay=overlay):
                 _, spec, container = lib.router_workload(lib.render_overlay(overlay))
@@ -112,8 +116,10 @@ class DockerfileTest(unittest.TestCase):
                 self.assertEqual(container["securityContext"]["runAsUser"], uid)
                 self.assertEqual(container["securityContext"]["runAsGroup"], gid)
                 flags = lib.flag_values(container["args"])
-                for flag in lib.LISTEN_FLAGS:
+                for flag in public_flags:
                     self.assertIn(lib.split_host_port(flags[flag])[1], exposed, flag)
+                self.assertEqual(lib.split_host_port(flags["admin_listen"]),
+                                 (admin_host, admin_port))
                 # Every binary a probe or hook runs is in the image.
                 for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                     probe = container[kind]
@@ -174,7 +180,7 @@ class DockerfileTest(unittest.TestCase):
             result = lib.run([RUNTIME_LIBS, "check", explained] + binaries)
             self.assertEqual(result.returncode, 0, result.stderr)
 
-    def test_shipped_binaries_run_with_the_listed_libraries_only(self):
+    def test_shipped_binaries_load_and_start(self):
         # Each binary's dynamic loader finds every library (no `not found`) and answers --help.
         for binary in self.built_binaries():
             with self.subTest(binary=os.path.basename(binary)):

@@ -69,6 +69,14 @@ class RouterClient:
                                          response_deserializer=self.pb.ReportLoadResponse.FromString)
         return call(iter([self.pb.LoadReport(**r) for r in reports]), timeout=timeout)
 
+    def drain_worker(self, worker_id, timeout=5):
+        return self._unary("RouterAdmin", "DrainWorker", self.pb.DrainWorkerResponse)(
+            self.pb.DrainWorkerRequest(worker_id=worker_id), timeout=timeout)
+
+    def upsert_worker(self, worker, timeout=5):
+        return self._unary("RouterAdmin", "UpsertWorker", self.pb.UpsertWorkerResponse)(
+            self.pb.UpsertWorkerRequest(worker=self.pb.Worker(**worker)), timeout=timeout)
+
     def list_workers(self, metadata=None, timeout=5):
         return self._unary("RouterAdmin", "ListWorkers", self.pb.ListWorkersResponse)(
             self.pb.ListWorkersRequest(), metadata=metadata, timeout=timeout)
@@ -100,10 +108,17 @@ class LiveDaemonTestBase(unittest.TestCase):
         cls.objects = lib.render_overlay(cls.overlay)
         cls.workload, cls.spec, cls.container_spec = lib.router_workload(cls.objects)
 
-    def start(self, **kwargs):
+    def start(self):
+        # Decode workers' metrics pages on loopback, in place of the cluster URLs of workers.json.
+        config_map = next(o for o in lib.find(self.objects, "ConfigMap")
+                          if o["metadata"]["name"].startswith("eldr-router-workers"))
+        workers = [w["id"] for w in json.loads(config_map["data"]["workers.json"])["workers"]]
+        self.fake_workers = lib.FakeVllmMetrics(workers, running=5, waiting=2, kv_usage=0.25)
+        self.addCleanup(self.fake_workers.close)
         container = lib.start_with_retries(
             lambda: lib.PodContainer(self.objects, self.spec, self.container_spec,
-                                     secrets=self.secrets, **kwargs))
+                                     secrets=self.secrets,
+                                     rewrite_files={"workers.json": self.fake_workers.rewrite_workers_json}))
         self.addCleanup(container.cleanup)
         return container
 
@@ -158,6 +173,23 @@ class StandaloneLiveTest(LiveDaemonTestBase):
         self.assertEqual(code, 0, container.log())
         self.assertLess(time.monotonic() - start, grace - prestop)
 
+    def test_drained_pool_fails_readiness_but_not_liveness(self):
+        container = self.start()
+        self.pass_all_probes(container)
+        admin = RouterClient(f"127.0.0.1:{container.listen_port('admin_listen')}")
+        self.addCleanup(admin.close)
+        workers = self.workers_in_config_map()
+        for worker in workers:
+            admin.drain_worker(worker["id"])
+        readiness = self.container_spec["readinessProbe"]
+        liveness = self.container_spec["livenessProbe"]
+        lib.wait_until(lambda: container.run_probe(readiness) is not True, timeout=5,
+                       what="readiness to fail with every worker drained")
+        self.assertIs(container.run_probe(liveness), True,
+                      "a drained router must not be restarted by its liveness probe")
+        admin.upsert_worker({"id": workers[0]["id"], "address": workers[0]["address"], "capacity": 1})
+        container.pass_probe("readinessProbe")
+
     def test_metrics_cover_dashboard_and_alerts(self):
         container = self.start()
         self.pass_all_probes(container)
@@ -205,11 +237,16 @@ class StandaloneLiveTest(LiveDaemonTestBase):
                     for alternative in value.split("|") if op == "=~" else [value]:
                         with self.subTest(where=alert, metric=metric, label=label, value=alternative):
                             self.assertIn(alternative, seen)
-        # Per-worker series carry what was driven.
+        # Per-worker series carry what was driven: the leases still open, and the load scraped
+        # from the workers' (fake vLLM) pages, which replaces the pushed snapshots within a scrape
+        # interval.
         inflight = {labels["worker"]: v for labels, v in samples["eldr_worker_inflight"]}
         self.assertEqual(sum(inflight.values()), len(leases) - len(leases[::2]) + 1)
-        reported = {labels["worker"]: v for labels, v in samples["eldr_worker_reported_load"]}
-        self.assertEqual(reported, {w: 4.0 for w in workers})
+
+        def scraped_load():
+            reported = {labels["worker"]: v for labels, v in scrape(container)["eldr_worker_reported_load"]}
+            return True if reported == {w: 7.0 for w in workers} else reported
+        lib.wait_until(scraped_load, timeout=10, what="the scraped vLLM load (5 running + 2 waiting)")
 
     def test_edited_config_map_reloads_centroids(self):
         container = self.start()

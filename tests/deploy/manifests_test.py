@@ -18,15 +18,20 @@ def container_port_names(container):
 
 
 def probe_target(container, probe):
-    """host:port a probe checks: a gRPC probe's port, or eldr-health-probe's --addr."""
+    """(host, port, health service) a probe checks: a gRPC probe's, or eldr-health-probe's flags."""
     if "grpc" in probe:
-        return None, probe["grpc"]["port"]
+        return None, probe["grpc"]["port"], probe["grpc"].get("service", "")
     command = probe["exec"]["command"]
     if os.path.basename(command[0]) != "eldr-health-probe":
         raise AssertionError(f"exec probe runs {command[0]}, not eldr-health-probe")
     flags = lib.flag_values(command[1:])
     host, port = lib.split_host_port(flags["addr"])
-    return host, port
+    return host, port, flags.get("service", "")
+
+
+# Health service names (src/server/server.cc): "" is SERVING once centroids and workers are loaded
+# (readiness, startup); "liveness" while the process runs (a drained pool must not restart it).
+PROBE_SERVICE = {"startupProbe": "", "readinessProbe": "", "livenessProbe": "liveness"}
 
 
 def preStop_seconds(container):
@@ -70,14 +75,13 @@ class OverlayTestBase:
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             with self.subTest(probe=kind):
                 probe = self.container[kind]
-                host, port = probe_target(self.container, probe)
+                host, port, service = probe_target(self.container, probe)
                 self.assertEqual(port, listen_port, f"{kind} checks a port the daemon does not serve")
+                self.assertEqual(service, PROBE_SERVICE[kind])
                 if "grpc" in probe:
                     # The kubelet dials the pod IP: the daemon must listen on every address.
                     self.assertEqual(listen_host, "0.0.0.0")
                     self.assertIn(port, container_port_names(self.container).values())
-                    self.assertEqual(probe["grpc"].get("service", ""), "",
-                                     "the overall health (centroids and workers loaded)")
                 else:
                     self.assertIn(host, {"127.0.0.1", "localhost"})
                 self.assertGreaterEqual(probe["timeoutSeconds"], 1)

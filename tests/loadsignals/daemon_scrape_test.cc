@@ -15,7 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "loadsignals/fake_metrics_server.h"
-#include "router_harness.h"
+#include "integration/router_harness.h"
 
 namespace eldr::testing {
 namespace {
