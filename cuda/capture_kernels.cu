@@ -41,6 +41,8 @@ using internal::kStatSaturatedOutputs;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
+// Expert ids a record thread loads ahead of its slot claim (top-k of common MoE models is <= 8).
+constexpr int kPrefetchedIds = 8;
 // Direct-mode counters saturate here; the headroom above it (2^31) exceeds the adds one launch can
 // make (num_tokens * top_k < 2^31), so concurrent over-adds that are undone never wrap the counter.
 constexpr unsigned kDirectCounterMax = 0x7fffffffu;
@@ -165,21 +167,32 @@ __global__ void __launch_bounds__(kThreads)
                            layout.bitmap_words_per_row +
                        (offset >> 5);
       const uint32_t bit = 1u << (offset & 31);
+      // The first ids are loaded before the atomicOr so that their latency overlaps its round trip.
+      const long long first = static_cast<long long>(t) * top_k;
+      long long prefetched[kPrefetchedIds];
+#pragma unroll
+      for (int j = 0; j < kPrefetchedIds; ++j) {
+        prefetched[j] = j < top_k ? LoadIndex(ids, first + j) : 0;
+      }
       if (atomicOr(word, bit) & bit) {
         values[kStatDuplicateSlots] = 1;
       } else {
         uint8_t* row = static_cast<uint8_t*>(layout.counts) + b * layout.block_stride_bytes +
                        static_cast<long long>(layer) * layout.experts * sizeof(Counter);
-        const long long first = static_cast<long long>(t) * top_k;
-        for (int j = 0; j < top_k; ++j) {
-          const long long expert = LoadIndex(ids, first + j);
+        auto add = [&](long long expert) {
           if (expert < 0 || expert >= layout.experts) {
             ++values[kStatBadExpertIds];
           } else {
             IncrementCounter<Counter>(row + expert * sizeof(Counter));
             ++values[kStatRecorded];
           }
+        };
+        // Fully unrolled so that the prefetched ids stay in registers.
+#pragma unroll
+        for (int j = 0; j < kPrefetchedIds; ++j) {
+          if (j < top_k) add(prefetched[j]);
         }
+        for (int j = kPrefetchedIds; j < top_k; ++j) add(LoadIndex(ids, first + j));
       }
     }
   }

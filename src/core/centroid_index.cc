@@ -87,7 +87,7 @@ struct Scratch {
   std::vector<float> refined;
   std::vector<float> candidate_scores;
   std::vector<int> ids;
-  std::vector<int> order;
+  std::vector<std::pair<float, int>> ranked;
   std::vector<char> seen;
   std::vector<int> refine_ids;
   std::vector<const float*> f32_rows;
@@ -173,14 +173,10 @@ class RowStore {
     const int stride32 = PaddedStride<float>(cols_);
     f32_.assign(static_cast<size_t>(rows) * stride32, 0.f);
     f32_rows_.resize(rows);
-    max_norm_ = 0;
     for (int r = 0; r < rows; ++r) {
       float* dst = f32_.data() + static_cast<size_t>(r) * stride32;
       columns.Gather(data + static_cast<int64_t>(r) * dim, dst);
       f32_rows_[r] = dst;
-      double norm2 = 0;
-      for (int i = 0; i < cols_; ++i) norm2 += static_cast<double>(dst[i]) * dst[i];
-      max_norm_ = std::max(max_norm_, std::sqrt(norm2));
     }
     if (!options.half_precision) return;
     format_ = options.half_format;
@@ -189,14 +185,42 @@ class RowStore {
                              : PaddedStride<uint16_t>(cols_);
     h16_.assign(static_cast<size_t>(rows) * stride16, 0);
     h16_rows_.resize(rows);
+    error_factor_.resize(rows);
+    max_error_factor_ = 0;
+    // fp32 accumulation: at most n additions per path, gamma_n = n u / (1 - n u), u = 2^-24.
+    const double u = std::ldexp(1.0, -24);
+    const double n = internal::AccumulationDepth(cols_);
+    const double gamma = n * u / (1 - n * u);
     for (int r = 0; r < rows; ++r) {
       uint16_t* dst = h16_.data() + static_cast<size_t>(r) * stride16;
+      const float* src = f32_rows_[r];
+      double residual2 = 0, norm2 = 0;
       if (format_ == HalfFormat::kBfloat16) {
-        internal::PackBfloat16Row(f32_rows_[r], cols_, dst);
+        internal::PackBfloat16Row(src, cols_, dst);
+        for (int i = 0; i < cols_; ++i) {
+          const double d = static_cast<double>(internal::PairedBfloat16At(dst, i)) - src[i];
+          residual2 += d * d;
+          norm2 += static_cast<double>(src[i]) * src[i];
+        }
       } else {
-        internal::FloatsToHalves(f32_rows_[r], cols_, dst);
+        internal::FloatsToHalves(src, cols_, dst);
+        for (int i = 0; i < cols_; ++i) {
+          const double d = static_cast<double>(internal::HalfToFloat(dst[i])) - src[i];
+          residual2 += d * d;
+          norm2 += static_cast<double>(src[i]) * src[i];
+        }
       }
       h16_rows_[r] = dst;
+      // |16-bit score - exact| + |fp32 score - exact| <= |q| * factor, where
+      //  - the rounding to 16 bits adds exactly q . (h - c), at most |q| |h - c| (Cauchy-Schwarz;
+      //    the residual norm is computed here exactly, subnormals included);
+      //  - each of the two fp32 accumulations errs by at most gamma_n * sum |q_i x_i|
+      //    <= gamma_n |q| |x|, with |h| <= |c| + |h - c|.
+      // 2% slack covers the rounding of the factor itself.
+      const double residual = std::sqrt(residual2);
+      const double norm = std::sqrt(norm2);
+      error_factor_[r] = static_cast<float>((residual + gamma * (2 * norm + residual)) * 1.02);
+      max_error_factor_ = std::max(max_error_factor_, error_factor_[r]);
     }
   }
 
@@ -204,7 +228,9 @@ class RowStore {
   int cols() const { return cols_; }
   bool half() const { return !h16_rows_.empty(); }
   HalfFormat format() const { return format_; }
-  double max_norm() const { return max_norm_; }
+  // Error bound of row r's 16-bit score per unit of query norm (see the constructor).
+  float error_factor(int r) const { return error_factor_[r]; }
+  float max_error_factor() const { return max_error_factor_; }
   const float* const* f32_rows() const { return f32_rows_.data(); }
   const uint16_t* const* h16_rows() const { return h16_rows_.data(); }
   const float* f32_row(int r) const { return f32_rows_[r]; }
@@ -224,36 +250,13 @@ class RowStore {
   int rows_;
   int cols_;
   HalfFormat format_ = HalfFormat::kBfloat16;
-  double max_norm_ = 0;
+  std::vector<float> error_factor_;
+  float max_error_factor_ = 0;
   AlignedVector<float> f32_;
   AlignedVector<uint16_t> h16_;
   std::vector<const float*> f32_rows_;
   std::vector<const uint16_t*> h16_rows_;
 };
-
-// Upper bound on |16-bit score - exact score| + |fp32 score - exact score| for any row of `store`
-// and a query of norm `query_norm` (both scores accumulated in fp32):
-//  - rounding to 16 bits (nearest even) has relative error u16 = 2^-11 for binary16 and 2^-8
-//    for bfloat16, so |sum q_i (h_i - c_i)| <= u16 * sum |q_i c_i| <= u16 * |q| |c|
-//    (Cauchy-Schwarz);
-//  - binary16 entries below 2^-14 are subnormals with absolute error <= 2^-25, adding at most
-//    2^-25 * sum |q_i| <= 2^-25 * sqrt(cols) * |q| (bfloat16 keeps the float exponent range);
-//  - fp32 accumulation over at most n = AccumulationDepth additions per path: gamma_n |q| |c|
-//    for each of the two scores, gamma_n = n u / (1 - n u), u = 2^-24.
-// 2% slack covers the rounding of the bound itself and |h| <= |c| (1 + u16).
-float HalfPrecisionErrorBound(const RowStore& store, double query_norm) {
-  const double u = std::ldexp(1.0, -24);
-  const double n = internal::AccumulationDepth(store.cols());
-  const double gamma = n * u / (1 - n * u);
-  const double qc = query_norm * store.max_norm();
-  const bool binary16 = store.format() == HalfFormat::kBinary16;
-  const double rounding = std::ldexp(1.0, binary16 ? -11 : -8);
-  double bound = (rounding + 2 * gamma) * qc;
-  if (binary16) {
-    bound += std::ldexp(1.0, -25) * std::sqrt(static_cast<double>(store.cols())) * query_norm;
-  }
-  return static_cast<float>(bound * 1.02);
-}
 
 // Scans rows `ids` (n of them; null means rows 0..n-1) of `store` against the prepared query `q`:
 // 16-bit scores when the store has a 16-bit copy, fp32 scores otherwise.
@@ -280,36 +283,44 @@ void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* 
 }
 
 // After ScanRows on a 16-bit store: re-scores in fp32 what is needed for every row to fall on the
-// same side of the band edge as with fp32 scores. With b the error bound, m the best 16-bit score,
-// tau = band_tau and the 16-bit edge e = m - tau (the fp32 edge is within b of it):
-//  - a row more than 3b from e is decided: its fp32 score is more than 3b - 2b = b from the fp32
-//    edge, on the same side. When every row is, nothing is re-scored (the common case).
-//  - otherwise the rows within 3b of e are re-scored, and so are the rows with score >= m - 2b:
-//    the true best row is among them (its 16-bit score is >= its fp32 score - b >= m - 2b) and
-//    every other row's 16-bit score is below the fp32 score of the best, so the best returned
-//    score, and the edge the caller derives from it, are those of fp32 scoring.
-// Scores that are not re-scored stay within b of fp32.
+// same side of the band edge as with fp32 scores. Row j's 16-bit score is within
+// b_j = |q| error_factor(j) of its exact score, B = max b_j, m is the best 16-bit score, tau =
+// band_tau and e = m - tau the 16-bit edge (the fp32 edge is within B of it):
+//  - a row more than b_j + B from e is decided: its fp32 score lies on the same side of the fp32
+//    edge. When every row is, nothing is re-scored (the common case) and every score is within
+//    b_j of exact.
+//  - otherwise the rows within b_j + 2B of e are re-scored, and so are the rows with score
+//    >= m - 2B: the true best row is among them (its 16-bit score is >= its exact score - B >=
+//    m - 2B) and every other row's 16-bit score is below the fp32 score of the best, so the best
+//    returned score, and the edge the caller derives from it, are those of fp32 scoring (the extra
+//    B covers the edge moving from e to the fp32 one).
 void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float* q,
                 float query_norm, const int* ids, int n, float band_tau, Scratch* scratch,
                 float* scores) {
   if (!store.half() || n == 0) return;
-  const float bound = HalfPrecisionErrorBound(store, query_norm);
+  const float max_bound = query_norm * store.max_error_factor();
   float best = -std::numeric_limits<float>::infinity();
   for (int i = 0; i < n; ++i) best = std::max(best, scores[i]);
-  const float top_floor = best - 2 * bound;
   const float edge = best - band_tau;
-  // NaN scores (a non-finite query) compare false everywhere: they are re-scored, harmlessly.
-  auto near_edge = [&](float score) { return !(std::fabs(score - edge) > 3 * bound); };
+  auto row_bound = [&](int i) {
+    return query_norm * store.error_factor(ids == nullptr ? i : ids[i]);
+  };
+  // NaN scores (a non-finite query) compare false everywhere: they count as near the edge and
+  // are re-scored, harmlessly.
   bool any_near_edge = false;
-  for (int i = 0; i < n && !any_near_edge; ++i) any_near_edge = near_edge(scores[i]);
+  for (int i = 0; i < n && !any_near_edge; ++i) {
+    any_near_edge = !(std::fabs(scores[i] - edge) > row_bound(i) + max_bound);
+  }
   if (!any_near_edge) return;
+  const float top_floor = best - 2 * max_bound;
   scratch->refine_ids.clear();
   for (int i = 0; i < n; ++i) {
-    if (!(scores[i] < top_floor) || near_edge(scores[i])) scratch->refine_ids.push_back(i);
+    if (!(scores[i] < top_floor) || !(std::fabs(scores[i] - edge) > row_bound(i) + 2 * max_bound)) {
+      scratch->refine_ids.push_back(i);
+    }
   }
   const int m = static_cast<int>(scratch->refine_ids.size());
   scratch->refined_rows += m;
-  if (m == 0) return;
   scratch->f32_rows.resize(m);
   for (int k = 0; k < m; ++k) {
     const int i = scratch->refine_ids[k];
@@ -495,10 +506,16 @@ class ReducedIndex final : public CentroidIndex {
     int scored = 0;
     scratch.candidate_scores.clear();
     if (!hnsw_) {
-      scratch.scores.resize(rows);
-      kernels.dot_rows_f32(reduced_rows_.data(), rows, y, reduced, scratch.scores.data());
-      scratch.order.resize(rows);
-      std::iota(scratch.order.begin(), scratch.order.end(), 0);
+      scratch.scores.resize(reduced_columns_stride_);
+      kernels.accumulate_columns(reduced_columns_.data(), reduced, rows, reduced_columns_stride_, y,
+                                 scratch.scores.data());
+      scratch.ranked.resize(rows);
+      for (int r = 0; r < rows; ++r) {
+        const float score = scratch.scores[r];
+        // NaN (a non-finite query) ranks last.
+        scratch.ranked[r] = {std::isnan(score) ? -std::numeric_limits<float>::infinity() : score,
+                             r};
+      }
     }
     scratch.ids.clear();
     float best = -std::numeric_limits<float>::infinity();
@@ -506,8 +523,8 @@ class ReducedIndex final : public CentroidIndex {
       if (hnsw_) {
         ELDR_RETURN_IF_ERROR(SearchHnsw(y, want, &scratch));
       } else {
-        SelectNext(scratch.scores.data(), fetched, want, &scratch.order);
-        scratch.ids.assign(scratch.order.begin(), scratch.order.begin() + std::min(want, rows));
+        SelectNext(fetched, want, &scratch.ranked);
+        for (int k = fetched; k < want; ++k) scratch.ids.push_back(scratch.ranked[k].second);
       }
       fetched = static_cast<int>(scratch.ids.size());
       // Score the new candidates (HNSW with a larger k returns the earlier ones first).
@@ -593,12 +610,14 @@ class ReducedIndex final : public CentroidIndex {
       }
     }
 
-    reduced_.assign(static_cast<size_t>(rows) * reduced_stride_, 0.f);
+    // Reduced centroids transposed ([axis][row]): one broadcast per axis scores 16 rows at once.
+    reduced_columns_stride_ = PaddedStride<float>(rows);
+    reduced_columns_.assign(static_cast<size_t>(reduced_dims_) * reduced_columns_stride_, 0.f);
     for (int r = 0; r < rows; ++r) {
-      float* dst = reduced_.data() + static_cast<size_t>(r) * reduced_stride_;
-      std::memcpy(dst, projected.data() + static_cast<size_t>(r) * reduced_dims_,
-                  sizeof(float) * reduced_dims_);
-      reduced_rows_.push_back(dst);
+      for (int k = 0; k < reduced_dims_; ++k) {
+        reduced_columns_[static_cast<size_t>(k) * reduced_columns_stride_ + r] =
+            projected[static_cast<size_t>(r) * reduced_dims_ + k];
+      }
     }
 
     if (options_.use_hnsw) {
@@ -614,21 +633,18 @@ class ReducedIndex final : public CentroidIndex {
     return absl::OkStatus();
   }
 
-  // Rearranges (*order)[begin, n) so that [begin, end) holds its best rows by `scores`, best
-  // first. NaN scores rank last.
-  static void SelectNext(const float* scores, int begin, int end, std::vector<int>* order) {
-    const int n = static_cast<int>(order->size());
+  // Rearranges (*ranked)[begin, n) so that [begin, end) holds its best entries, best first.
+  static void SelectNext(int begin, int end, std::vector<std::pair<float, int>>* ranked) {
+    const int n = static_cast<int>(ranked->size());
     end = std::min(end, n);
     if (begin >= end) return;
-    auto better = [scores](int a, int b) {
-      const float sa = scores[a], sb = scores[b];
-      if (std::isnan(sb)) return !std::isnan(sa);
-      return sa > sb;
+    auto better = [](const std::pair<float, int>& a, const std::pair<float, int>& b) {
+      return a.first > b.first;
     };
     if (end < n) {
-      std::nth_element(order->begin() + begin, order->begin() + (end - 1), order->end(), better);
+      std::nth_element(ranked->begin() + begin, ranked->begin() + (end - 1), ranked->end(), better);
     }
-    std::sort(order->begin() + begin, order->begin() + end, better);
+    std::sort(ranked->begin() + begin, ranked->begin() + end, better);
   }
 
   // The `k` nearest rows of the HNSW graph, best first, into scratch->ids.
@@ -667,8 +683,8 @@ class ReducedIndex final : public CentroidIndex {
   AlignedVector<uint16_t> axes_bf16_;
   std::vector<const float*> axes_f32_rows_;
   std::vector<const uint16_t*> axes_bf16_rows_;
-  AlignedVector<float> reduced_;
-  std::vector<const float*> reduced_rows_;
+  AlignedVector<float> reduced_columns_;
+  int reduced_columns_stride_ = 0;
   std::unique_ptr<faiss::IndexHNSWFlat> hnsw_;
 };
 

@@ -58,6 +58,16 @@ float GatherColumnsScalar(const float* in, int /*dim*/, const uint16_t* /*masks*
   return sum;
 }
 
+void AccumulateColumnsScalar(const float* columns, int k, int n, int stride, const float* weights,
+                             float* out) {
+  for (int j = 0; j < n; ++j) out[j] = 0.f;
+  for (int c = 0; c < k; ++c) {
+    const float w = weights[c];
+    const float* column = columns + static_cast<size_t>(c) * stride;
+    for (int j = 0; j < n; ++j) out[j] += w * column[j];
+  }
+}
+
 // ---- AVX2 + FMA + F16C ----------------------------------------------------------------------------
 // Four rows at a time so each query chunk is loaded once for four rows; two accumulators per row
 // hide the FMA latency. The rows stream from L2/L3, which is what bounds these kernels.
@@ -211,6 +221,37 @@ ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_
     pos += __builtin_popcount(static_cast<unsigned>(m));
   }
   return HorizontalSumAvx2(sum);
+}
+
+ELDR_TARGET_AVX2 void AccumulateColumnsAvx2(const float* columns, int k, int n, int stride,
+                                           const float* weights, float* out) {
+  int j = 0;
+  // 32 outputs (4 registers) per pass over the k weights.
+  for (; j + 32 <= n; j += 32) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int c = 0; c < k; ++c) {
+      const __m256 w = _mm256_broadcast_ss(weights + c);
+      const float* column = columns + static_cast<size_t>(c) * stride + j;
+      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(column), a0);
+      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(column + 8), a1);
+      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(column + 16), a2);
+      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(column + 24), a3);
+    }
+    _mm256_storeu_ps(out + j, a0);
+    _mm256_storeu_ps(out + j + 8, a1);
+    _mm256_storeu_ps(out + j + 16, a2);
+    _mm256_storeu_ps(out + j + 24, a3);
+  }
+  for (; j < n; j += 8) {
+    __m256 a = _mm256_setzero_ps();
+    for (int c = 0; c < k; ++c) {
+      a = _mm256_fmadd_ps(_mm256_broadcast_ss(weights + c),
+                          _mm256_loadu_ps(columns + static_cast<size_t>(c) * stride + j), a);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, a);
+    for (int t = 0; t < 8 && j + t < n; ++t) out[j + t] = lanes[t];
+  }
 }
 
 // ---- AVX-512 --------------------------------------------------------------------------------------
@@ -367,6 +408,36 @@ ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uin
   return HorizontalSumAvx512(sum);
 }
 
+ELDR_TARGET_AVX512 void AccumulateColumnsAvx512(const float* columns, int k, int n, int stride,
+                                               const float* weights, float* out) {
+  int j = 0;
+  for (; j + 64 <= n; j += 64) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int c = 0; c < k; ++c) {
+      const __m512 w = _mm512_set1_ps(weights[c]);
+      const float* column = columns + static_cast<size_t>(c) * stride + j;
+      a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(column), a0);
+      a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(column + 16), a1);
+      a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(column + 32), a2);
+      a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(column + 48), a3);
+    }
+    _mm512_storeu_ps(out + j, a0);
+    _mm512_storeu_ps(out + j + 16, a1);
+    _mm512_storeu_ps(out + j + 32, a2);
+    _mm512_storeu_ps(out + j + 48, a3);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 mask =
+        n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < k; ++c) {
+      a = _mm512_fmadd_ps(_mm512_set1_ps(weights[c]),
+                          _mm512_loadu_ps(columns + static_cast<size_t>(c) * stride + j), a);
+    }
+    _mm512_mask_storeu_ps(out + j, mask, a);
+  }
+}
+
 ELDR_TARGET_AVX2 void FloatsToHalvesF16c(const float* in, size_t n, uint16_t* out) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -443,12 +514,15 @@ absl::string_view SimdLevelName(SimdLevel level) {
 }
 
 const ScorerKernels& KernelsFor(SimdLevel level) {
-  static const ScorerKernels kScalar{SimdLevel::kScalar, DotRowsF32Scalar, DotRowsF16Scalar,
-                                     DotRowsBf16Scalar, GatherColumnsScalar};
-  static const ScorerKernels kAvx2{SimdLevel::kAvx2, DotRowsF32Avx2, DotRowsF16Avx2,
-                                   DotRowsBf16Avx2, GatherColumnsAvx2};
-  static const ScorerKernels kAvx512{SimdLevel::kAvx512, DotRowsF32Avx512, DotRowsF16Avx512,
-                                     DotRowsBf16Avx512, GatherColumnsAvx512};
+  static const ScorerKernels kScalar{SimdLevel::kScalar,    DotRowsF32Scalar,
+                                     DotRowsF16Scalar,     DotRowsBf16Scalar,
+                                     GatherColumnsScalar,  AccumulateColumnsScalar};
+  static const ScorerKernels kAvx2{SimdLevel::kAvx2,    DotRowsF32Avx2,
+                                   DotRowsF16Avx2,      DotRowsBf16Avx2,
+                                   GatherColumnsAvx2,   AccumulateColumnsAvx2};
+  static const ScorerKernels kAvx512{SimdLevel::kAvx512,    DotRowsF32Avx512,
+                                     DotRowsF16Avx512,      DotRowsBf16Avx512,
+                                     GatherColumnsAvx512,   AccumulateColumnsAvx512};
   if (static_cast<int>(level) > static_cast<int>(CpuSimdLevel())) level = CpuSimdLevel();
   switch (level) {
     case SimdLevel::kAvx512:

@@ -50,12 +50,19 @@ using DotRowsBf16Fn = void (*)(const uint16_t* const* rows, int n, const float* 
 using GatherColumnsFn = float (*)(const float* in, int dim, const uint16_t* masks,
                                   const int* kept, int kept_count, float* out);
 
+// out[j] = sum_k weights[k] * columns[k * stride + j] for j in [0, n): a small matrix stored
+// transposed ([k][n], stride >= n, a multiple of 16, 64-byte aligned rows) times a vector. Scores
+// every centroid in the reduced space at once.
+using AccumulateColumnsFn = void (*)(const float* columns, int k, int n, int stride,
+                                     const float* weights, float* out);
+
 struct ScorerKernels {
   SimdLevel level = SimdLevel::kScalar;
   DotRowsF32Fn dot_rows_f32 = nullptr;
   DotRowsF16Fn dot_rows_f16 = nullptr;
   DotRowsBf16Fn dot_rows_bf16 = nullptr;
   GatherColumnsFn gather_columns = nullptr;
+  AccumulateColumnsFn accumulate_columns = nullptr;
 };
 
 // Kernels of `level`, which must not exceed CpuSimdLevel() (it is clamped to it).

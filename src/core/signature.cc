@@ -1,5 +1,6 @@
 #include "eldr/signature.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -171,6 +172,25 @@ absl::Status SignatureTransform::Apply(const SignatureInput& input, absl::Span<f
   double sum_of_squares = 0;
   ELDR_RETURN_IF_ERROR(Convert(input, out, &sum_of_squares));
   if (!(sum_of_squares > 0)) return ZeroSignatureError();
+  // The kernels square in float: components below ~1e-19 underflow and a sum past ~1e38
+  // overflows, so outside this range the sum is not the norm. Rare (hostile or degenerate
+  // inputs): rescale by the largest component and take the norm in double.
+  constexpr double kFloatSquaresExactFrom = 1e-30;
+  constexpr double kFloatSquaresExactTo = 1e36;
+  if (!(sum_of_squares >= kFloatSquaresExactFrom && sum_of_squares <= kFloatSquaresExactTo)) {
+    float largest = 0;
+    for (float v : out) largest = std::max(largest, std::fabs(v));
+    if (!(largest > 0)) return ZeroSignatureError();
+    if (!std::isfinite(largest)) {
+      return InvalidInput(RejectReason::kNonFinite,
+                          "the weighted signature overflows float (counts times IDF weights)");
+    }
+    sum_of_squares = 0;
+    for (float& v : out) {
+      v /= largest;
+      sum_of_squares += static_cast<double>(v) * v;
+    }
+  }
   const float factor = static_cast<float>(1.0 / std::sqrt(sum_of_squares));
   internal::BestSignatureKernels().scale(out.data(), out.size(), factor);
   return absl::OkStatus();

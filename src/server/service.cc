@@ -149,7 +149,7 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
  public:
   LoadReportReactor(DecodeRouterService* service, grpc::CallbackServerContext* context,
                     eldr::v1::ReportLoadResponse* response)
-      : service_(service), context_(context), peer_(context->peer()), response_(response) {}
+      : service_(service), peer_(context->peer()), response_(response) {}
 
   void Begin(bool finish_now) {
     absl::MutexLock lock(&mu_);
@@ -183,13 +183,7 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
     FinishLocked(grpc::Status::OK);
   }
 
-  // The read still pending after Finish only completes when the client half-closes or the call
-  // is cancelled; a worker that keeps its stream open would hold the server's shutdown until the
-  // grace deadline. Cancelling once the status went out ends the call without changing it.
-  void CancelAfterFinish() { context_->TryCancel(); }
-
   void OnDone() override {
-    ELDR_LOG(Info, "TMPDEBUG_stream_done");
     service_->StreamDone(this);
     delete this;
   }
@@ -202,7 +196,6 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
   }
 
   DecodeRouterService* const service_;
-  grpc::CallbackServerContext* const context_;
   const std::string peer_;
   eldr::v1::ReportLoadResponse* const response_;
   absl::Mutex mu_;
@@ -328,20 +321,12 @@ void DecodeRouterService::StreamDone(LoadReportReactor* reactor) {
   streams_.erase(reactor);
 }
 
-void DecodeRouterService::FinishStreamsForShutdown(absl::Duration settle) {
+void DecodeRouterService::FinishStreamsForShutdown() {
   // Reactors delete themselves in OnDone after removing themselves from streams_ under
   // streams_mu_; holding it here keeps every listed reactor alive while it is asked to finish.
   absl::MutexLock lock(&streams_mu_);
   shutting_down_ = true;
   for (LoadReportReactor* reactor : streams_) reactor->FinishForShutdown();
-  // Streams whose clients half-close on the status end by themselves; the others are cancelled
-  // once their status had `settle` to reach the client.
-  streams_mu_.AwaitWithTimeout(
-      absl::Condition(+[](absl::flat_hash_set<LoadReportReactor*>* streams) { return streams->empty(); },
-                      &streams_),
-      settle);
-  ELDR_LOG(Info, "TMPDEBUG_after_settle").With("left", streams_.size());
-  for (LoadReportReactor* reactor : streams_) reactor->CancelAfterFinish();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -100,9 +100,8 @@ class DecodeRouterService final : public eldr::v1::DecodeRouter::CallbackService
                                                             eldr::v1::ReportLoadResponse* response) override;
 
   // Ends every open ReportLoad stream with OK and its summary, and makes new streams end at once,
-  // so a graceful shutdown does not wait for workers to hang up: a client that has not
-  // half-closed `settle` after its status was sent is cancelled (it has its answer by then).
-  void FinishStreamsForShutdown(absl::Duration settle);
+  // so a graceful shutdown does not wait for workers to hang up.
+  void FinishStreamsForShutdown();
 
   // The conversion + routing step of Route (exposed for tests): fills `response` and, for the
   // metrics, `decided` (whose worker_id/address strings are moved into the response).

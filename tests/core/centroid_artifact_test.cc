@@ -370,6 +370,16 @@ TEST(CentroidArtifactTest, ValidateNamesTheFailedCheckForStructs) {
               HasSubstr("centroid artifact: signature spec: layer_mask must be sorted"));
 }
 
+TEST(CentroidArtifactTest, EveryTruncationIsAMalformedError) {
+  CentroidArtifact artifact = MakeArtifact();
+  const std::string text = SerializeCentroidArtifact(artifact);
+  for (size_t length = 0; length + 2 < text.size(); length += 7) {
+    const absl::Status status = ParseCentroidArtifact(text.substr(0, length)).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << length;
+    EXPECT_EQ(RejectReasonOf(status), RejectReason::kMalformed) << length;
+  }
+}
+
 // ---- Files -------------------------------------------------------------------------------------
 
 TEST(FileTest, ReadFileErrorsNameThePath) {

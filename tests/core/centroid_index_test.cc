@@ -315,6 +315,33 @@ TEST(ScorerKernelsTest, GatherColumnsKeepsTheMaskedColumnsInOrder) {
   }
 }
 
+TEST(ScorerKernelsTest, AccumulateColumnsIsATransposedMatrixTimesVector) {
+  std::mt19937_64 rng(21);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (SimdLevel level : AvailableLevels()) {
+    for (int k : {1, 5, 32}) {
+      for (int n : {1, 15, 16, 17, 64, 100, 257}) {
+        const int stride = (n + 15) / 16 * 16;
+        std::vector<float> columns(static_cast<size_t>(k) * stride, 0.f);
+        for (int c = 0; c < k; ++c) {
+          for (int j = 0; j < n; ++j) columns[static_cast<size_t>(c) * stride + j] = normal(rng);
+        }
+        std::vector<float> weights(k);
+        for (float& w : weights) w = normal(rng);
+        std::vector<float> out(n + 1, -5.f);
+        KernelsFor(level).accumulate_columns(columns.data(), k, n, stride, weights.data(),
+                                             out.data());
+        for (int j = 0; j < n; ++j) {
+          double expected = 0;
+          for (int c = 0; c < k; ++c) expected += weights[c] * columns[static_cast<size_t>(c) * stride + j];
+          ASSERT_NEAR(out[j], expected, 1e-4) << SimdLevelName(level) << " k " << k << " n " << n;
+        }
+        EXPECT_EQ(out[n], -5.f) << "wrote past n";
+      }
+    }
+  }
+}
+
 TEST(ScorerKernelsTest, Bfloat16Conversions) {
   using internal::Bfloat16ToFloat;
   using internal::FloatToBfloat16;

@@ -112,6 +112,24 @@ TEST(NpyTest, RejectsBrokenFilesWithClearErrors) {
   ExpectError(Parse(bad_version), "unsupported .npy format version 9");
 }
 
+TEST(NpyTest, EveryTruncationAndByteFlipIsHandled) {
+  const std::string good =
+      Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (2, 3), }", Int64Data({1, 2, 3, 4, 5, 6}));
+  ASSERT_TRUE(Parse(good).ok());
+  for (size_t length = 0; length < good.size(); ++length) {
+    EXPECT_FALSE(Parse(good.substr(0, length)).ok()) << length;
+  }
+  // Flipping any single byte of the preamble or header never crashes; most flips are errors.
+  for (size_t at = 0; at < 128; ++at) {
+    for (int bit : {0x01, 0x20, 0x80}) {
+      std::string corrupt = good;
+      corrupt[at] = static_cast<char>(corrupt[at] ^ bit);
+      const absl::StatusOr<NpyArray> result = Parse(corrupt);
+      if (result.ok()) EXPECT_EQ(result->data.size(), static_cast<size_t>(result->elements()) * 8);
+    }
+  }
+}
+
 TEST(NpyTest, ReadNpyNamesTheMissingFile) {
   const absl::StatusOr<NpyArray> missing = ReadNpy("/nonexistent/thing.npy");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);

@@ -23,7 +23,7 @@ import yaml
 
 SOURCE_DIR = os.environ.get("ELDR_SOURCE_DIR") or os.path.abspath(
     os.path.join(os.path.dirname(__file__), "..", ".."))
-BIN_DIR = os.environ.get("ELDR_BIN_DIR") or os.path.join(SOURCE_DIR, "build", "bin")
+BIN_DIR = os.path.abspath(os.environ.get("ELDR_BIN_DIR") or os.path.join(SOURCE_DIR, "build", "bin"))
 DEPLOY_DIR = os.path.join(SOURCE_DIR, "deploy")
 MONITORING_DIR = os.path.join(DEPLOY_DIR, "monitoring")
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
@@ -512,7 +512,10 @@ class FakeVllmMetrics:
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the daemon stopped mid-scrape (shutdown)
 
             def log_message(self, *args):
                 pass

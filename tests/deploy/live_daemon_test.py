@@ -307,6 +307,28 @@ class SidecarLiveTest(LiveDaemonTestBase):
         self.assertEqual(inflight()[response.worker_id], 0)
 
 
+    def test_health_probe_exit_codes(self):
+        container = self.start()
+        self.pass_all_probes(container)
+        probe = lib.require_binary("eldr-health-probe")
+        address = f"127.0.0.1:{container.listen_port('listen')}"
+
+        def exit_code(*flags):
+            return subprocess.run([probe, *flags], capture_output=True, text=True, timeout=10).returncode
+        self.assertEqual(exit_code(f"--addr={address}"), 0)
+        self.assertEqual(exit_code(f"--addr={address}", "--service=liveness"), 0)
+        self.assertEqual(exit_code(f"--addr={address}", "--service=no.such.Service"), 3)
+        self.assertEqual(exit_code(f"--addr=127.0.0.1:{lib.free_port()}", "--timeout=500ms"), 2)
+        self.assertEqual(exit_code(f"--addr={address}", "--tls_cert=/nonexistent"), 1)
+        admin = RouterClient(f"127.0.0.1:{container.listen_port('admin_listen')}")
+        self.addCleanup(admin.close)
+        for worker in admin.list_workers().workers:
+            admin.drain_worker(worker.worker.id)
+        lib.wait_until(lambda: exit_code(f"--addr={address}") == 4 or "still serving", timeout=5,
+                       what="NOT_SERVING (exit 4) with every worker drained")
+        self.assertEqual(exit_code(f"--addr={address}", "--service=liveness"), 0)
+
+
 def make_test_pki(folder, server_name):
     """A CA and one certificate (server and client auth, named `server_name`) signed by it."""
     def openssl(*args):

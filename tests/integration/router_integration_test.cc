@@ -443,6 +443,7 @@ TEST(RouterIntegration, SigtermDrainsAndExitsZero) {
   grpc::Status stream_status = writer->Finish();
   EXPECT_TRUE(stream_status.ok()) << stream_status.error_message();
   EXPECT_EQ(summary.accepted(), 3);
+  writer.reset();  // a client releases its call once it has the status
 
   auto code = router->WaitForExit(absl::Seconds(8));
   ASSERT_TRUE(code.has_value()) << "did not exit after SIGTERM";

@@ -1,0 +1,127 @@
+// eldr-sim as users run it: determinism of the JSON for a seed, the output formats, the figure,
+// and clear failures on bad flags and unreadable traces.
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "sim/process_util.h"
+
+namespace eldr::sim {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::BinaryPath;
+using testing::CommandResult;
+using testing::RunCommand;
+
+std::string TraceDir() {
+  const char* data = std::getenv("ELDR_DATA_DIR");
+  return std::string(data != nullptr ? data : "data") + "/esft-routing";
+}
+
+// A small synthetic run: a few seconds.
+std::vector<std::string> SmallSynthetic(const std::string& seed) {
+  return {BinaryPath("eldr-sim"), "--synthetic=12x64x4", "--domains=2", "--topics_per_domain=2",
+          "--requests=300", "--calibration_requests=96", "--decoders=4", "--rates=15,40",
+          "--prompt_tokens_mean=64", "--output_tokens_mean=32", "--seed=" + seed, "--quiet"};
+}
+
+CommandResult Sim(std::vector<std::string> argv, std::vector<std::string> extra = {}) {
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return RunCommand(argv, 240);
+}
+
+TEST(SimCliTest, SameSeedSameJsonOtherSeedOtherJson) {
+  const CommandResult first = Sim(SmallSynthetic("7"), {"--json"});
+  const CommandResult second = Sim(SmallSynthetic("7"), {"--json"});
+  const CommandResult other = Sim(SmallSynthetic("8"), {"--json"});
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  ASSERT_EQ(other.exit_code, 0) << other.err;
+  EXPECT_EQ(first.out, second.out);
+  EXPECT_NE(first.out, other.out);
+
+  const nlohmann::json json = nlohmann::json::parse(first.out);
+  ASSERT_TRUE(json["results"].is_array());
+  // 2 rates x 6 default policies, each with the documented keys.
+  ASSERT_EQ(json["results"].size(), 12u);
+  for (const nlohmann::json& result : json["results"]) {
+    for (const char* key : {"tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms",
+                            "distinct_experts_per_layer", "load_imbalance", "rate_rps", "policy"}) {
+      EXPECT_TRUE(result.contains(key)) << key;
+    }
+    EXPECT_GT(result["tpot_p50_ms"].get<double>(), 0);
+    EXPECT_LE(result["tpot_p50_ms"].get<double>(), result["tpot_p90_ms"].get<double>());
+    EXPECT_LE(result["tpot_p90_ms"].get<double>(), result["tpot_p99_ms"].get<double>());
+    EXPECT_GE(result["load_imbalance"].get<double>(), 1.0);
+  }
+}
+
+TEST(SimCliTest, RealTracesTableCsvAndFigure) {
+  const std::string dir = testing::MakeTempDir();
+  const std::string png = dir + "/figure.png", csv = dir + "/out.csv";
+  const CommandResult run =
+      Sim({BinaryPath("eldr-sim"), "--trace=" + TraceDir(), "--prefill_fraction=0.5",
+           "--decoders=4", "--requests=400", "--rates=40,100", "--policies=jsq,eldr", "--quiet",
+           "--plot=" + png, "--csv_out=" + csv});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_THAT(run.out, HasSubstr("rate 40 req/s"));
+  EXPECT_THAT(run.out, HasSubstr("rate 100 req/s"));
+  EXPECT_THAT(run.out, HasSubstr("eldr"));
+  EXPECT_THAT(run.out, HasSubstr("figure written to " + png));
+
+  std::ifstream figure(png, std::ios::binary);
+  std::string magic(8, '\0');
+  figure.read(magic.data(), 8);
+  EXPECT_EQ(magic, std::string("\x89PNG\r\n\x1a\n", 8));
+
+  std::ifstream csv_in(csv);
+  std::string header, line;
+  std::getline(csv_in, header);
+  EXPECT_THAT(header, HasSubstr("rate_rps,policy,tpot_p50_ms"));
+  int rows = 0;
+  while (std::getline(csv_in, line)) ++rows;
+  EXPECT_EQ(rows, 4);
+}
+
+struct BadInvocation {
+  std::vector<std::string> flags;
+  std::string message;
+};
+
+class SimCliBadInputTest : public ::testing::TestWithParam<BadInvocation> {};
+
+TEST_P(SimCliBadInputTest, FailsWithAClearMessage) {
+  std::vector<std::string> argv = {BinaryPath("eldr-sim"), "--quiet"};
+  argv.insert(argv.end(), GetParam().flags.begin(), GetParam().flags.end());
+  const CommandResult run = RunCommand(argv, 60);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_THAT(run.err, HasSubstr(GetParam().message)) << run.err;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Flags, SimCliBadInputTest,
+    ::testing::Values(
+        BadInvocation{{"--no_such_flag=1", "--synthetic=8x16x2"}, "no_such_flag"},
+        BadInvocation{{}, "--trace DIR"},
+        BadInvocation{{"--synthetic=8x16x2", "--trace=/tmp"}, "exactly one workload"},
+        BadInvocation{{"--synthetic=48x128"}, "LAYERSxEXPERTSxTOPK"},
+        BadInvocation{{"--trace=/nonexistent/traces"}, "/nonexistent/traces"},
+        BadInvocation{{"--synthetic=8x16x2", "--rates=5,fast"}, "'fast'"},
+        BadInvocation{{"--synthetic=8x16x2", "--policies=rr,best"}, "unknown policy 'best'"},
+        BadInvocation{{"--synthetic=8x16x2", "--router=http://127.0.0.1:1"}, "grpc://HOST:PORT"},
+        BadInvocation{{"--synthetic=8x16x2", "--prefill_fraction=0.5", "--t_expert_us=-2"},
+                      "t_expert_us"},
+        BadInvocation{{"--trace=" + TraceDir(), "--prefill_fraction=1"}, "--prefill_fraction"},
+        BadInvocation{{"--synthetic=8x16x2", "--requests=5"}, "--requests"},
+        BadInvocation{{"--synthetic=8x16x2", "--json", "--csv"}, "pick one"},
+        // Nothing listens on port 1 of the loopback.
+        BadInvocation{{"--synthetic=8x16x2", "--router=grpc://127.0.0.1:1", "--rpc_timeout_s=1"},
+                      "did not answer"}));
+
+}  // namespace
+}  // namespace eldr::sim
