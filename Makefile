@@ -39,5 +39,9 @@ sanitize-asan: deps
 sanitize-tsan: deps
 	$(MAKE) test BUILD_DIR=build-tsan BUILD_TYPE=RelWithDebInfo CMAKE_ARGS="-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DELDR_SANITIZE=thread -DELDR_CUDA=OFF -DELDR_BUILD_BENCHMARKS=OFF"
 
+# Builds the CUDA capture library with the kernels and runs its GPU tests and benchmarks (needs a GPU).
+gpu: deps
+	scripts/gpu-check.sh
+
 clean:
 	rm -rf $(BUILD_DIR)

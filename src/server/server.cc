@@ -445,27 +445,10 @@ void RouterServer::Shutdown() {
   const std::chrono::system_clock::time_point deadline =
       absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
   // Both listeners stop accepting at once and share the grace period.
-  std::atomic<bool> stopped{false};
-  std::thread poller([&stopped] {
-    // A callback-only server has no thread polling its connections while idle; closing them
-    // would otherwise wait for gRPC's 5 s backup poller. Polling any completion queue drives
-    // the shared event engine, so the shutdown completes as soon as the connections are closed.
-    grpc::CompletionQueue cq;
-    void* tag = nullptr;
-    bool ok = false;
-    while (!stopped.load()) {
-      cq.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + std::chrono::milliseconds(20));
-    }
-    cq.Shutdown();
-    while (cq.Next(&tag, &ok)) {
-    }
-  });
   std::thread admin_stop;
   if (admin_server_ != nullptr) admin_stop = std::thread([this, deadline] { admin_server_->Shutdown(deadline); });
   if (data_server_ != nullptr) data_server_->Shutdown(deadline);
   if (admin_stop.joinable()) admin_stop.join();
-  stopped = true;
-  poller.join();
   blocking_->Shutdown();
   StopComponents();
   const RouterState state = router_->GetState(absl::Now());

@@ -153,7 +153,12 @@ TEST_F(TraceCalibrationTest, ArtifactLoadsAndInstallsIntoARouter) {
   }
 
   std::vector<WorkerSpec> workers;
-  for (const std::string& id : loaded->workers) workers.push_back(WorkerSpec{id, id + ":1", 1.0, 0});
+  for (const std::string& id : loaded->workers) {
+    WorkerSpec spec;
+    spec.id = id;
+    spec.address = id + ":1";
+    workers.push_back(spec);
+  }
   RouterOptions router_options;
   router_options.tau = 0;  // pure locality: a request goes to its nearest centroid's worker
   absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(router_options, workers);

@@ -41,6 +41,13 @@ double Cosine(absl::Span<const float> a, absl::Span<const float> b) {
   return dot / std::sqrt(na * nb);
 }
 
+WorkerSpec Worker(const std::string& id) {
+  WorkerSpec spec;
+  spec.id = id;
+  spec.address = id + ":9000";
+  return spec;
+}
+
 const std::vector<float>& Row(const std::map<std::string, std::vector<float>>& rows, const std::string& id) {
   return rows.at(id);
 }
@@ -97,7 +104,7 @@ class RefitTest : public ::testing::Test {
     options.tau = 0;  // pure locality: a route goes to the nearest centroid's worker
     options.on_signature = std::move(on_signature);
     std::vector<WorkerSpec> workers;
-    for (const std::string& id : artifact_->workers) workers.push_back(WorkerSpec{id, id + ":9000", 1.0, 0});
+    for (const std::string& id : artifact_->workers) workers.push_back(Worker(id));
     absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(options, workers);
     EXPECT_TRUE(router.ok()) << router.status();
     EXPECT_TRUE((*router)->InstallCentroids(*artifact_).ok());
@@ -206,7 +213,9 @@ TEST_F(RefitTest, RefitKeepsEveryWorkerNearItsOldZone) {
     // Aligned: each worker's new row is closer to its own old row than to any other old row.
     const double own = Cosine(row, Row(after, id));
     for (const auto& [other, other_row] : before) {
-      if (other != id) EXPECT_GT(own, Cosine(other_row, Row(after, id))) << id << " vs " << other;
+      if (other != id) {
+        EXPECT_GT(own, Cosine(other_row, Row(after, id))) << id << " vs " << other;
+      }
     }
   }
   // Same transform in service after the swap.
@@ -289,7 +298,7 @@ TEST_F(RefitTest, AddedWorkerGetsAZoneAndTraffic) {
   options.interval = absl::ZeroDuration();
   MakeRefitter(options);
   RouteAll();
-  ASSERT_TRUE(router_->UpsertWorker(WorkerSpec{"w4", "w4:9000", 1.0, 0}).ok());
+  ASSERT_TRUE(router_->UpsertWorker(Worker("w4")).ok());
   EXPECT_EQ(RouteAll().count("w4"), 0u);  // no centroid yet: eldr never picks it
   ASSERT_TRUE(refitter_->OnWorkerAdded("w4").ok()) << refitter_->stats().last_error;
 
@@ -335,7 +344,7 @@ TEST_F(RefitTest, WithoutDataAnAdditionWaitsAndARemovalDropsTheRow) {
   RefitOptions options;
   options.interval = absl::ZeroDuration();
   MakeRefitter(options);
-  ASSERT_TRUE(router_->UpsertWorker(WorkerSpec{"w4", "w4:9000", 1.0, 0}).ok());
+  ASSERT_TRUE(router_->UpsertWorker(Worker("w4")).ok());
   const absl::Status added = refitter_->OnWorkerAdded("w4");
   EXPECT_EQ(added.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(added.message(), HasSubstr("the window holds 0 usable signatures"));
@@ -410,7 +419,7 @@ TEST_F(RefitTest, DetachedSlotStopsObservations) {
 }
 
 TEST(RefitOptionsTest, CreateRejectsBadOptions) {
-  absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(RouterOptions{}, {WorkerSpec{"a", "a:1", 1.0, 0}});
+  absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(RouterOptions{}, {Worker("a")});
   ASSERT_TRUE(router.ok());
   RefitOptions options;
   EXPECT_FALSE(OnlineRefitter::Create(options, nullptr).ok());
