@@ -13,6 +13,7 @@
 #include <cerrno>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 #include <thread>
@@ -160,6 +161,11 @@ int main(int argc, char** argv) {
   // First thing: a SIGTERM during startup must not kill the process half-initialised; it is
   // acted on once the server runs.
   if (absl::Status s = InstallSignalForwarding(); !s.ok()) return Fail("startup_failed", s);
+  // gRPC 1.51 closes an idle connection during Server::Shutdown only when its backup poller runs
+  // (every 5 s by default): a client holding an idle channel would stretch every graceful shutdown
+  // by up to 5 s. 100 ms bounds that for ten cheap wake-ups a second. Must precede grpc_init; an
+  // explicit setting in the environment wins.
+  setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "100", /*overwrite=*/0);
 
   absl::SetProgramUsageMessage(
       "ELDR decode router: routes each request to the decode worker whose expert centroid matches "

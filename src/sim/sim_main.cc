@@ -57,8 +57,8 @@ ABSL_FLAG(double, output_tokens_mean, kSynthetic.output_tokens_mean, "Synthetic:
 ABSL_FLAG(int, requests, kSynthetic.requests, "Arrivals simulated per rate");
 
 // ---- Cluster and cost model ----
-ABSL_FLAG(int, decoders, kCluster.decoders,
-          "Decode workers (with --router: defaults to the daemon's worker count)");
+ABSL_FLAG(int, decoders, 0,
+          "Decode workers; 0: 16, or with --router the daemon's number of active workers");
 ABSL_FLAG(int, prefill_workers, kCluster.prefill_workers, "Prefill servers");
 ABSL_FLAG(int, max_batch, kCluster.max_batch, "Continuous batching limit of a decode worker");
 ABSL_FLAG(int64_t, kv_budget_tokens, kCluster.kv_budget_tokens, "KV cache of a decode worker, tokens");
@@ -175,36 +175,24 @@ int main(int argc, char** argv) {
   }
   const int requests = absl::GetFlag(FLAGS_requests);
   if (requests < 20) return Fail("--requests must be >= 20");
-  absl::StatusOr<eldr::sim::Workload> workload;
-  if (!trace_dir.empty()) {
-    eldr::sim::TraceWorkloadOptions options;
-    options.dir = trace_dir;
-    options.experts = absl::GetFlag(FLAGS_experts);
-    options.prefill_fraction = absl::GetFlag(FLAGS_prefill_fraction);
-    options.calibration_fraction = absl::GetFlag(FLAGS_calibration_fraction);
-    options.seed = absl::GetFlag(FLAGS_seed);
-    workload = eldr::sim::LoadTraceWorkload(options);
-  } else {
-    eldr::sim::SyntheticOptions options;
-    if (absl::Status parsed = eldr::sim::ParseGeometry(geometry, &options); !parsed.ok()) {
+  eldr::sim::SyntheticOptions synthetic_geometry;
+  if (!geometry.empty()) {
+    if (absl::Status parsed = eldr::sim::ParseGeometry(geometry, &synthetic_geometry); !parsed.ok()) {
       return Fail(parsed);
     }
-    options.domains = absl::GetFlag(FLAGS_domains);
-    options.topics_per_domain = absl::GetFlag(FLAGS_topics_per_domain);
-    options.locality = absl::GetFlag(FLAGS_locality);
-    options.requests = requests;
-    options.calibration_requests = absl::GetFlag(FLAGS_calibration_requests);
-    options.prompt_tokens_mean = absl::GetFlag(FLAGS_prompt_tokens_mean);
-    options.output_tokens_mean = absl::GetFlag(FLAGS_output_tokens_mean);
-    options.seed = absl::GetFlag(FLAGS_seed);
-    log("generating the synthetic workload");
-    workload = eldr::sim::GenerateSyntheticWorkload(options);
   }
-  if (!workload.ok()) return Fail(workload.status());
+  if (!trace_dir.empty()) {
+    const double fraction = absl::GetFlag(FLAGS_prefill_fraction);
+    if (!(fraction > 0 && fraction < 1)) {
+      return Fail(absl::StrCat("--prefill_fraction must be in (0, 1), got ", fraction));
+    }
+  }
 
-  // Experiment.
+  // Everything else is checked before the workload is built (a synthetic one takes seconds).
   eldr::sim::ExperimentOptions options;
-  options.cluster.decoders = absl::GetFlag(FLAGS_decoders);
+  const int decoders_flag = absl::GetFlag(FLAGS_decoders);
+  if (decoders_flag < 0) return Fail("--decoders must be >= 0 (0: the default)");
+  options.cluster.decoders = decoders_flag > 0 ? decoders_flag : kCluster.decoders;
   options.cluster.prefill_workers = absl::GetFlag(FLAGS_prefill_workers);
   options.cluster.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.cluster.kv_budget_tokens = absl::GetFlag(FLAGS_kv_budget_tokens);
@@ -256,7 +244,7 @@ int main(int argc, char** argv) {
     if (!target.ok()) return Fail(target.status());
     options.grpc_target = *target;
     // Without an explicit --decoders, simulate as many decode workers as the daemon routes to.
-    if (absl::GetFlag(FLAGS_decoders) == kCluster.decoders) {
+    if (decoders_flag == 0) {
       absl::StatusOr<eldr::sim::DaemonInfo> daemon =
           eldr::sim::QueryDaemon(options.grpc_target, options.rpc_timeout_s);
       if (!daemon.ok()) return Fail(daemon.status());
@@ -265,6 +253,32 @@ int main(int argc, char** argv) {
   }
   const bool json = absl::GetFlag(FLAGS_json), csv = absl::GetFlag(FLAGS_csv);
   if (json && csv) return Fail("--json and --csv both print on stdout: pick one (or use --csv_out)");
+
+  // Workload.
+  absl::StatusOr<eldr::sim::Workload> workload;
+  if (!trace_dir.empty()) {
+    eldr::sim::TraceWorkloadOptions trace;
+    trace.dir = trace_dir;
+    trace.experts = absl::GetFlag(FLAGS_experts);
+    trace.prefill_fraction = absl::GetFlag(FLAGS_prefill_fraction);
+    trace.calibration_fraction = absl::GetFlag(FLAGS_calibration_fraction);
+    trace.seed = absl::GetFlag(FLAGS_seed);
+    workload = eldr::sim::LoadTraceWorkload(trace);
+  } else {
+    eldr::sim::SyntheticOptions synthetic = synthetic_geometry;
+    synthetic.domains = absl::GetFlag(FLAGS_domains);
+    synthetic.topics_per_domain = absl::GetFlag(FLAGS_topics_per_domain);
+    synthetic.locality = absl::GetFlag(FLAGS_locality);
+    synthetic.requests = requests;
+    synthetic.calibration_requests = absl::GetFlag(FLAGS_calibration_requests);
+    synthetic.prompt_tokens_mean = absl::GetFlag(FLAGS_prompt_tokens_mean);
+    synthetic.output_tokens_mean = absl::GetFlag(FLAGS_output_tokens_mean);
+    synthetic.seed = absl::GetFlag(FLAGS_seed);
+    log("generating the synthetic workload");
+    workload = eldr::sim::GenerateSyntheticWorkload(synthetic);
+  }
+  if (!workload.ok()) return Fail(workload.status());
+
   options.log = log;
   log(absl::StrCat("workload: ", workload->description));
 

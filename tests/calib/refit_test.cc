@@ -340,6 +340,25 @@ TEST_F(RefitTest, RemovedWorkerZoneIsAbsorbed) {
   EXPECT_EQ(router_->CurrentCentroids()->k, 3);
 }
 
+TEST_F(RefitTest, CapacityWeightsScaleZones) {
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  MakeRefitter(options);
+  RouteAll();
+  WorkerSpec big = Worker("w0");
+  big.capacity = 3;  // half of the total capacity 3 + 1 + 1 + 1
+  ASSERT_TRUE(router_->UpsertWorker(big).ok());
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  ASSERT_EQ(refitter_->stats().refits_completed, 1u) << refitter_->stats().last_error;
+  // At tau = 0 a request goes to its nearest centroid; w0's zone now covers about half of them.
+  const std::map<std::string, int> used = RouteAll();
+  ASSERT_EQ(used.size(), 4u);
+  for (const auto& [id, count] : used) {
+    if (id != "w0") EXPECT_GT(used.at("w0"), count) << id;
+  }
+  EXPECT_GT(used.at("w0"), data_->n * 3 / 10);
+}
+
 TEST_F(RefitTest, WithoutDataAnAdditionWaitsAndARemovalDropsTheRow) {
   RefitOptions options;
   options.interval = absl::ZeroDuration();

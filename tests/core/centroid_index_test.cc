@@ -633,40 +633,49 @@ RecallStats MeasureRecall(const CentroidIndex& index, const Clustered& data, dou
   return stats;
 }
 
-// Hundreds of workers in a handful of domains, each worker its own sub-cluster.
-Clustered LargePool(int rows, int dim, std::mt19937_64& rng) {
-  return MakeClustered(rows, dim, /*domains=*/512, /*zero_fraction=*/0.4, /*row_spread=*/0.5, rng);
+// Hundreds of workers in a few domains, each worker its own sub-cluster. With 32 domains and
+// spread 0.5 the band at tau 0.1 holds ~9 workers; with 8 domains and spread 0.4, ~60 (more than
+// the first round of candidates, so the search has to widen).
+Clustered LargePool(int rows, int dim, int domains, double spread, std::mt19937_64& rng) {
+  return MakeClustered(rows, dim, domains, /*zero_fraction=*/0.4, spread, rng);
 }
 
 TEST(ReducedIndexTest, FlatCandidatesContainTheBestAndTheBand) {
   std::mt19937_64 rng(77);
-  const Clustered data = LargePool(512, 1664, rng);
-  CentroidIndexOptions options;
-  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, data.rows,
-                                        data.dim, options);
-  ASSERT_TRUE(index.ok()) << index.status();
-  EXPECT_EQ((*index)->kind(), "faiss_pca_flat");
-  EXPECT_EQ((*index)->rows(), 512);
-  EXPECT_EQ((*index)->dim(), 1664);
-  const RecallStats stats = MeasureRecall(**index, data, 0.1, 300, rng);
-  RecordProperty("best_found", stats.best_found);
-  RecordProperty("band_matches", stats.band_matches);
-  EXPECT_EQ(stats.best_found, stats.queries);
-  EXPECT_GE(stats.band_matches, 0.95 * stats.queries) << "mean band " << stats.mean_band;
+  struct Pool {
+    int domains;
+    double spread;
+    double min_mean_band;
+  };
+  for (const Pool& pool : {Pool{32, 0.5, 4.0}, Pool{8, 0.4, 40.0}}) {
+    const Clustered data = LargePool(512, 1664, pool.domains, pool.spread, rng);
+    auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids,
+                                          data.rows, data.dim, CentroidIndexOptions());
+    ASSERT_TRUE(index.ok()) << index.status();
+    EXPECT_EQ((*index)->kind(), "faiss_pca_flat");
+    EXPECT_EQ((*index)->rows(), 512);
+    EXPECT_EQ((*index)->dim(), 1664);
+    const RecallStats stats = MeasureRecall(**index, data, 0.1, 200, rng);
+    EXPECT_GE(stats.mean_band, pool.min_mean_band) << "the data must exercise wide bands";
+    // Measured: 200/200 for both (docs/benchmarks.md); the margin allows other libm/RNG builds.
+    EXPECT_GE(stats.best_found, 0.99 * stats.queries);
+    EXPECT_GE(stats.band_matches, 0.97 * stats.queries) << "mean band " << stats.mean_band;
+  }
 }
 
 TEST(ReducedIndexTest, HnswCandidatesContainTheBest) {
   std::mt19937_64 rng(78);
-  const Clustered data = LargePool(512, 1664, rng);
+  const Clustered data = LargePool(512, 1664, 32, 0.5, rng);
   CentroidIndexOptions options;
   options.use_hnsw = true;
   auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, data.rows,
                                         data.dim, options);
   ASSERT_TRUE(index.ok()) << index.status();
   EXPECT_EQ((*index)->kind(), "faiss_pca_hnsw");
-  const RecallStats stats = MeasureRecall(**index, data, 0.1, 300, rng);
-  EXPECT_GE(stats.best_found, 0.98 * stats.queries);
-  EXPECT_GE(stats.band_matches, 0.9 * stats.queries) << "mean band " << stats.mean_band;
+  const RecallStats stats = MeasureRecall(**index, data, 0.1, 200, rng);
+  // Measured: 200/200 best and band (docs/benchmarks.md); HNSW is approximate, hence the margin.
+  EXPECT_GE(stats.best_found, 0.97 * stats.queries);
+  EXPECT_GE(stats.band_matches, 0.95 * stats.queries) << "mean band " << stats.mean_band;
 }
 
 TEST(ReducedIndexTest, SmallPoolsAndFewRowsStillWork) {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -15,6 +16,10 @@ namespace {
 struct Geometry {
   int layers, experts, top_k;
 };
+
+void PrintTo(const Geometry& g, std::ostream* os) {
+  *os << g.layers << "x" << g.experts << "x" << g.top_k;
+}
 
 class DistinctExpertsTest : public ::testing::TestWithParam<Geometry> {};
 
@@ -56,7 +61,12 @@ TEST_P(DistinctExpertsTest, MatchesBruteForceOnRandomBatches) {
 INSTANTIATE_TEST_SUITE_P(Geometries, DistinctExpertsTest,
                          ::testing::Values(Geometry{26, 64, 6}, Geometry{48, 128, 8},
                                            Geometry{3, 100, 4}, Geometry{2, 256, 16},
-                                           Geometry{1, 2, 1}));
+                                           Geometry{1, 2, 1}),
+                         [](const ::testing::TestParamInfo<Geometry>& info) {
+                           return std::to_string(info.param.layers) + "x" +
+                                  std::to_string(info.param.experts) + "x" +
+                                  std::to_string(info.param.top_k);
+                         });
 
 TEST(DistinctExpertsTest, ResetForgetsEarlierTokens) {
   DistinctExpertCounter counter(2, 8, 2);

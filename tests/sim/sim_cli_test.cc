@@ -89,9 +89,12 @@ TEST(SimCliTest, RealTracesTableCsvAndFigure) {
 }
 
 struct BadInvocation {
+  std::string name;
   std::vector<std::string> flags;
   std::string message;
 };
+
+void PrintTo(const BadInvocation& invocation, std::ostream* os) { *os << invocation.name; }
 
 class SimCliBadInputTest : public ::testing::TestWithParam<BadInvocation> {};
 
@@ -106,22 +109,23 @@ TEST_P(SimCliBadInputTest, FailsWithAClearMessage) {
 INSTANTIATE_TEST_SUITE_P(
     Flags, SimCliBadInputTest,
     ::testing::Values(
-        BadInvocation{{"--no_such_flag=1", "--synthetic=8x16x2"}, "no_such_flag"},
-        BadInvocation{{}, "--trace DIR"},
-        BadInvocation{{"--synthetic=8x16x2", "--trace=/tmp"}, "exactly one workload"},
-        BadInvocation{{"--synthetic=48x128"}, "LAYERSxEXPERTSxTOPK"},
-        BadInvocation{{"--trace=/nonexistent/traces"}, "/nonexistent/traces"},
-        BadInvocation{{"--synthetic=8x16x2", "--rates=5,fast"}, "'fast'"},
-        BadInvocation{{"--synthetic=8x16x2", "--policies=rr,best"}, "unknown policy 'best'"},
-        BadInvocation{{"--synthetic=8x16x2", "--router=http://127.0.0.1:1"}, "grpc://HOST:PORT"},
-        BadInvocation{{"--synthetic=8x16x2", "--prefill_fraction=0.5", "--t_expert_us=-2"},
+        BadInvocation{"UnknownFlag", {"--no_such_flag=1", "--synthetic=8x16x2"}, "no_such_flag"},
+        BadInvocation{"NoWorkload", {}, "--trace DIR"},
+        BadInvocation{"TwoWorkloads", {"--synthetic=8x16x2", "--trace=/tmp"}, "exactly one workload"},
+        BadInvocation{"BadGeometry", {"--synthetic=48x128"}, "LAYERSxEXPERTSxTOPK"},
+        BadInvocation{"UnreadableTraces", {"--trace=/nonexistent/traces"}, "/nonexistent/traces"},
+        BadInvocation{"BadRate", {"--synthetic=8x16x2", "--rates=5,fast"}, "'fast'"},
+        BadInvocation{"UnknownPolicy", {"--synthetic=8x16x2", "--policies=rr,best"}, "unknown policy 'best'"},
+        BadInvocation{"BadRouterUrl", {"--synthetic=8x16x2", "--router=http://127.0.0.1:1"}, "grpc://HOST:PORT"},
+        BadInvocation{"NegativeCost", {"--synthetic=8x16x2", "--prefill_fraction=0.5", "--t_expert_us=-2"},
                       "t_expert_us"},
-        BadInvocation{{"--trace=" + TraceDir(), "--prefill_fraction=1"}, "--prefill_fraction"},
-        BadInvocation{{"--synthetic=8x16x2", "--requests=5"}, "--requests"},
-        BadInvocation{{"--synthetic=8x16x2", "--json", "--csv"}, "pick one"},
+        BadInvocation{"BadPrefillFraction", {"--trace=" + TraceDir(), "--prefill_fraction=1"}, "--prefill_fraction"},
+        BadInvocation{"TooFewRequests", {"--synthetic=8x16x2", "--requests=5"}, "--requests"},
+        BadInvocation{"JsonAndCsv", {"--synthetic=8x16x2", "--json", "--csv"}, "pick one"},
         // Nothing listens on port 1 of the loopback.
-        BadInvocation{{"--synthetic=8x16x2", "--router=grpc://127.0.0.1:1", "--rpc_timeout_s=1"},
-                      "did not answer"}));
+        BadInvocation{"RouterNotListening", {"--synthetic=8x16x2", "--router=grpc://127.0.0.1:1", "--rpc_timeout_s=1"},
+                      "did not answer"}),
+    [](const ::testing::TestParamInfo<BadInvocation>& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace eldr::sim

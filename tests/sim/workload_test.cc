@@ -162,6 +162,7 @@ TEST(SyntheticWorkloadTest, DefaultsGiveThePublishedStructure) {
 
   // The knob works: no locality, no same-domain advantage.
   options.locality = 0;
+  options.requests = 200;
   absl::StatusOr<Workload> flat = GenerateSyntheticWorkload(options);
   ASSERT_TRUE(flat.ok());
   const LocalityStats flat_stats = MeasureWorkloadLocality(*flat, 16, 400, 2000, 1);
