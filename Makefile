@@ -5,7 +5,7 @@ BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: all deps configure build test demo bench sanitize-asan sanitize-tsan gpu clean
+.PHONY: all deps configure build test demo bench sanitize-asan sanitize-tsan fuzz soak gpu clean
 
 all: build
 
@@ -38,6 +38,16 @@ sanitize-asan: deps
 
 sanitize-tsan: deps
 	$(MAKE) test BUILD_DIR=build-tsan BUILD_TYPE=RelWithDebInfo CMAKE_ARGS="-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DELDR_SANITIZE=thread -DELDR_CUDA=OFF -DELDR_BUILD_BENCHMARKS=OFF"
+
+# libFuzzer targets (clang, ASan+UBSan) in build-fuzz, each run for FUZZ_SECONDS (scripts/fuzz.sh).
+FUZZ_SECONDS ?= 10
+fuzz: deps
+	scripts/fuzz.sh $(FUZZ_SECONDS)
+
+# The daemon under load with misbehaving workers and inputs for SOAK_SECONDS (tests/soak).
+SOAK_SECONDS ?= 300
+soak: build
+	$(BUILD_DIR)/bin/eldr-soak --bin_dir=$(BUILD_DIR)/bin --data_dir=data --duration_s=$(SOAK_SECONDS)
 
 # Builds the CUDA capture library with the kernels and runs its GPU tests and benchmarks (needs a GPU).
 gpu: deps

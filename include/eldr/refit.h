@@ -56,6 +56,9 @@ struct RefitOptions {
   // skipped (counted in refits_skipped) and a worker addition fails with FAILED_PRECONDITION.
   int min_signatures_per_centroid = 16;
   int max_iterations = 20;
+  // k-means stopping tolerance (BalancedKMeansOptions::tolerance). Looser than offline calibration:
+  // the next refit continues from these centroids anyway.
+  double tolerance = 1e-3;
   uint64_t seed = 0;
   // Folder for the persisted centroids (StatePath); created if missing. Empty: no persistence.
   std::string state_dir;

@@ -30,6 +30,7 @@
 #include "calib/synthetic_data.h"
 #include "eldr/calibration.h"
 #include "eldr/centroid_artifact.h"
+#include "eldr/refit.h"
 #include "eldr/signature.h"
 #include "eldr/trace.h"
 #include "nlohmann/json.hpp"
@@ -331,9 +332,10 @@ int RunBenchmark() {
         if (!points.ok()) return Fail(kExitBadInput, points.status());
         const int dim = transform->dim();
         const auto start = std::chrono::steady_clock::now();
-        BalancedKMeansOptions fit_options;
+        BalancedKMeansOptions fit_options;  // as OnlineRefitter runs it
         fit_options.clusters = k;
-        fit_options.max_iterations = 20;
+        fit_options.max_iterations = RefitOptions{}.max_iterations;
+        fit_options.tolerance = RefitOptions{}.tolerance;
         fit_options.initial_centroids = initial->artifact.centroids;
         absl::StatusOr<BalancedKMeansResult> fit =
             FitBalancedKMeans(*points, static_cast<int>(usable.size()), dim, fit_options);

@@ -125,6 +125,9 @@ absl::StatusOr<std::unique_ptr<OnlineRefitter>> OnlineRefitter::Create(RefitOpti
     return absl::InvalidArgumentError(
         absl::StrCat("refit: max_iterations = ", options.max_iterations, ", need >= 1"));
   }
+  if (!(options.tolerance >= 0) || !std::isfinite(options.tolerance)) {
+    return absl::InvalidArgumentError(absl::StrCat("refit: tolerance = ", options.tolerance, ", need >= 0"));
+  }
   if (!options.state_dir.empty()) {
     std::error_code error;
     std::filesystem::create_directories(options.state_dir, error);
@@ -391,6 +394,7 @@ absl::Status OnlineRefitter::RefitLocked() {
     fit_options.clusters = k;
     fit_options.seed = options_.seed;
     fit_options.max_iterations = options_.max_iterations;
+    fit_options.tolerance = options_.tolerance;
     for (const std::string& id : target) fit_options.capacity_weights.push_back(active_capacity[id]);
     if (kept_k > 0) {
       fit_options.initial_centroids = kept_rows;

@@ -23,6 +23,46 @@ bool IsMetricNameChar(char c) { return absl::ascii_isalnum(c) || c == '_' || c =
 bool IsLabelNameStart(char c) { return absl::ascii_isalpha(c) || c == '_'; }
 bool IsLabelNameChar(char c) { return absl::ascii_isalnum(c) || c == '_'; }
 
+// Whether `text` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF),
+// as Prometheus requires of label values and HELP text.
+bool IsValidUtf8(absl::string_view text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    if (byte < 0x80) {
+      ++i;
+      continue;
+    }
+    int length = 0;
+    uint32_t code_point = 0;
+    if ((byte & 0xE0) == 0xC0) {
+      length = 2;
+      code_point = byte & 0x1F;
+    } else if ((byte & 0xF0) == 0xE0) {
+      length = 3;
+      code_point = byte & 0x0F;
+    } else if ((byte & 0xF8) == 0xF0) {
+      length = 4;
+      code_point = byte & 0x07;
+    } else {
+      return false;
+    }
+    if (i + length > text.size()) return false;
+    for (int k = 1; k < length; ++k) {
+      const auto next = static_cast<unsigned char>(text[i + k]);
+      if ((next & 0xC0) != 0x80) return false;
+      code_point = (code_point << 6) | (next & 0x3F);
+    }
+    static constexpr uint32_t kSmallest[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (code_point < kSmallest[length] || code_point > 0x10FFFF ||
+        (code_point >= 0xD800 && code_point <= 0xDFFF)) {
+      return false;
+    }
+    i += length;
+  }
+  return true;
+}
+
 // A short, printable rendering of outside bytes for error messages.
 std::string Excerpt(absl::string_view text) {
   constexpr size_t kMax = 40;
@@ -159,6 +199,7 @@ class PageParser {
                                   Excerpt(absl::string_view(&escaped, 1)), "\""));
       }
     }
+    if (!IsValidUtf8(help)) return Error(absl::StrCat("HELP line for ", name, ": text is not valid UTF-8"));
     auto [it, inserted] = page_.help.try_emplace(std::string(name), std::move(help));
     if (!inserted && it->second != help) {
       return Error(absl::StrCat("second HELP line for ", name, " with a different text"));
@@ -281,9 +322,16 @@ class PageParser {
   // Reads an escaped label value up to its closing quote (`*pos` is just after the opening one).
   absl::Status ReadQuoted(absl::string_view line, size_t* pos, absl::string_view label_name,
                           std::string* out) {
+    const size_t start = *pos;
     while (*pos < line.size()) {
       const char c = line[(*pos)++];
-      if (c == '"') return absl::OkStatus();
+      if (c == '"') {
+        // Escapes are ASCII, so checking the raw bytes checks the unescaped value.
+        if (!IsValidUtf8(line.substr(start, *pos - 1 - start))) {
+          return Error(absl::StrCat("value of label \"", label_name, "\" is not valid UTF-8"));
+        }
+        return absl::OkStatus();
+      }
       if (c != '\\') {
         if (out != nullptr) out->push_back(c);
         continue;

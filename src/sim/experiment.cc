@@ -40,8 +40,8 @@ CentroidArtifact WithWorkers(const CentroidArtifact& artifact, const std::vector
 CalibrationData WeightByDecodeTokens(const CalibrationData& data) {
   if (data.decode_counts.empty() || data.n == 0) return data;
   const size_t plane = static_cast<size_t>(data.layers) * data.experts;
-  // A request's decode tokens are its decode counts summed over one layer... over every layer,
-  // divided by layers: each token adds top_k to every layer, so the sum of layer 0 is tokens * top_k.
+  // Each decode token adds top_k to every layer's counts, so layer 0's sum is tokens * top_k: a
+  // length up to the constant factor top_k, which the ratio to the unit below cancels.
   std::vector<double> tokens(data.n);
   for (int i = 0; i < data.n; ++i) {
     double sum = 0;
@@ -265,13 +265,17 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
     centroids = calibrated->artifact;
     result.calibration = calibrated->report;
     result.calibration_requests = workload.calibration.n;
+    result.calibration_points = data.n;
     result.signature_dim = centroids.dim();
     log(absl::StrFormat(
-        "calibrated %d centroids on %d requests disjoint from the evaluated ones: %d of %d layers "
+        "calibrated %d centroids on %d requests disjoint from the evaluated ones%s: %d of %d layers "
         "kept (correlation %.3f), dimension %d, %.1f s",
-        centroids.k, workload.calibration.n, centroids.spec.masked_layers(), workload.layers,
-        calibrated->report.mask_correlation, centroids.dim(),
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+        centroids.k, workload.calibration.n,
+        options.weight_by_decode_tokens
+            ? absl::StrFormat(" (weighted by decode tokens: %d copies)", data.n)
+            : "",
+        centroids.spec.masked_layers(), workload.layers, calibrated->report.mask_correlation,
+        centroids.dim(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
   }
 
   for (double rate : result.rates) {

@@ -80,7 +80,8 @@ struct ExperimentResult {
   LocalityStats locality;
   CapacityEstimate capacity;
   CalibrationReport calibration;
-  int calibration_requests = 0;
+  int calibration_requests = 0;  // requests of the calibration split
+  int calibration_points = 0;    // points k-means saw (more with weight_by_decode_tokens)
   int signature_dim = 0;
   std::string router;           // in-process, or the daemon's description
   double tau = 0;

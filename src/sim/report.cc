@@ -102,6 +102,7 @@ nlohmann::json ToJson(const ExperimentResult& result, bool with_samples) {
   };
   json["calibration"] = {
       {"requests", result.calibration_requests},
+      {"points", result.calibration_points},
       {"layer_mask", result.calibration.layer_mask},
       {"mask_correlation", result.calibration.mask_correlation},
       {"cluster_sizes", result.calibration.cluster_sizes},

@@ -516,7 +516,7 @@ void RegisterAll() {
         ->Apply(CommonSettings);
   }
   for (const Geometry& g : geometries) {
-    for (int k : {16, 32, 64, 128, 256, 512, 1024}) {
+    for (int k : {16, 32, 64, 96, 128, 192, 256, 512, 1024}) {
       const std::string prefix = absl::StrCat("BM_Scorer/", g.name(), "/K:", k, "/");
       CentroidIndexOptions fp32;
       fp32.half_precision = false;

@@ -345,18 +345,21 @@ TEST_F(RefitTest, CapacityWeightsScaleZones) {
   options.interval = absl::ZeroDuration();
   MakeRefitter(options);
   RouteAll();
+  ASSERT_TRUE(refitter_->RefitNow().ok());  // equal capacities: the reference shares
+  const std::map<std::string, int> before = RouteAll();
   WorkerSpec big = Worker("w0");
   big.capacity = 3;  // half of the total capacity 3 + 1 + 1 + 1
   ASSERT_TRUE(router_->UpsertWorker(big).ok());
   ASSERT_TRUE(refitter_->RefitNow().ok());
-  ASSERT_EQ(refitter_->stats().refits_completed, 1u) << refitter_->stats().last_error;
-  // At tau = 0 a request goes to its nearest centroid; w0's zone now covers about half of them.
-  const std::map<std::string, int> used = RouteAll();
-  ASSERT_EQ(used.size(), 4u);
-  for (const auto& [id, count] : used) {
-    if (id != "w0") EXPECT_GT(used.at("w0"), count) << id;
-  }
-  EXPECT_GT(used.at("w0"), data_->n * 3 / 10);
+  ASSERT_EQ(refitter_->stats().refits_completed, 2u) << refitter_->stats().last_error;
+  // The fit gives w0's cluster half of the window (capacity 3 of 6). At tau = 0 a request goes to
+  // its nearest centroid, which follows the balanced clusters only in part (the band and the
+  // capacity-divided load do the rest in service), but w0's zone must grow well beyond an equal
+  // share. Measured: 40 of 213 requests after a refit with equal capacities, 66 after this one.
+  const std::map<std::string, int> after = RouteAll();
+  ASSERT_EQ(after.size(), 4u);
+  EXPECT_GE(after.at("w0"), before.at("w0") + 15);
+  EXPECT_GT(after.at("w0"), data_->n / 4);
 }
 
 TEST_F(RefitTest, WithoutDataAnAdditionWaitsAndARemovalDropsTheRow) {

@@ -693,6 +693,22 @@ TEST(ReducedIndexTest, SmallPoolsAndFewRowsStillWork) {
   for (const ScoredRow& s : got) EXPECT_NEAR(s.score, reference[s.row], 4.5e-3);
 }
 
+TEST(ReducedIndexTest, OneAndTwoRows) {
+  std::mt19937_64 rng(80);
+  for (int rows : {1, 2}) {
+    const std::vector<float> centroids = RandomRows(rows, 40, rng);
+    auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, centroids, rows, 40,
+                                          CentroidIndexOptions());
+    ASSERT_TRUE(index.ok()) << rows << " rows: " << index.status();
+    const std::vector<float> q = RandomRows(1, 40, rng);
+    std::vector<ScoredRow> got;
+    ASSERT_TRUE((*index)->Search(q, &got).ok());
+    ASSERT_EQ(got.size(), static_cast<size_t>(rows));
+    const std::vector<double> reference = ReferenceScores(centroids, rows, 40, q.data());
+    for (const ScoredRow& s : got) EXPECT_NEAR(s.score, reference[s.row], 4.5e-3);
+  }
+}
+
 TEST(BuildCentroidIndexTest, PicksTheImplementationByPoolSize) {
   std::mt19937_64 rng(3);
   const std::vector<float> centroids = RandomRows(40, 128, rng);
@@ -769,6 +785,11 @@ TEST(CentroidIndexValidationTest, RejectsBadBuildInput) {
   EXPECT_EQ(BuildCentroidIndex({}, 1 << 20, 1 << 20, CentroidIndexOptions()).status().code(),
             absl::StatusCode::kInvalidArgument);
 
+  const std::vector<float> zeros(8, 0.f);
+  auto all_zero = BuildCentroidIndex(zeros, 2, 4, CentroidIndexOptions());
+  EXPECT_EQ(all_zero.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(all_zero.status().message(), HasSubstr("all zeros"));
+
   std::vector<float> nan = four;
   nan[3] = std::nanf("");
   auto non_finite = BuildCentroidIndex(nan, 2, 2, CentroidIndexOptions());
@@ -777,8 +798,10 @@ TEST(CentroidIndexValidationTest, RejectsBadBuildInput) {
 
   for (auto mutate : std::vector<void (*)(CentroidIndexOptions&)>{
            [](CentroidIndexOptions& o) { o.large_pool_min_rows = 0; },
-           [](CentroidIndexOptions& o) { o.reduced_dims = 0; },
-           [](CentroidIndexOptions& o) { o.candidates = 0; },
+           [](CentroidIndexOptions& o) { o.reduced_dims = -1; },
+           [](CentroidIndexOptions& o) { o.candidates = -1; },
+           [](CentroidIndexOptions& o) { o.max_candidates = 0; },
+           [](CentroidIndexOptions& o) { o.candidates = 300; },
            [](CentroidIndexOptions& o) { o.band_tau = -0.1; },
            [](CentroidIndexOptions& o) { o.band_tau = std::nan(""); },
            [](CentroidIndexOptions& o) { o.hnsw_neighbors = 1; },
@@ -803,6 +826,16 @@ TEST(CentroidIndexValidationTest, RejectsBadQueries) {
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(RejectReasonOf(status), RejectReason::kGeometry);
     EXPECT_THAT(status.message(), HasSubstr("31 values"));
+
+    // A non-finite query (the transform never produces one) is not rejected by the hot path but
+    // must not crash or return rows out of range.
+    std::vector<float> nan_query(32, 0.1f);
+    nan_query[5] = std::nanf("");
+    ASSERT_TRUE((*index)->Search(nan_query, &got).ok());
+    for (const ScoredRow& s : got) {
+      EXPECT_GE(s.row, 0);
+      EXPECT_LT(s.row, 8);
+    }
 
     std::vector<float> scores(8);
     EXPECT_EQ(RejectReasonOf((*index)->ScoreBatch(short_query, 1, absl::MakeSpan(scores))),

@@ -212,19 +212,19 @@ TEST(LoadScraperTest, DeadWorkerIsTakenOutAndBroughtBack) {
 TEST(LoadScraperTest, ScrapesEveryWorkerAtTheConfiguredInterval) {
   ScrapedPool pool(2);
   LoadScraperOptions options;
-  options.interval = absl::Milliseconds(25);
+  options.interval = absl::Milliseconds(40);
   auto scraper = pool.MakeScraper(options);
   const absl::Time start = absl::Now();
   ASSERT_TRUE(scraper->Start().ok());
-  absl::SleepFor(absl::Milliseconds(500));
+  absl::SleepFor(absl::Milliseconds(800));
   const std::vector<WorkerScrapeStats> stats = scraper->Stats();
   const double elapsed_intervals = (absl::Now() - start) / options.interval;
   scraper->Stop();
   for (const WorkerScrapeStats& worker : stats) {
     // Never faster than the interval allows; not much slower either (a loaded machine may delay
-    // some wakeups, hence the slack).
+    // some wakeups, hence the slack; a scraper that sleeps on a stale wait does a third of them).
     EXPECT_LE(worker.successes, elapsed_intervals + 1) << worker.worker_id;
-    EXPECT_GE(worker.successes, elapsed_intervals * 0.6) << worker.worker_id;
+    EXPECT_GE(worker.successes, elapsed_intervals * 0.5) << worker.worker_id;
   }
 }
 
@@ -241,9 +241,9 @@ TEST(LoadScraperTest, HangingWorkerTimesOutAndOthersKeepTheirCadence) {
   const WorkerScrapeStats hung = StatsOf(*scraper, "w0");
   EXPECT_GE(hung.transport_errors, 2);
   EXPECT_THAT(hung.last_error, HasSubstr("imed out"));
-  // At least two 150 ms timeouts passed; at a 20 ms interval the healthy worker was scraped many
-  // more times meanwhile (a hanging worker must not hold the others up).
-  EXPECT_GE(StatsOf(*scraper, "w1").successes, 8);
+  // At least two 150 ms timeouts passed; at a 20 ms interval the healthy worker was scraped ~15
+  // times meanwhile. Were it held up by the hanging one, it would have had about 2.
+  EXPECT_GE(StatsOf(*scraper, "w1").successes, 6);
   EXPECT_TRUE(pool.Status("w1").healthy);
   ASSERT_TRUE(pool.server(0).SetMode(FakeMetricsServer::Mode::kServe).ok());
   ASSERT_TRUE(WaitUntil([&] { return pool.Status("w0").healthy; }));

@@ -128,6 +128,16 @@ TEST(PromTextTest, ErrorsNameTheLineAndTheProblem) {
   EXPECT_THAT(ParseError("a 1e999\n"), HasSubstr("invalid value"));
   EXPECT_THAT(ParseError("a ++1\n"), HasSubstr("invalid value"));
   EXPECT_THAT(ParseError("a 1 ++5\n"), HasSubstr("invalid timestamp"));
+  EXPECT_THAT(ParseError("a{x=\"\xff\"} 1\n"), HasSubstr("line 1: value of label \"x\" is not valid UTF-8"));
+  EXPECT_THAT(ParseError("a{x=\"\xc0\xaf\"} 1\n"), HasSubstr("not valid UTF-8"));      // overlong '/'
+  EXPECT_THAT(ParseError("a{x=\"\xed\xa0\x80\"} 1\n"), HasSubstr("not valid UTF-8"));  // surrogate
+  EXPECT_THAT(ParseError("# HELP a caf\xc3\n"), HasSubstr("HELP line for a: text is not valid UTF-8"));
+}
+
+TEST(PromTextTest, AcceptsUtf8LabelValues) {
+  const PromPage page = MustParse("a{model=\"caf\xc3\xa9-\xe4\xb8\xad-\xf0\x9f\x9a\x80\"} 1\n");
+  ASSERT_EQ(page.samples.size(), 1u);
+  EXPECT_EQ(*page.samples[0].Label("model"), "caf\xc3\xa9-\xe4\xb8\xad-\xf0\x9f\x9a\x80");
 }
 
 TEST(PromTextTest, KeptMetricsOnlyButWholePageChecked) {
