@@ -338,10 +338,6 @@ absl::StatusOr<std::vector<int>> SolveBalancedAssignment(absl::Span<const double
                                                          AssignmentMethod method) {
   absl::StatusOr<IntegerProblem> problem = MakeIntegerProblem(cost, n, k, capacities);
   if (!problem.ok()) return problem.status();
-  if (method == AssignmentMethod::kAuto) {
-    method = static_cast<int64_t>(n) * k <= kNetworkSimplexMaxArcs ? AssignmentMethod::kNetworkSimplex
-                                                                    : AssignmentMethod::kClusterPaths;
-  }
   if (method == AssignmentMethod::kNetworkSimplex) return SolveByNetworkSimplex(*problem);
   return ClusterPathSolver(*problem).Solve();
 }

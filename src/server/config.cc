@@ -336,7 +336,7 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("setting '", key, "': ", why));
   };
   if (o.listen.empty()) return bad("listen", "must be host:port");
-  if (!o.admin_listen.empty() && o.admin_listen == o.listen) {
+  if (!o.admin_listen.empty() && o.admin_listen == o.listen && !absl::EndsWith(o.listen, ":0")) {
     return bad("admin_listen", "must differ from listen (leave it empty to serve admin on listen)");
   }
   if (!(o.tau >= 0.0 && o.tau <= 1.0)) return bad("tau", "must be in [0, 1]");

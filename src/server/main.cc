@@ -103,20 +103,6 @@ ABSL_FLAG(std::string, log_format, "kv", "kv (key=value) or json, one line per e
 
 namespace {
 
-// gRPC 1.51 closes an idle connection during Server::Shutdown only when its backup poller runs
-// (every 5 s by default): a client holding an idle channel would stretch every graceful shutdown
-// by up to 5 s. 100 ms bounds that for ten cheap wake-ups a second. gRPC reads the setting while
-// its shared library initialises, before main, so when the environment does not set it the daemon
-// sets it and re-executes itself once (same pid, same arguments). An explicit setting wins.
-constexpr char kBackupPollVariable[] = "GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS";
-
-void EnsureGrpcBackupPollInterval(char** argv) {
-  if (getenv(kBackupPollVariable) != nullptr) return;
-  setenv(kBackupPollVariable, "100", /*overwrite=*/1);
-  execv("/proc/self/exe", argv);
-  // exec failed (no /proc): carry on with gRPC's default; only shutdowns are slower.
-}
-
 int g_signal_pipe[2] = {-1, -1};
 
 extern "C" void ForwardSignal(int signal) {
@@ -174,7 +160,6 @@ int Fail(absl::string_view event, const absl::Status& status) {
 int main(int argc, char** argv) {
   // First thing: a SIGTERM during startup must not kill the process half-initialised; it is
   // acted on once the server runs.
-  EnsureGrpcBackupPollInterval(argv);
   if (absl::Status s = InstallSignalForwarding(); !s.ok()) return Fail("startup_failed", s);
 
   absl::SetProgramUsageMessage(

@@ -219,8 +219,9 @@ absl::string_view RouteOutcomeLabel(RouteOutcome outcome) {
 
 const std::vector<double>& RouteDurationBuckets() {
   static const auto* buckets = new std::vector<double>{
-      1e-6,  2e-6,  3e-6,   5e-6,   7.5e-6, 10e-6, 15e-6, 20e-6, 30e-6, 50e-6,
-      75e-6, 1e-4,  2e-4,   5e-4,   1e-3,   2e-3,  5e-3,  1e-2};
+      // Bounds whose shortest decimal form round-trips, so `le` labels print cleanly.
+      1e-6, 2e-6, 3e-6, 5e-6, 7.5e-6, 1e-5, 1.5e-5, 2e-5, 3e-5, 5e-5,
+      1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2};
   return *buckets;
 }
 

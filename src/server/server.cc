@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "eldr/errors.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -24,6 +25,9 @@ namespace eldr::server {
 namespace {
 
 constexpr char kDecodeRouterServiceName[] = "eldr.v1.DecodeRouter";
+// How long answers already handed to gRPC get to reach the clients before the remaining calls
+// and connections are cut during a shutdown.
+constexpr absl::Duration kAnswerFlushTime = absl::Milliseconds(100);
 constexpr char kRouterAdminServiceName[] = "eldr.v1.RouterAdmin";
 // Health service name for liveness probes: SERVING from the moment the listener is up until
 // shutdown, whatever the pool and centroids (readiness uses ""), so a router whose workers are all
@@ -161,7 +165,7 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(ServerOptions
   }
   for (const ComponentFactory& factory : extensions.components) {
     ELDR_ASSIGN_OR_RETURN(std::unique_ptr<BackgroundComponent> component, factory(context));
-    server->components_.push_back(std::move(component));
+    if (component != nullptr) server->components_.push_back(std::move(component));
   }
   return server;
 }
@@ -444,12 +448,28 @@ void RouterServer::Shutdown() {
   decode_service_->FinishStreamsForShutdown();
   const std::chrono::system_clock::time_point deadline =
       absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
-  // Both listeners stop accepting at once and share the grace period.
-  std::thread admin_stop;
-  if (admin_server_ != nullptr) admin_stop = std::thread([this, deadline] { admin_server_->Shutdown(deadline); });
-  if (data_server_ != nullptr) data_server_->Shutdown(deadline);
-  if (admin_stop.joinable()) admin_stop.join();
+  // Both listeners stop taking new calls at once (GOAWAY) and share the grace period.
+  absl::Notification servers_stopped;
+  std::thread stopper([this, deadline, &servers_stopped] {
+    std::thread admin_stop;
+    if (admin_server_ != nullptr) admin_stop = std::thread([this, deadline] { admin_server_->Shutdown(deadline); });
+    if (data_server_ != nullptr) data_server_->Shutdown(deadline);
+    if (admin_stop.joinable()) admin_stop.join();
+    servers_stopped.Notify();
+  });
+  // gRPC's Shutdown also waits for every client connection to close, and a client whose channel
+  // is idle answers the GOAWAY only when its own backup poller runs (seconds later). Our RPCs
+  // finish by themselves: unary handlers answer inline, streams were finished above, and the
+  // blocking executor runs its queue to the end (later submissions are answered UNAVAILABLE).
+  // Once that is done and the last answers had time to leave, the remaining calls (health
+  // watches, idle connections) are cut instead of holding the shutdown for the whole grace.
   blocking_->Shutdown();
+  if (!servers_stopped.WaitForNotificationWithTimeout(kAnswerFlushTime)) {
+    for (grpc::Server* s : {data_server_.get(), admin_server_.get()}) {
+      if (s != nullptr) grpc_server_cancel_all_calls(s->c_server());
+    }
+  }
+  stopper.join();
   StopComponents();
   const RouterState state = router_->GetState(absl::Now());
   ELDR_LOG(Info, "shutdown_complete")

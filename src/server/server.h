@@ -76,6 +76,7 @@ struct ComponentContext {
   std::function<absl::StatusOr<uint64_t>(const CentroidArtifact& artifact)> install_centroids;
 };
 
+// Returns the component, or null when the settings leave it nothing to do (it is then skipped).
 using ComponentFactory =
     std::function<absl::StatusOr<std::unique_ptr<BackgroundComponent>>(const ComponentContext& context)>;
 

@@ -61,6 +61,7 @@ ABSL_FLAG(std::string, write_artifact, "",
 ABSL_FLAG(std::string, write_workers, "",
           "With --write_artifact: also write the worker file (w<i> at 127.0.0.1:<20000+i>).");
 ABSL_FLAG(int, workers, 16, "Workers of --write_artifact.");
+ABSL_FLAG(double, connect_timeout_s, 10, "Give up when the router cannot be reached within this time.");
 
 namespace {
 
@@ -383,7 +384,11 @@ int main(int argc, char** argv) {
       args.SetSslTargetNameOverride(name);
     }
     auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), credentials, args);
-    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
+    const auto connect_deadline =
+        std::chrono::system_clock::now() +
+        std::chrono::duration_cast<std::chrono::system_clock::duration>(
+            std::chrono::duration<double>(absl::GetFlag(FLAGS_connect_timeout_s)));
+    if (!channel->WaitForConnected(connect_deadline)) {
       std::fprintf(stderr, "eldr-bench: cannot connect to %s\n", absl::GetFlag(FLAGS_target).c_str());
       return 1;
     }

@@ -190,8 +190,7 @@ TEST_F(RefitTest, PeriodicRefitDuringConcurrentRoutingNeverFailsARoute) {
   EXPECT_GT(stats.centroid_generation, 1u);
   EXPECT_EQ(router_->GetState(absl::Now()).centroid_generation, stats.centroid_generation);
   EXPECT_GT(highest_generation.load(), 1u);  // routes saw refitted sets
-  EXPECT_GT(stats.last_fit_seconds, 0.0);
-  EXPECT_LT(stats.last_fit_seconds, 2.0);
+  EXPECT_GT(stats.last_fit_seconds, 0.0);  // recorded (its size depends on the machine and build)
   EXPECT_GT(stats.signatures_observed, 0u);
 }
 

@@ -76,7 +76,7 @@ TEST(BenchIntegration, BundledTracesDriveLocalityRoutes) {
 
 TEST(BenchIntegration, UnreachableTargetFailsClearly) {
   ProcessResult result = RunProcess(BinaryPath("eldr-bench"),
-                                    {"--target=127.0.0.1:1", "--duration_s=1", "--json"}, absl::Seconds(60));
+                                    {"--target=127.0.0.1:1", "--duration_s=1", "--connect_timeout_s=0.5", "--json"}, absl::Seconds(60));
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_THAT(result.stderr_text, ::testing::HasSubstr("cannot connect"));
 }

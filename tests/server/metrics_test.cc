@@ -1,0 +1,108 @@
+#include "server/metrics.h"
+
+#include <memory>
+#include <string>
+
+#include "absl/time/clock.h"
+#include "eldr/errors.h"
+#include "eldr/router.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace eldr::server {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::unique_ptr<Router> TwoWorkerRouter() {
+  RouterOptions options;
+  options.policy = PolicyKind::kJsq;
+  auto router = Router::Create(options, {WorkerSpec{"w0", "h:0"}, WorkerSpec{"w1", "h:1"}});
+  EXPECT_TRUE(router.ok()) << router.status();
+  return *std::move(router);
+}
+
+TEST(ServerMetrics, RouteOutcomesFallbacksAndRejectionsAreCounted) {
+  ServerMetrics metrics;
+  RouteResult ok;
+  ok.policy = PolicyKind::kEldr;
+  ok.band_size = 2;
+  ok.similarity = 0.5f;
+  metrics.RecordRoute(ok, 12e-6);
+  RouteResult fallback;
+  fallback.policy = PolicyKind::kJsq;
+  fallback.fallback = FallbackReason::kNoCentroids;
+  metrics.RecordRoute(fallback, 3e-6);
+  metrics.RecordRouteFailure(PolicyKind::kEldr, InvalidInput(RejectReason::kGeometry, "bad"), 1e-6);
+  metrics.RecordRouteFailure(PolicyKind::kEldr, absl::UnavailableError("no worker"), 1e-6);
+  metrics.RecordComplete(false);
+  metrics.RecordAdminRefused(true);
+
+  const std::string text = metrics.RenderText();
+  EXPECT_THAT(text, HasSubstr("eldr_route_requests_total{outcome=\"ok\",policy=\"eldr\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_requests_total{outcome=\"fallback\",policy=\"jsq\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_requests_total{outcome=\"invalid\",policy=\"eldr\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_requests_total{outcome=\"unavailable\",policy=\"eldr\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_fallback_total{reason=\"no_centroids\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_rejected_total{reason=\"geometry\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_duration_seconds_count 4"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_duration_seconds_bucket{le=\"1.5e-05\"} 4"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_duration_seconds_bucket{le=\"1e-05\"} 3"));
+  EXPECT_THAT(text, HasSubstr("eldr_band_size_count 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_similarity_sum 0.5"));
+  EXPECT_THAT(text, HasSubstr("eldr_complete_requests_total{outcome=\"not_found\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_admin_refused_total{code=\"unauthenticated\"} 1"));
+}
+
+TEST(ServerMetrics, DurationBucketsSpanOneMicrosecondToTenMilliseconds) {
+  const auto& buckets = RouteDurationBuckets();
+  ASSERT_FALSE(buckets.empty());
+  EXPECT_DOUBLE_EQ(buckets.front(), 1e-6);
+  EXPECT_DOUBLE_EQ(buckets.back(), 1e-2);
+  for (size_t i = 1; i < buckets.size(); ++i) EXPECT_LT(buckets[i - 1], buckets[i]);
+}
+
+TEST(ServerMetrics, WorkerStateIsReadFromTheRouterAtScrapeTime) {
+  auto router = TwoWorkerRouter();
+  ServerMetrics metrics;
+  metrics.AttachRouter(router.get());
+  auto routed = router->Route(nullptr, absl::Now());
+  ASSERT_TRUE(routed.ok());
+  LoadSnapshot snapshot;
+  snapshot.running = 4;
+  snapshot.waiting = 1;
+  snapshot.taken_at = absl::Now();
+  ASSERT_TRUE(router->ReportLoad("w1", snapshot).ok());
+
+  std::string text = metrics.RenderText();
+  EXPECT_THAT(text, HasSubstr("eldr_worker_inflight{worker=\"" + routed->worker_id + "\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_worker_reported_load{worker=\"w1\"} 5"));
+  EXPECT_THAT(text, HasSubstr("eldr_worker_report_age_seconds{worker=\"w1\"}"));
+  EXPECT_THAT(text, Not(HasSubstr("eldr_worker_report_age_seconds{worker=\"w0\"}")));
+  EXPECT_THAT(text, HasSubstr("eldr_centroid_generation 0"));
+  EXPECT_THAT(text, HasSubstr("eldr_live_leases 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_leases_expired_total 0"));
+  EXPECT_THAT(text, HasSubstr("process_resident_memory_bytes"));
+  EXPECT_THAT(text, HasSubstr("process_open_fds"));
+
+  // A removed worker simply disappears from the next scrape.
+  ASSERT_TRUE(router->RemoveWorker("w1").ok());
+  text = metrics.RenderText();
+  EXPECT_THAT(text, Not(HasSubstr("worker=\"w1\"")));
+}
+
+TEST(ServerMetrics, ExposerBindsOnceAndReportsItsPort) {
+  ServerMetrics metrics;
+  auto port = metrics.StartExposer("127.0.0.1:0");
+  ASSERT_TRUE(port.ok()) << port.status();
+  EXPECT_GT(*port, 0);
+  EXPECT_FALSE(metrics.StartExposer("127.0.0.1:0").ok());
+  ServerMetrics other;
+  const auto busy = other.StartExposer("127.0.0.1:" + std::to_string(*port));
+  EXPECT_FALSE(busy.ok());
+  EXPECT_THAT(busy.status().message(), HasSubstr("metrics_listen"));
+}
+
+}  // namespace
+}  // namespace eldr::server

@@ -1,0 +1,299 @@
+// In-process tests of RouterServer and its services: conversion helpers, lifecycle, health and
+// the extension points (background components, signature observers).
+#include "server/server.h"
+
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "eldr/centroid_artifact.h"
+#include "eldr/v1/router.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "server/service.h"
+
+namespace eldr::server {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr int kLayers = 4;
+constexpr int kExperts = 8;
+
+// Row i is the unit vector of expert i in every layer.
+CentroidArtifact Artifact(int rows) {
+  CentroidArtifact a;
+  a.spec.layers = kLayers;
+  a.spec.experts = kExperts;
+  a.spec.variant = SignatureVariant::kCount;
+  a.k = rows;
+  a.centroids.assign(static_cast<size_t>(rows) * kLayers * kExperts, 0.f);
+  for (int r = 0; r < rows; ++r) {
+    for (int l = 0; l < kLayers; ++l) a.centroids[static_cast<size_t>(r) * kLayers * kExperts + l * kExperts + r] = 0.5f;
+  }
+  for (int r = 0; r < rows; ++r) a.workers.push_back(absl::StrCat("w", r));
+  return a;
+}
+
+eldr::v1::RouteRequest ExpertRequest(int expert) {
+  eldr::v1::RouteRequest request;
+  auto* counts = request.mutable_counts();
+  counts->set_layers(kLayers);
+  counts->set_experts(kExperts);
+  for (int i = 0; i < kLayers * kExperts; ++i) counts->mutable_values()->add_values(i % kExperts == expert ? 3 : 0);
+  return request;
+}
+
+ServerOptions Options(int workers) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "";
+  o.log_level = LogLevel::kWarning;
+  for (int i = 0; i < workers; ++i) o.workers.push_back(WorkerSpec{absl::StrCat("w", i), absl::StrCat("h", i, ":1")});
+  return o;
+}
+
+TEST(SignatureFromProto, ConvertsEachEncodingAsAView) {
+  SignatureInput input;
+  bool present = true;
+  ASSERT_TRUE(SignatureFromProto(eldr::v1::RouteRequest(), &input, &present).ok());
+  EXPECT_FALSE(present);
+
+  eldr::v1::RouteRequest int16;
+  int16.mutable_counts()->set_layers(2);
+  int16.mutable_counts()->set_experts(3);
+  int16.mutable_counts()->set_int16_le(std::string(12, '\0'));
+  ASSERT_TRUE(SignatureFromProto(int16, &input, &present).ok());
+  ASSERT_TRUE(present);
+  const auto& bytes = std::get<CountsInt16Le>(input);
+  EXPECT_EQ(bytes.layers, 2);
+  EXPECT_EQ(bytes.experts, 3);
+  EXPECT_EQ(bytes.bytes.data(), int16.counts().int16_le().data());  // no copy
+
+  eldr::v1::RouteRequest packed = ExpertRequest(1);
+  ASSERT_TRUE(SignatureFromProto(packed, &input, &present).ok());
+  EXPECT_EQ(std::get<CountsInt32>(input).values.size(), static_cast<size_t>(kLayers * kExperts));
+
+  eldr::v1::RouteRequest vector;
+  vector.mutable_vector()->add_values(1.f);
+  vector.mutable_vector()->add_values(2.f);
+  ASSERT_TRUE(SignatureFromProto(vector, &input, &present).ok());
+  EXPECT_EQ(std::get<TransformedVector>(input).values.size(), 2u);
+}
+
+TEST(SignatureFromProto, RejectsUnusableShapes) {
+  SignatureInput input;
+  bool present = false;
+  eldr::v1::RouteRequest no_data;
+  no_data.mutable_counts()->set_layers(2);
+  no_data.mutable_counts()->set_experts(2);
+  absl::Status s = SignatureFromProto(no_data, &input, &present);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RejectReasonOf(s), RejectReason::kMalformed);
+
+  eldr::v1::RouteRequest zero = no_data;
+  zero.mutable_counts()->set_layers(0);
+  zero.mutable_counts()->set_int16_le("");
+  s = SignatureFromProto(zero, &input, &present);
+  EXPECT_EQ(RejectReasonOf(s), RejectReason::kGeometry);
+
+  eldr::v1::RouteRequest huge = no_data;
+  huge.mutable_counts()->set_layers(1 << 16);
+  huge.mutable_counts()->set_experts(1 << 16);
+  huge.mutable_counts()->set_int16_le("");
+  s = SignatureFromProto(huge, &input, &present);
+  EXPECT_EQ(RejectReasonOf(s), RejectReason::kGeometry);
+  EXPECT_THAT(s.message(), HasSubstr("65536x65536"));
+}
+
+TEST(ConstantTimeEquals, ComparesWholeStrings) {
+  EXPECT_TRUE(ConstantTimeEquals("token", "token"));
+  EXPECT_FALSE(ConstantTimeEquals("token", "tokem"));
+  EXPECT_FALSE(ConstantTimeEquals("token", "toke"));
+  EXPECT_FALSE(ConstantTimeEquals("token", "token2"));
+  EXPECT_FALSE(ConstantTimeEquals("token", ""));
+  EXPECT_TRUE(ConstantTimeEquals("", ""));
+}
+
+TEST(AdminAuthorizer, NeedsAReadableNonEmptyTokenAndKeepsTheOldOneOnABadReload) {
+  EXPECT_FALSE(AdminAuthorizer::Create(absl::StrCat(::testing::TempDir(), "/no-token")).ok());
+  const std::string path = absl::StrCat(::testing::TempDir(), "/token");
+  ASSERT_TRUE(WriteFileAtomically(path, "  abc \n").ok());
+  auto auth = AdminAuthorizer::Create(path);
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  EXPECT_TRUE((*auth)->enabled());
+  ASSERT_TRUE(WriteFileAtomically(path, "\n").ok());
+  EXPECT_THAT((*auth)->Reload().message(), HasSubstr("empty"));
+  auto disabled = AdminAuthorizer::Create("");
+  ASSERT_TRUE(disabled.ok());
+  EXPECT_FALSE((*disabled)->enabled());
+}
+
+// Records the order of Start/Stop calls across components.
+struct Journal {
+  absl::Mutex mu;
+  std::vector<std::string> events;
+  void Add(std::string e) {
+    absl::MutexLock lock(&mu);
+    events.push_back(std::move(e));
+  }
+};
+
+class RecordingComponent : public BackgroundComponent {
+ public:
+  RecordingComponent(std::string name, Journal* journal, bool fail) : name_(std::move(name)), journal_(journal), fail_(fail) {}
+  std::string name() const override { return name_; }
+  absl::Status Start() override {
+    journal_->Add("start " + name_);
+    return fail_ ? absl::InternalError("cannot start") : absl::OkStatus();
+  }
+  void Stop() override { journal_->Add("stop " + name_); }
+
+ private:
+  const std::string name_;
+  Journal* const journal_;
+  const bool fail_;
+};
+
+ComponentFactory Recording(std::string name, Journal* journal, bool fail = false) {
+  return [name, journal, fail](const ComponentContext&) -> absl::StatusOr<std::unique_ptr<BackgroundComponent>> {
+    return std::make_unique<RecordingComponent>(name, journal, fail);
+  };
+}
+
+TEST(RouterServer, ServesRoutesAndTracksHealthInProcess) {
+  auto server = RouterServer::Create(Options(3));
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->Start().ok());
+  EXPECT_FALSE((*server)->serving()) << "policy eldr without centroids is not ready";
+
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->grpc_port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = eldr::v1::DecodeRouter::NewStub(channel);
+  eldr::v1::RouteResponse response;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->Route(&ctx, ExpertRequest(2), &response).ok());
+  }
+  EXPECT_EQ(response.fallback_reason(), "no_centroids");
+
+  auto installed = (*server)->ReloadCentroids("", nullptr);
+  EXPECT_EQ(installed.status().code(), absl::StatusCode::kFailedPrecondition) << "no --centroids configured";
+  const std::string json = SerializeCentroidArtifact(Artifact(3));
+  auto reloaded = (*server)->ReloadCentroids("", &json);
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_EQ(reloaded->first, 1u);
+  EXPECT_EQ(reloaded->second, 3);
+  EXPECT_TRUE((*server)->serving());
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->Route(&ctx, ExpertRequest(2), &response).ok());
+  }
+  EXPECT_EQ(response.worker_id(), "w2");
+  EXPECT_EQ(response.centroid_generation(), 1u);
+
+  (*server)->Shutdown();
+  (*server)->Shutdown();  // idempotent
+  (*server)->Wait();
+  EXPECT_FALSE((*server)->serving());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  EXPECT_FALSE(stub->Route(&ctx, ExpertRequest(2), &response).ok());
+}
+
+TEST(RouterServer, ComponentsStartInOrderAndStopInReverse) {
+  Journal journal;
+  ServerExtensions extensions;
+  extensions.components = {Recording("a", &journal), Recording("b", &journal)};
+  auto server = RouterServer::Create(Options(1), std::move(extensions));
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->Start().ok());
+  (*server)->Shutdown();
+  EXPECT_THAT(journal.events, ElementsAre("start a", "start b", "stop b", "stop a"));
+}
+
+TEST(RouterServer, AFailingComponentAbortsStartAndStopsTheOthers) {
+  Journal journal;
+  ServerExtensions extensions;
+  extensions.components = {Recording("a", &journal), Recording("broken", &journal, /*fail=*/true),
+                           Recording("c", &journal)};
+  auto server = RouterServer::Create(Options(1), std::move(extensions));
+  ASSERT_TRUE(server.ok()) << server.status();
+  const absl::Status started = (*server)->Start();
+  EXPECT_THAT(started.message(), HasSubstr("component broken: cannot start"));
+  EXPECT_THAT(journal.events, ElementsAre("start a", "start broken", "stop a"));
+}
+
+TEST(RouterServer, ComponentsInstallCentroidsAndObserveSignatures) {
+  std::atomic<int> observed{0};
+  std::atomic<int> observed_dim{0};
+  ComponentContext captured;
+  ServerExtensions extensions;
+  extensions.on_signature = [&](absl::Span<const float> signature, const std::string& worker) {
+    observed_dim = static_cast<int>(signature.size());
+    if (worker == "w1") ++observed;
+  };
+  extensions.components.push_back(
+      [&captured](const ComponentContext& context) -> absl::StatusOr<std::unique_ptr<BackgroundComponent>> {
+        captured = context;
+        return std::unique_ptr<BackgroundComponent>();  // nothing to run: skipped
+      });
+  auto server = RouterServer::Create(Options(2), std::move(extensions));
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_NE(captured.router, nullptr);
+  ASSERT_NE(captured.metrics, nullptr);
+  ASSERT_NE(captured.options, nullptr);
+  auto generation = captured.install_centroids(Artifact(2));
+  ASSERT_TRUE(generation.ok()) << generation.status();
+  EXPECT_EQ(*generation, 1u);
+  ASSERT_TRUE((*server)->Start().ok());
+  EXPECT_TRUE((*server)->serving());
+
+  auto stub = eldr::v1::DecodeRouter::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*server)->grpc_port()), grpc::InsecureChannelCredentials()));
+  eldr::v1::RouteResponse response;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub->Route(&ctx, ExpertRequest(1), &response).ok());
+  EXPECT_EQ(response.worker_id(), "w1");
+  EXPECT_EQ(observed.load(), 1);
+  EXPECT_EQ(observed_dim.load(), kLayers * kExperts);
+  // Components register metrics on the shared registry.
+  EXPECT_THAT(captured.metrics->RenderText(), HasSubstr("eldr_centroid_reloads_total{outcome=\"ok\"} 1"));
+  (*server)->Shutdown();
+}
+
+TEST(RouterServer, CreateReportsConfigurationErrors) {
+  ServerOptions bad_tau = Options(1);
+  bad_tau.tau = 2;
+  EXPECT_THAT(RouterServer::Create(bad_tau).status().message(), HasSubstr("'tau'"));
+
+  ServerOptions mismatch = Options(2);
+  const std::string path = absl::StrCat(::testing::TempDir(), "/three_rows.json");
+  CentroidArtifact three = Artifact(3);
+  three.workers.clear();
+  ASSERT_TRUE(SaveCentroidArtifact(three, path).ok());
+  mismatch.centroids = path;
+  const absl::Status s = RouterServer::Create(mismatch).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("does not fit --workers"));
+
+  ServerOptions busy = Options(1);
+  auto first = RouterServer::Create(Options(1));
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE((*first)->Start().ok());
+  busy.listen = absl::StrCat("127.0.0.1:", (*first)->grpc_port());
+  auto second = RouterServer::Create(busy);
+  ASSERT_TRUE(second.ok());
+  EXPECT_THAT((*second)->Start().message(), HasSubstr("cannot listen"));
+  (*first)->Shutdown();
+}
+
+}  // namespace
+}  // namespace eldr::server
