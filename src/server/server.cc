@@ -214,6 +214,9 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> RouterServer::BuildServer(const st
   if (admin) builder.RegisterService(admin_service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
+  // gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would silently
+  // share the traffic instead of failing to start.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, static_cast<int>(options_.max_concurrent_streams));
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, ToGrpcMillis(options_.keepalive_time));
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ToGrpcMillis(options_.keepalive_timeout));

@@ -31,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "eldr/centroid_artifact.h"
 #include "eldr/trace.h"
 #include "eldr/v1/router.grpc.pb.h"
@@ -335,6 +336,9 @@ std::shared_ptr<grpc::ChannelCredentials> MakeCredentials() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // gRPC's own locks are absl::Mutex; Debian's Abseil records a deadlock graph on each of them
+  // unless told not to, which would make the load generator measure itself.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage("Load generator for eldr-router: eldr-bench --target=host:port [--complete] [--json]");
   absl::ParseCommandLine(argc, argv);
 
