@@ -99,6 +99,9 @@ class Router {
 
   // Releases a lease. NOT_FOUND when unknown, already completed or expired.
   virtual absl::Status Complete(uint64_t lease_id) = 0;
+  // Complete that also returns the id of the worker whose lease was released (the API's
+  // CompleteResponse.worker_id). Same errors.
+  virtual absl::StatusOr<std::string> CompleteLease(uint64_t lease_id) = 0;
 
   // Validates the artifact, maps its rows to workers (by its `workers` names when present,
   // otherwise row i -> i-th worker in insertion order; a count mismatch is FAILED_PRECONDITION

@@ -94,7 +94,8 @@ class RouterImpl final : public Router {
       : options_(std::move(options)), policy_(MakePolicy(options_.policy, options_.seed)) {}
 
   absl::StatusOr<RouteResult> Route(const SignatureInput* signature, absl::Time now) override;
-  absl::Status Complete(uint64_t lease_id) override;
+  absl::Status Complete(uint64_t lease_id) override { return CompleteLease(lease_id).status(); }
+  absl::StatusOr<std::string> CompleteLease(uint64_t lease_id) override;
   absl::Status InstallCentroids(const CentroidArtifact& artifact) override;
   absl::StatusOr<CentroidArtifact> CurrentCentroids() const override;
   absl::Status UpsertWorker(const WorkerSpec& spec) override;
@@ -271,7 +272,7 @@ void RouterImpl::MapRows(const CentroidSet* set) {
   mapped_generation_ = set->generation;
 }
 
-absl::Status RouterImpl::Complete(uint64_t lease_id) {
+absl::StatusOr<std::string> RouterImpl::CompleteLease(uint64_t lease_id) {
   MutexLock lock(&mu_);
   auto it = leases_.find(lease_id);
   if (it == leases_.end()) {
@@ -279,8 +280,9 @@ absl::Status RouterImpl::Complete(uint64_t lease_id) {
         absl::StrCat("lease ", lease_id, " is unknown, already completed or expired"));
   }
   it->second.worker->load.OnRelease(it->second.acquired);
+  std::string worker = it->second.worker->spec.id;
   leases_.erase(it);
-  return absl::OkStatus();
+  return worker;
 }
 
 absl::Status RouterImpl::InstallCentroids(const CentroidArtifact& artifact) {

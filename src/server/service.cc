@@ -267,10 +267,11 @@ grpc::ServerUnaryReactor* DecodeRouterService::Complete(grpc::CallbackServerCont
                           absl::StrCat("output_tokens must not be negative, got ", request->output_tokens()));
     ctx_.metrics->RecordRejected(RejectReason::kNegativeCount);
   } else {
-    status = ctx_.router->Complete(request->lease_id());
+    absl::StatusOr<std::string> worker = ctx_.router->CompleteLease(request->lease_id());
+    status = worker.status();
+    if (worker.ok()) *response->mutable_worker_id() = *std::move(worker);
     ctx_.metrics->RecordComplete(status.ok());
   }
-  (void)response;  // the worker id is not reported by Router::Complete
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }

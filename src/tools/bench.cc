@@ -43,6 +43,10 @@ ABSL_FLAG(double, duration_s, 10, "Measured duration in seconds.");
 ABSL_FLAG(double, warmup_s, 1, "Unmeasured warm-up before the measured window.");
 ABSL_FLAG(int, concurrency, 8, "Closed-loop slots (requests in flight).");
 ABSL_FLAG(int, channels, 1, "gRPC channels (TCP connections) the slots are spread over.");
+ABSL_FLAG(std::string, api, "cq",
+          "Client API: cq (completion queues polled by --client_threads threads; the cheapest per "
+          "RPC) or callback (gRPC's callback API and its own threads).");
+ABSL_FLAG(int, client_threads, 1, "With --api=cq: threads polling completion queues.");
 ABSL_FLAG(std::string, trace, "",
           "Directory of real expert traces (data/esft-routing): signatures are each sequence's "
           "prefill counts. Empty: random counts of --geometry.");
@@ -211,13 +215,27 @@ struct SlotStats {
 
 class Run;
 
+// One closed-loop slot: Route, then (with --complete) Complete of its lease, then the next Route.
+// With a completion queue the slot is the tag of its one outstanding RPC; otherwise gRPC's
+// callback threads drive it.
 class Slot {
  public:
-  Slot(Run* run, eldr::v1::DecodeRouter::Stub* stub, size_t first) : run_(run), stub_(stub), next_(first) {}
+  Slot(Run* run, eldr::v1::DecodeRouter::Stub* stub, grpc::CompletionQueue* cq, size_t first)
+      : run_(run), stub_(stub), cq_(cq), next_(first) {}
   void Start() { StartRoute(); }
+  // Completion-queue mode: the outstanding RPC finished.
+  void OnCqEvent() {
+    if (phase_ == Phase::kRoute) {
+      OnRoute(status_);
+    } else {
+      OnComplete(status_);
+    }
+  }
   SlotStats& stats() { return stats_; }
 
  private:
+  enum class Phase { kRoute, kComplete };
+
   void StartRoute();
   void OnRoute(const grpc::Status& status);
   void OnComplete(const grpc::Status& status);
@@ -225,8 +243,13 @@ class Slot {
 
   Run* const run_;
   eldr::v1::DecodeRouter::Stub* const stub_;
+  grpc::CompletionQueue* const cq_;  // null: callback API
   size_t next_;
+  Phase phase_ = Phase::kRoute;
+  grpc::Status status_;
   std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<eldr::v1::RouteResponse>> route_reader_;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<eldr::v1::CompleteResponse>> complete_reader_;
   eldr::v1::RouteResponse route_response_;
   eldr::v1::CompleteRequest complete_request_;
   eldr::v1::CompleteResponse complete_response_;
@@ -273,8 +296,15 @@ void Slot::StartRoute() {
   }
   context_ = std::make_unique<grpc::ClientContext>();
   route_response_.Clear();
+  phase_ = Phase::kRoute;
   sent_ = now;
-  stub_->async()->Route(context_.get(), &run_->request(next_++), &route_response_,
+  const eldr::v1::RouteRequest& request = run_->request(next_++);
+  if (cq_ != nullptr) {
+    route_reader_ = stub_->AsyncRoute(context_.get(), request, cq_);
+    route_reader_->Finish(&route_response_, &status_, this);
+    return;
+  }
+  stub_->async()->Route(context_.get(), &request, &route_response_,
                         [this](grpc::Status status) { OnRoute(status); });
 }
 
@@ -296,7 +326,13 @@ void Slot::OnRoute(const grpc::Status& status) {
     context_ = std::make_unique<grpc::ClientContext>();
     complete_request_.set_lease_id(route_response_.lease_id());
     complete_response_.Clear();
+    phase_ = Phase::kComplete;
     sent_ = Clock::now();
+    if (cq_ != nullptr) {
+      complete_reader_ = stub_->AsyncComplete(context_.get(), complete_request_, cq_);
+      complete_reader_->Finish(&complete_response_, &status_, this);
+      return;
+    }
     stub_->async()->Complete(context_.get(), &complete_request_, &complete_response_,
                              [this](grpc::Status s) { OnComplete(s); });
     return;
@@ -350,6 +386,10 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_write_artifact).empty()) return WriteFixtures(geometry->first, geometry->second);
 
   const std::string encoding = absl::GetFlag(FLAGS_encoding);
+  if (absl::GetFlag(FLAGS_api) != "cq" && absl::GetFlag(FLAGS_api) != "callback") {
+    std::fprintf(stderr, "eldr-bench: --api must be cq or callback\n");
+    return 2;
+  }
   if (encoding != "int16" && encoding != "int32") {
     std::fprintf(stderr, "eldr-bench: --encoding must be int16 or int32\n");
     return 2;
@@ -404,13 +444,28 @@ int main(int argc, char** argv) {
   const auto from = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(warmup_s));
   const auto to = from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration_s));
   Run run(&requests, absl::GetFlag(FLAGS_complete), from, to);
+  const std::string api = absl::GetFlag(FLAGS_api);
+  const int client_threads = api == "cq" ? std::max(1, absl::GetFlag(FLAGS_client_threads)) : 0;
+  std::vector<std::unique_ptr<grpc::CompletionQueue>> queues;
+  for (int t = 0; t < client_threads; ++t) queues.push_back(std::make_unique<grpc::CompletionQueue>());
   std::vector<std::unique_ptr<Slot>> slots;
   for (int i = 0; i < concurrency; ++i) {
     const size_t first = static_cast<size_t>(i) * requests.size() / concurrency;
-    slots.push_back(std::make_unique<Slot>(&run, stubs[i % channels].get(), first));
+    grpc::CompletionQueue* cq = queues.empty() ? nullptr : queues[i % queues.size()].get();
+    slots.push_back(std::make_unique<Slot>(&run, stubs[i % channels].get(), cq, first));
+  }
+  std::vector<std::thread> pollers;
+  for (auto& queue : queues) {
+    pollers.emplace_back([cq = queue.get()] {
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq->Next(&tag, &ok)) static_cast<Slot*>(tag)->OnCqEvent();
+    });
   }
   for (auto& slot : slots) slot->Start();
   run.WaitForSlots(concurrency);
+  for (auto& queue : queues) queue->Shutdown();
+  for (auto& poller : pollers) poller.join();
 
   SlotStats total;
   for (auto& slot : slots) {

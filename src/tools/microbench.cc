@@ -537,6 +537,9 @@ void RegisterAll() {
       benchmark::RegisterBenchmark((prefix + "reduced_flat").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, bf16);
       })->Apply(CommonSettings);
+      benchmark::RegisterBenchmark((prefix + "reduced_flat_fp16").c_str(), [=](benchmark::State& s) {
+        ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, fp16);
+      })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "reduced_hnsw").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, hnsw);
       })->Apply(CommonSettings);
