@@ -25,7 +25,7 @@ struct ScoredRow {
   float score = 0.f;  // exact cosine similarity with the query
 };
 
-enum class HalfFormat { kBfloat16, kBinary16 };
+enum class HalfFormat { kAuto, kBfloat16, kBinary16 };
 
 struct CentroidIndexOptions {
   // Pools with at least this many centroids use the FAISS reduced-space index; smaller pools are
@@ -52,10 +52,11 @@ struct CentroidIndexOptions {
   // could be decided differently than in fp32 (see band_tau) are re-scored from an fp32 copy, so
   // decisions are those of fp32 scoring.
   bool half_precision = true;
-  // The 16-bit format: bfloat16 scans fastest (no conversion instruction; error bound ~4e-3 for
-  // unit vectors, so more rows are re-scored), binary16 is 8x more precise but its conversion
-  // costs more than the bytes it saves (docs/benchmarks.md).
-  HalfFormat half_format = HalfFormat::kBfloat16;
+  // The 16-bit format. bfloat16 scans fastest where rows stream from cache (no conversion
+  // instruction), but its error bound (~4e-3 for unit vectors) sends ~5x more rows to fp32
+  // re-scoring than binary16 (~5e-4). kAuto: bfloat16 for the exact scorer, binary16 for the
+  // large-pool candidates, whose rows are gathered from memory anyway (docs/benchmarks.md).
+  HalfFormat half_format = HalfFormat::kAuto;
   // The locality band width the caller applies to the scores (Router: RouterOptions::tau), in
   // [0, 2]. With half_precision, every row lies on the same side of best - band_tau as with fp32
   // scores (which match a double-precision reference except within ~1e-5 of the edge): 16-bit

@@ -91,7 +91,8 @@ struct StartupCentroids {
 class OnlineRefitter {
  public:
   // `router` must outlive the refitter. INVALID_ARGUMENT for bad options (non-positive window or
-  // window size, negative minimum, max_iterations < 1). Does not start the background thread.
+  // window size, negative interval, minimum or max_iterations below 1, negative tolerance, a state
+  // folder that cannot be created). Does not start the background thread.
   static absl::StatusOr<std::unique_ptr<OnlineRefitter>> Create(RefitOptions options, Router* router);
   ~OnlineRefitter();  // Stop()s
 

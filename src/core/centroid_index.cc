@@ -123,6 +123,10 @@ class ColumnMap {
     }
     masks_.assign((dim + 15) / 16, 0);
     for (int i : kept_) masks_[i >> 4] |= static_cast<uint16_t>(1u << (i & 15));
+    offsets_.assign(masks_.size(), 0);
+    for (size_t c = 1; c < masks_.size(); ++c) {
+      offsets_[c] = offsets_[c - 1] + __builtin_popcount(static_cast<unsigned>(masks_[c - 1]));
+    }
   }
 
   int dim() const { return dim_; }
@@ -151,7 +155,8 @@ class ColumnMap {
     }
     if (static_cast<int>(buffer->size()) < kept() + 16) buffer->resize(kept() + 16);
     const float norm2 =
-        kernels.gather_columns(query, dim_, masks_.data(), kept_.data(), kept(), buffer->data());
+        kernels.gather_columns(query, dim_, masks_.data(), offsets_.data(), kept_.data(), kept(),
+                               buffer->data());
     return {buffer->data(), std::sqrt(std::max(0.f, norm2))};
   }
 
@@ -160,6 +165,7 @@ class ColumnMap {
   bool compact_ = false;
   std::vector<int> kept_;
   std::vector<uint16_t> masks_;  // bit i % 16 of masks_[i / 16]: column i is kept
+  std::vector<int> offsets_;     // kept columns before each 16-column chunk
 };
 
 // ---- Row storage ----------------------------------------------------------------------------------
@@ -168,8 +174,9 @@ class ColumnMap {
 // a 16-bit copy for the scan, binary16 or paired-layout bfloat16. Rows are 64-byte aligned.
 class RowStore {
  public:
+  // `auto_format` resolves HalfFormat::kAuto.
   RowStore(const float* data, int rows, int dim, const ColumnMap& columns,
-           const CentroidIndexOptions& options)
+           const CentroidIndexOptions& options, HalfFormat auto_format)
       : rows_(rows), cols_(columns.kept()) {
     const int stride32 = PaddedStride<float>(cols_);
     f32_.assign(static_cast<size_t>(rows) * stride32, 0.f);
@@ -185,7 +192,7 @@ class RowStore {
       f32_rows_[r] = dst;
     }
     if (!options.half_precision) return;
-    format_ = options.half_format;
+    format_ = options.half_format == HalfFormat::kAuto ? auto_format : options.half_format;
     const int stride16 = format_ == HalfFormat::kBfloat16
                              ? internal::PairedBfloat16Elements(cols_)
                              : PaddedStride<uint16_t>(cols_);
@@ -394,7 +401,7 @@ class ExactIndex final : public CentroidIndex {
       : dim_(dim),
         band_tau_(static_cast<float>(options.band_tau)),
         columns_(centroids, rows, dim),
-        store_(centroids, rows, dim, columns_, options) {}
+        store_(centroids, rows, dim, columns_, options, HalfFormat::kBfloat16) {}
 
   int rows() const override { return store_.rows(); }
   int dim() const override { return dim_; }
@@ -567,7 +574,7 @@ class ReducedIndex final : public CentroidIndex {
       : dim_(dim),
         band_tau_(static_cast<float>(options.band_tau)),
         columns_(centroids, rows, dim),
-        store_(centroids, rows, dim, columns_, options),
+        store_(centroids, rows, dim, columns_, options, HalfFormat::kBinary16),
         options_(options) {}
 
   absl::Status Fit() {

@@ -47,8 +47,8 @@ void DotRowsBf16Scalar(const uint16_t* const* rows, int n, const float* query, i
   }
 }
 
-float GatherColumnsScalar(const float* in, int /*dim*/, const uint16_t* /*masks*/, const int* kept,
-                          int kept_count, float* out) {
+float GatherColumnsScalar(const float* in, int /*dim*/, const uint16_t* /*masks*/,
+                          const int* /*offsets*/, const int* kept, int kept_count, float* out) {
   float sum = 0;
   for (int i = 0; i < kept_count; ++i) {
     const float v = in[kept[i]];
@@ -203,14 +203,17 @@ struct CompressTable {
 };
 
 ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_t* masks,
-                                         const int* /*kept*/, int /*kept_count*/, float* out) {
+                                         const int* offsets, const int* /*kept*/,
+                                         int /*kept_count*/, float* out) {
   static const CompressTable table;
   const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   __m256 sum = _mm256_setzero_ps();
-  int pos = 0;
   for (int i = 0; i < dim; i += 8) {
-    const int m = (masks[i >> 4] >> (i & 8)) & 0xff;
+    const int chunk = i >> 4;
+    const int m = (masks[chunk] >> (i & 8)) & 0xff;
     if (m == 0) continue;
+    const int pos =
+        offsets[chunk] + ((i & 8) ? __builtin_popcount(static_cast<unsigned>(masks[chunk] & 0xff)) : 0);
     // Masked load: unselected lanes (and lanes past dim, never selected) read as 0.
     const __m256i selected = _mm256_cmpeq_epi32(
         _mm256_and_si256(_mm256_set1_epi32(m), lane_bits), lane_bits);
@@ -218,7 +221,6 @@ ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_
     sum = _mm256_fmadd_ps(v, v, sum);
     const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(table.perm[m]));
     _mm256_storeu_ps(out + pos, _mm256_permutevar8x32_ps(v, perm));
-    pos += __builtin_popcount(static_cast<unsigned>(m));
   }
   return HorizontalSumAvx2(sum);
 }
@@ -394,16 +396,16 @@ ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, co
 }
 
 ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uint16_t* masks,
-                                             const int* /*kept*/, int /*kept_count*/, float* out) {
+                                             const int* offsets, const int* /*kept*/,
+                                             int /*kept_count*/, float* out) {
   __m512 sum = _mm512_setzero_ps();
-  int pos = 0;
   for (int i = 0; i < dim; i += 16) {
     const __mmask16 m = masks[i >> 4];
-    if (m == 0) continue;
     const __m512 v = _mm512_maskz_loadu_ps(m, in + i);  // lanes past dim are never selected
     sum = _mm512_fmadd_ps(v, v, sum);
-    _mm512_storeu_ps(out + pos, _mm512_maskz_compress_ps(m, v));
-    pos += __builtin_popcount(static_cast<unsigned>(m));
+    // Chunks store in order, so a store's spill-over lanes (garbage past this chunk's count) are
+    // overwritten by the next chunk's store; an empty chunk stores zeros that the next one covers.
+    _mm512_storeu_ps(out + offsets[i >> 4], _mm512_maskz_compress_ps(m, v));
   }
   return HorizontalSumAvx512(sum);
 }

@@ -44,11 +44,12 @@ using DotRowsBf16Fn = void (*)(const uint16_t* const* rows, int n, const float* 
                                float* out);
 
 // Copies the columns of `in` (dim floats) whose bit is set in `masks` (bit i % 16 of masks[i / 16])
-// to `out`, in order, and returns the sum of their squares. `out` must have room for the kept
-// count plus 16 floats (the vector versions store whole registers). `kept` lists the same columns
-// (the scalar version walks it).
+// to `out`, in order, and returns the sum of their squares. offsets[c] is the number of selected
+// columns before chunk c (16 columns each): precomputed, so that the chunks' stores do not wait
+// on each other. `out` must have room for the kept count plus 16 floats (the vector versions
+// store whole registers). `kept` lists the same columns (the scalar version walks it).
 using GatherColumnsFn = float (*)(const float* in, int dim, const uint16_t* masks,
-                                  const int* kept, int kept_count, float* out);
+                                  const int* offsets, const int* kept, int kept_count, float* out);
 
 // out[j] = sum_k weights[k] * columns[k * stride + j] for j in [0, n): a small matrix stored
 // transposed ([k][n], stride >= n, a multiple of 16, 64-byte aligned rows) times a vector. Scores

@@ -226,6 +226,10 @@ const std::vector<double>& RouteDurationBuckets() {
 }
 
 ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  static_assert(std::size(kPolicyKinds) == kNumPolicies);
+  static_assert(std::size(kOutcomes) == kNumOutcomes);
+  static_assert(std::size(kFallbackReasons) == kNumFallbacks);
+  static_assert(std::size(kRejectReasons) == kNumRejectReasons);
   auto& requests = prometheus::BuildCounter()
                        .Name("eldr_route_requests_total")
                        .Help("Route RPCs by the policy that decided (the configured one when the route "

@@ -449,6 +449,9 @@ void RouterServer::Shutdown() {
       .With("grace", options_.shutdown_grace);
   if (options_.shutdown_drain_delay > absl::ZeroDuration()) absl::SleepFor(options_.shutdown_drain_delay);
   decode_service_->FinishStreamsForShutdown();
+  // The metrics endpoint takes about a second to stop (its HTTP server's poll period): stop it
+  // while the listeners drain rather than after.
+  std::thread metrics_stop([this] { metrics_->StopExposer(); });
   const std::chrono::system_clock::time_point deadline =
       absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
   // Both listeners stop taking new calls at once (GOAWAY) and share the grace period.
@@ -474,6 +477,7 @@ void RouterServer::Shutdown() {
   }
   stopper.join();
   StopComponents();
+  metrics_stop.join();
   const RouterState state = router_->GetState(absl::Now());
   ELDR_LOG(Info, "shutdown_complete")
       .With("took", absl::Now() - begin)

@@ -1,8 +1,10 @@
 #include "sim/workload.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <numeric>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -28,12 +30,13 @@ enum Stream : uint64_t {
 };
 constexpr uint64_t kCalibrationRequestOffset = uint64_t{1} << 40;
 
-// Walker's alias table over `weights` (positive, any scale): one uniform draw per sample.
+// Walker's alias table over `weights` (positive, any scale): one 64-bit random number per sample,
+// its high half picking the column and its low half the coin.
 class AliasTable {
  public:
   void Build(const std::vector<double>& weights) {
     const int n = static_cast<int>(weights.size());
-    probability_.assign(n, 0);
+    threshold_.assign(n, 0);
     alias_.assign(n, 0);
     const double total = std::accumulate(weights.begin(), weights.end(), 0.0);
     std::vector<double> scaled(n);
@@ -42,11 +45,14 @@ class AliasTable {
       scaled[i] = weights[i] * n / total;
       (scaled[i] < 1.0 ? small : large).push_back(i);
     }
+    auto keep_probability = [&](int i, double p) {
+      threshold_[i] = static_cast<uint64_t>(std::clamp(p, 0.0, 1.0) * 4294967296.0);
+    };
     while (!small.empty() && !large.empty()) {
       const int s = small.back();
       small.pop_back();
       const int l = large.back();
-      probability_[s] = scaled[s];
+      keep_probability(s, scaled[s]);
       alias_[s] = l;
       scaled[l] -= 1.0 - scaled[s];
       if (scaled[l] < 1.0) {
@@ -54,20 +60,19 @@ class AliasTable {
         small.push_back(l);
       }
     }
-    for (int i : large) probability_[i] = 1.0;
-    for (int i : small) probability_[i] = 1.0;  // rounding leftovers
+    for (int i : large) keep_probability(i, 1.0);
+    for (int i : small) keep_probability(i, 1.0);  // rounding leftovers
   }
 
   int Sample(Rng& rng) const {
     const uint64_t bits = rng.Next();
-    const int column = static_cast<int>((static_cast<unsigned __int128>(bits) * probability_.size()) >> 64);
-    // The low 53 bits are independent enough of the column (taken from the high bits) for a coin.
-    const double coin = static_cast<double>(bits & ((uint64_t{1} << 53) - 1)) * 0x1.0p-53;
-    return coin < probability_[column] ? column : alias_[column];
+    const uint32_t column = static_cast<uint32_t>(((bits >> 32) * threshold_.size()) >> 32);
+    const uint64_t coin = bits & 0xffffffffu;
+    return coin < threshold_[column] ? static_cast<int>(column) : alias_[column];
   }
 
  private:
-  std::vector<double> probability_;
+  std::vector<uint64_t> threshold_;  // keep-probability * 2^32 (2^32: always keep)
   std::vector<int> alias_;
 };
 
@@ -371,20 +376,8 @@ absl::StatusOr<Workload> GenerateSyntheticWorkload(const SyntheticOptions& o) {
   for (int d = 0; d < o.domains; ++d) workload.domains.push_back(absl::StrCat("domain", d));
   workload.sample_with_replacement = false;
 
-  std::vector<int32_t> prompt_counts;
   workload.generated_tokens.resize(o.requests);
   workload.pool.resize(o.requests);
-  int64_t decode_tokens = 0;
-  for (int r = 0; r < o.requests; ++r) {
-    SimRequest& request = workload.pool[r];
-    GenerateRequest(o, fields, kStreamRequestBase + r, &request.domain, &request.prompt_tokens,
-                    &request.decode_steps, &prompt_counts, &workload.generated_tokens[r], nullptr);
-    request.prompt_counts = ToInt16(prompt_counts);
-    request.decode_topk = workload.generated_tokens[r].data();
-    request.source = absl::StrCat("synthetic#", r);
-    decode_tokens += request.decode_steps;
-  }
-
   CalibrationData& calibration = workload.calibration;
   calibration.layers = o.layers;
   calibration.experts = o.experts;
@@ -392,15 +385,42 @@ absl::StatusOr<Workload> GenerateSyntheticWorkload(const SyntheticOptions& o) {
   calibration.prefill_counts.resize(plane * o.calibration_requests);
   calibration.decode_counts.resize(plane * o.calibration_requests);
   calibration.labels.resize(o.calibration_requests);
-  std::vector<int32_t> decode_counts;
-  for (int r = 0; r < o.calibration_requests; ++r) {
-    int prompt_tokens = 0, decode_steps = 0;
-    GenerateRequest(o, fields, kStreamRequestBase + kCalibrationRequestOffset + r,
-                    &calibration.labels[r], &prompt_tokens, &decode_steps, &prompt_counts, nullptr,
-                    &decode_counts);
-    std::copy(prompt_counts.begin(), prompt_counts.end(), calibration.prefill_counts.begin() + plane * r);
-    std::copy(decode_counts.begin(), decode_counts.end(), calibration.decode_counts.begin() + plane * r);
-  }
+
+  // Every request draws from its own random stream and writes only its own slots, so the
+  // requests are generated in parallel and the workload does not depend on the thread count.
+  const int total = o.requests + o.calibration_requests;
+  std::atomic<int> next{0};
+  auto generate = [&] {
+    std::vector<int32_t> prompt_counts, decode_counts;
+    for (int i = next++; i < total; i = next++) {
+      if (i < o.requests) {
+        SimRequest& request = workload.pool[i];
+        GenerateRequest(o, fields, kStreamRequestBase + i, &request.domain, &request.prompt_tokens,
+                        &request.decode_steps, &prompt_counts, &workload.generated_tokens[i], nullptr);
+        request.prompt_counts = ToInt16(prompt_counts);
+        request.decode_topk = workload.generated_tokens[i].data();
+        request.source = absl::StrCat("synthetic#", i);
+      } else {
+        const int r = i - o.requests;
+        int prompt_tokens = 0, decode_steps = 0;
+        GenerateRequest(o, fields, kStreamRequestBase + kCalibrationRequestOffset + r,
+                        &calibration.labels[r], &prompt_tokens, &decode_steps, &prompt_counts,
+                        nullptr, &decode_counts);
+        std::copy(prompt_counts.begin(), prompt_counts.end(),
+                  calibration.prefill_counts.begin() + plane * r);
+        std::copy(decode_counts.begin(), decode_counts.end(),
+                  calibration.decode_counts.begin() + plane * r);
+      }
+    }
+  };
+  const int threads =
+      std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, std::min(16, total));
+  std::vector<std::thread> helpers;
+  for (int t = 1; t < threads; ++t) helpers.emplace_back(generate);
+  generate();
+  for (std::thread& helper : helpers) helper.join();
+  int64_t decode_tokens = 0;
+  for (const SimRequest& request : workload.pool) decode_tokens += request.decode_steps;
 
   workload.description = absl::StrFormat(
       "synthetic %dx%dx%d: %d domains x %d topics, locality %.2f, %d evaluation requests (%.0f decode "

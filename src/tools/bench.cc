@@ -423,6 +423,10 @@ int main(int argc, char** argv) {
   for (int c = 0; c < channels; ++c) {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // one connection per channel
+    // The load generator should cost as little as possible per RPC: no transparent retries
+    // (every failure is counted), no channelz bookkeeping.
+    args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+    args.SetInt(GRPC_ARG_ENABLE_CHANNELZ, 0);
     args.SetInt("eldr.bench.channel", c);
     if (const std::string name = absl::GetFlag(FLAGS_tls_server_name); !name.empty()) {
       args.SetSslTargetNameOverride(name);

@@ -523,6 +523,7 @@ void RegisterAll() {
       CentroidIndexOptions fp16;
       fp16.half_format = HalfFormat::kBinary16;
       CentroidIndexOptions bf16;
+      bf16.half_format = HalfFormat::kBfloat16;
       CentroidIndexOptions hnsw;
       hnsw.use_hnsw = true;
       benchmark::RegisterBenchmark((prefix + "exact_fp32").c_str(), [=](benchmark::State& s) {
@@ -535,10 +536,10 @@ void RegisterAll() {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kExact, bf16);
       })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "reduced_flat").c_str(), [=](benchmark::State& s) {
-        ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, bf16);
+        ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, CentroidIndexOptions());
       })->Apply(CommonSettings);
-      benchmark::RegisterBenchmark((prefix + "reduced_flat_fp16").c_str(), [=](benchmark::State& s) {
-        ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, fp16);
+      benchmark::RegisterBenchmark((prefix + "reduced_flat_bf16").c_str(), [=](benchmark::State& s) {
+        ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, bf16);
       })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "reduced_hnsw").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, hnsw);
@@ -552,7 +553,7 @@ void RegisterAll() {
       if (k >= 256) {
         for (int dims : {16, 32, 64}) {
           for (int candidates : {16, 32, 48}) {
-            CentroidIndexOptions reduced = bf16;
+            CentroidIndexOptions reduced;
             reduced.reduced_dims = dims;
             reduced.candidates = candidates;
             benchmark::RegisterBenchmark(

@@ -301,9 +301,14 @@ TEST(ScorerKernelsTest, GatherColumnsKeepsTheMaskedColumnsInOrder) {
             masks[i / 16] |= static_cast<uint16_t>(1u << (i % 16));
           }
         }
+        std::vector<int> offsets(masks.size(), 0);
+        for (size_t c = 1; c < masks.size(); ++c) {
+          offsets[c] = offsets[c - 1] + __builtin_popcount(masks[c - 1]);
+        }
         std::vector<float> out(kept.size() + 16, -9.f);
-        const float sum = KernelsFor(level).gather_columns(
-            in.data(), dim, masks.data(), kept.data(), static_cast<int>(kept.size()), out.data());
+        const float sum = KernelsFor(level).gather_columns(in.data(), dim, masks.data(),
+                                                           offsets.data(), kept.data(),
+                                                           static_cast<int>(kept.size()), out.data());
         double expected_sum = 0;
         for (size_t k = 0; k < kept.size(); ++k) {
           ASSERT_EQ(out[k], in[kept[k]]) << SimdLevelName(level) << " dim " << dim << " #" << k;
@@ -388,6 +393,7 @@ struct ScanCase {
   }
 };
 const ScanCase kScanCases[] = {
+    {"exact_bf16", true, HalfFormat::kAuto, 4.5e-3},
     {"exact_bf16", true, HalfFormat::kBfloat16, 4.5e-3},
     {"exact_fp16", true, HalfFormat::kBinary16, 6e-4},
     {"exact", false, HalfFormat::kBfloat16, 1e-5},
@@ -447,7 +453,7 @@ TEST(ExactIndexTest, DecidesAsDoubleReferenceExceptNearTheEdge) {
       }
     }
   }
-  EXPECT_EQ(judged_queries, 5 * 4 * 3 * 60);
+  EXPECT_EQ(judged_queries, 5 * 4 * 4 * 60);
 }
 
 // A row placed 1.5e-4 above the band edge whose 16-bit score falls below it: the rounding errors
@@ -679,18 +685,26 @@ TEST(ReducedIndexTest, HnswCandidatesContainTheBest) {
 }
 
 TEST(ReducedIndexTest, SmallPoolsAndFewRowsStillWork) {
-  // Fewer rows than reduced_dims and candidates: every row is a candidate, so the result is exact.
+  // Fewer rows than reduced_dims and candidates: every row is a candidate, so the result is exact,
+  // whatever the scan format of the candidates.
   std::mt19937_64 rng(79);
   const Clustered data = MakeClustered(6, 256, 2, 0.0, 3.0, rng);
-  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, 6, 256,
-                                        CentroidIndexOptions());
-  ASSERT_TRUE(index.ok()) << index.status();
-  std::vector<float> q = QueryNear(data, 1, 0.5, rng);
-  std::vector<ScoredRow> got;
-  ASSERT_TRUE((*index)->Search(q, &got).ok());
-  ASSERT_EQ(got.size(), 6u);
-  const std::vector<double> reference = ReferenceScores(data.centroids, 6, 256, q.data());
-  for (const ScoredRow& s : got) EXPECT_NEAR(s.score, reference[s.row], 4.5e-3);
+  for (const ScanCase& scan : kScanCases) {
+    auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, 6, 256,
+                                          scan.Options());
+    ASSERT_TRUE(index.ok()) << index.status();
+    for (int k = 0; k < 20; ++k) {
+      std::vector<float> q = QueryNear(data, k % 6, 0.5, rng);
+      std::vector<ScoredRow> got;
+      ASSERT_TRUE((*index)->Search(q, &got).ok());
+      ASSERT_EQ(got.size(), 6u);
+      const std::vector<double> reference = ReferenceScores(data.centroids, 6, 256, q.data());
+      for (const ScoredRow& s : got) EXPECT_NEAR(s.score, reference[s.row], scan.tolerance);
+      bool best_mismatch = false;
+      EXPECT_EQ(BandMismatches(got, reference, 0.1, 1e-4, &best_mismatch), 0) << scan.kind;
+      EXPECT_FALSE(best_mismatch);
+    }
+  }
 }
 
 TEST(ReducedIndexTest, OneAndTwoRows) {
