@@ -398,16 +398,29 @@ ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, co
 ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uint16_t* masks,
                                              const int* offsets, const int* /*kept*/,
                                              int /*kept_count*/, float* out) {
-  __m512 sum = _mm512_setzero_ps();
-  for (int i = 0; i < dim; i += 16) {
-    const __mmask16 m = masks[i >> 4];
-    const __m512 v = _mm512_maskz_loadu_ps(m, in + i);  // lanes past dim are never selected
-    sum = _mm512_fmadd_ps(v, v, sum);
-    // Chunks store in order, so a store's spill-over lanes (garbage past this chunk's count) are
-    // overwritten by the next chunk's store; an empty chunk stores zeros that the next one covers.
-    _mm512_storeu_ps(out + offsets[i >> 4], _mm512_maskz_compress_ps(m, v));
+  // Chunks store in order, so a store's spill-over lanes (zeros past this chunk's count) are
+  // overwritten by the next chunk's store; the last one's land in the 16 floats of slack.
+  // Two chunks per step, two sums: one sum would make every chunk wait on the previous FMA.
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  const int chunks = (dim + 15) / 16;
+  int c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    const __mmask16 m0 = masks[c], m1 = masks[c + 1];
+    // Lanes past dim are never selected, so the masked loads stay inside `in`.
+    const __m512 v0 = _mm512_maskz_loadu_ps(m0, in + 16 * c);
+    const __m512 v1 = _mm512_maskz_loadu_ps(m1, in + 16 * c + 16);
+    sum0 = _mm512_fmadd_ps(v0, v0, sum0);
+    sum1 = _mm512_fmadd_ps(v1, v1, sum1);
+    _mm512_storeu_ps(out + offsets[c], _mm512_maskz_compress_ps(m0, v0));
+    _mm512_storeu_ps(out + offsets[c + 1], _mm512_maskz_compress_ps(m1, v1));
   }
-  return HorizontalSumAvx512(sum);
+  if (c < chunks) {
+    const __mmask16 m = masks[c];
+    const __m512 v = _mm512_maskz_loadu_ps(m, in + 16 * c);
+    sum0 = _mm512_fmadd_ps(v, v, sum0);
+    _mm512_storeu_ps(out + offsets[c], _mm512_maskz_compress_ps(m, v));
+  }
+  return HorizontalSumAvx512(_mm512_add_ps(sum0, sum1));
 }
 
 ELDR_TARGET_AVX512 void AccumulateColumnsAvx512(const float* columns, int k, int n, int stride,

@@ -163,6 +163,9 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
 
   void OnReadDone(bool ok) override {
     absl::MutexLock lock(&mu_);
+    // After Finish the response is being sent: a report that still arrives is not applied, so
+    // the summary the client gets is the one that was serialised.
+    if (finished_) return;
     if (!ok) {  // the client half-closed, or the call is gone
       FinishLocked(grpc::Status::OK);
       return;
@@ -175,7 +178,7 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
       SetString(response_->mutable_last_error(), status.message());
       ELDR_LOG(Debug, "load_report_rejected").With("peer", peer_).With("worker", report_.worker_id()).With("code", status);
     }
-    if (!finished_) StartRead(&report_);
+    StartRead(&report_);
   }
 
   void FinishForShutdown() {
