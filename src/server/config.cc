@@ -172,6 +172,9 @@ const std::vector<OptionDef>& OptionTable() {
       IntOption("scrape_timeout_ms", &ServerOptions::scrape_timeout_ms),
       IntOption("unhealthy_after_failures", &ServerOptions::unhealthy_after_failures),
       StringOption("scrape_model_name", &ServerOptions::scrape_model_name),
+      IntOption("refit_window_s", &ServerOptions::refit_window_s),
+      IntOption("refit_interval_s", &ServerOptions::refit_interval_s),
+      StringOption("state_dir", &ServerOptions::state_dir),
       OptionDef{"seed",
                 [](absl::string_view v, ServerOptions* o) -> absl::Status {
                   ELDR_ASSIGN_OR_RETURN(o->seed, ParseUintValue("seed", v));
@@ -346,6 +349,8 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
     return bad("lease_expiry_interval", "must be positive and finite");
   }
   if (o.scrape_interval_ms < 1) return bad("scrape_interval_ms", "must be >= 1");
+  if (o.refit_window_s < 1) return bad("refit_window_s", "must be >= 1");
+  if (o.refit_interval_s < 0) return bad("refit_interval_s", "must be >= 0");
   if (o.scrape_timeout_ms < 1) return bad("scrape_timeout_ms", "must be >= 1");
   if (o.unhealthy_after_failures < 0 || o.unhealthy_after_failures > 1'000'000) {
     return bad("unhealthy_after_failures", "must be in [0, 1000000] (0: never mark unhealthy)");

@@ -62,6 +62,15 @@ struct ServerOptions {
   // Only series with this `model_name` label are summed; empty: every series on the page.
   std::string scrape_model_name;
 
+  // ---- Online refit (see refit_component.h) ----
+  // Refit is on when refit_interval_s > 0 or state_dir is set; otherwise no refitter exists and
+  // routes pay nothing for it.
+  int64_t refit_window_s = 60;    // signatures older than this leave the refit window; >= 1
+  int64_t refit_interval_s = 10;  // seconds between periodic refits; 0: only pool changes refit
+  // Folder for the learned centroids (centroids.json), reloaded at start when it matches the
+  // configured artifact's transform. Empty: nothing persisted.
+  std::string state_dir;
+
   // ---- Security ----
   // PEM files of the server certificate chain and key: TLS on every gRPC listener. Both or none.
   std::string tls_cert;

@@ -30,6 +30,7 @@
 #include "server/config.h"
 #include "server/load_scrape_component.h"
 #include "server/logging.h"
+#include "server/refit_component.h"
 #include "server/server.h"
 
 namespace {
@@ -67,6 +68,14 @@ ABSL_FLAG(int64_t, unhealthy_after_failures, kDefaults.unhealthy_after_failures,
           "Consecutive failed scrapes that mark a worker unhealthy until one succeeds (0: never).");
 ABSL_FLAG(std::string, scrape_model_name, kDefaults.scrape_model_name,
           "Sum only the series with this model_name label (empty: all series on the page).");
+ABSL_FLAG(int64_t, refit_window_s, kDefaults.refit_window_s,
+          "Online refit: signatures older than this many seconds leave the refit window.");
+ABSL_FLAG(int64_t, refit_interval_s, kDefaults.refit_interval_s,
+          "Online refit: seconds between periodic refits; 0 turns periodic refit off (pool changes "
+          "still refit when --state_dir is set). Refit runs when this is > 0 or --state_dir is set.");
+ABSL_FLAG(std::string, state_dir, kDefaults.state_dir,
+          "Folder where refitted centroids are persisted and reloaded from at start (same transform "
+          "as --centroids); empty: no persistence.");
 ABSL_FLAG(std::string, tls_cert, kDefaults.tls_cert, "PEM certificate chain: enables TLS on the gRPC ports.");
 ABSL_FLAG(std::string, tls_key, kDefaults.tls_key, "PEM private key of --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, kDefaults.tls_client_ca,
@@ -199,6 +208,7 @@ int main(int argc, char** argv) {
 
   eldr::server::ServerExtensions extensions;
   extensions.components.push_back(eldr::server::LoadScrapeComponentFactory());
+  eldr::server::AddRefitComponent(options, &extensions);
   auto server = eldr::server::RouterServer::Create(options, std::move(extensions));
   if (!server.ok()) return Fail("startup_failed", server.status());
   if (absl::Status s = (*server)->Start(); !s.ok()) return Fail("startup_failed", s);

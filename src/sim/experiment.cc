@@ -224,7 +224,7 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
       }
     }
   } else {
-    result.router = "in-process eldr::Router";
+    result.router = absl::StrFormat("in-process eldr::Router (tau %g)", options.tau);
     result.tau = options.tau;
   }
   std::map<PolicyKind, std::unique_ptr<RoutingBackend>> in_process;

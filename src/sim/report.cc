@@ -1,6 +1,7 @@
 #include "sim/report.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 
@@ -52,7 +53,7 @@ std::string FormatTable(const ExperimentResult& result) {
                         result.locality.batch, 100 * result.locality.same_domain_reduction,
                         result.locality.same_domain_distinct, result.locality.mixed_distinct,
                         result.locality.prompt_decode_correlation);
-  absl::StrAppendFormat(&out, "router: %s, tau %g\n", result.router, result.tau);
+  absl::StrAppendFormat(&out, "router: %s\n", result.router);
   for (double rate : result.rates) {
     absl::StrAppendFormat(&out, "\nrate %g req/s (%s)\n", rate,
                           LoadLabel(rate, result.capacity.requests_per_s));

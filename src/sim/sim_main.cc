@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "eldr/centroid_artifact.h"
 #include "sim/experiment.h"
@@ -275,7 +277,10 @@ int main(int argc, char** argv) {
     synthetic.output_tokens_mean = absl::GetFlag(FLAGS_output_tokens_mean);
     synthetic.seed = absl::GetFlag(FLAGS_seed);
     log("generating the synthetic workload");
+    const auto start = std::chrono::steady_clock::now();
     workload = eldr::sim::GenerateSyntheticWorkload(synthetic);
+    log(absl::StrFormat("generated in %.1f s",
+                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
   }
   if (!workload.ok()) return Fail(workload.status());
 

@@ -7,6 +7,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "server/refit_component.h"
 
 namespace eldr::server {
 namespace {
@@ -157,6 +158,28 @@ TEST(Validation, DefaultsAreValidAndRangesAreChecked) {
   both_ephemeral.listen = "127.0.0.1:0";
   both_ephemeral.admin_listen = "127.0.0.1:0";
   EXPECT_TRUE(ValidateServerOptions(both_ephemeral).ok());
+}
+
+TEST(RefitSettings, ParsedCheckedAndDecideWhetherRefitRuns) {
+  ServerOptions o;
+  EXPECT_EQ(o.refit_window_s, 60);
+  EXPECT_EQ(o.refit_interval_s, 10);
+  EXPECT_TRUE(RefitEnabled(o));
+  ASSERT_TRUE(ApplyConfigJson(R"({"refit_window_s": 5, "refit_interval_s": 0})", &o).ok());
+  EXPECT_EQ(o.refit_window_s, 5);
+  EXPECT_EQ(o.refit_interval_s, 0);
+  EXPECT_FALSE(RefitEnabled(o));  // no periodic refit and nothing to persist: no refitter at all
+  ASSERT_TRUE(SetServerOption("state_dir", "/var/lib/eldr", &o).ok());
+  EXPECT_EQ(o.state_dir, "/var/lib/eldr");
+  EXPECT_TRUE(RefitEnabled(o));  // pool changes still refit, and learnt centroids persist
+
+  ServerOptions bad;
+  bad.refit_window_s = 0;
+  EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_window_s'"));
+  bad = ServerOptions();
+  bad.refit_interval_s = -1;
+  EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_interval_s'"));
+  EXPECT_THAT(SetServerOption("refit_interval_s", "soon", &bad).message(), HasSubstr("'refit_interval_s'"));
 }
 
 }  // namespace
