@@ -292,11 +292,6 @@ absl::Status RouterServer::Start() {
     started_ = true;
   }
   UpdateHealth();
-  absl::Status port_file = WritePortFile();
-  if (!port_file.ok()) {
-    Shutdown();
-    return port_file;
-  }
   const RouterState state = router_->GetState(absl::Now());
   ELDR_LOG(Info, "router_started")
       .With("grpc_port", grpc_port_)
@@ -312,6 +307,13 @@ absl::Status RouterServer::Start() {
       .With("centroid_rows", state.centroid_rows)
       .With("index", state.index_kind)
       .With("serving", serving());
+  // The port file is written last: whoever waits for it (tests, wrappers) then also finds the
+  // router_started log line.
+  absl::Status port_file = WritePortFile();
+  if (!port_file.ok()) {
+    Shutdown();
+    return port_file;
+  }
   return absl::OkStatus();
 }
 
