@@ -1,11 +1,14 @@
-// Scoring a signature against the worker centroids (cosine similarity = dot product of unit vectors).
+// Scoring a signature against the worker centroids (cosine similarity = dot product of unit
+// vectors).
 //
 // One interface, implementations chosen by pool size (BuildCentroidIndex):
-//  - small pools: an exact scorer of our own (vectorised, optionally half-precision centroids),
-//    because FAISS 1.7.3 as packaged by Debian has no SIMD kernels and is ~20x slower for one query;
-//  - large pools: FAISS, a PCA pre-transform fitted on the centroids with flat or HNSW search for
-//    the top candidates, which are then re-scored exactly at full dimension.
+//  - small pools: an exact scorer of our own (AVX-512/AVX2 chosen at run time, scalar fallback;
+//    a 16-bit scan with certified fp32 re-scoring near the band edge), because FAISS 1.7.3 as
+//    packaged by Debian has no SIMD kernels and is 20-45x slower for one query;
+//  - large pools: a PCA fitted on the centroids by FAISS, a flat scan (or FAISS HNSW) in that
+//    reduced space for the top candidates, which are then re-scored exactly at full dimension.
 // Batches of many signatures (simulator, refit, calibration) go through ScoreBatch (sgemm).
+// Measurements behind every default: docs/benchmarks.md, "Routing core microbenchmarks".
 #ifndef ELDR_CENTROID_INDEX_H_
 #define ELDR_CENTROID_INDEX_H_
 
@@ -22,7 +25,7 @@ namespace eldr {
 
 struct ScoredRow {
   int row = 0;        // centroid row
-  float score = 0.f;  // exact cosine similarity with the query
+  float score = 0.f;  // cosine similarity with the query (precision: see band_tau)
 };
 
 enum class HalfFormat { kAuto, kBfloat16, kBinary16 };
@@ -54,7 +57,8 @@ struct CentroidIndexOptions {
   bool half_precision = true;
   // The 16-bit format. bfloat16 scans fastest where rows stream from cache (no conversion
   // instruction), but its error bound (~4e-3 for unit vectors) sends ~5x more rows to fp32
-  // re-scoring than binary16 (~5e-4). kAuto: bfloat16 for the exact scorer, binary16 for the
+  // re-scoring than binary16 (~5e-4). kAuto: for the exact scorer bfloat16, or fp32 when rows
+  // have fewer than 2,048 non-zero columns (short rows scan fastest in fp32); binary16 for the
   // large-pool candidates, whose rows are gathered from memory anyway (docs/benchmarks.md).
   HalfFormat half_format = HalfFormat::kAuto;
   // The locality band width the caller applies to the scores (Router: RouterOptions::tau), in
@@ -78,11 +82,12 @@ class CentroidIndex {
   // benchmarks.
   virtual absl::string_view kind() const = 0;
 
-  // Scores one unit query (dim() finite floats). Fills `out` with exact scores of a candidate set
-  // that contains the best-scoring rows: every row for the exact scorer, the re-scored top
-  // candidates for large pools. Scores follow CentroidIndexOptions::half_precision/band_tau.
-  // Order unspecified. INVALID_ARGUMENT (RejectReason kGeometry) on a wrong dimension; INTERNAL if
-  // FAISS fails (HNSW). Allocation-free after a thread's first call (per-thread scratch).
+  // Scores one unit query (dim() finite floats). Fills `out` with the scores of a candidate set
+  // that contains the best-scoring rows: every row for the exact scorer, the top candidates
+  // re-scored at full dimension for large pools. Band decisions at CentroidIndexOptions::band_tau
+  // are those of fp32 scoring (see there). Order unspecified. INVALID_ARGUMENT (RejectReason
+  // kGeometry) on a wrong dimension; INTERNAL if FAISS fails (HNSW). Uses per-thread scratch
+  // buffers: no allocation in steady state except inside FAISS HNSW.
   virtual absl::Status Search(absl::Span<const float> query, std::vector<ScoredRow>* out) const = 0;
 
   // Exact scores of n queries against every row: scores[i * rows() + j]. Queries are row-major
@@ -95,9 +100,8 @@ class CentroidIndex {
 // finiteness (INVALID_ARGUMENT with a RejectReason) and the options (INVALID_ARGUMENT); FAISS
 // exceptions become INTERNAL errors, never escape. Columns that are zero in every centroid (e.g.
 // experts whose IDF weight is 0) are dropped internally: they add nothing to any score.
-absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndex(absl::Span<const float> centroids,
-                                                                  int rows, int dim,
-                                                                  const CentroidIndexOptions& options);
+absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndex(
+    absl::Span<const float> centroids, int rows, int dim, const CentroidIndexOptions& options);
 
 // Forces one implementation regardless of pool size (benchmarks and tests).
 enum class CentroidIndexKind { kExact, kFaissReduced };

@@ -18,10 +18,10 @@
 //    are re-scored exactly as above.
 #include "eldr/centroid_index.h"
 
+#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
-#include <cblas.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -55,7 +55,7 @@ constexpr int64_t kMaxCells = int64_t{1} << 28;
 // Compaction pays for its per-query gather only when it drops a noticeable share of columns.
 constexpr double kCompactWhenKeptBelow = 0.9;
 
-// ---- Aligned storage ------------------------------------------------------------------------------
+// ---- Aligned storage ----------------------------------------------------------------------------
 
 template <typename T>
 struct AlignedAllocator {
@@ -68,7 +68,9 @@ struct AlignedAllocator {
   // Unsized: clang only declares the sized aligned delete with -fsized-deallocation.
   void deallocate(T* p, size_t /*n*/) { ::operator delete(p, kAlignment); }
   template <typename U>
-  bool operator==(const AlignedAllocator<U>&) const { return true; }
+  bool operator==(const AlignedAllocator<U>&) const {
+    return true;
+  }
 };
 template <typename T>
 using AlignedVector = std::vector<T, AlignedAllocator<T>>;
@@ -82,8 +84,8 @@ int PaddedStride(int cols) {
 
 // Per-thread scratch: Search is const and runs on many threads at once.
 struct Scratch {
-  AlignedVector<float> query;     // compacted query
-  AlignedVector<float> projected; // reduced-space query
+  AlignedVector<float> query;      // compacted query
+  AlignedVector<float> projected;  // reduced-space query
   std::vector<float> scores;
   std::vector<float> refined;
   std::vector<float> candidate_scores;
@@ -102,7 +104,7 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
-// ---- Column compaction ----------------------------------------------------------------------------
+// ---- Column compaction --------------------------------------------------------------------------
 
 class ColumnMap {
  public:
@@ -154,9 +156,8 @@ class ColumnMap {
       return {query, std::sqrt(std::max(0.f, norm2))};
     }
     if (static_cast<int>(buffer->size()) < kept() + 16) buffer->resize(kept() + 16);
-    const float norm2 =
-        kernels.gather_columns(query, dim_, masks_.data(), offsets_.data(), kept_.data(), kept(),
-                               buffer->data());
+    const float norm2 = kernels.gather_columns(query, dim_, masks_.data(), offsets_.data(),
+                                               kept_.data(), kept(), buffer->data());
     return {buffer->data(), std::sqrt(std::max(0.f, norm2))};
   }
 
@@ -168,15 +169,15 @@ class ColumnMap {
   std::vector<int> offsets_;     // kept columns before each 16-column chunk
 };
 
-// ---- Row storage ----------------------------------------------------------------------------------
+// ---- Row storage --------------------------------------------------------------------------------
 
 // Rows restricted to the kept columns: fp32 (always, for refinement and batches) and optionally
 // a 16-bit copy for the scan, binary16 or paired-layout bfloat16. Rows are 64-byte aligned.
 class RowStore {
  public:
-  // `auto_format` resolves HalfFormat::kAuto.
-  RowStore(const float* data, int rows, int dim, const ColumnMap& columns,
-           const CentroidIndexOptions& options, HalfFormat auto_format)
+  // `half`: also keep a 16-bit copy in `format` (kBfloat16 or kBinary16) for the scan.
+  RowStore(const float* data, int rows, int dim, const ColumnMap& columns, bool half,
+           HalfFormat format)
       : rows_(rows), cols_(columns.kept()) {
     const int stride32 = PaddedStride<float>(cols_);
     f32_.assign(static_cast<size_t>(rows) * stride32, 0.f);
@@ -191,11 +192,10 @@ class RowStore {
       }
       f32_rows_[r] = dst;
     }
-    if (!options.half_precision) return;
-    format_ = options.half_format == HalfFormat::kAuto ? auto_format : options.half_format;
-    const int stride16 = format_ == HalfFormat::kBfloat16
-                             ? internal::PairedBfloat16Elements(cols_)
-                             : PaddedStride<uint16_t>(cols_);
+    if (!half) return;
+    format_ = format;
+    const int stride16 = format_ == HalfFormat::kBfloat16 ? internal::PairedBfloat16Elements(cols_)
+                                                          : PaddedStride<uint16_t>(cols_);
     h16_.assign(static_cast<size_t>(rows) * stride16, 0);
     h16_rows_.resize(rows);
     error_factor_.resize(rows);
@@ -357,14 +357,16 @@ absl::Status CheckBatch(absl::Span<const float> queries, int n, absl::Span<float
                         int dim) {
   if (n < 0) return InvalidInput(RejectReason::kGeometry, absl::StrCat("negative batch size ", n));
   if (static_cast<int64_t>(queries.size()) != static_cast<int64_t>(n) * dim) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrFormat("batch of %d queries of dimension %d needs %d values, got %d",
-                                        n, dim, static_cast<int64_t>(n) * dim, queries.size()));
+    return InvalidInput(
+        RejectReason::kGeometry,
+        absl::StrFormat("batch of %d queries of dimension %d needs %d values, got %d", n, dim,
+                        static_cast<int64_t>(n) * dim, queries.size()));
   }
   if (static_cast<int64_t>(scores.size()) != static_cast<int64_t>(n) * rows) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrFormat("batch of %d queries against %d rows needs %d scores, got %d",
-                                        n, rows, static_cast<int64_t>(n) * rows, scores.size()));
+    return InvalidInput(
+        RejectReason::kGeometry,
+        absl::StrFormat("batch of %d queries against %d rows needs %d scores, got %d", n, rows,
+                        static_cast<int64_t>(n) * rows, scores.size()));
   }
   return absl::OkStatus();
 }
@@ -393,7 +395,7 @@ absl::Status ScoreBatchCompacted(const RowStore& store, const ColumnMap& columns
   return absl::OkStatus();
 }
 
-// ---- Exact index ----------------------------------------------------------------------------------
+// ---- Exact index --------------------------------------------------------------------------------
 
 class ExactIndex final : public CentroidIndex {
  public:
@@ -401,7 +403,18 @@ class ExactIndex final : public CentroidIndex {
       : dim_(dim),
         band_tau_(static_cast<float>(options.band_tau)),
         columns_(centroids, rows, dim),
-        store_(centroids, rows, dim, columns_, options, HalfFormat::kBfloat16) {}
+        store_(centroids, rows, dim, columns_, ScanInHalf(options, columns_.kept()),
+               options.half_format == HalfFormat::kAuto ? HalfFormat::kBfloat16
+                                                        : options.half_format) {}
+
+  // kAuto: rows shorter than this many kept columns (8 KB in fp32) are scanned in fp32. Measured
+  // (docs/benchmarks.md): for 26 x 64 signatures (~950 kept columns) the fp32 scan beats both
+  // 16-bit scans at every pool size, for 48 x 128 (~4,500) bfloat16 wins from K = 16 on.
+  static constexpr int kShortRowColumns = 2048;
+  static bool ScanInHalf(const CentroidIndexOptions& options, int kept_columns) {
+    if (!options.half_precision) return false;
+    return options.half_format != HalfFormat::kAuto || kept_columns >= kShortRowColumns;
+  }
 
   int rows() const override { return store_.rows(); }
   int dim() const override { return dim_; }
@@ -437,7 +450,7 @@ class ExactIndex final : public CentroidIndex {
   RowStore store_;
 };
 
-// ---- Large pools: FAISS-fitted reduced space ------------------------------------------------------
+// ---- Large pools: FAISS-fitted reduced space ----------------------------------------------------
 
 // Runs `fn` and turns every exception (FAISS throws faiss::FaissException, std::bad_alloc, ...)
 // into an INTERNAL status naming `what`.
@@ -574,16 +587,18 @@ class ReducedIndex final : public CentroidIndex {
       : dim_(dim),
         band_tau_(static_cast<float>(options.band_tau)),
         columns_(centroids, rows, dim),
-        store_(centroids, rows, dim, columns_, options, HalfFormat::kBinary16),
+        store_(
+            centroids, rows, dim, columns_, options.half_precision,
+            options.half_format == HalfFormat::kAuto ? HalfFormat::kBinary16 : options.half_format),
         options_(options) {}
 
   absl::Status Fit() {
     const int rows = store_.rows();
     const int cols = store_.cols();
-    const int dims = options_.reduced_dims > 0 ? options_.reduced_dims
-                                               : std::clamp(rows / 16, 32, 64);
-    const int candidates = options_.candidates > 0 ? options_.candidates
-                                                   : std::clamp(rows / 20, 32, 64);
+    const int dims =
+        options_.reduced_dims > 0 ? options_.reduced_dims : std::clamp(rows / 16, 32, 64);
+    const int candidates =
+        options_.candidates > 0 ? options_.candidates : std::clamp(rows / 20, 32, 64);
     reduced_dims_ = std::max(1, std::min({dims, rows, cols}));
     candidates_ = std::max(1, std::min(candidates, rows));
     max_candidates_ = std::max(candidates_, std::min(options_.max_candidates, rows));
@@ -604,8 +619,9 @@ class ReducedIndex final : public CentroidIndex {
       axes = pca.A;
     }));
     if (axes.size() != static_cast<size_t>(reduced_dims_) * cols) {
-      return absl::InternalError(absl::StrFormat(
-          "PCA fit returned a %d-value matrix, expected %d x %d", axes.size(), reduced_dims_, cols));
+      return absl::InternalError(
+          absl::StrFormat("PCA fit returned a %d-value matrix, expected %d x %d", axes.size(),
+                          reduced_dims_, cols));
     }
 
     // Principal axes as rows, in bfloat16 when the centroids have a 16-bit copy: they only choose
@@ -716,9 +732,9 @@ absl::Status ValidateBuildInput(absl::Span<const float> centroids, int rows, int
                         absl::StrCat("centroid dimension must be positive, got ", dim));
   }
   if (static_cast<int64_t>(rows) * dim > kMaxCells) {
-    return InvalidInput(RejectReason::kOversized,
-                        absl::StrFormat("%d x %d centroids exceed the limit of %d values", rows,
-                                        dim, kMaxCells));
+    return InvalidInput(
+        RejectReason::kOversized,
+        absl::StrFormat("%d x %d centroids exceed the limit of %d values", rows, dim, kMaxCells));
   }
   if (static_cast<int64_t>(centroids.size()) != static_cast<int64_t>(rows) * dim) {
     return InvalidInput(RejectReason::kGeometry,
@@ -727,24 +743,25 @@ absl::Status ValidateBuildInput(absl::Span<const float> centroids, int rows, int
   }
   for (size_t i = 0; i < centroids.size(); ++i) {
     if (!std::isfinite(centroids[i])) {
-      return InvalidInput(RejectReason::kNonFinite,
-                          absl::StrFormat("centroid row %d, column %d is not finite",
-                                          static_cast<int64_t>(i / dim),
-                                          static_cast<int64_t>(i % dim)));
+      return InvalidInput(
+          RejectReason::kNonFinite,
+          absl::StrFormat("centroid row %d, column %d is not finite", static_cast<int64_t>(i / dim),
+                          static_cast<int64_t>(i % dim)));
     }
   }
   if (std::all_of(centroids.begin(), centroids.end(), [](float v) { return v == 0.f; })) {
-    return InvalidInput(RejectReason::kZeroSignature,
+    return InvalidInput(RejectReason::kMalformed,
                         "every centroid is all zeros (centroids must be unit vectors)");
   }
   if (options.large_pool_min_rows < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "CentroidIndexOptions.large_pool_min_rows must be >= 1, got ", options.large_pool_min_rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat("CentroidIndexOptions.large_pool_min_rows must be >= 1, got ",
+                     options.large_pool_min_rows));
   }
   if (options.reduced_dims < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "CentroidIndexOptions.reduced_dims must be >= 0 (0: automatic), got ",
-        options.reduced_dims));
+    return absl::InvalidArgumentError(
+        absl::StrCat("CentroidIndexOptions.reduced_dims must be >= 0 (0: automatic), got ",
+                     options.reduced_dims));
   }
   if (options.candidates < 0 || options.max_candidates < 1 ||
       options.max_candidates < options.candidates) {

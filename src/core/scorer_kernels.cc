@@ -9,7 +9,7 @@
 namespace eldr::internal {
 namespace {
 
-// ---- Scalar ---------------------------------------------------------------------------------------
+// ---- Scalar -------------------------------------------------------------------------------------
 // Eight interleaved partial sums per row: the same accumulation depth as the vector kernels'
 // lanes, and independent dependency chains for the compiler.
 template <typename Load>
@@ -31,8 +31,7 @@ void DotRowsF32Scalar(const float* const* rows, int n, const float* query, int d
   }
 }
 
-void DotRowsF16Scalar(const uint16_t* const* rows, int n, const float* query, int dim,
-                      float* out) {
+void DotRowsF16Scalar(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
   for (int r = 0; r < n; ++r) {
     const uint16_t* row = rows[r];
     out[r] = ScalarDot([row](int i) { return HalfToFloat(row[i]); }, query, dim);
@@ -68,7 +67,7 @@ void AccumulateColumnsScalar(const float* columns, int k, int n, int stride, con
   }
 }
 
-// ---- AVX2 + FMA + F16C ----------------------------------------------------------------------------
+// ---- AVX2 + FMA + F16C --------------------------------------------------------------------------
 // Four rows at a time so each query chunk is loaded once for four rows; two accumulators per row
 // hide the FMA latency. The rows stream from L2/L3, which is what bounds these kernels.
 #define ELDR_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -154,7 +153,8 @@ ELDR_TARGET_AVX2 inline __m256 LowBf16Avx2(__m256i words) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
 }
 ELDR_TARGET_AVX2 inline __m256 HighBf16Avx2(__m256i words) {
-  return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
 ELDR_TARGET_AVX2 void DotRowsBf16Avx2(const uint16_t* const* rows, int n, const float* query,
@@ -212,11 +212,11 @@ ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_
     const int chunk = i >> 4;
     const int m = (masks[chunk] >> (i & 8)) & 0xff;
     if (m == 0) continue;
-    const int pos =
-        offsets[chunk] + ((i & 8) ? __builtin_popcount(static_cast<unsigned>(masks[chunk] & 0xff)) : 0);
+    const int pos = offsets[chunk] +
+                    ((i & 8) ? __builtin_popcount(static_cast<unsigned>(masks[chunk] & 0xff)) : 0);
     // Masked load: unselected lanes (and lanes past dim, never selected) read as 0.
-    const __m256i selected = _mm256_cmpeq_epi32(
-        _mm256_and_si256(_mm256_set1_epi32(m), lane_bits), lane_bits);
+    const __m256i selected =
+        _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(m), lane_bits), lane_bits);
     const __m256 v = _mm256_maskload_ps(in + i, selected);
     sum = _mm256_fmadd_ps(v, v, sum);
     const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(table.perm[m]));
@@ -226,7 +226,7 @@ ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_
 }
 
 ELDR_TARGET_AVX2 void AccumulateColumnsAvx2(const float* columns, int k, int n, int stride,
-                                           const float* weights, float* out) {
+                                            const float* weights, float* out) {
   int j = 0;
   // 32 outputs (4 registers) per pass over the k weights.
   for (; j + 32 <= n; j += 32) {
@@ -256,7 +256,7 @@ ELDR_TARGET_AVX2 void AccumulateColumnsAvx2(const float* columns, int k, int n, 
   }
 }
 
-// ---- AVX-512 --------------------------------------------------------------------------------------
+// ---- AVX-512 ------------------------------------------------------------------------------------
 // Same structure with 16 lanes; the tail (dim % 32) uses masked loads instead of a scalar loop.
 #define ELDR_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c")))
 
@@ -376,7 +376,8 @@ ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, co
       const __m512 q1 = _mm512_loadu_ps(query + i + 16);
       for (int k = 0; k < 4; ++k) {
         const __m512i w = _mm512_loadu_si512(rows[r + k] + i);
-        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0, lo[k]);
+        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0,
+                                lo[k]);
         hi[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high_half)), q1, hi[k]);
       }
     }
@@ -386,7 +387,8 @@ ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, co
       const __m512 q1 = _mm512_maskz_loadu_ps(mask_hi, query + full + 16);
       for (int k = 0; k < 4; ++k) {
         const __m512i w = _mm512_loadu_si512(rows[r + k] + full);
-        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0, lo[k]);
+        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0,
+                                lo[k]);
         hi[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high_half)), q1, hi[k]);
       }
     }
@@ -424,7 +426,7 @@ ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uin
 }
 
 ELDR_TARGET_AVX512 void AccumulateColumnsAvx512(const float* columns, int k, int n, int stride,
-                                               const float* weights, float* out) {
+                                                const float* weights, float* out) {
   int j = 0;
   for (; j + 64 <= n; j += 64) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -529,15 +531,14 @@ absl::string_view SimdLevelName(SimdLevel level) {
 }
 
 const ScorerKernels& KernelsFor(SimdLevel level) {
-  static const ScorerKernels kScalar{SimdLevel::kScalar,    DotRowsF32Scalar,
-                                     DotRowsF16Scalar,     DotRowsBf16Scalar,
-                                     GatherColumnsScalar,  AccumulateColumnsScalar};
-  static const ScorerKernels kAvx2{SimdLevel::kAvx2,    DotRowsF32Avx2,
-                                   DotRowsF16Avx2,      DotRowsBf16Avx2,
-                                   GatherColumnsAvx2,   AccumulateColumnsAvx2};
-  static const ScorerKernels kAvx512{SimdLevel::kAvx512,    DotRowsF32Avx512,
-                                     DotRowsF16Avx512,      DotRowsBf16Avx512,
-                                     GatherColumnsAvx512,   AccumulateColumnsAvx512};
+  static const ScorerKernels kScalar{SimdLevel::kScalar,  DotRowsF32Scalar,
+                                     DotRowsF16Scalar,    DotRowsBf16Scalar,
+                                     GatherColumnsScalar, AccumulateColumnsScalar};
+  static const ScorerKernels kAvx2{SimdLevel::kAvx2, DotRowsF32Avx2,    DotRowsF16Avx2,
+                                   DotRowsBf16Avx2,  GatherColumnsAvx2, AccumulateColumnsAvx2};
+  static const ScorerKernels kAvx512{SimdLevel::kAvx512,  DotRowsF32Avx512,
+                                     DotRowsF16Avx512,    DotRowsBf16Avx512,
+                                     GatherColumnsAvx512, AccumulateColumnsAvx512};
   if (static_cast<int>(level) > static_cast<int>(CpuSimdLevel())) level = CpuSimdLevel();
   switch (level) {
     case SimdLevel::kAvx512:

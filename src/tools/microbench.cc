@@ -32,13 +32,13 @@
 // 64 queries are fresh prompts of workers 0-15, present in every pool size.
 //
 // Run: <build>/bin/eldr-microbench [--benchmark_filter=RouteDecision] [--benchmark_format=json]
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <immintrin.h>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -155,8 +155,8 @@ struct Workload {
   SignatureVariant variant;
   std::unique_ptr<SignatureTransform> transform;
   int dim = 0;
-  std::vector<float> centroids;                 // kMaxWorkers unit rows
-  std::vector<std::string> query_bytes;         // int16 little-endian counts
+  std::vector<float> centroids;                   // kMaxWorkers unit rows
+  std::vector<std::string> query_bytes;           // int16 little-endian counts
   std::vector<std::vector<float>> query_vectors;  // transformed queries
   double zero_idf_fraction = 0;
   double density = 0;  // fraction of non-zero counts per prompt
@@ -201,7 +201,8 @@ std::unique_ptr<Workload> BuildWorkload(const Geometry& g, SignatureVariant vari
   }
   auto transform = SignatureTransform::Create(spec);
   if (!transform.ok()) {
-    std::fprintf(stderr, "eldr-microbench: %s\n", std::string(transform.status().message()).c_str());
+    std::fprintf(stderr, "eldr-microbench: %s\n",
+                 std::string(transform.status().message()).c_str());
     std::abort();
   }
   w->transform = std::make_unique<SignatureTransform>(*std::move(transform));
@@ -227,9 +228,8 @@ std::unique_ptr<Workload> BuildWorkload(const Geometry& g, SignatureVariant vari
     const std::vector<int32_t> counts = model.SamplePrompt(q % 16);
     w->query_bytes.push_back(Int16Bytes(counts));
     std::vector<float> vec(w->dim);
-    const absl::Status status =
-        w->transform->Apply(CountsInt16Le{g.layers, g.experts, w->query_bytes.back()},
-                            absl::MakeSpan(vec));
+    const absl::Status status = w->transform->Apply(
+        CountsInt16Le{g.layers, g.experts, w->query_bytes.back()}, absl::MakeSpan(vec));
     if (!status.ok()) {
       std::fprintf(stderr, "eldr-microbench: %s\n", std::string(status.message()).c_str());
       std::abort();
@@ -265,7 +265,7 @@ void SetCommonCounters(benchmark::State& state, const Workload& w) {
   state.counters["density"] = w.density;
 }
 
-// ---- Full route decision --------------------------------------------------------------------------
+// ---- Full route decision ------------------------------------------------------------------------
 
 void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant variant) {
   const Workload& w = GetWorkload(g, variant);
@@ -284,9 +284,8 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
   const int64_t refined_before = internal::RefinedRowsOnThisThread();
   for (auto _ : state) {
     const size_t q = i++ % w.query_bytes.size();
-    const absl::Status status =
-        w.transform->Apply(CountsInt16Le{g.layers, g.experts, w.query_bytes[q]},
-                           absl::MakeSpan(signature));
+    const absl::Status status = w.transform->Apply(
+        CountsInt16Le{g.layers, g.experts, w.query_bytes[q]}, absl::MakeSpan(signature));
     if (!status.ok() || !index->Search(signature, &scores).ok()) {
       state.SkipWithError("route decision failed");
       break;
@@ -316,7 +315,7 @@ void Transform(benchmark::State& state, Geometry g) {
   SetCommonCounters(state, w);
 }
 
-// ---- Scorers alone --------------------------------------------------------------------------------
+// ---- Scorers alone ------------------------------------------------------------------------------
 
 void ScoreWithIndex(benchmark::State& state, Geometry g, int k, CentroidIndexKind kind,
                     CentroidIndexOptions options) {
@@ -355,8 +354,8 @@ void ScoreWithIndex(benchmark::State& state, Geometry g, int k, CentroidIndexKin
       }
       reference[r] = sum;
     }
-    const int best = static_cast<int>(std::max_element(reference.begin(), reference.end()) -
-                                      reference.begin());
+    const int best =
+        static_cast<int>(std::max_element(reference.begin(), reference.end()) - reference.begin());
     float got_best = -1e30f;
     std::vector<char> in_band(k, 0);
     for (const ScoredRow& s : scores) got_best = std::max(got_best, s.score);
@@ -420,7 +419,7 @@ class TransposedScorer {
   }
 
   __attribute__((target("avx512f,avx512vl,f16c,fma"))) void Score(const float* q,
-                                                                   float* out) const {
+                                                                  float* out) const {
     const int chunks = k_ / 16;
     __m512 acc[2][4];  // K <= 64
     for (int c = 0; c < chunks; ++c) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
@@ -501,9 +500,8 @@ void ScoreBatch(benchmark::State& state, Geometry g, int k, int n) {
 // is given: on a shared machine the minimum is the least disturbed figure.
 void CommonSettings(benchmark::internal::Benchmark* b) {
   b->Unit(benchmark::kMicrosecond);
-  b->ComputeStatistics("min", [](const std::vector<double>& v) {
-    return *std::min_element(v.begin(), v.end());
-  });
+  b->ComputeStatistics(
+      "min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
 }
 
 void RegisterAll() {
@@ -511,9 +509,10 @@ void RegisterAll() {
   const int pools[] = {8, 16, 64, 256, 1024};
   for (const Geometry& g : geometries) {
     for (int k : pools) {
-      benchmark::RegisterBenchmark(
-          absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k).c_str(),
-          [g, k](benchmark::State& state) { RouteDecision(state, g, k, SignatureVariant::kCountIdf); })
+      benchmark::RegisterBenchmark(absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k).c_str(),
+                                   [g, k](benchmark::State& state) {
+                                     RouteDecision(state, g, k, SignatureVariant::kCountIdf);
+                                   })
           ->Apply(CommonSettings);
     }
   }
@@ -553,7 +552,8 @@ void RegisterAll() {
       benchmark::RegisterBenchmark((prefix + "reduced_flat").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, CentroidIndexOptions());
       })->Apply(CommonSettings);
-      benchmark::RegisterBenchmark((prefix + "reduced_flat_bf16").c_str(), [=](benchmark::State& s) {
+      benchmark::RegisterBenchmark((prefix + "reduced_flat_bf16").c_str(), [=](benchmark::State&
+                                                                                   s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, bf16);
       })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "reduced_hnsw").c_str(), [=](benchmark::State& s) {

@@ -11,9 +11,9 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
-#include <string>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -119,7 +119,8 @@ std::vector<double> ReferenceScores(const std::vector<float>& centroids, int row
   std::vector<double> scores(rows);
   for (int r = 0; r < rows; ++r) {
     double s = 0;
-    for (int i = 0; i < dim; ++i) s += static_cast<double>(centroids[static_cast<size_t>(r) * dim + i]) * q[i];
+    for (int i = 0; i < dim; ++i)
+      s += static_cast<double>(centroids[static_cast<size_t>(r) * dim + i]) * q[i];
     scores[r] = s;
   }
   return scores;
@@ -189,7 +190,7 @@ TEST(HalfConversionTest, KnownValues) {
   EXPECT_EQ(FloatToHalf(1.f), 0x3c00);
   EXPECT_EQ(FloatToHalf(-2.f), 0xc000);
   EXPECT_EQ(FloatToHalf(65504.f), 0x7bff);
-  EXPECT_EQ(FloatToHalf(65520.f), 0x7c00);  // rounds to +Inf
+  EXPECT_EQ(FloatToHalf(65520.f), 0x7c00);               // rounds to +Inf
   EXPECT_EQ(FloatToHalf(std::ldexp(1.f, -24)), 0x0001);  // smallest subnormal
   EXPECT_EQ(FloatToHalf(std::ldexp(1.f, -26)), 0x0000);  // below half of it: rounds to 0
   EXPECT_EQ(HalfToFloat(0x0001), std::ldexp(1.f, -24));
@@ -269,8 +270,9 @@ TEST(ScorerKernelsTest, EveryLevelMatchesDoubleReference) {
             refbf += static_cast<double>(bf) * query[1 + i];
             magnitude += std::fabs(static_cast<double>(f32_rows[r][i]) * query[1 + i]);
           }
-          EXPECT_NEAR(outbf[r], refbf, internal::AccumulationDepth(dim) * std::ldexp(1.0, -24) *
-                                               magnitude * 1.02 + 1e-30)
+          EXPECT_NEAR(
+              outbf[r], refbf,
+              internal::AccumulationDepth(dim) * std::ldexp(1.0, -24) * magnitude * 1.02 + 1e-30)
               << SimdLevelName(level) << " dim " << dim << " n " << n << " row " << r;
           // gamma_n * sum |products|, with the accumulation depth the kernels promise.
           const double tolerance =
@@ -306,9 +308,9 @@ TEST(ScorerKernelsTest, GatherColumnsKeepsTheMaskedColumnsInOrder) {
           offsets[c] = offsets[c - 1] + __builtin_popcount(masks[c - 1]);
         }
         std::vector<float> out(kept.size() + 16, -9.f);
-        const float sum = KernelsFor(level).gather_columns(in.data(), dim, masks.data(),
-                                                           offsets.data(), kept.data(),
-                                                           static_cast<int>(kept.size()), out.data());
+        const float sum = KernelsFor(level).gather_columns(
+            in.data(), dim, masks.data(), offsets.data(), kept.data(),
+            static_cast<int>(kept.size()), out.data());
         double expected_sum = 0;
         for (size_t k = 0; k < kept.size(); ++k) {
           ASSERT_EQ(out[k], in[kept[k]]) << SimdLevelName(level) << " dim " << dim << " #" << k;
@@ -338,7 +340,8 @@ TEST(ScorerKernelsTest, AccumulateColumnsIsATransposedMatrixTimesVector) {
                                              out.data());
         for (int j = 0; j < n; ++j) {
           double expected = 0;
-          for (int c = 0; c < k; ++c) expected += weights[c] * columns[static_cast<size_t>(c) * stride + j];
+          for (int c = 0; c < k; ++c)
+            expected += weights[c] * columns[static_cast<size_t>(c) * stride + j];
           ASSERT_NEAR(out[j], expected, 1e-4) << SimdLevelName(level) << " k " << k << " n " << n;
         }
         EXPECT_EQ(out[n], -5.f) << "wrote past n";
@@ -399,6 +402,20 @@ const ScanCase kScanCases[] = {
     {"exact", false, HalfFormat::kBfloat16, 1e-5},
 };
 
+// Columns that are non-zero in at least one centroid.
+int KeptColumns(const Clustered& data) {
+  int kept = 0;
+  for (int i = 0; i < data.dim; ++i) {
+    for (int r = 0; r < data.rows; ++r) {
+      if (data.centroids[static_cast<size_t>(r) * data.dim + i] != 0.f) {
+        ++kept;
+        break;
+      }
+    }
+  }
+  return kept;
+}
+
 struct DecisionCase {
   const char* name;
   bool clustered;
@@ -408,7 +425,7 @@ struct DecisionCase {
 
 TEST(ExactIndexTest, DecidesAsDoubleReferenceExceptNearTheEdge) {
   const DecisionCase cases[] = {
-      {"random", false, 16, 1664}, {"random", false, 37, 300},  {"clustered", true, 16, 6144},
+      {"random", false, 16, 1664},   {"random", false, 37, 300},   {"clustered", true, 16, 6144},
       {"clustered", true, 64, 1664}, {"clustered", true, 8, 6144},
   };
   std::mt19937_64 rng(2024);
@@ -430,12 +447,14 @@ TEST(ExactIndexTest, DecidesAsDoubleReferenceExceptNearTheEdge) {
         auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, c.rows,
                                               c.dim, options);
         ASSERT_TRUE(index.ok()) << index.status();
-        EXPECT_EQ((*index)->kind(), scan.kind);
+        EXPECT_EQ((*index)->kind(), scan.format == HalfFormat::kAuto && KeptColumns(data) < 2048
+                                        ? "exact"
+                                        : scan.kind);
         std::vector<ScoredRow> got;
         for (int k = 0; k < 60; ++k) {
-          std::vector<float> q = c.clustered
-                                     ? QueryNear(data, static_cast<int>(rng() % data.rows), 0.5, rng)
-                                     : RandomRows(1, c.dim, rng);
+          std::vector<float> q =
+              c.clustered ? QueryNear(data, static_cast<int>(rng() % data.rows), 0.5, rng)
+                          : RandomRows(1, c.dim, rng);
           ASSERT_TRUE((*index)->Search(q, &got).ok());
           ASSERT_EQ(got.size(), static_cast<size_t>(c.rows));
           std::vector<double> reference = ReferenceScores(data.centroids, c.rows, c.dim, q.data());
@@ -474,8 +493,9 @@ TEST(ExactIndexTest, RefinementRescuesRowsThat16BitScansMisplace) {
   };
   for (HalfFormat format : {HalfFormat::kBfloat16, HalfFormat::kBinary16}) {
     auto round16 = [format](float v) {
-      return format == HalfFormat::kBinary16 ? HalfToFloat(FloatToHalf(v))
-                                             : internal::Bfloat16ToFloat(internal::FloatToBfloat16(v));
+      return format == HalfFormat::kBinary16
+                 ? HalfToFloat(FloatToHalf(v))
+                 : internal::Bfloat16ToFloat(internal::FloatToBfloat16(v));
     };
     // A best row the format represents exactly (so its score is exact in the scan), and an edge
     // row whose score is 1.5e-4 above best - tau but whose 16 values all round down enough to put
@@ -495,8 +515,9 @@ TEST(ExactIndexTest, RefinementRescuesRowsThat16BitScansMisplace) {
     }
     ASSERT_NE(edge_value, 0.f) << "setup: no adversarial row found";
     std::vector<float> centroids;
-    for (const std::vector<float>& row : {make_row(best_value, best_last),
-                                          make_row(edge_value, edge_value), make_row(0.15f, 0.15f)}) {
+    for (const std::vector<float>& row :
+         {make_row(best_value, best_last), make_row(edge_value, edge_value),
+          make_row(0.15f, 0.15f)}) {
       centroids.insert(centroids.end(), row.begin(), row.end());
     }
     const std::vector<double> reference = ReferenceScores(centroids, 3, dim, q.data());
@@ -507,7 +528,8 @@ TEST(ExactIndexTest, RefinementRescuesRowsThat16BitScansMisplace) {
     options.half_format = format;
     // Without refinement at this edge (index tuned for another tau), the scan misplaces row 1.
     options.band_tau = 0.3;
-    auto unrefined = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, centroids, 3, dim, options);
+    auto unrefined =
+        BuildCentroidIndexOfKind(CentroidIndexKind::kExact, centroids, 3, dim, options);
     ASSERT_TRUE(unrefined.ok());
     std::vector<ScoredRow> got;
     ASSERT_TRUE((*unrefined)->Search(q, &got).ok());
@@ -539,8 +561,11 @@ TEST(ExactIndexTest, NothingIsRescoredWhenNoRowIsNearTheEdge) {
   }
   std::vector<float> q(dim, 0.f);
   q[0] = 1.f;
-  auto index = BuildCentroidIndex(centroids, 3, dim, CentroidIndexOptions());
+  CentroidIndexOptions options;
+  options.half_format = HalfFormat::kBfloat16;
+  auto index = BuildCentroidIndex(centroids, 3, dim, options);
   ASSERT_TRUE(index.ok());
+  EXPECT_EQ((*index)->kind(), "exact_bf16");
   std::vector<ScoredRow> got;
   const int64_t refined_before = internal::RefinedRowsOnThisThread();
   ASSERT_TRUE((*index)->Search(q, &got).ok());
@@ -553,7 +578,8 @@ TEST(ExactIndexTest, DropsAllZeroColumnsWithoutChangingScores) {
   Clustered data = MakeClustered(12, 512, 3, /*zero_fraction=*/0.6, 3.0, rng);
   CentroidIndexOptions options;
   options.half_precision = false;
-  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, 12, 512, options);
+  auto index =
+      BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, 12, 512, options);
   ASSERT_TRUE(index.ok());
   // A query with mass on the dropped columns: they must not contribute.
   std::vector<float> q = RandomRows(1, 512, rng);
@@ -569,7 +595,9 @@ TEST(ExactIndexTest, DropsAllZeroColumnsWithoutChangingScores) {
 TEST(ExactIndexTest, ConcurrentSearchesAgree) {
   std::mt19937_64 rng(9);
   Clustered data = MakeClustered(16, 1664, 4, 0.3, 3.0, rng);
-  auto index = BuildCentroidIndex(data.centroids, 16, 1664, CentroidIndexOptions());
+  CentroidIndexOptions options;
+  options.half_format = HalfFormat::kBfloat16;  // the scan plus refinement path
+  auto index = BuildCentroidIndex(data.centroids, 16, 1664, options);
   ASSERT_TRUE(index.ok());
   std::vector<std::vector<float>> queries;
   std::vector<std::vector<ScoredRow>> expected(32);
@@ -616,8 +644,8 @@ RecallStats MeasureRecall(const CentroidIndex& index, const Clustered& data, dou
     EXPECT_TRUE(index.Search(q, &got).ok());
     const std::vector<double> reference =
         ReferenceScores(data.centroids, data.rows, data.dim, q.data());
-    const int best = static_cast<int>(std::max_element(reference.begin(), reference.end()) -
-                                      reference.begin());
+    const int best =
+        static_cast<int>(std::max_element(reference.begin(), reference.end()) - reference.begin());
     bool found = false;
     for (const ScoredRow& s : got) {
       found |= s.row == best;
@@ -626,8 +654,8 @@ RecallStats MeasureRecall(const CentroidIndex& index, const Clustered& data, dou
     bool best_mismatch = false;
     const int mismatches = BandMismatches(got, reference, tau, 1e-4, &best_mismatch);
     const double edge = reference[best] - tau;
-    stats.mean_band += std::count_if(reference.begin(), reference.end(),
-                                      [edge](double s) { return s >= edge; });
+    stats.mean_band +=
+        std::count_if(reference.begin(), reference.end(), [edge](double s) { return s >= edge; });
     ++stats.queries;
     stats.best_found += found;
     stats.band_matches += mismatches == 0 && !best_mismatch;
@@ -734,12 +762,25 @@ TEST(BuildCentroidIndexTest, PicksTheImplementationByPoolSize) {
   options.large_pool_min_rows = 41;
   auto small = BuildCentroidIndex(centroids, 40, 128, options);
   ASSERT_TRUE(small.ok());
-  EXPECT_EQ((*small)->kind(), "exact_bf16");
+  EXPECT_EQ((*small)->kind(), "exact") << "short rows scan in fp32 under kAuto";
+  options.half_format = HalfFormat::kBfloat16;
+  auto small_bf16 = BuildCentroidIndex(centroids, 40, 128, options);
+  ASSERT_TRUE(small_bf16.ok());
+  EXPECT_EQ((*small_bf16)->kind(), "exact_bf16");
+  options.half_format = HalfFormat::kBinary16;
+  auto small_fp16 = BuildCentroidIndex(centroids, 40, 128, options);
+  ASSERT_TRUE(small_fp16.ok());
+  EXPECT_EQ((*small_fp16)->kind(), "exact_fp16");
   options.half_precision = false;
   auto small32 = BuildCentroidIndex(centroids, 40, 128, options);
   ASSERT_TRUE(small32.ok());
   EXPECT_EQ((*small32)->kind(), "exact");
-  EXPECT_GE(CentroidIndexOptions().large_pool_min_rows, 2);
+
+  const std::vector<float> long_rows = RandomRows(8, 4096, rng);
+  auto long_auto = BuildCentroidIndex(long_rows, 8, 4096, CentroidIndexOptions());
+  ASSERT_TRUE(long_auto.ok());
+  EXPECT_EQ((*long_auto)->kind(), "exact_bf16") << "long rows scan in bfloat16 under kAuto";
+  EXPECT_EQ(CentroidIndexOptions().large_pool_min_rows, 128);
 }
 
 // ---- Batches ------------------------------------------------------------------------------------
@@ -754,8 +795,8 @@ TEST(ScoreBatchTest, MatchesReferenceForBothImplementations) {
     queries.insert(queries.end(), q.begin(), q.end());
   }
   for (CentroidIndexKind kind : {CentroidIndexKind::kExact, CentroidIndexKind::kFaissReduced}) {
-    auto index = BuildCentroidIndexOfKind(kind, data.centroids, data.rows, data.dim,
-                                          CentroidIndexOptions());
+    auto index =
+        BuildCentroidIndexOfKind(kind, data.centroids, data.rows, data.dim, CentroidIndexOptions());
     ASSERT_TRUE(index.ok()) << index.status();
     std::vector<float> scores(static_cast<size_t>(n) * data.rows);
     ASSERT_TRUE((*index)->ScoreBatch(queries, n, absl::MakeSpan(scores)).ok());
@@ -773,7 +814,7 @@ TEST(ScoreBatchTest, MatchesReferenceForBothImplementations) {
 }
 
 TEST(ScoreAllPairsTest, ComputesRowMajorProducts) {
-  const std::vector<float> a = {1, 2, 3, 4, 5, 6};        // 2 x 3
+  const std::vector<float> a = {1, 2, 3, 4, 5, 6};                    // 2 x 3
   const std::vector<float> b = {1, 0, 0, 0, 1, 1, 2, 2, 2, 0, 0, 0};  // 4 x 3
   std::vector<float> c(8, -1.f);
   ScoreAllPairs(a, 2, b, 4, 3, absl::MakeSpan(c));

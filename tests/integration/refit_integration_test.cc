@@ -261,7 +261,8 @@ TEST(RefitIntegrationTest, WorkerAddedAndRemovedAtRuntimeKeepsRoutingCorrect) {
   while (!has_centroid && absl::Now() < deadline) {
     RouteBatch(*router, next, 20, &tally);
     next += 20;
-    const auto* w4 = FindWorker(State(*router), "w4");
+    const eldr::v1::GetStateResponse state = State(*router);  // FindWorker points into it
+    const auto* w4 = FindWorker(state, "w4");
     has_centroid = w4 != nullptr && w4->has_centroid();
   }
   ASSERT_TRUE(has_centroid) << router->Log();

@@ -407,7 +407,8 @@ TEST(RouterIntegration, SigtermDrainsAndExitsZero) {
   ASSERT_TRUE(writer->Write(Load("w2", 3)));
   const absl::Time applied_deadline = absl::Now() + absl::Seconds(10);
   while (true) {
-    const auto* w2 = FindWorker(State(*router), "w2");
+    const eldr::v1::GetStateResponse state = State(*router);  // FindWorker points into it
+    const auto* w2 = FindWorker(state, "w2");
     if (w2 != nullptr && w2->reported_load() == 3) break;
     ASSERT_LT(absl::Now(), applied_deadline) << "reports were not applied";
     absl::SleepFor(absl::Milliseconds(5));
