@@ -31,9 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
-#include "curl/curl.h"
 #include "eldr/centroid_artifact.h"
 #include "eldr/trace.h"
 #include "eldr/v1/router.grpc.pb.h"
@@ -69,10 +67,6 @@ ABSL_FLAG(std::string, write_workers, "",
           "With --write_artifact: also write the worker file (w<i> at 127.0.0.1:<20000+i>).");
 ABSL_FLAG(int, workers, 16, "Workers of --write_artifact.");
 ABSL_FLAG(double, connect_timeout_s, 10, "Give up when the router cannot be reached within this time.");
-ABSL_FLAG(std::string, metrics, "",
-          "host:port of the router's metrics endpoint: the output then also has the server-side "
-          "decision time of the measured window (eldr_route_duration_seconds, scraped before and "
-          "after).");
 
 namespace {
 
@@ -363,81 +357,6 @@ double PercentileUs(std::vector<int64_t>& ns, double q) {
   return ns[i] / 1000.0;
 }
 
-// Cumulative bucket counts of eldr_route_duration_seconds (upper bound in seconds -> count).
-using Buckets = std::map<double, double>;
-
-size_t AppendToString(char* data, size_t size, size_t n, void* out) {
-  static_cast<std::string*>(out)->append(data, size * n);
-  return size * n;
-}
-
-absl::StatusOr<Buckets> ScrapeDecisionHistogram(const std::string& host_port) {
-  CURL* curl = curl_easy_init();
-  if (curl == nullptr) return absl::InternalError("curl_easy_init failed");
-  std::string body;
-  const std::string url = absl::StrCat("http://", host_port, "/metrics");
-  curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, 5000L);
-  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, AppendToString);
-  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &body);
-  const CURLcode code = curl_easy_perform(curl);
-  long http = 0;
-  curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &http);
-  curl_easy_cleanup(curl);
-  if (code != CURLE_OK || http != 200) {
-    return absl::UnavailableError(absl::StrCat("GET ", url, " failed: ", curl_easy_strerror(code), " HTTP ", http));
-  }
-  Buckets buckets;
-  constexpr absl::string_view kPrefix = "eldr_route_duration_seconds_bucket{le=\"";
-  for (absl::string_view line : absl::StrSplit(body, '\n')) {
-    if (!absl::ConsumePrefix(&line, kPrefix)) continue;
-    const size_t quote = line.find('"');
-    const size_t space = line.rfind(' ');
-    if (quote == absl::string_view::npos || space == absl::string_view::npos) continue;
-    const absl::string_view le = line.substr(0, quote);
-    double bound = 0;
-    double count = 0;
-    if (le == "+Inf") {
-      bound = INFINITY;
-    } else if (!absl::SimpleAtod(le, &bound)) {
-      continue;
-    }
-    if (!absl::SimpleAtod(line.substr(space + 1), &count)) continue;
-    buckets[bound] = count;
-  }
-  if (buckets.empty()) return absl::NotFoundError(absl::StrCat(url, " has no eldr_route_duration_seconds"));
-  return buckets;
-}
-
-// Quantile of the decisions between two scrapes, interpolated inside its bucket like
-// Prometheus' histogram_quantile; also the bucket's upper bound (a guaranteed upper bound).
-struct ServerQuantile {
-  double estimate_us = 0;
-  double bound_us = 0;
-};
-ServerQuantile DecisionQuantile(const Buckets& before, const Buckets& after, double q) {
-  ServerQuantile out;
-  const double total = after.rbegin()->second - (before.empty() ? 0 : before.rbegin()->second);
-  if (total <= 0) return out;
-  double lower = 0;
-  double below = 0;
-  for (const auto& [bound, count] : after) {
-    auto it = before.find(bound);
-    const double cumulative = count - (it == before.end() ? 0 : it->second);
-    if (cumulative >= q * total) {
-      const double in_bucket = cumulative - below;
-      const double upper = std::isinf(bound) ? lower : bound;
-      const double fraction = in_bucket > 0 ? (q * total - below) / in_bucket : 1;
-      out.estimate_us = 1e6 * (lower + (upper - lower) * fraction);
-      out.bound_us = std::isinf(bound) ? INFINITY : 1e6 * bound;
-      return out;
-    }
-    lower = bound;
-    below = cumulative;
-  }
-  return out;
-}
-
 std::shared_ptr<grpc::ChannelCredentials> MakeCredentials() {
   const std::string ca = absl::GetFlag(FLAGS_tls_ca);
   if (ca.empty()) return grpc::InsecureChannelCredentials();
@@ -547,16 +466,8 @@ int main(int argc, char** argv) {
       while (cq->Next(&tag, &ok)) static_cast<Slot*>(tag)->OnCqEvent();
     });
   }
-  const std::string metrics_target = absl::GetFlag(FLAGS_metrics);
   for (auto& slot : slots) slot->Start();
-  absl::StatusOr<Buckets> histogram_before = absl::UnavailableError("not scraped");
-  if (!metrics_target.empty()) {
-    std::this_thread::sleep_until(from);
-    histogram_before = ScrapeDecisionHistogram(metrics_target);
-  }
   run.WaitForSlots(concurrency);
-  absl::StatusOr<Buckets> histogram_after = absl::UnavailableError("not scraped");
-  if (!metrics_target.empty()) histogram_after = ScrapeDecisionHistogram(metrics_target);
   for (auto& queue : queues) queue->Shutdown();
   for (auto& poller : pollers) poller.join();
 
@@ -593,19 +504,6 @@ int main(int argc, char** argv) {
       {"error_codes", total.error_codes},
   };
   if (!total.last_error.empty()) out["last_error"] = total.last_error;
-  if (!metrics_target.empty()) {
-    if (histogram_before.ok() && histogram_after.ok()) {
-      const ServerQuantile p50 = DecisionQuantile(*histogram_before, *histogram_after, 0.50);
-      const ServerQuantile p99 = DecisionQuantile(*histogram_before, *histogram_after, 0.99);
-      out["server_decisions"] = histogram_after->rbegin()->second - histogram_before->rbegin()->second;
-      out["server_p50_us"] = std::round(p50.estimate_us * 10) / 10;
-      out["server_p99_us"] = std::round(p99.estimate_us * 10) / 10;
-      out["server_p99_bucket_le_us"] = p99.bound_us;
-    } else {
-      out["metrics_error"] = std::string(
-          (histogram_before.ok() ? histogram_after.status() : histogram_before.status()).message());
-    }
-  }
   if (absl::GetFlag(FLAGS_json)) {
     std::printf("%s\n", out.dump().c_str());
   } else {
@@ -617,11 +515,6 @@ int main(int argc, char** argv) {
     if (total.completes > 0) {
       std::printf("Complete latency us: p50 %.1f  p99 %.1f (%lld completes)\n", out["complete_p50_us"].get<double>(),
                   out["complete_p99_us"].get<double>(), static_cast<long long>(total.completes));
-    }
-    if (out.contains("server_p99_us")) {
-      std::printf("server decision us (eldr_route_duration_seconds): p50 %.1f  p99 %.1f (bucket le %.0f)\n",
-                  out["server_p50_us"].get<double>(), out["server_p99_us"].get<double>(),
-                  out["server_p99_bucket_le_us"].get<double>());
     }
     if (total.errors > 0) std::printf("last error: %s\n", total.last_error.c_str());
   }

@@ -33,8 +33,7 @@ TEST(BenchIntegration, RandomSignaturesWithCompleteReportsTheContractFields) {
   ASSERT_TRUE(router.ok()) << router.status();
 
   nlohmann::json out = RunBench({"--target=" + (*router)->target(), "--duration_s=1", "--warmup_s=0.2",
-                                 "--concurrency=4", "--geometry=12x32", "--complete", "--json",
-                                 absl::StrCat("--metrics=127.0.0.1:", (*router)->metrics_port())});
+                                 "--concurrency=4", "--geometry=12x32", "--complete", "--json"});
   ASSERT_TRUE(out.is_object());
   for (const char* key : {"requests", "errors", "qps", "p50_us", "p90_us", "p99_us"}) {
     EXPECT_TRUE(out.contains(key)) << key;
@@ -46,12 +45,6 @@ TEST(BenchIntegration, RandomSignaturesWithCompleteReportsTheContractFields) {
   EXPECT_LE(out["p90_us"].get<double>(), out["p99_us"].get<double>());
   // Complete was sent for (almost) every route; the last routes may end with the window.
   EXPECT_GE(out["completes"].get<int64_t>(), out["requests"].get<int64_t>() - 8);
-  // The server-side decision time of the window, from the daemon's histogram.
-  ASSERT_TRUE(out.contains("server_p99_us")) << out.dump();
-  EXPECT_NEAR(out["server_decisions"].get<double>(), out["requests"].get<double>(), 16);
-  EXPECT_GT(out["server_p50_us"].get<double>(), 0);
-  EXPECT_LE(out["server_p50_us"].get<double>(), out["server_p99_us"].get<double>());
-  EXPECT_LE(out["server_p99_us"].get<double>(), out["server_p99_bucket_le_us"].get<double>());
 
   // The daemon agrees: every completed lease was released, none is left behind.
   auto metrics = ScrapeMetrics((*router)->metrics_port());
