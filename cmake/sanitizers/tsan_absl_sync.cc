@@ -8,7 +8,10 @@
 // definition below wins the dynamic symbol lookup (calls from our code, from libabsl itself and
 // from libgrpc all go through the PLT), forwards to the real function found with
 // dlsym(RTLD_NEXT), and tells TSan about the acquire/release it performs. A lock is an acquire
-// of the mutex's address, an unlock a release; waits release before and acquire after.
+// of the mutex's address, an unlock a release; waits release before and acquire after; a
+// Condition is evaluated after an acquire (the library evaluates it while holding the mutex).
+// Races inside the uninstrumented libraries themselves are out of TSan's sight either way: run
+// with TSAN_OPTIONS=ignore_noninstrumented_modules=1 (scripts/sanitize.sh, make sanitize-tsan).
 //
 // Only for TSan builds: it is not compiled otherwise.
 #include <dlfcn.h>
@@ -48,6 +51,30 @@ Fn Real(const char* rest_after_namespace) {
 
 void Acquire(const void* address) { __tsan_acquire(const_cast<void*>(address)); }
 void Release(const void* address) { __tsan_release(const_cast<void*>(address)); }
+
+// A Condition is evaluated inside the library with the mutex held (by the waiter before it
+// sleeps or after it re-took the mutex, or by the thread that unlocks it), out of the wrappers'
+// sight: the replacement condition acquires the mutex's address, evaluates the caller's
+// condition, and releases the address again, since the library may let the mutex go right after
+// (a waiter going to sleep) without passing through Unlock.
+class AcquiringCondition {
+ public:
+  AcquiringCondition(const absl::Mutex* mu, const absl::Condition& cond)
+      : mu_(mu), cond_(&cond), condition_(&AcquiringCondition::Evaluate, static_cast<void*>(this)) {}
+  const absl::Condition& condition() const { return condition_; }
+
+ private:
+  static bool Evaluate(void* self_pointer) {
+    const auto* self = static_cast<const AcquiringCondition*>(self_pointer);
+    Acquire(self->mu_);
+    const bool result = self->cond_->Eval();
+    Release(self->mu_);
+    return result;
+  }
+  const absl::Mutex* mu_;
+  const absl::Condition* cond_;
+  absl::Condition condition_;
+};
 
 }  // namespace
 
@@ -94,14 +121,16 @@ bool Mutex::ReaderTryLock() {
 
 void Mutex::LockWhen(const Condition& cond) {
   static const auto real = Real<void (*)(Mutex*, const Condition&)>("5Mutex8LockWhenERKNS0_9ConditionE");
-  real(this, cond);
+  AcquiringCondition acquiring(this, cond);
+  real(this, acquiring.condition());
   Acquire(this);
 }
 
 bool Mutex::LockWhenWithTimeout(const Condition& cond, Duration timeout) {
   static const auto real = Real<bool (*)(Mutex*, const Condition&, Duration)>(
       "5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
-  const bool result = real(this, cond, timeout);
+  AcquiringCondition acquiring(this, cond);
+  const bool result = real(this, acquiring.condition(), timeout);
   Acquire(this);  // held on return either way
   return result;
 }
@@ -109,21 +138,24 @@ bool Mutex::LockWhenWithTimeout(const Condition& cond, Duration timeout) {
 bool Mutex::LockWhenWithDeadline(const Condition& cond, Time deadline) {
   static const auto real = Real<bool (*)(Mutex*, const Condition&, Time)>(
       "5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
-  const bool result = real(this, cond, deadline);
+  AcquiringCondition acquiring(this, cond);
+  const bool result = real(this, acquiring.condition(), deadline);
   Acquire(this);
   return result;
 }
 
 void Mutex::ReaderLockWhen(const Condition& cond) {
   static const auto real = Real<void (*)(Mutex*, const Condition&)>("5Mutex14ReaderLockWhenERKNS0_9ConditionE");
-  real(this, cond);
+  AcquiringCondition acquiring(this, cond);
+  real(this, acquiring.condition());
   Acquire(this);
 }
 
 bool Mutex::ReaderLockWhenWithTimeout(const Condition& cond, Duration timeout) {
   static const auto real = Real<bool (*)(Mutex*, const Condition&, Duration)>(
       "5Mutex25ReaderLockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
-  const bool result = real(this, cond, timeout);
+  AcquiringCondition acquiring(this, cond);
+  const bool result = real(this, acquiring.condition(), timeout);
   Acquire(this);
   return result;
 }
@@ -131,7 +163,8 @@ bool Mutex::ReaderLockWhenWithTimeout(const Condition& cond, Duration timeout) {
 bool Mutex::ReaderLockWhenWithDeadline(const Condition& cond, Time deadline) {
   static const auto real = Real<bool (*)(Mutex*, const Condition&, Time)>(
       "5Mutex26ReaderLockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
-  const bool result = real(this, cond, deadline);
+  AcquiringCondition acquiring(this, cond);
+  const bool result = real(this, acquiring.condition(), deadline);
   Acquire(this);
   return result;
 }
@@ -139,7 +172,8 @@ bool Mutex::ReaderLockWhenWithDeadline(const Condition& cond, Time deadline) {
 void Mutex::Await(const Condition& cond) {
   static const auto real = Real<void (*)(Mutex*, const Condition&)>("5Mutex5AwaitERKNS0_9ConditionE");
   Release(this);
-  real(this, cond);
+  AcquiringCondition acquiring(this, cond);
+  real(this, acquiring.condition());
   Acquire(this);
 }
 
@@ -147,7 +181,8 @@ bool Mutex::AwaitWithTimeout(const Condition& cond, Duration timeout) {
   static const auto real = Real<bool (*)(Mutex*, const Condition&, Duration)>(
       "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
   Release(this);
-  const bool result = real(this, cond, timeout);
+  AcquiringCondition acquiring(this, cond);
+  const bool result = real(this, acquiring.condition(), timeout);
   Acquire(this);
   return result;
 }
@@ -156,7 +191,8 @@ bool Mutex::AwaitWithDeadline(const Condition& cond, Time deadline) {
   static const auto real = Real<bool (*)(Mutex*, const Condition&, Time)>(
       "5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
   Release(this);
-  const bool result = real(this, cond, deadline);
+  AcquiringCondition acquiring(this, cond);
+  const bool result = real(this, acquiring.condition(), deadline);
   Acquire(this);
   return result;
 }

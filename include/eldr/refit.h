@@ -21,7 +21,8 @@
 // when both describe the same transform, so a restart keeps what was learned.
 //
 // Thread-safety: every method may be called from any thread. Observe takes one short mutex and
-// copies the signature; refits are serialised among themselves and never hold that mutex while
+// copies an admitted signature into a preallocated chunk (chunks are recycled, so the routing
+// thread does not allocate or zero-fill in steady state); refits are serialised among themselves and never hold that mutex while
 // fitting.
 #ifndef ELDR_REFIT_H_
 #define ELDR_REFIT_H_
@@ -50,7 +51,10 @@ struct RefitOptions {
   // Time between periodic refits; zero or infinite: no periodic refit (OnWorkerAdded /
   // OnWorkerRemoved / RefitNow still work).
   absl::Duration interval = absl::Seconds(10);
-  // Most recent signatures kept (memory: this * dim * 4 bytes; 4096 x 6144 floats = 100 MB).
+  // Signatures kept (memory: this * dim * 4 bytes; 4096 x 6144 floats = 100 MB). Admission is a
+  // token bucket of this many tokens refilled at max_window_signatures per `window`: a burst of up
+  // to this many is kept whole, and under sustained traffic faster than the refill the window is
+  // an even sample of the whole `window` (not only its newest fraction of a second).
   int max_window_signatures = 4096;
   // A fit needs at least this many window signatures per centroid; with fewer a periodic refit is
   // skipped (counted in refits_skipped) and a worker addition fails with FAILED_PRECONDITION.
@@ -77,6 +81,7 @@ struct RefitStats {
   uint64_t centroid_generation = 0;  // the router's generation after the last completed refit
   int64_t window_signatures = 0;     // gauge: signatures in the window now
   uint64_t signatures_observed = 0;
+  uint64_t signatures_sampled_out = 0;  // observed but not admitted (the window's token bucket was empty)
   std::string last_error;            // why the last refit failed or was skipped; empty on success
   absl::Time last_refit_time = absl::InfinitePast();  // of the last completed refit
 };
@@ -178,6 +183,13 @@ class OnlineRefitter {
   std::vector<std::shared_ptr<Chunk>> chunks_ ABSL_GUARDED_BY(window_mu_);  // oldest first
   int64_t window_rows_ ABSL_GUARDED_BY(window_mu_) = 0;
   uint64_t observed_ ABSL_GUARDED_BY(window_mu_) = 0;
+  uint64_t sampled_out_ ABSL_GUARDED_BY(window_mu_) = 0;
+  // Admission token bucket (see RefitOptions::max_window_signatures); starts full.
+  double admission_tokens_ ABSL_GUARDED_BY(window_mu_) = -1;  // < 0: not started
+  absl::Time admission_refilled_at_ ABSL_GUARDED_BY(window_mu_);
+  // An evicted chunk kept for reuse, so a full chunk does not cost an allocation and zero-fill of
+  // kChunkRows * dim floats on the routing thread.
+  std::shared_ptr<Chunk> spare_chunk_ ABSL_GUARDED_BY(window_mu_);
 
   mutable absl::Mutex stats_mu_;
   RefitStats stats_ ABSL_GUARDED_BY(stats_mu_);

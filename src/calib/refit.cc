@@ -1,6 +1,7 @@
 // Online refit and elastic pools (see include/eldr/refit.h for the contract).
 #include "eldr/refit.h"
 
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -165,9 +166,14 @@ void OnlineRefitter::Stop() {
 }
 
 void OnlineRefitter::RunPeriodic() {
-  // Fits yield the CPU to routing: on Linux a thread has its own nice value. Best effort (an
-  // unprivileged process may always lower its priority).
-  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
+  // Fits yield the CPU to routing. On Linux a thread has its own scheduling policy and nice value:
+  // SCHED_IDLE runs the fit only on CPU time routing leaves over, so a fit on a saturated core
+  // takes longer instead of delaying routes. Best effort (an unprivileged thread may always lower
+  // its priority); nice 19 is the fallback where SCHED_IDLE is refused.
+  const sched_param idle_param{};
+  if (sched_setscheduler(0, SCHED_IDLE, &idle_param) != 0) {
+    setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
+  }
   thread_mu_.Lock();
   while (!stopping_) {
     const absl::Time deadline = absl::Now() + options_.interval;
@@ -192,13 +198,36 @@ void OnlineRefitter::Observe(absl::Span<const float> signature, const std::strin
   ++observed_;
   if (dim != window_dim_) {  // a different transform is in service: the old rows are useless
     evicted.swap(chunks_);
+    spare_chunk_.reset();
     window_rows_ = 0;
     window_dim_ = dim;
   }
+  const double capacity = options_.max_window_signatures;
+  if (admission_tokens_ < 0) {
+    admission_tokens_ = capacity;
+  } else if (now > admission_refilled_at_) {
+    admission_tokens_ = std::min(capacity, admission_tokens_ + capacity * absl::FDivDuration(now - admission_refilled_at_, options_.window));
+  }
+  admission_refilled_at_ = now;
+  if (admission_tokens_ < 1) {
+    ++sampled_out_;
+    return;
+  }
+  admission_tokens_ -= 1;
   if (chunks_.empty() || chunks_.back()->count == kChunkRows) {
-    auto chunk = std::make_shared<Chunk>();
-    chunk->rows.resize(static_cast<size_t>(kChunkRows) * dim);
-    chunk->times.reserve(kChunkRows);
+    std::shared_ptr<Chunk> chunk;
+    // A snapshot may still read an evicted chunk; it is reused only once the window holds the
+    // last reference.
+    if (spare_chunk_ != nullptr && spare_chunk_.use_count() == 1) {
+      chunk = std::move(spare_chunk_);
+      chunk->count = 0;
+      chunk->times.clear();
+    } else {
+      chunk = std::make_shared<Chunk>();
+      chunk->rows.resize(static_cast<size_t>(kChunkRows) * dim);
+      chunk->times.reserve(kChunkRows);
+    }
+    spare_chunk_.reset();
     chunks_.push_back(std::move(chunk));
   }
   Chunk& chunk = *chunks_.back();
@@ -218,7 +247,8 @@ void OnlineRefitter::Observe(absl::Span<const float> signature, const std::strin
     ++drop;
   }
   if (drop > 0) {
-    evicted.insert(evicted.end(), chunks_.begin(), chunks_.begin() + drop);
+    spare_chunk_ = chunks_[drop - 1];
+    evicted.insert(evicted.end(), chunks_.begin(), chunks_.begin() + drop - 1);
     chunks_.erase(chunks_.begin(), chunks_.begin() + drop);
   }
 }
@@ -456,6 +486,7 @@ RefitStats OnlineRefitter::stats() const {
   absl::MutexLock lock(&window_mu_);
   stats.window_signatures = window_rows_;
   stats.signatures_observed = observed_;
+  stats.signatures_sampled_out = sampled_out_;
   return stats;
 }
 

@@ -62,6 +62,9 @@ class RefitStatsCollector : public prometheus::Collectable {
                stats.last_fit_seconds),
         Metric("eldr_refit_window_signatures", "Signatures in the refit window now.", MetricType::Gauge,
                static_cast<double>(stats.window_signatures)),
+        Metric("eldr_refit_signatures_sampled_out_total",
+               "Routed signatures not admitted to the refit window (its even sample of the window was full).",
+               MetricType::Counter, static_cast<double>(stats.signatures_sampled_out)),
     };
   }
 

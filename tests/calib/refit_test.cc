@@ -429,6 +429,43 @@ TEST_F(RefitTest, WindowIsBoundedBySize) {
   EXPECT_LE(stats.window_signatures, 64 + 32);  // whole chunks are dropped
 }
 
+// Under sustained traffic faster than max_window_signatures per window, the window admits a
+// burst of max_window_signatures and then an even sample: signatures spread over the whole window,
+// not only its newest instant.
+TEST_F(RefitTest, WindowIsAnEvenSampleUnderSustainedTraffic) {
+  absl::Mutex clock_mu;
+  absl::Time fake_now = absl::FromUnixSeconds(1000);
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  options.window = absl::Seconds(10);
+  options.max_window_signatures = 100;  // refill: 10 per second
+  options.clock = [&] {
+    absl::MutexLock lock(&clock_mu);
+    return fake_now;
+  };
+  MakeRefitter(options);
+  const std::vector<float> signature(16, 0.25f);
+  for (int i = 0; i < 250; ++i) refitter_->Observe(signature, "w0");  // a burst at one instant
+  RefitStats stats = refitter_->stats();
+  EXPECT_EQ(stats.signatures_observed, 250u);
+  EXPECT_EQ(stats.signatures_sampled_out, 150u);
+  EXPECT_EQ(stats.window_signatures, 100);
+  // 1,000 signatures per second for 20 s: 10 per second are admitted, old chunks leave.
+  for (int step = 0; step < 20000; ++step) {
+    {
+      absl::MutexLock lock(&clock_mu);
+      fake_now += absl::Milliseconds(1);
+    }
+    refitter_->Observe(signature, "w0");
+  }
+  stats = refitter_->stats();
+  EXPECT_EQ(stats.signatures_observed, 20250u);
+  EXPECT_NEAR(static_cast<double>(stats.signatures_observed - stats.signatures_sampled_out), 100 + 200, 2);
+  // The window spans its full 10 s: about 100 signatures, whole chunks of 32 dropped by age.
+  EXPECT_GE(stats.window_signatures, 100 - 32);
+  EXPECT_LE(stats.window_signatures, 100 + 32);
+}
+
 TEST_F(RefitTest, DetachedSlotStopsObservations) {
   RefitOptions options;
   options.interval = absl::ZeroDuration();

@@ -379,6 +379,10 @@ class PodContainer:
             divisor = parse_cpu(ref.get("divisor", "1"))
             # The kubelet rounds up: a 500m limit with divisor 1 is 1.
             env[var["name"]] = str(math.ceil(parse_cpu(limits["cpu"]) / divisor))
+        # Not part of the container: the sanitizer runtimes' settings of a sanitizer build's test run.
+        for name in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS", "TSAN_OPTIONS"):
+            if name in os.environ:
+                env[name] = os.environ[name]
         return env
 
     # -- lifecycle --

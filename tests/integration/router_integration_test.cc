@@ -615,7 +615,8 @@ TEST_F(BadInputTest, OddByteLengthIsInvalidArgument) {
   request.mutable_counts()->mutable_int16_le()->pop_back();
   grpc::Status status = Route(request);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_FALSE(status.error_message().empty());
+  EXPECT_THAT(status.error_message(), HasSubstr("even byte length"));
+  EXPECT_EQ(Rejected("wrong_encoding"), 1);
   ExpectStillRouting();
 }
 
@@ -628,12 +629,16 @@ TEST_F(BadInputTest, MalformedRequestFieldsAreInvalidArgument) {
 
   eldr::v1::RouteRequest long_id = BlockRequest(1);
   long_id.set_request_id(std::string(300, 'x'));
-  EXPECT_EQ(Route(long_id).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const grpc::Status long_id_status = Route(long_id);
+  EXPECT_EQ(long_id_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(long_id_status.error_message(), HasSubstr("300 bytes"));
+  EXPECT_EQ(Rejected("oversized"), 1);
 
   eldr::v1::RouteRequest huge = BlockRequest(1);
   huge.mutable_counts()->set_layers(1 << 20);
   huge.mutable_counts()->set_experts(1 << 20);
   EXPECT_EQ(Route(huge).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Rejected("geometry"), 1);  // beyond the largest supported geometry
   ExpectStillRouting();
 }
 

@@ -375,6 +375,9 @@ int Run() {
     return 1;
   }
   figures.rss_start_kib = (*router)->RssKib().value_or(0);
+  // Printed as it is taken (stderr: --json keeps stdout to the one report object), so a run that
+  // dies midway still shows where memory started.
+  std::fprintf(stderr, "eldr-soak: eldr-router RSS at start %lld KiB\n", static_cast<long long>(figures.rss_start_kib));
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", ports->grpc), grpc::InsecureChannelCredentials());
   auto stub = v1::DecodeRouter::NewStub(channel);
   auto admin = v1::RouterAdmin::NewStub(channel);
@@ -617,6 +620,7 @@ int Run() {
   }
 
   figures.rss_end_kib = (*router)->RssKib().value_or(0);
+  std::fprintf(stderr, "eldr-soak: eldr-router RSS at end %lld KiB\n", static_cast<long long>(figures.rss_end_kib));
   const double growth_mib = (figures.rss_end_kib - figures.rss_warm_kib) / 1024.0;
   if (growth_mib > absl::GetFlag(FLAGS_max_rss_growth_mib)) {
     tally.Fail(absl::StrCat("RSS grew by ", growth_mib, " MiB (limit ", absl::GetFlag(FLAGS_max_rss_growth_mib), ")"));

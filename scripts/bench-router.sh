@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# eldr-router throughput: the daemon and eldr-bench on one machine, over loopback.
+#
+# Writes a random centroid artifact of GEOMETRY for WORKERS workers (eldr-bench --write_artifact),
+# starts eldr-router on kernel-chosen loopback ports, runs eldr-bench (int16 counts, Complete for
+# every lease: two RPCs per route) and reads the server-side decision time from the
+# eldr_route_duration_seconds histogram: the difference of two scrapes taken right before and right
+# after the load, so warm-up and start-up are not counted. Prints one JSON object per run: the
+# client's figures (requests, errors, qps, p50_us, p90_us, p99_us, ...) plus server_decisions,
+# server_p50_us, server_p90_us, server_p99_us, server_p999_us (bucket-interpolated upper estimates)
+# and router_rss_kib.
+#
+# Placement: with PIN=1 (the default on machines with at least two CPUs) the daemon runs on CPU 0
+# and the load generator on CPU 1 (taskset), as a router with a dedicated core would in production
+# (Kubernetes' static CPU manager gives a Guaranteed pod exclusive cores). Unpinned, the two
+# processes' threads preempt each other on both cores and the decision's tail measures the
+# scheduler (docs/benchmarks.md has both).
+#
+# Usage: scripts/bench-router.sh [BUILD_DIR]
+#   env: RUNS (1), DURATION_S (10), CONCURRENCY (16), GEOMETRY (48x128), WORKERS (16), PIN (auto),
+#        ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra eldr-bench flags)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD_DIR="${1:-$ROOT/build}"
+BIN="$BUILD_DIR/bin"
+RUNS="${RUNS:-1}"
+DURATION_S="${DURATION_S:-10}"
+CONCURRENCY="${CONCURRENCY:-16}"
+GEOMETRY="${GEOMETRY:-48x128}"
+WORKERS="${WORKERS:-16}"
+if [[ -z "${PIN:-}" ]]; then
+  if [[ "$(nproc)" -ge 2 ]]; then PIN=1; else PIN=0; fi
+fi
+ROUTER_CPU=()
+BENCH_CPU=()
+if [[ "$PIN" == 1 ]]; then
+  ROUTER_CPU=(taskset -c 0)
+  BENCH_CPU=(taskset -c 1)
+fi
+PYTHON=/usr/bin/python3
+[[ -x "$PYTHON" ]] || PYTHON=python3
+
+for tool in eldr-router eldr-bench; do
+  [[ -x "$BIN/$tool" ]] || { echo "bench-router.sh: $BIN/$tool is missing; build first" >&2; exit 1; }
+done
+
+WORK_DIR="$(mktemp -d)"
+ROUTER_PID=""
+cleanup() {
+  if [[ -n "$ROUTER_PID" ]] && kill -0 "$ROUTER_PID" 2>/dev/null; then
+    kill -KILL "$ROUTER_PID" 2>/dev/null || true
+  fi
+  rm -rf "$WORK_DIR"
+}
+trap cleanup EXIT
+
+"$BIN/eldr-bench" --write_artifact="$WORK_DIR/centroids.eldr" --write_workers="$WORK_DIR/workers.json" \
+  --geometry="$GEOMETRY" --workers="$WORKERS" >/dev/null
+
+# Prints the decision-time percentiles between two scrapes as JSON fields.
+histogram_delta() {
+  "$PYTHON" - "$1" "$2" <<'EOF'
+import json, re, sys
+
+def buckets(path):
+    counts = {}
+    for line in open(path):
+        m = re.match(r'eldr_route_duration_seconds_bucket\{(.*)\} (\S+)', line)
+        if m:
+            le = re.search(r'le="([^"]+)"', m.group(1)).group(1)
+            counts[le] = counts.get(le, 0.0) + float(m.group(2))
+    return counts
+
+before, after = buckets(sys.argv[1]), buckets(sys.argv[2])
+bounds = sorted(after, key=lambda le: float("inf") if le == "+Inf" else float(le))
+delta = [(float("inf") if le == "+Inf" else float(le), after[le] - before.get(le, 0.0)) for le in bounds]
+total = delta[-1][1] if delta else 0.0
+out = {"server_decisions": int(total)}
+for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999)):
+    value, low, below = None, 0.0, 0.0
+    for upper, cumulative in delta:
+        if total > 0 and cumulative >= q * total:
+            if upper == float("inf"):
+                value = low  # beyond the last finite bucket: report its bound
+            else:
+                value = low + (upper - low) * (q * total - below) / max(cumulative - below, 1e-12)
+            break
+        low, below = upper, cumulative
+    out[f"server_{name}_us"] = None if value is None else round(value * 1e6, 2)
+print(json.dumps(out))
+EOF
+}
+
+for run in $(seq 1 "$RUNS"); do
+  rm -f "$WORK_DIR/ports.json"
+  # shellcheck disable=SC2086  # word splitting of the optional extra flags is intended
+  "${ROUTER_CPU[@]}" "$BIN/eldr-router" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
+    --port_file="$WORK_DIR/ports.json" --centroids="$WORK_DIR/centroids.eldr" \
+    --workers="$WORK_DIR/workers.json" --policy=eldr --log_level=warning ${ROUTER_ARGS:-} \
+    2>"$WORK_DIR/router.log" &
+  ROUTER_PID=$!
+  for _ in $(seq 1 200); do
+    [[ -s "$WORK_DIR/ports.json" ]] && break
+    kill -0 "$ROUTER_PID" 2>/dev/null || { cat "$WORK_DIR/router.log" >&2; exit 1; }
+    sleep 0.05
+  done
+  grpc_port="$(grep -o '"grpc_port":[0-9]*' "$WORK_DIR/ports.json" | cut -d: -f2)"
+  metrics_port="$(grep -o '"metrics_port":[0-9]*' "$WORK_DIR/ports.json" | cut -d: -f2)"
+  # The two scrapes bracket the whole eldr-bench run, its warm-up included: the histogram delta
+  # holds about warmup_s / duration_s more decisions than the client's `requests`.
+  curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/before.txt"
+  # shellcheck disable=SC2086
+  client_json="$("${BENCH_CPU[@]}" "$BIN/eldr-bench" --target="127.0.0.1:$grpc_port" \
+    --duration_s="$DURATION_S" --concurrency="$CONCURRENCY" --geometry="$GEOMETRY" \
+    --encoding=int16 --complete --json ${BENCH_ARGS:-})"
+  curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/after.txt"
+  rss_kib="$(awk '/^VmRSS:/ {print $2}' "/proc/$ROUTER_PID/status")"
+  server_json="$(histogram_delta "$WORK_DIR/before.txt" "$WORK_DIR/after.txt")"
+  kill -TERM "$ROUTER_PID"
+  wait "$ROUTER_PID" || { echo "bench-router.sh: eldr-router exited with $?" >&2; exit 1; }
+  ROUTER_PID=""
+  "$PYTHON" -c 'import json,sys; c=json.loads(sys.argv[1]); c.update(json.loads(sys.argv[2])); c["router_rss_kib"]=int(sys.argv[3]); c["pinned"]=sys.argv[4]=="1"; print(json.dumps(c))' \
+    "$client_json" "$server_json" "$rss_kib" "$PIN"
+done
