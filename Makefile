@@ -8,7 +8,7 @@ CMAKE_ARGS ?=
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: all deps configure build test demo bench sanitize-asan sanitize-tsan fuzz soak gpu clean
+.PHONY: all deps deps-sanitizers configure build test demo bench sanitize-asan sanitize-tsan fuzz soak gpu clean
 
 all: build
 
@@ -36,18 +36,21 @@ bench: build
 	$(BUILD_DIR)/bin/eldr-microbench --benchmark_min_time=0.2
 
 # Sanitizer builds of the unit and integration tests, each in its own build folder.
-sanitize-asan: deps
+deps-sanitizers:
+	@scripts/install-deps.sh --sanitizers
+
+sanitize-asan: deps-sanitizers
 	$(MAKE) test BUILD_DIR=build-asan BUILD_TYPE=RelWithDebInfo CMAKE_ARGS="-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DELDR_SANITIZE='address;undefined' -DELDR_CUDA=OFF -DELDR_BUILD_BENCHMARKS=OFF"
 
 # The system's Abseil, gRPC, FAISS and OpenMP are not TSan-instrumented: cmake/TsanAbseilSync.cmake
 # makes Abseil's mutexes visible, races reported from inside those libraries are ignored, and
 # cmake/sanitizers/tsan.supp lists the gRPC per-call state that its uninstrumented core hands over.
-sanitize-tsan: deps
+sanitize-tsan: deps-sanitizers
 	TSAN_OPTIONS="$${TSAN_OPTIONS:-ignore_noninstrumented_modules=1:second_deadlock_stack=1:suppressions=$(CURDIR)/cmake/sanitizers/tsan.supp}" $(MAKE) test BUILD_DIR=build-tsan BUILD_TYPE=RelWithDebInfo CMAKE_ARGS="-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DELDR_SANITIZE=thread -DELDR_CUDA=OFF -DELDR_BUILD_BENCHMARKS=OFF"
 
 # libFuzzer targets (clang, ASan+UBSan) in build-fuzz, each run for FUZZ_SECONDS (scripts/fuzz.sh).
 FUZZ_SECONDS ?= 10
-fuzz: deps
+fuzz: deps-sanitizers
 	scripts/fuzz.sh $(FUZZ_SECONDS)
 
 # The daemon under load with misbehaving workers and inputs for SOAK_SECONDS (tests/soak).

@@ -14,7 +14,9 @@
 #include "eldr/signature.h"
 #include "eldr/trace.h"
 #ifdef ELDR_FUZZ_HAVE_SERVER_CONFIG
+#include "eldr/v1/router.pb.h"
 #include "server/config.h"
+#include "server/service.h"
 #endif
 
 namespace eldr::fuzz {
@@ -237,6 +239,46 @@ int FuzzConfig(const uint8_t* data, size_t size) {
 }
 #endif
 
+#ifdef ELDR_FUZZ_HAVE_SERVER_CONFIG
+int FuzzRouteRequest(const uint8_t* data, size_t size) {
+  // The daemon's path for a Route message: protobuf decoding, then SignatureFromProto, then the
+  // transform of the centroid set in service (a fixed 4 x 8 count_idf spec here). A message
+  // claiming another geometry must be refused by one of them, never read out of bounds.
+  static const SignatureTransform* const transform = [] {
+    SignatureSpec spec;
+    spec.layers = 4;
+    spec.experts = 8;
+    spec.variant = SignatureVariant::kCountIdf;
+    for (int i = 0; i < spec.dim(); ++i) spec.idf.push_back(0.25f * static_cast<float>(i % 5));
+    absl::StatusOr<SignatureTransform> created = SignatureTransform::Create(spec);
+    ELDR_FUZZ_CHECK(created.ok(), "the fixed spec does not validate");
+    return new SignatureTransform(*std::move(created));
+  }();
+  eldr::v1::RouteRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+  SignatureInput input;
+  bool present = false;
+  const absl::Status converted = server::SignatureFromProto(request, &input, &present);
+  if (!converted.ok()) {
+    ELDR_FUZZ_CHECK(converted.code() == absl::StatusCode::kInvalidArgument,
+                    "a refused signature is not INVALID_ARGUMENT");
+    return 0;
+  }
+  if (!present) return 0;
+  std::vector<float> out(static_cast<size_t>(transform->dim()));
+  const absl::Status applied = transform->Apply(input, absl::MakeSpan(out));
+  if (applied.ok()) {
+    double norm = 0;
+    for (float v : out) {
+      ELDR_FUZZ_CHECK(std::isfinite(v), "Apply produced a non-finite value");
+      norm += static_cast<double>(v) * v;
+    }
+    ELDR_FUZZ_CHECK(std::fabs(std::sqrt(norm) - 1.0) < 1e-3, "Apply's output is not unit norm");
+  }
+  return 0;
+}
+#endif
+
 const std::vector<FuzzTarget>& AllFuzzTargets() {
   static const auto* targets = new std::vector<FuzzTarget>{
       {"signature", &FuzzSignature},
@@ -246,6 +288,7 @@ const std::vector<FuzzTarget>& AllFuzzTargets() {
 #ifdef ELDR_FUZZ_HAVE_SERVER_CONFIG
       {"worker_file", &FuzzWorkerFile},
       {"config", &FuzzConfig},
+      {"route_request", &FuzzRouteRequest},
 #endif
   };
   return *targets;

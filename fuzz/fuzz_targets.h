@@ -28,6 +28,9 @@ int FuzzNpy(const uint8_t* data, size_t size);
 int FuzzWorkerFile(const uint8_t* data, size_t size);
 // The daemon's config file parser (JSON) and the flag-syntax setter (`key=value`).
 int FuzzConfig(const uint8_t* data, size_t size);
+// A serialized eldr.v1.RouteRequest through the daemon's conversion (SignatureFromProto) and a
+// transform.
+int FuzzRouteRequest(const uint8_t* data, size_t size);
 
 struct FuzzTarget {
   const char* name;  // fuzz_<name> is the libFuzzer binary; fuzz/corpus/<name>/ its seeds

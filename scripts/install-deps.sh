@@ -2,6 +2,10 @@
 # Installs the Debian packages that building, testing and the demo need. Idempotent: packages that
 # are already installed are left alone, and apt is not touched at all when nothing is missing.
 # Assumed present: a C++ toolchain (g++, cmake) and, optionally, the CUDA toolkit under /usr/local/cuda.
+#
+#   scripts/install-deps.sh               what building, testing and the demo need
+#   scripts/install-deps.sh --sanitizers  also clang with its sanitizer and libFuzzer runtimes
+#                                         (make fuzz, make sanitize-asan, make sanitize-tsan)
 set -euo pipefail
 
 PACKAGES=(
@@ -15,6 +19,10 @@ PACKAGES=(
   # and runs the alert unit tests (tests/deploy).
   prometheus
 )
+if [[ "${1:-}" == "--sanitizers" ]]; then
+  # libclang-rt-14-dev holds the ASan/UBSan/TSan runtimes and libFuzzer; llvm-14 the symbolizer.
+  PACKAGES+=(clang libclang-rt-14-dev llvm-14)
+fi
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

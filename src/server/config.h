@@ -88,7 +88,9 @@ struct ServerOptions {
   // ---- Limits ----
   // Largest message accepted or sent on the data plane. The biggest signature realistic today
   // (128 layers x 512 experts as packed int32) is about 256 KiB: 1 MiB leaves 4x headroom while
-  // bounding what one request can make the router allocate. Larger: RESOURCE_EXHAUSTED.
+  // bounding what one request can make the router allocate. A larger Route request is
+  // INVALID_ARGUMENT (eldr_rejected_total{reason="oversized"}); the transport itself refuses, with
+  // RESOURCE_EXHAUSTED and before any handler, messages over kTransportMessageHeadroom (4) times it.
   int64_t max_message_bytes = 1 << 20;
   // Same limit on the separate admin listener, where ReloadCentroids may carry an artifact inline.
   int64_t admin_max_message_bytes = 64 << 20;

@@ -86,7 +86,8 @@ ABSL_FLAG(absl::Duration, tls_reload_interval, kDefaults.tls_reload_interval,
 ABSL_FLAG(std::string, admin_token_file, kDefaults.admin_token_file,
           "File with the bearer token every RouterAdmin RPC must present (re-read on SIGHUP).");
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
-          "Largest message on the data plane; larger ones are RESOURCE_EXHAUSTED.");
+          "Largest Route request on the data plane: larger ones are INVALID_ARGUMENT (counted as "
+          "oversized); gRPC refuses beyond 4x this with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, admin_max_message_bytes, kDefaults.admin_max_message_bytes,
           "Largest message on the --admin_listen port (inline artifacts).");
 ABSL_FLAG(int64_t, max_concurrent_streams, kDefaults.max_concurrent_streams,

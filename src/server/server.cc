@@ -1,7 +1,9 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -183,6 +185,7 @@ RouterServer::RouterServer(ServerOptions options, std::unique_ptr<Router> router
   ctx.metrics = metrics_.get();
   ctx.configured_policy = options_.policy;
   ctx.admin_auth = admin_auth_->enabled() ? admin_auth_.get() : nullptr;
+  ctx.max_request_bytes = options_.max_message_bytes;
   ctx.blocking = blocking_.get();
   ctx.reload_centroids = [this](const std::string& path, const std::string* inline_json) {
     return ReloadCentroids(path, inline_json);
@@ -212,7 +215,12 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> RouterServer::BuildServer(const st
   builder.AddListeningPort(address, credentials_, port);
   if (data_plane) builder.RegisterService(decode_service_.get());
   if (admin) builder.RegisterService(admin_service_.get());
-  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
+  // The data plane's handlers check the limit themselves (INVALID_ARGUMENT, counted): its transport
+  // lets through kTransportMessageHeadroom times more so that they see what is over it.
+  const int64_t receive_limit =
+      data_plane ? std::min<int64_t>(max_message_bytes * kTransportMessageHeadroom, std::numeric_limits<int>::max())
+                 : max_message_bytes;
+  builder.SetMaxReceiveMessageSize(static_cast<int>(receive_limit));
   builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
   // gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would silently
   // share the traffic instead of failing to start.

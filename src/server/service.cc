@@ -212,6 +212,27 @@ DecodeRouterService::~DecodeRouterService() = default;
 
 absl::Status DecodeRouterService::RouteOnce(const eldr::v1::RouteRequest& request,
                                             eldr::v1::RouteResponse* response, RouteResult* decided) {
+  if (ctx_.max_request_bytes > 0) {
+    // A cheap upper bound first (a packed int32 takes at most 10 bytes); the exact size only when
+    // the bound is over the limit, which keeps ByteSizeLong's walk over packed values off the
+    // common path.
+    using eldr::v1::RouteRequest;
+    const RouteRequest::SignatureCase kind = request.signature_case();
+    const int64_t bound =
+        64 + static_cast<int64_t>(request.request_id().size()) +
+        (kind == RouteRequest::kCounts ? static_cast<int64_t>(request.counts().int16_le().size()) +
+                                             10 * int64_t{request.counts().values().values_size()}
+                                       : 0) +
+        (kind == RouteRequest::kVector ? 4 * int64_t{request.vector().values_size()} : 0);
+    if (bound > ctx_.max_request_bytes) {
+      const int64_t size = static_cast<int64_t>(request.ByteSizeLong());
+      if (size > ctx_.max_request_bytes) {
+        return MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
+                              absl::StrCat("RouteRequest is ", size, " bytes; the router accepts at most ",
+                                           ctx_.max_request_bytes, " (--max_message_bytes)"));
+      }
+    }
+  }
   if (request.request_id().size() > kMaxRequestIdBytes) {
     return MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
                           absl::StrCat("request_id is ", request.request_id().size(), " bytes; at most ",

@@ -35,6 +35,11 @@ namespace eldr::server {
 
 // Limits on RouteRequest fields that the schema cannot express.
 inline constexpr size_t kMaxRequestIdBytes = 256;
+// The data plane's transport accepts messages up to this many times --max_message_bytes, so that a
+// request over the limit reaches the handler, which refuses it with INVALID_ARGUMENT (reason
+// oversized, counted); gRPC itself refuses (RESOURCE_EXHAUSTED, before any handler) only what is
+// larger still, which bounds what one request can make the router allocate.
+inline constexpr int64_t kTransportMessageHeadroom = 4;
 // layers * experts above this is rejected before any allocation (far beyond any real model).
 inline constexpr int64_t kMaxSignatureCells = int64_t{1} << 24;
 
@@ -75,6 +80,8 @@ struct ServiceContext {
   ServerMetrics* metrics = nullptr;
   PolicyKind configured_policy = PolicyKind::kEldr;
   const AdminAuthorizer* admin_auth = nullptr;  // null: admin RPCs are not checked
+  // Largest serialized RouteRequest accepted (--max_message_bytes); 0: no check here.
+  int64_t max_request_bytes = 0;
   BlockingExecutor* blocking = nullptr;
   // Loads and installs centroids: `path` (empty: the configured --centroids file) or, when
   // `inline_json` is set, that text. Blocking; called on `blocking`. Returns the installed

@@ -737,7 +737,9 @@ TEST_F(BadInputTest, BadArtifactReloadIsRejectedAndOldCentroidsStay) {
   EXPECT_EQ(MetricOr(*metrics, "eldr_centroid_reloads_total", {{"outcome", "ok"}}), 0);
 }
 
-TEST(RouterIntegration, OversizedMessageIsResourceExhausted) {
+// Over --max_message_bytes: INVALID_ARGUMENT with the sizes, counted as oversized. Over four times
+// the limit gRPC's transport refuses the message before any handler (RESOURCE_EXHAUSTED).
+TEST(RouterIntegration, OversizedMessageIsInvalidArgumentAndCounted) {
   TempDir dir;
   std::vector<std::string> args = StandardArgs(dir);
   args.push_back("--max_message_bytes=65536");
@@ -748,7 +750,22 @@ TEST(RouterIntegration, OversizedMessageIsResourceExhausted) {
   for (int i = 0; i < 40000; ++i) request.mutable_vector()->add_values(0.5f);  // 160 kB
   eldr::v1::RouteResponse response;
   grpc::Status status = RouteOnce(stub.get(), request, &response);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("at most 65536"));
+  // Packed int32 counts over the limit as well (the handler's size bound is not the exact size).
+  eldr::v1::RouteRequest counts;
+  counts.mutable_counts()->set_layers(kLayers);
+  counts.mutable_counts()->set_experts(kExperts);
+  for (int i = 0; i < 30000; ++i) counts.mutable_counts()->mutable_values()->add_values(1 << 28);  // 150 kB
+  EXPECT_EQ(RouteOnce(stub.get(), counts, &response).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  eldr::v1::RouteRequest huge;
+  for (int i = 0; i < 80000; ++i) huge.mutable_vector()->add_values(0.5f);  // 320 kB > 4 x 64 KiB
+  EXPECT_EQ(RouteOnce(stub.get(), huge, &response).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+
+  auto metrics = ScrapeMetrics(router->metrics_port());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(MetricOr(*metrics, "eldr_rejected_total", {{"reason", "oversized"}}), 2);
   ASSERT_TRUE(RouteOnce(stub.get(), BlockRequest(2), &response).ok());
   EXPECT_EQ(response.worker_id(), "w2");
 }

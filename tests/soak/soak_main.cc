@@ -214,9 +214,15 @@ void SendMalformed(int kind, v1::DecodeRouter::Stub& stub, int grpc_port, std::m
       expect("vector_dim", route(short_vector), grpc::StatusCode::INVALID_ARGUMENT);
       break;
     }
-    case 5: {  // larger than --max_message_bytes (1 MiB by default)
-      request.mutable_counts()->mutable_int16_le()->assign(2 << 20, '\1');
-      expect("oversized", route(request), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    case 5: {  // larger than --max_message_bytes (1 MiB by default): refused by the handler, or
+               // beyond 4 MiB by gRPC's transport
+      if (rng() % 2 == 0) {
+        request.mutable_counts()->mutable_int16_le()->assign(2 << 20, '\1');
+        expect("oversized", route(request), grpc::StatusCode::INVALID_ARGUMENT);
+      } else {
+        request.mutable_counts()->mutable_int16_le()->assign(5 << 20, '\1');
+        expect("oversized_transport", route(request), grpc::StatusCode::RESOURCE_EXHAUSTED);
+      }
       break;
     }
     case 6: {  // unknown lease
