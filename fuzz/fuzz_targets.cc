@@ -63,6 +63,16 @@ std::vector<T> Reinterpret(absl::string_view bytes) {
   return values;
 }
 
+// What a successful SignatureTransform::Apply promises: finite values of unit norm.
+void CheckAppliedSignature(const std::vector<float>& out) {
+  double norm = 0;
+  for (float v : out) {
+    ELDR_FUZZ_CHECK(std::isfinite(v), "Apply produced a non-finite value");
+    norm += static_cast<double>(v) * v;
+  }
+  ELDR_FUZZ_CHECK(std::fabs(std::sqrt(norm) - 1.0) < 1e-3, "Apply's output is not unit norm");
+}
+
 bool SameDouble(double a, double b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
 
 bool SameSample(const PromSample& a, const PromSample& b) {
@@ -109,14 +119,7 @@ int FuzzSignature(const uint8_t* data, size_t size) {
   }
   std::vector<float> out(static_cast<size_t>(transform->dim()), -1.0f);
   const absl::Status applied = transform->Apply(input, absl::MakeSpan(out));
-  if (applied.ok()) {
-    double norm = 0;
-    for (float v : out) {
-      ELDR_FUZZ_CHECK(std::isfinite(v), "Apply produced a non-finite value");
-      norm += static_cast<double>(v) * v;
-    }
-    ELDR_FUZZ_CHECK(std::fabs(std::sqrt(norm) - 1.0) < 1e-3, "Apply's output is not unit norm");
-  }
+  if (applied.ok()) CheckAppliedSignature(out);
   std::vector<float> weighted(static_cast<size_t>(transform->dim()));
   const absl::Status weighed = transform->Weighted(input, absl::MakeSpan(weighted));
   if (weighed.ok() && encoding != 3) {
@@ -267,14 +270,7 @@ int FuzzRouteRequest(const uint8_t* data, size_t size) {
   if (!present) return 0;
   std::vector<float> out(static_cast<size_t>(transform->dim()));
   const absl::Status applied = transform->Apply(input, absl::MakeSpan(out));
-  if (applied.ok()) {
-    double norm = 0;
-    for (float v : out) {
-      ELDR_FUZZ_CHECK(std::isfinite(v), "Apply produced a non-finite value");
-      norm += static_cast<double>(v) * v;
-    }
-    ELDR_FUZZ_CHECK(std::fabs(std::sqrt(norm) - 1.0) < 1e-3, "Apply's output is not unit norm");
-  }
+  if (applied.ok()) CheckAppliedSignature(out);
   return 0;
 }
 #endif

@@ -893,6 +893,35 @@ TEST(RouterIntegration, AcceptsEveryLimitAndKeepaliveFlag) {
   EXPECT_EQ(response.worker_id(), "w3");
 }
 
+// --max_concurrent_streams is enforced per connection: with a limit of 1, a Route on the connection
+// of an open ReportLoad stream waits (the client queues it) until the stream ends.
+TEST(RouterIntegration, MaxConcurrentStreamsIsEnforcedPerConnection) {
+  TempDir dir;
+  std::vector<std::string> args = StandardArgs(dir);
+  args.push_back("--max_concurrent_streams=1");
+  auto router = MustStart(dir, args);
+  ASSERT_NE(router, nullptr);
+  auto stub = router->RouterStub();
+  eldr::v1::RouteResponse response;
+  ASSERT_TRUE(RouteOnce(stub.get(), BlockRequest(1), &response).ok());  // connected, limit known
+
+  grpc::ClientContext stream_ctx;
+  stream_ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  eldr::v1::ReportLoadResponse summary;
+  auto writer = stub->ReportLoad(&stream_ctx, &summary);
+  ASSERT_TRUE(writer->Write(Load("w0", 1)));
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
+    EXPECT_EQ(stub->Route(&ctx, BlockRequest(1), &response).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  ASSERT_TRUE(writer->WritesDone());
+  ASSERT_TRUE(writer->Finish().ok());
+  EXPECT_EQ(summary.accepted(), 1);
+  ASSERT_TRUE(RouteOnce(stub.get(), BlockRequest(1), &response).ok());
+  EXPECT_EQ(response.worker_id(), "w1");
+}
+
 TEST(RouterIntegration, StartupErrorsSayWhatIsWrong) {
   TempDir dir;
   const std::string router = BinaryPath("eldr-router");
