@@ -187,6 +187,46 @@ TEST(DaemonScrapeTest, EveryWorkerUnhealthyFailsOpenAndIsCounted) {
   EXPECT_GE(daemon.Metric("eldr_scrape_errors_total", {{"worker", "w1"}, {"kind", "malformed"}}).value_or(0), 2);
 }
 
+// Under policy eldr, scraped health gates the locality band: the nearest worker gets the request
+// while healthy, the next one when it is not, and with every worker unhealthy the route fails open
+// back to locality (counted as all_unhealthy).
+TEST(DaemonScrapeTest, ScrapedHealthGatesTheLocalityBandUnderPolicyEldr) {
+  TempDir artifacts;
+  const std::string centroids = artifacts.File("centroids.json");
+  WriteTextFile(centroids, ArtifactJson({0, 1}));
+  ScrapingDaemon daemon(2, {"--policy=eldr", "--centroids=" + centroids});
+  ASSERT_TRUE(daemon.started());
+  daemon.worker(0).SetLoad({0, 0, 0});
+  daemon.worker(1).SetLoad({0, 0, 0});
+  ASSERT_TRUE(daemon.WaitForReportedLoads({0, 0})) << daemon.process().Log();
+  auto stub = daemon.process().RouterStub();
+  auto route_block_1 = [&](v1::RouteResponse* response) {
+    grpc::Status status = stub->Route(Ctx().get(), BlockRequest(1), response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    v1::CompleteRequest complete;
+    complete.set_lease_id(response->lease_id());
+    v1::CompleteResponse done;
+    EXPECT_TRUE(stub->Complete(Ctx().get(), complete, &done).ok());
+  };
+  v1::RouteResponse response;
+  route_block_1(&response);
+  EXPECT_EQ(response.worker_id(), "w1");
+  EXPECT_EQ(response.policy(), "eldr");
+  EXPECT_EQ(response.fallback_reason(), "");
+
+  ASSERT_TRUE(daemon.worker(1).SetMode(FakeMetricsServer::Mode::kDown).ok());
+  ASSERT_TRUE(WaitUntil([&] { return !daemon.Workers()["w1"].healthy(); })) << daemon.process().Log();
+  route_block_1(&response);
+  EXPECT_EQ(response.worker_id(), "w0");  // the nearest worker is out: the band holds only w0
+
+  ASSERT_TRUE(daemon.worker(0).SetMode(FakeMetricsServer::Mode::kDown).ok());
+  ASSERT_TRUE(WaitUntil([&] { return !daemon.Workers()["w0"].healthy(); })) << daemon.process().Log();
+  route_block_1(&response);
+  EXPECT_EQ(response.worker_id(), "w1");  // fail open: locality decides again
+  EXPECT_EQ(response.fallback_reason(), "all_unhealthy");
+  EXPECT_EQ(daemon.Metric("eldr_fallback_total", {{"reason", "all_unhealthy"}}), 1);
+}
+
 TEST(DaemonScrapeTest, WorkersFileMetricsUrlsAndAdminRemoval) {
   TempDir dir;
   auto w0 = FakeMetricsServer::Start("m");
