@@ -25,12 +25,6 @@
 namespace eldr::testing {
 namespace {
 
-std::unique_ptr<grpc::ClientContext> Ctx(absl::Duration timeout = absl::Seconds(10)) {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  return ctx;
-}
-
 // Route requests built from the prompt part of every bundled trace sequence, all domains mixed.
 class TraceRequests {
  public:
@@ -101,34 +95,10 @@ void RouteBatch(const RouterProcess& router, size_t first, int n, RouteTally* ta
   }
 }
 
-eldr::v1::GetStateResponse State(const RouterProcess& router) {
-  eldr::v1::GetStateResponse state;
-  auto ctx = Ctx();
-  grpc::Status status = router.AdminStub()->GetState(ctx.get(), {}, &state);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  return state;
-}
-
-const eldr::v1::WorkerState* FindWorker(const eldr::v1::GetStateResponse& state, const std::string& id) {
-  for (const auto& w : state.workers()) {
-    if (w.worker().id() == id) return &w;
-  }
-  return nullptr;
-}
-
 std::vector<std::string> BaseArgs(const TempDir& dir) {
-  const std::string artifact = dir.File("artifact.json");
-  WriteTextFile(artifact, ArtifactJson({0, 1, 2, 3}, {"w0", "w1", "w2", "w3"}));
-  return {"--workers=" + WorkerFlag(4), "--centroids=" + artifact, "--seed=7"};
-}
-
-std::unique_ptr<RouterProcess> MustStart(const TempDir& dir, std::vector<std::string> args) {
-  auto p = RouterProcess::Start(dir, std::move(args));
-  if (!p.ok()) {
-    ADD_FAILURE() << p.status();
-    return nullptr;
-  }
-  return *std::move(p);
+  std::vector<std::string> args = StandardArgs(dir);
+  args.push_back("--seed=7");
+  return args;
 }
 
 // Routes batches until the generation exceeds `above` (bounded); returns the last generation.

@@ -422,4 +422,40 @@ absl::StatusOr<CertificateSet> MakeCertificates(const TempDir& dir, const std::s
   return set;
 }
 
+std::unique_ptr<grpc::ClientContext> Ctx(absl::Duration timeout) {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  return ctx;
+}
+
+std::vector<std::string> StandardArgs(const TempDir& dir) {
+  const std::string artifact = dir.File("artifact.json");
+  WriteTextFile(artifact, ArtifactJson({0, 1, 2, 3}, {"w0", "w1", "w2", "w3"}));
+  return {"--workers=" + WorkerFlag(4), "--centroids=" + artifact};
+}
+
+std::unique_ptr<RouterProcess> MustStart(const TempDir& dir, std::vector<std::string> args) {
+  auto p = RouterProcess::Start(dir, std::move(args));
+  if (!p.ok()) {
+    ADD_FAILURE() << p.status();
+    return nullptr;
+  }
+  return *std::move(p);
+}
+
+eldr::v1::GetStateResponse State(const RouterProcess& router) {
+  eldr::v1::GetStateResponse state;
+  auto ctx = Ctx();
+  grpc::Status status = router.AdminStub()->GetState(ctx.get(), {}, &state);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return state;
+}
+
+const eldr::v1::WorkerState* FindWorker(const eldr::v1::GetStateResponse& state, const std::string& id) {
+  for (const auto& w : state.workers()) {
+    if (w.worker().id() == id) return &w;
+  }
+  return nullptr;
+}
+
 }  // namespace eldr::testing

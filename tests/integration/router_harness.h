@@ -106,6 +106,19 @@ std::string WorkerFlag(int n);
 // Counts concentrated on block b (plus nothing elsewhere), int16 little-endian.
 eldr::v1::RouteRequest BlockRequest(int block, const std::string& request_id = "req");
 
+// ---- Daemon set-ups and RPC helpers shared by the integration tests ----
+// A client context whose deadline is `timeout` from now: every RPC of a test is bounded.
+std::unique_ptr<grpc::ClientContext> Ctx(absl::Duration timeout = absl::Seconds(10));
+// Flags of the standard daemon: workers w0..w3, an artifact whose row i (named wi) is block i, so
+// BlockRequest(i) goes to wi. The artifact is written into `dir`.
+std::vector<std::string> StandardArgs(const TempDir& dir);
+// RouterProcess::Start that records a test failure (and returns null) when the daemon does not start.
+std::unique_ptr<RouterProcess> MustStart(const TempDir& dir, std::vector<std::string> args);
+// RouterAdmin.GetState (a failed RPC is a test failure; the response is then empty).
+eldr::v1::GetStateResponse State(const RouterProcess& router);
+// The worker `id` in `state`, or null. Points into `state`.
+const eldr::v1::WorkerState* FindWorker(const eldr::v1::GetStateResponse& state, const std::string& id);
+
 // ---- Metrics ----
 // HTTP GET http://127.0.0.1:<port><path>; returns the body of a 200 response.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);

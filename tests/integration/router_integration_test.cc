@@ -26,28 +26,7 @@ using ::grpc::health::v1::HealthCheckRequest;
 using ::grpc::health::v1::HealthCheckResponse;
 using ::testing::HasSubstr;
 
-std::unique_ptr<grpc::ClientContext> Ctx(absl::Duration timeout = absl::Seconds(10)) {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  return ctx;
-}
-
 // The standard fixture: 4 workers w0..w3, artifact rows named w0..w3 on blocks 0..3.
-std::vector<std::string> StandardArgs(const TempDir& dir) {
-  const std::string artifact = dir.File("artifact.json");
-  WriteTextFile(artifact, ArtifactJson({0, 1, 2, 3}, {"w0", "w1", "w2", "w3"}));
-  return {"--workers=" + WorkerFlag(4), "--centroids=" + artifact};
-}
-
-std::unique_ptr<RouterProcess> MustStart(const TempDir& dir, std::vector<std::string> args) {
-  auto p = RouterProcess::Start(dir, std::move(args));
-  if (!p.ok()) {
-    ADD_FAILURE() << p.status();
-    return nullptr;
-  }
-  return *std::move(p);
-}
-
 HealthCheckResponse::ServingStatus Health(const RouterProcess& router, const std::string& service) {
   HealthCheckRequest request;
   request.set_service(service);
@@ -56,21 +35,6 @@ HealthCheckResponse::ServingStatus Health(const RouterProcess& router, const std
   grpc::Status status = router.HealthStub()->Check(ctx.get(), request, &response);
   EXPECT_TRUE(status.ok()) << status.error_message();
   return response.status();
-}
-
-eldr::v1::GetStateResponse State(const RouterProcess& router) {
-  eldr::v1::GetStateResponse state;
-  auto ctx = Ctx();
-  grpc::Status status = router.AdminStub()->GetState(ctx.get(), {}, &state);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  return state;
-}
-
-const eldr::v1::WorkerState* FindWorker(const eldr::v1::GetStateResponse& state, const std::string& id) {
-  for (const auto& w : state.workers()) {
-    if (w.worker().id() == id) return &w;
-  }
-  return nullptr;
 }
 
 // Sends `reports` on one ReportLoad stream and returns the summary once the server has applied all.

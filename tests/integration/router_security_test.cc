@@ -16,26 +16,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::unique_ptr<grpc::ClientContext> Ctx(absl::Duration timeout = absl::Seconds(5)) {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  return ctx;
-}
-
-std::vector<std::string> StandardArgs(const TempDir& dir) {
-  const std::string artifact = dir.File("artifact.json");
-  WriteTextFile(artifact, ArtifactJson({0, 1, 2, 3}, {"w0", "w1", "w2", "w3"}));
-  return {"--workers=" + WorkerFlag(4), "--centroids=" + artifact};
-}
-
-std::unique_ptr<RouterProcess> MustStart(const TempDir& dir, std::vector<std::string> args) {
-  auto p = RouterProcess::Start(dir, std::move(args));
-  if (!p.ok()) {
-    ADD_FAILURE() << p.status();
-    return nullptr;
-  }
-  return *std::move(p);
-}
+// Every RPC of these tests is bounded by this (a refused handshake must fail fast).
+constexpr absl::Duration kRpcTimeout = absl::Seconds(5);
 
 // A TLS channel to 127.0.0.1:port that verifies the server against `ca` and, when given,
 // presents a client certificate. Each channel gets its own connection.
@@ -57,7 +39,7 @@ std::shared_ptr<grpc::Channel> TlsChannel(int port, const std::string& ca, const
 
 grpc::Status Route(const std::shared_ptr<grpc::Channel>& channel, eldr::v1::RouteResponse* response) {
   auto stub = eldr::v1::DecodeRouter::NewStub(channel);
-  auto ctx = Ctx();
+  auto ctx = Ctx(kRpcTimeout);
   return stub->Route(ctx.get(), BlockRequest(1), response);
 }
 
@@ -158,7 +140,7 @@ class AdminTokenTest : public ::testing::Test {
   }
 
   grpc::Status GetState(const std::string& authorization) {
-    auto ctx = Ctx();
+    auto ctx = Ctx(kRpcTimeout);
     if (!authorization.empty()) ctx->AddMetadata("authorization", authorization);
     eldr::v1::GetStateResponse state;
     return admin_->GetState(ctx.get(), {}, &state);
@@ -181,14 +163,14 @@ TEST_F(AdminTokenTest, AdminRpcsNeedTheToken) {
 
   // Every admin method is guarded, not only GetState.
   {
-    auto ctx = Ctx();
+    auto ctx = Ctx(kRpcTimeout);
     eldr::v1::RemoveWorkerRequest remove;
     remove.set_worker_id("w0");
     eldr::v1::RemoveWorkerResponse removed;
     EXPECT_EQ(admin_->RemoveWorker(ctx.get(), remove, &removed).error_code(), grpc::StatusCode::UNAUTHENTICATED);
   }
   {
-    auto ctx = Ctx();
+    auto ctx = Ctx(kRpcTimeout);
     eldr::v1::ReloadCentroidsRequest reload;
     eldr::v1::ReloadCentroidsResponse reloaded;
     ctx->AddMetadata("authorization", "Bearer nope");
@@ -204,7 +186,7 @@ TEST_F(AdminTokenTest, AdminRpcsNeedTheToken) {
   EXPECT_EQ(metrics->Value("eldr_admin_refused_total", {{"code", "unauthenticated"}}), 3);
   EXPECT_EQ(metrics->Value("eldr_admin_refused_total", {{"code", "permission_denied"}}), 4);
   // The refused RemoveWorker did nothing.
-  auto ctx = Ctx();
+  auto ctx = Ctx(kRpcTimeout);
   ctx->AddMetadata("authorization", "Bearer s3cret-token");
   eldr::v1::GetStateResponse state;
   ASSERT_TRUE(admin_->GetState(ctx.get(), {}, &state).ok());
@@ -244,12 +226,12 @@ TEST(RouterSecurity, AdminCanLiveOnItsOwnListener) {
   auto data_plane_admin = eldr::v1::RouterAdmin::NewStub(router->Channel());
   eldr::v1::GetStateResponse state;
   {
-    auto ctx = Ctx();
+    auto ctx = Ctx(kRpcTimeout);
     EXPECT_EQ(data_plane_admin->GetState(ctx.get(), {}, &state).error_code(), grpc::StatusCode::UNIMPLEMENTED);
   }
   // ...but on its own port, which in turn does not serve Route.
   {
-    auto ctx = Ctx();
+    auto ctx = Ctx(kRpcTimeout);
     ASSERT_TRUE(router->AdminStub()->GetState(ctx.get(), {}, &state).ok());
   }
   EXPECT_EQ(state.workers_size(), 4);

@@ -22,12 +22,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::unique_ptr<grpc::ClientContext> Ctx() {
-  auto context = std::make_unique<grpc::ClientContext>();
-  context->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-  return context;
-}
-
 bool WaitUntil(const std::function<bool()>& done, absl::Duration limit = absl::Seconds(15)) {
   const absl::Time deadline = absl::Now() + limit;
   while (absl::Now() < deadline) {
