@@ -22,8 +22,8 @@
 //
 // Thread-safety: every method may be called from any thread. Observe takes one short mutex and
 // copies an admitted signature into a preallocated chunk (chunks are recycled, so the routing
-// thread does not allocate or zero-fill in steady state); refits are serialised among themselves and never hold that mutex while
-// fitting.
+// thread does not allocate or zero-fill in steady state); refits are serialised among themselves
+// and never hold that mutex while fitting.
 #ifndef ELDR_REFIT_H_
 #define ELDR_REFIT_H_
 

@@ -206,7 +206,8 @@ void OnlineRefitter::Observe(absl::Span<const float> signature, const std::strin
   if (admission_tokens_ < 0) {
     admission_tokens_ = capacity;
   } else if (now > admission_refilled_at_) {
-    admission_tokens_ = std::min(capacity, admission_tokens_ + capacity * absl::FDivDuration(now - admission_refilled_at_, options_.window));
+    const double refill = capacity * absl::FDivDuration(now - admission_refilled_at_, options_.window);
+    admission_tokens_ = std::min(capacity, admission_tokens_ + refill);
   }
   admission_refilled_at_ = now;
   if (admission_tokens_ < 1) {
