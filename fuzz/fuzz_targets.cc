@@ -9,10 +9,10 @@
 
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/prom_text.h"
-#include "eldr/signature.h"
-#include "eldr/trace.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/loadsignals/prom_text.h"
+#include "eldr/core/signature.h"
+#include "eldr/trace/trace.h"
 #ifdef ELDR_FUZZ_HAVE_SERVER_CONFIG
 #include "eldr/v1/router.pb.h"
 #include "server/config.h"

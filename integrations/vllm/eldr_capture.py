@@ -1,4 +1,4 @@
-"""ctypes binding of libeldr_capture.so, the ELDR capture library (include/eldr/capture.h).
+"""ctypes binding of libeldr_capture.so, the ELDR capture library (include/eldr/capture/capture.h).
 
 Needs only the Python standard library and numpy, so any Python engine can use it. The library is
 found through, in order: the `path` argument, the ELDR_CAPTURE_LIBRARY environment variable, then
@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-# ---- Constants of include/eldr/capture.h ---------------------------------------------------------
+# ---- Constants of include/eldr/capture/capture.h ---------------------------------------------------------
 
 OK = 0
 NOT_READY = 1

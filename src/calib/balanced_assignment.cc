@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
-#include "eldr/calibration.h"
+#include "eldr/calib/calibration.h"
 #include "lemon/network_simplex.h"
 #include "lemon/static_graph.h"
 

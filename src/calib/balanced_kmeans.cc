@@ -13,8 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "calib/calib_internal.h"
-#include "eldr/calibration.h"
-#include "eldr/centroid_index.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/centroid_index.h"
 
 namespace eldr {
 namespace {

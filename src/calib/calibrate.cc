@@ -13,9 +13,9 @@
 #include "absl/types/span.h"
 #include "calib/calib_internal.h"
 #include "calib/signatures.h"
-#include "eldr/calibration.h"
-#include "eldr/errors.h"
-#include "eldr/signature.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/errors.h"
+#include "eldr/core/signature.h"
 
 namespace eldr {
 

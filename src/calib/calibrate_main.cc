@@ -28,11 +28,12 @@
 #include "calib/calib_internal.h"
 #include "calib/signatures.h"
 #include "calib/synthetic_data.h"
-#include "eldr/calibration.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/refit.h"
-#include "eldr/signature.h"
-#include "eldr/trace.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/common/file.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/refit/refit.h"
+#include "eldr/core/signature.h"
+#include "eldr/trace/trace.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, trace, "",

@@ -14,8 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "calib/calib_internal.h"
-#include "eldr/calibration.h"
-#include "eldr/trace.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/trace/trace.h"
 
 namespace eldr {
 namespace {

@@ -12,8 +12,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "eldr/calibration.h"
-#include "eldr/centroid_artifact.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/common/file.h"
+#include "eldr/core/centroid_artifact.h"
 
 namespace eldr {
 namespace {

@@ -9,9 +9,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "calib/signatures.h"
-#include "eldr/calibration.h"
-#include "eldr/centroid_index.h"
-#include "eldr/signature.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/centroid_index.h"
+#include "eldr/core/signature.h"
 #include "nlohmann/json.hpp"
 
 namespace eldr {

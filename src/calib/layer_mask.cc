@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "calib/calib_internal.h"
-#include "eldr/calibration.h"
+#include "eldr/calib/calibration.h"
 
 namespace eldr {
 namespace {

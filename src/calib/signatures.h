@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "eldr/calibration.h"
-#include "eldr/signature.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/signature.h"
 
 namespace eldr {
 

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "eldr/calibration.h"
+#include "eldr/calib/calibration.h"
 
 namespace eldr {
 

@@ -1,10 +1,5 @@
-#include "eldr/centroid_artifact.h"
+#include "eldr/core/centroid_artifact.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -17,7 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
-#include "eldr/errors.h"
+#include "eldr/common/file.h"
+#include "eldr/core/errors.h"
 #include "nlohmann/json.hpp"
 
 namespace eldr {
@@ -29,10 +25,6 @@ constexpr double kUnitNormTolerance = 1e-3;
 
 absl::Status Malformed(absl::string_view message) {
   return InvalidInput(RejectReason::kMalformed, absl::StrCat("centroid artifact: ", message));
-}
-
-absl::Status ErrnoError(int error_number, absl::string_view what, const std::string& path) {
-  return absl::ErrnoToStatus(error_number, absl::StrCat(what, " ", path));
 }
 
 // Reads a required or optional integer key. JSON floats (26.0) and booleans are rejected: the
@@ -95,21 +87,6 @@ void AppendFloatList(std::string* out, absl::Span<const float> values) {
 // files loadable by the reference.
 absl::string_view ReferenceVariantName(SignatureVariant variant) {
   return variant == SignatureVariant::kGateProb ? "gate_prob_all" : SignatureVariantName(variant);
-}
-
-absl::Status WriteAll(int fd, absl::string_view contents) {
-  const char* data = contents.data();
-  size_t left = contents.size();
-  while (left > 0) {
-    const ssize_t written = ::write(fd, data, left);
-    if (written < 0) {
-      if (errno == EINTR) continue;
-      return absl::ErrnoToStatus(errno, "write");
-    }
-    data += written;
-    left -= static_cast<size_t>(written);
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -315,8 +292,8 @@ absl::StatusOr<CentroidArtifact> ParseCentroidArtifact(absl::string_view json_te
   return artifact;
 }
 
-absl::StatusOr<CentroidArtifact> LoadCentroidArtifact(const std::string& path) {
-  ELDR_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+absl::StatusOr<CentroidArtifact> LoadCentroidArtifact(const std::string& path, size_t max_bytes) {
+  ELDR_ASSIGN_OR_RETURN(std::string text, ReadFile(path, max_bytes));
   absl::StatusOr<CentroidArtifact> artifact = ParseCentroidArtifact(text);
   if (!artifact.ok()) {
     return MakeInputError(artifact.status().code(), RejectReasonOf(artifact.status()),
@@ -366,60 +343,6 @@ std::string SerializeCentroidArtifact(const CentroidArtifact& artifact) {
 absl::Status SaveCentroidArtifact(const CentroidArtifact& artifact, const std::string& path) {
   ELDR_RETURN_IF_ERROR(ValidateCentroidArtifact(artifact));
   return WriteFileAtomically(path, SerializeCentroidArtifact(artifact));
-}
-
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
-  if (path.empty()) return absl::InvalidArgumentError("WriteFileAtomically: empty path");
-  static std::atomic<uint64_t> sequence{0};
-  const std::string temporary =
-      absl::StrCat(path, ".tmp.", ::getpid(), ".", sequence.fetch_add(1, std::memory_order_relaxed));
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoError(errno, "cannot create", temporary);
-  absl::Status status = WriteAll(fd, contents);
-  if (status.ok() && ::fsync(fd) != 0) status = absl::ErrnoToStatus(errno, "fsync");
-  if (::close(fd) != 0 && status.ok()) status = absl::ErrnoToStatus(errno, "close");
-  if (status.ok() && ::rename(temporary.c_str(), path.c_str()) != 0) {
-    status = absl::ErrnoToStatus(errno, "rename");
-  }
-  if (!status.ok()) {
-    ::unlink(temporary.c_str());
-    return absl::Status(status.code(), absl::StrCat("writing ", path, ": ", status.message()));
-  }
-  // Make the rename itself durable.
-  const size_t slash = path.rfind('/');
-  const std::string folder = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  const int dir_fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {
-    ::fsync(dir_fd);
-    ::close(dir_fd);
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoError(errno, "cannot open", path);
-  struct stat info;
-  if (::fstat(fd, &info) == 0 && S_ISDIR(info.st_mode)) {
-    ::close(fd);
-    return absl::FailedPreconditionError(absl::StrCat("cannot read ", path, ": is a directory"));
-  }
-  std::string contents;
-  if (info.st_size > 0) contents.reserve(static_cast<size_t>(info.st_size));
-  char buffer[1 << 16];
-  while (true) {
-    const ssize_t got = ::read(fd, buffer, sizeof(buffer));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      const int error_number = errno;
-      ::close(fd);
-      return ErrnoError(error_number, "cannot read", path);
-    }
-    if (got == 0) break;
-    contents.append(buffer, static_cast<size_t>(got));
-  }
-  ::close(fd);
-  return contents;
 }
 
 }  // namespace eldr

@@ -1,5 +1,5 @@
 // The centroid index: an exact SIMD scorer for small pools, a FAISS-fitted reduced space with exact
-// re-scoring for large pools, sgemm for batches. See include/eldr/centroid_index.h.
+// re-scoring for large pools, sgemm for batches. See include/eldr/core/centroid_index.h.
 //
 // Three ideas carry the speed (measured in docs/benchmarks.md, "Routing core microbenchmarks"):
 //  - Column compaction. A column that is zero in every centroid adds nothing to any score. With
@@ -16,7 +16,7 @@
 //  - Large pools: the query is projected on the principal axes of the centroids (fitted by
 //    faiss::PCAMatrix), every centroid is scored in that reduced space, and the best candidates
 //    are re-scored exactly as above.
-#include "eldr/centroid_index.h"
+#include "eldr/core/centroid_index.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -39,7 +39,7 @@
 #include "common/status_macros.h"
 #include "core/centroid_index_internal.h"
 #include "core/scorer_kernels.h"
-#include "eldr/errors.h"
+#include "eldr/core/errors.h"
 #include "faiss/IndexHNSW.h"
 #include "faiss/VectorTransform.h"
 #include "faiss/impl/FaissException.h"

@@ -1,4 +1,4 @@
-#include "eldr/errors.h"
+#include "eldr/core/errors.h"
 
 #include <optional>
 #include <string>

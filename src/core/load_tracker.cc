@@ -1,4 +1,4 @@
-#include "eldr/load_tracker.h"
+#include "eldr/core/load_tracker.h"
 
 #include <algorithm>
 #include <cmath>

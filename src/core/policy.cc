@@ -1,4 +1,4 @@
-#include "eldr/policy.h"
+#include "eldr/core/policy.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "eldr/errors.h"
+#include "eldr/core/errors.h"
 
 namespace eldr {
 namespace {

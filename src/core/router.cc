@@ -1,4 +1,4 @@
-#include "eldr/router.h"
+#include "eldr/core/router.h"
 
 #include <cmath>
 #include <memory>
@@ -12,8 +12,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "eldr/errors.h"
-#include "eldr/mutex.h"
+#include "eldr/core/errors.h"
+#include "eldr/common/mutex.h"
 
 namespace eldr {
 namespace {

@@ -1,4 +1,4 @@
-#include "eldr/signature.h"
+#include "eldr/core/signature.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "core/signature_kernels.h"
-#include "eldr/errors.h"
+#include "eldr/core/errors.h"
 
 namespace eldr {
 namespace {

@@ -1,4 +1,4 @@
-#include "eldr/load_scraper.h"
+#include "eldr/loadsignals/load_scraper.h"
 
 #include <curl/curl.h>
 

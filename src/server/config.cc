@@ -13,7 +13,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
-#include "eldr/centroid_artifact.h"
+#include "eldr/common/file.h"
+#include "eldr/core/centroid_artifact.h"
 #include "nlohmann/json.hpp"
 
 namespace eldr::server {

@@ -16,8 +16,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "eldr/policy.h"
-#include "eldr/router.h"
+#include "eldr/core/policy.h"
+#include "eldr/core/router.h"
 #include "server/logging.h"
 
 namespace eldr::server {

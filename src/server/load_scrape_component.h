@@ -1,5 +1,5 @@
 // Load scraping inside the daemon: a BackgroundComponent that owns an eldr::LoadScraper
-// (include/eldr/load_scraper.h) feeding the daemon's Router from the decode workers' Prometheus
+// (include/eldr/loadsignals/load_scraper.h) feeding the daemon's Router from the decode workers' Prometheus
 // endpoints, logs their health changes, and exports per-worker scrape metrics.
 //
 // Targets come from the settings: each worker's `metrics_url` in the workers JSON file, overridden
@@ -23,7 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "eldr/load_scraper.h"
+#include "eldr/loadsignals/load_scraper.h"
 #include "server/config.h"
 #include "server/server.h"
 

@@ -24,9 +24,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "eldr/errors.h"
-#include "eldr/policy.h"
-#include "eldr/router.h"
+#include "eldr/core/errors.h"
+#include "eldr/core/policy.h"
+#include "eldr/core/router.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"

@@ -14,7 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "eldr/refit.h"
+#include "eldr/refit/refit.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "server/logging.h"

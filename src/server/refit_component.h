@@ -1,5 +1,5 @@
 // Online refit inside the daemon: a BackgroundComponent owning an eldr::OnlineRefitter
-// (include/eldr/refit.h) that keeps the Router's centroids current as traffic drifts and as
+// (include/eldr/refit/refit.h) that keeps the Router's centroids current as traffic drifts and as
 // workers come and go, persists them under `state_dir`, and exports its counters.
 //
 // Enabled when refit_interval_s > 0 or state_dir is set. At Start it installs the persisted

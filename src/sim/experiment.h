@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "eldr/calibration.h"
-#include "eldr/policy.h"
-#include "eldr/signature.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/policy.h"
+#include "eldr/core/signature.h"
 #include "sim/simulator.h"
 #include "sim/workload.h"
 

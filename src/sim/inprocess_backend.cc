@@ -9,8 +9,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
-#include "eldr/router.h"
-#include "eldr/signature.h"
+#include "eldr/core/router.h"
+#include "eldr/core/signature.h"
 #include "sim/routing_backend.h"
 
 namespace eldr::sim {

@@ -15,8 +15,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/policy.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/core/policy.h"
 
 namespace eldr::sim {
 

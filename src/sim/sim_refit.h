@@ -1,6 +1,6 @@
 // Online refit driven at simulated times, for the eldr_refit policy.
 //
-// The product's refitter (eldr::OnlineRefitter, include/eldr/refit.h) does the work: a rolling
+// The product's refitter (eldr::OnlineRefitter, include/eldr/refit/refit.h) does the work: a rolling
 // window of transformed signatures, a balanced k-means fit warm-started from the centroids in
 // service, alignment of the new rows to the workers, installation. eldr-router runs it on a
 // background thread at wall-clock intervals; a simulation must refit at simulated instants to stay
@@ -22,10 +22,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/refit.h"
-#include "eldr/router.h"
-#include "eldr/signature.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/refit/refit.h"
+#include "eldr/core/router.h"
+#include "eldr/core/signature.h"
 
 namespace eldr::sim {
 

@@ -20,8 +20,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "eldr/calibration.h"
-#include "eldr/trace.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/trace/trace.h"
 
 namespace eldr::sim {
 

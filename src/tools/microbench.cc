@@ -50,9 +50,9 @@
 #include "benchmark/benchmark.h"
 #include "core/centroid_index_internal.h"
 #include "core/scorer_kernels.h"
-#include "eldr/centroid_index.h"
-#include "eldr/policy.h"
-#include "eldr/signature.h"
+#include "eldr/core/centroid_index.h"
+#include "eldr/core/policy.h"
+#include "eldr/core/signature.h"
 #include "faiss/IndexFlat.h"
 #include "faiss/utils/distances.h"
 

@@ -29,10 +29,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/router.h"
-#include "eldr/signature.h"
-#include "eldr/trace.h"
+#include "eldr/common/file.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/core/router.h"
+#include "eldr/core/signature.h"
+#include "eldr/trace/trace.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, data_dir, "data/esft-routing", "Folder of <domain>_topk.npy / _offsets.npy");

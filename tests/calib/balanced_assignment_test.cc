@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "eldr/calibration.h"
+#include "eldr/calib/calibration.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

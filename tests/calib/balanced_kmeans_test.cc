@@ -6,7 +6,7 @@
 #include <set>
 #include <vector>
 
-#include "eldr/calibration.h"
+#include "eldr/calib/calibration.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

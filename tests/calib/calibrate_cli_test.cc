@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "eldr/calibration.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/trace.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/trace/trace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

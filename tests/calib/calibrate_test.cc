@@ -7,10 +7,10 @@
 #include <vector>
 
 #include "calib/synthetic_data.h"
-#include "eldr/calibration.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/router.h"
-#include "eldr/trace.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/core/router.h"
+#include "eldr/trace/trace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

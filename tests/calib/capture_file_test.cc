@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "eldr/calibration.h"
-#include "eldr/centroid_artifact.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/centroid_artifact.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

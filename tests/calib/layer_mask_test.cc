@@ -3,8 +3,8 @@
 #include <random>
 #include <vector>
 
-#include "eldr/calibration.h"
-#include "eldr/signature.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/signature.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

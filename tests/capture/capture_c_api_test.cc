@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "capture/fake_router.h"
-#include "eldr/capture.h"
+#include "eldr/capture/capture.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "capture/capture_test_util.h"
-#include "eldr/capture.hpp"
+#include "eldr/capture/capture.hpp"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "eldr/trace.h"
+#include "eldr/trace/trace.h"
 #include "gtest/gtest.h"
 
 #ifdef ELDR_CAPTURE_HAVE_CUDA

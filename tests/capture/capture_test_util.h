@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "eldr/capture.hpp"
+#include "eldr/capture/capture.hpp"
 
 namespace eldr::capture::testing {
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "capture/fake_router.h"
-#include "eldr/capture.hpp"
+#include "eldr/capture/capture.hpp"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -1,4 +1,5 @@
-#include "eldr/centroid_artifact.h"
+#include "eldr/common/file.h"
+#include "eldr/core/centroid_artifact.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "eldr/errors.h"
+#include "eldr/core/errors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

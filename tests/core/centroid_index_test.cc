@@ -1,7 +1,7 @@
 // Tests of the centroid index: the SIMD kernels at every instruction-set level this CPU has, the
 // binary16 conversions, decisions of the exact scorer against a double-precision reference,
 // candidate recall of the FAISS reduced-space index, batched scoring, and input validation.
-#include "eldr/centroid_index.h"
+#include "eldr/core/centroid_index.h"
 
 #include <immintrin.h>
 
@@ -19,7 +19,7 @@
 
 #include "core/centroid_index_internal.h"
 #include "core/scorer_kernels.h"
-#include "eldr/errors.h"
+#include "eldr/core/errors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

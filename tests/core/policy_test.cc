@@ -1,4 +1,4 @@
-#include "eldr/policy.h"
+#include "eldr/core/policy.h"
 
 #include <map>
 #include <set>

@@ -11,9 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "eldr/router.h"
-#include "eldr/signature.h"
-#include "eldr/trace.h"
+#include "eldr/core/router.h"
+#include "eldr/core/signature.h"
+#include "eldr/trace/trace.h"
 #include "gtest/gtest.h"
 
 namespace eldr {

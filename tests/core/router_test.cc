@@ -1,4 +1,4 @@
-#include "eldr/router.h"
+#include "eldr/core/router.h"
 
 #include <atomic>
 #include <iostream>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "eldr/errors.h"
+#include "eldr/core/errors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -1,4 +1,4 @@
-#include "eldr/signature.h"
+#include "eldr/core/signature.h"
 
 #include <cmath>
 #include <cstring>
@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/signature_kernels.h"
-#include "eldr/errors.h"
+#include "eldr/core/errors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

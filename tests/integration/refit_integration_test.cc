@@ -15,9 +15,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/signature.h"
-#include "eldr/trace.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/core/signature.h"
+#include "eldr/trace/trace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "router_harness.h"

@@ -26,7 +26,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "eldr/centroid_artifact.h"
+#include "eldr/common/file.h"
+#include "eldr/core/centroid_artifact.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 

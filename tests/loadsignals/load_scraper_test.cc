@@ -1,4 +1,4 @@
-#include "eldr/load_scraper.h"
+#include "eldr/loadsignals/load_scraper.h"
 
 #include <cmath>
 #include <functional>
@@ -11,7 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "eldr/router.h"
+#include "eldr/core/router.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "loadsignals/fake_metrics_server.h"

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "benchmark/benchmark.h"
-#include "eldr/prom_text.h"
+#include "eldr/loadsignals/prom_text.h"
 #include "loadsignals/fake_metrics_server.h"
 
 namespace {

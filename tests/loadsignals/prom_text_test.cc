@@ -1,4 +1,4 @@
-#include "eldr/prom_text.h"
+#include "eldr/loadsignals/prom_text.h"
 
 #include <cmath>
 #include <string>

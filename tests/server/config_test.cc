@@ -1,9 +1,10 @@
+#include "eldr/common/file.h"
 #include "server/config.h"
 
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "eldr/centroid_artifact.h"
+#include "eldr/core/centroid_artifact.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

@@ -4,8 +4,8 @@
 #include <string>
 
 #include "absl/time/clock.h"
-#include "eldr/errors.h"
-#include "eldr/router.h"
+#include "eldr/core/errors.h"
+#include "eldr/core/router.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -1,5 +1,6 @@
 // In-process tests of RouterServer and its services: conversion helpers, lifecycle, health and
 // the extension points (background components, signature observers).
+#include "eldr/common/file.h"
 #include "server/server.h"
 
 #include <atomic>
@@ -11,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "eldr/centroid_artifact.h"
+#include "eldr/core/centroid_artifact.h"
 #include "eldr/v1/router.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"

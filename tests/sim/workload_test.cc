@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "eldr/trace.h"
+#include "eldr/trace/trace.h"
 #include "gtest/gtest.h"
 
 namespace eldr::sim {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "eldr/capture.hpp"
+#include "eldr/capture/capture.hpp"
 
 #ifdef ELDR_CAPTURE_HAVE_CUDA
 #include <cuda_runtime_api.h>

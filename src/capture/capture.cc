@@ -17,7 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "capture_backend.h"
-#include "eldr/capture.hpp"
+#include "eldr/capture/capture.hpp"
 
 namespace eldr::capture {
 namespace internal {

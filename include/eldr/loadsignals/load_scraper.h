@@ -35,8 +35,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "eldr/prom_text.h"
-#include "eldr/router.h"
+#include "eldr/loadsignals/prom_text.h"
+#include "eldr/core/router.h"
 
 namespace eldr {
 

@@ -1,4 +1,5 @@
-#include "eldr/trace.h"
+#include "eldr/common/file.h"
+#include "eldr/trace/trace.h"
 
 #include <unistd.h>
 
@@ -10,7 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "eldr/centroid_artifact.h"
+#include "eldr/core/centroid_artifact.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

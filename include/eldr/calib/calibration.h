@@ -14,9 +14,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/signature.h"
-#include "eldr/trace.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/core/signature.h"
+#include "eldr/trace/trace.h"
 
 namespace eldr {
 

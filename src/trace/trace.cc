@@ -1,4 +1,4 @@
-#include "eldr/trace.h"
+#include "eldr/trace/trace.h"
 
 #include <algorithm>
 #include <cctype>
@@ -17,8 +17,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/errors.h"
+#include "eldr/common/file.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/core/errors.h"
 
 namespace eldr {
 namespace {

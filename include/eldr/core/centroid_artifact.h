@@ -14,7 +14,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "eldr/signature.h"
+#include "eldr/common/file.h"
+#include "eldr/core/signature.h"
 
 namespace eldr {
 
@@ -41,8 +42,11 @@ absl::Status ValidateCentroidArtifact(const CentroidArtifact& artifact);
 // mistyped keys) or the reason of the failed check.
 absl::StatusOr<CentroidArtifact> ParseCentroidArtifact(absl::string_view json_text);
 
-// Reads `path` and parses it; NOT_FOUND / PERMISSION_DENIED style errors name the path.
-absl::StatusOr<CentroidArtifact> LoadCentroidArtifact(const std::string& path);
+// Reads `path` (a regular file of at most `max_bytes`, see eldr/common/file.h) and parses it. File
+// errors (NOT_FOUND, FAILED_PRECONDITION for a non-regular file, RESOURCE_EXHAUSTED over the limit,
+// ...) name the path; parse errors are those of ParseCentroidArtifact, prefixed with the path.
+absl::StatusOr<CentroidArtifact> LoadCentroidArtifact(const std::string& path,
+                                                      size_t max_bytes = kDefaultMaxFileBytes);
 
 // Pretty JSON with the reference keys plus `workers` (when set).
 std::string SerializeCentroidArtifact(const CentroidArtifact& artifact);
@@ -50,13 +54,6 @@ std::string SerializeCentroidArtifact(const CentroidArtifact& artifact);
 // Validates, writes to a temporary file in the same folder, fsyncs and renames over `path`, so a
 // reader sees either the old file or the complete new one.
 absl::Status SaveCentroidArtifact(const CentroidArtifact& artifact, const std::string& path);
-
-// Writes `contents` to `path` atomically (temporary file, fsync, rename). Shared by every writer
-// of artifacts, state and reports.
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
-
-// Reads a whole file; errors name the path.
-absl::StatusOr<std::string> ReadFile(const std::string& path);
 
 }  // namespace eldr
 

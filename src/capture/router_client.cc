@@ -2,7 +2,7 @@
 // gRPC and returns the chosen decode worker; Complete releases the lease.
 //
 // The messages are proto/eldr/v1/router.proto compiled as a lite runtime copy under the package
-// eldr.capture_wire.v1 (cuda/CMakeLists.txt): the same wire format and method paths, but nothing
+// eldr.capture_wire.v1 (src/capture/CMakeLists.txt): the same wire format and method paths, but nothing
 // registered in protobuf's global descriptor pool and no symbol shared with eldr_proto, so a process
 // may load libeldr_capture.so next to any other copy of router.proto's generated code.
 #include <chrono>
@@ -15,7 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
-#include "eldr/capture.hpp"
+#include "eldr/capture/capture.hpp"
 #include "eldr_capture_wire.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/impl/codegen/proto_utils.h"

@@ -1,6 +1,6 @@
 // ELDR capture library, C++ API (static library `eldr_capture_static`).
 //
-// The same operations as the C ABI in eldr/capture.h, for engines written in C++: read that header
+// The same operations as the C ABI in eldr/capture/capture.h, for engines written in C++: read that header
 // for the model (per-KV-block counts, devices, streams, ordering, bad data). Nothing here depends on
 // CUDA headers: streams are cudaStream_t values passed as void*.
 //

@@ -20,7 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "eldr/mutex.h"
+#include "eldr/common/mutex.h"
 
 namespace eldr {
 

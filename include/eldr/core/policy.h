@@ -14,7 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "eldr/centroid_index.h"
+#include "eldr/core/centroid_index.h"
 
 namespace eldr {
 

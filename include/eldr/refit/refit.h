@@ -40,8 +40,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/router.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/core/router.h"
 
 namespace eldr {
 

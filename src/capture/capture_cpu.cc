@@ -1,4 +1,4 @@
-// The CPU reference backend: every operation of include/eldr/capture.h, written as plainly as the
+// The CPU reference backend: every operation of include/eldr/capture/capture.h, written as plainly as the
 // semantics allow, with the same memory layout as the CUDA backend (capture_backend.h) so that the
 // GPU tests compare per-block counts, statistics and finished counts bit for bit. Everything runs
 // on the calling thread before the call returns; `stream` arguments are ignored.

@@ -1,6 +1,6 @@
 // Internal: the device backends behind eldr::capture::Capture (CPU reference and CUDA). The front end
 // (capture.cc) validates every host-checkable argument and owns the result-slot bookkeeping; a
-// backend only executes, with the semantics documented in include/eldr/capture.h. Both backends keep
+// backend only executes, with the semantics documented in include/eldr/capture/capture.h. Both backends keep
 // the same memory layout, so their per-block counts compare bit for bit.
 #ifndef ELDR_CUDA_CAPTURE_BACKEND_H_
 #define ELDR_CUDA_CAPTURE_BACKEND_H_
@@ -13,7 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "capture_stats.h"
-#include "eldr/capture.hpp"
+#include "eldr/capture/capture.hpp"
 
 namespace eldr::capture::internal {
 

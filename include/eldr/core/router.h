@@ -21,11 +21,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/centroid_index.h"
-#include "eldr/load_tracker.h"
-#include "eldr/policy.h"
-#include "eldr/signature.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/core/centroid_index.h"
+#include "eldr/core/load_tracker.h"
+#include "eldr/core/policy.h"
+#include "eldr/core/signature.h"
 
 namespace eldr {
 

@@ -1,5 +1,5 @@
-// Online refit and elastic pools (see include/eldr/refit.h for the contract).
-#include "eldr/refit.h"
+// Online refit and elastic pools (see include/eldr/refit/refit.h for the contract).
+#include "eldr/refit/refit.h"
 
 #include <sched.h>
 #include <sys/resource.h>
@@ -25,13 +25,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "calib/calib_internal.h"
-#include "eldr/calibration.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/centroid_index.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/core/centroid_index.h"
 
 namespace eldr {
 namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 bool PeriodicEnabled(absl::Duration interval) {
   return interval > absl::ZeroDuration() && interval != absl::InfiniteDuration();

@@ -1,4 +1,4 @@
-// The C ABI of libeldr_capture.so (include/eldr/capture.h): thin wrappers over the C++ API that turn
+// The C ABI of libeldr_capture.so (include/eldr/capture/capture.h): thin wrappers over the C++ API that turn
 // absl::Status into eldr_capture_status plus a thread-local message, and never let an exception
 // cross the boundary.
 #include <cstddef>
@@ -13,8 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "capture_backend.h"
-#include "eldr/capture.h"
-#include "eldr/capture.hpp"
+#include "eldr/capture/capture.h"
+#include "eldr/capture/capture.hpp"
 
 struct eldr_capture_ctx {
   std::unique_ptr<eldr::capture::Capture> impl;

@@ -1,4 +1,4 @@
-// The capture kernels. Semantics are those of include/eldr/capture.h and of the CPU reference
+// The capture kernels. Semantics are those of include/eldr/capture/capture.h and of the CPU reference
 // (capture_cpu.cc); the GPU tests compare both bit for bit.
 //
 // Design notes.

@@ -1,5 +1,5 @@
 // Online refit against a real in-process Router, on signatures of the bundled real traces.
-#include "eldr/refit.h"
+#include "eldr/refit/refit.h"
 
 #include <atomic>
 #include <cmath>
@@ -16,10 +16,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "eldr/calibration.h"
-#include "eldr/centroid_artifact.h"
-#include "eldr/router.h"
-#include "eldr/trace.h"
+#include "eldr/calib/calibration.h"
+#include "eldr/core/centroid_artifact.h"
+#include "eldr/core/router.h"
+#include "eldr/trace/trace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
