@@ -4,14 +4,22 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "eldr/core/centroid_artifact.h"
-#include "eldr/loadsignals/prom_text.h"
 #include "eldr/core/signature.h"
+#include "eldr/http/http_server.h"
+#include "eldr/loadsignals/prom_text.h"
 #include "eldr/trace/trace.h"
 #ifdef ELDR_FUZZ_HAVE_SERVER_CONFIG
 #include "eldr/v1/router.pb.h"
@@ -78,6 +86,94 @@ bool SameDouble(double a, double b) { return (std::isnan(a) && std::isnan(b)) ||
 bool SameSample(const PromSample& a, const PromSample& b) {
   return a.name == b.name && a.labels == b.labels && SameDouble(a.value, b.value) &&
          a.timestamp_ms == b.timestamp_ms;
+}
+
+bool IsHttpToken(absl::string_view text) {
+  if (text.empty()) return false;
+  for (char c : text) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && !absl::StrContains("!#$%&'*+-.^_`|~", c)) return false;
+  }
+  return true;
+}
+
+bool IsFramingHeader(absl::string_view name) {
+  return absl::EqualsIgnoreCase(name, "Content-Length") || absl::EqualsIgnoreCase(name, "Transfer-Encoding");
+}
+
+// A refusal: INVALID_ARGUMENT or RESOURCE_EXHAUSTED with a short fixed reason (letters, digits,
+// spaces and '-' only, which an echo of arbitrary input would hardly keep to).
+void CheckHttpRefusal(const absl::Status& status) {
+  ELDR_FUZZ_CHECK(status.code() == absl::StatusCode::kInvalidArgument ||
+                      status.code() == absl::StatusCode::kResourceExhausted,
+                  "a refusal with an unexpected code");
+  ELDR_FUZZ_CHECK(!status.message().empty() && status.message().size() <= 64, "a refusal reason of odd length");
+  for (char c : status.message()) {
+    ELDR_FUZZ_CHECK(absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == ' ' || c == '-',
+                    "a refusal reason with unexpected characters");
+  }
+}
+
+// What ParseHttpRequest promises of a request it accepts under `limits`.
+void CheckHttpRequest(const http::HttpRequest& request, const http::HttpServerOptions& limits) {
+  ELDR_FUZZ_CHECK(IsHttpToken(request.method), "the method is not a token");
+  ELDR_FUZZ_CHECK(request.version == 10 || request.version == 11, "a version other than 1.0/1.1");
+  if (request.target == "*") {
+    ELDR_FUZZ_CHECK(request.method == "OPTIONS" && request.path == "*" && request.query.empty(),
+                    "an asterisk target without OPTIONS");
+  } else {
+    ELDR_FUZZ_CHECK(!request.target.empty() && request.target[0] == '/', "a target that is not origin-form");
+    for (char c : request.target) {
+      const auto byte = static_cast<unsigned char>(c);
+      ELDR_FUZZ_CHECK(byte > 0x20 && byte < 0x7f && c != '#', "a target with a forbidden byte");
+    }
+    const size_t question = request.target.find('?');
+    ELDR_FUZZ_CHECK(request.path == request.target.substr(0, question), "path is not the target up to '?'");
+    ELDR_FUZZ_CHECK(request.query == (question == std::string::npos ? "" : request.target.substr(question + 1)),
+                    "query is not the target after '?'");
+  }
+  int hosts = 0;
+  for (const auto& [name, value] : request.headers) {
+    ELDR_FUZZ_CHECK(IsHttpToken(name), "a header name that is not a token");
+    for (char c : value) {
+      ELDR_FUZZ_CHECK(c != '\r' && c != '\n' && c != '\0', "a header value with CR, LF or NUL");
+    }
+    ELDR_FUZZ_CHECK(value.empty() || (value.front() != ' ' && value.front() != '\t' && value.back() != ' ' &&
+                                      value.back() != '\t'),
+                    "a header value with surrounding whitespace");
+    if (absl::EqualsIgnoreCase(name, "Host")) ++hosts;
+    const std::optional<absl::string_view> found = request.Header(absl::AsciiStrToUpper(name));
+    ELDR_FUZZ_CHECK(found.has_value(), "Header() misses a header");
+  }
+  ELDR_FUZZ_CHECK(hosts <= 1 && (request.version == 10 || hosts == 1), "the Host rule was not enforced");
+  ELDR_FUZZ_CHECK(request.body.size() <= limits.max_body_bytes, "a body over the limit");
+  ELDR_FUZZ_CHECK(request.peer.empty(), "a peer without a connection");
+}
+
+// The request in canonical wire form: its head fields but the framing ones, then Content-Length.
+std::string SerializeHttpRequest(const http::HttpRequest& request) {
+  std::string wire = absl::StrCat(request.method, " ", request.target, " HTTP/1.", request.version % 10, "\r\n");
+  for (const auto& [name, value] : request.headers) {
+    if (!IsFramingHeader(name)) absl::StrAppend(&wire, name, ": ", value, "\r\n");
+  }
+  if (!request.body.empty()) absl::StrAppend(&wire, "Content-Length: ", request.body.size(), "\r\n");
+  absl::StrAppend(&wire, "\r\n", request.body);
+  return wire;
+}
+
+bool SameHttpRequest(const http::HttpRequest& a, const http::HttpRequest& b, bool ignore_framing) {
+  if (a.method != b.method || a.target != b.target || a.path != b.path || a.query != b.query ||
+      a.version != b.version || a.body != b.body) {
+    return false;
+  }
+  if (!ignore_framing) return a.headers == b.headers;
+  std::vector<std::pair<std::string, std::string>> a_headers, b_headers;
+  for (const auto& header : a.headers) {
+    if (!IsFramingHeader(header.first)) a_headers.push_back(header);
+  }
+  for (const auto& header : b.headers) {
+    if (!IsFramingHeader(header.first)) b_headers.push_back(header);
+  }
+  return a_headers == b_headers;
 }
 
 }  // namespace
@@ -215,7 +311,7 @@ int FuzzWorkerFile(const uint8_t* data, size_t size) {
   absl::StatusOr<std::vector<WorkerSpec>> workers = server::ParseWorkerJson(text);
   if (!workers.ok()) return 0;
   for (size_t i = 0; i < workers->size(); ++i) {
-    ELDR_FUZZ_CHECK(server::ValidateWorkerSpec((*workers)[i]).ok(), "an accepted worker does not validate");
+    ELDR_FUZZ_CHECK(ValidateWorkerSpec((*workers)[i]).ok(), "an accepted worker does not validate");
     for (size_t j = 0; j < i; ++j) {
       ELDR_FUZZ_CHECK((*workers)[i].id != (*workers)[j].id, "accepted duplicate worker ids");
     }
@@ -275,12 +371,48 @@ int FuzzRouteRequest(const uint8_t* data, size_t size) {
 }
 #endif
 
+int FuzzHttpRequest(const uint8_t* data, size_t size) {
+  const absl::string_view bytes(reinterpret_cast<const char*>(data), size);
+  const http::HttpServerOptions defaults;
+  http::HttpServerOptions tight;
+  tight.max_header_bytes = 128;
+  tight.max_body_bytes = 16;
+  const absl::StatusOr<http::HttpRequest> parsed = http::ParseHttpRequest(bytes, defaults);
+  const absl::StatusOr<http::HttpRequest> again = http::ParseHttpRequest(bytes, defaults);
+  const absl::StatusOr<http::HttpRequest> tight_parsed = http::ParseHttpRequest(bytes, tight);
+  ELDR_FUZZ_CHECK(parsed.ok() == again.ok() && (parsed.ok() ? SameHttpRequest(*parsed, *again, false)
+                                                            : parsed.status() == again.status()),
+                  "the parse is not deterministic");
+  if (!parsed.ok()) {
+    CheckHttpRefusal(parsed.status());
+    ELDR_FUZZ_CHECK(!tight_parsed.ok(), "tighter limits accepted what the defaults refused");
+    CheckHttpRefusal(tight_parsed.status());
+    return 0;
+  }
+  CheckHttpRequest(*parsed, defaults);
+  if (tight_parsed.ok()) {
+    CheckHttpRequest(*tight_parsed, tight);
+    ELDR_FUZZ_CHECK(SameHttpRequest(*parsed, *tight_parsed, false), "the limits changed an accepted request");
+  } else {
+    ELDR_FUZZ_CHECK(tight_parsed.status().code() == absl::StatusCode::kResourceExhausted,
+                    "tighter limits refused an accepted request for another reason than size");
+  }
+  // Canonical framing may make the head a little longer: parse it back with room for that.
+  http::HttpServerOptions roomy = defaults;
+  roomy.max_header_bytes = 60 * 1024;
+  const absl::StatusOr<http::HttpRequest> reparsed = http::ParseHttpRequest(SerializeHttpRequest(*parsed), roomy);
+  ELDR_FUZZ_CHECK(reparsed.ok(), "a re-serialised request does not parse");
+  ELDR_FUZZ_CHECK(SameHttpRequest(*parsed, *reparsed, true), "a re-serialised request parses differently");
+  return 0;
+}
+
 const std::vector<FuzzTarget>& AllFuzzTargets() {
   static const auto* targets = new std::vector<FuzzTarget>{
       {"signature", &FuzzSignature},
       {"centroid_artifact", &FuzzCentroidArtifact},
       {"prom_text", &FuzzPromText},
       {"npy", &FuzzNpy},
+      {"http_request", &FuzzHttpRequest},
 #ifdef ELDR_FUZZ_HAVE_SERVER_CONFIG
       {"worker_file", &FuzzWorkerFile},
       {"config", &FuzzConfig},

@@ -32,6 +32,12 @@ int FuzzConfig(const uint8_t* data, size_t size);
 // transform.
 int FuzzRouteRequest(const uint8_t* data, size_t size);
 
+// ParseHttpRequest (the HTTP server's request parser and checks) with the server's default limits
+// and tight ones: a success must satisfy what the parser promises (origin-form target, tokens,
+// clean header values, body within the limit), tighter limits may only refuse more (and only as
+// RESOURCE_EXHAUSTED), and a canonical re-serialisation must parse back to the same request.
+int FuzzHttpRequest(const uint8_t* data, size_t size);
+
 struct FuzzTarget {
   const char* name;  // fuzz_<name> is the libFuzzer binary; fuzz/corpus/<name>/ its seeds
   int (*body)(const uint8_t* data, size_t size);

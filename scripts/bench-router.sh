@@ -95,7 +95,7 @@ EOF
 for run in $(seq 1 "$RUNS"); do
   rm -f "$WORK_DIR/ports.json"
   # shellcheck disable=SC2086  # word splitting of the optional extra flags is intended
-  "${ROUTER_CPU[@]}" "$BIN/eldr-router" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
+  "${ROUTER_CPU[@]}" "$BIN/eldr-router" --listen=127.0.0.1:0 --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
     --port_file="$WORK_DIR/ports.json" --centroids="$WORK_DIR/centroids.eldr" \
     --workers="$WORK_DIR/workers.json" --policy=eldr --log_level=warning ${ROUTER_ARGS:-} \
     2>"$WORK_DIR/router.log" &

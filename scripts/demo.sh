@@ -99,7 +99,8 @@ stage_start_router() {
     echo ']}'
   } >"$workers_file"
   rm -f "$port_file"
-  "$BIN/eldr-router" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 --port_file="$port_file" \
+  "$BIN/eldr-router" --listen=127.0.0.1:0 --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
+    --port_file="$port_file" \
     --centroids="$WORK_DIR/centroids.json" --workers="$workers_file" --policy=eldr --tau=0.1 \
     --log_level=warning 2>"$WORK_DIR/eldr-router.log" &
   ROUTER_PID=$!
@@ -118,6 +119,7 @@ stage_start_router() {
   fi
   ROUTER_PORT=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["grpc_port"])' "$port_file")
   METRICS_PORT=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["metrics_port"])' "$port_file")
+  ADMIN_PORT=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin_port"])' "$port_file")
   echo "eldr-router (pid $ROUTER_PID) serves gRPC on 127.0.0.1:$ROUTER_PORT, metrics on http://127.0.0.1:$METRICS_PORT/metrics"
 }
 
@@ -128,6 +130,7 @@ stage_simulate() {
   local figure="$WORK_DIR/eldr-sim-real-traces.png"
   # shellcheck disable=SC2086  # word splitting of the optional extra flags is intended
   "$BIN/eldr-sim" --trace="$DATA_DIR" --prefill_fraction=0.5 --router="grpc://127.0.0.1:$ROUTER_PORT" \
+    --router_admin="grpc://127.0.0.1:$ADMIN_PORT" \
     --max_batch="$DEMO_MAX_BATCH" --plot="$figure" --json_out="$WORK_DIR/eldr-sim-real-traces.json" \
     ${ELDR_DEMO_SIM_ARGS:-}
   echo "results (JSON) written to $WORK_DIR/eldr-sim-real-traces.json"

@@ -11,7 +11,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build pkg-config ccache git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libfaiss-dev libopenblas-dev prometheus-cpp-dev liblemon-dev
+  libabsl-dev libfaiss-dev libopenblas-dev prometheus-cpp-dev liblemon-dev libboost-dev
   nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev libcurl4-openssl-dev
   python3 python3-numpy python3-scipy python3-grpcio python3-matplotlib python3-yaml
   openssl curl

@@ -1,4 +1,4 @@
-// Greedy forward layer selection (DESIGN.md, algorithm step 1): add the layer that most raises the
+// Greedy forward layer selection (docs/calibration.md, "What calibration computes"): add the layer that most raises the
 // Spearman correlation between signature cosine distances and decode-usage cosine distances over
 // request pairs; stop at the peak.
 #include <algorithm>

@@ -158,8 +158,12 @@ absl::StatusOr<CentroidArtifact> ParseCentroidArtifact(absl::string_view json_te
   Json doc;
   try {
     doc = Json::parse(json_text.begin(), json_text.end());
+  } catch (const Json::parse_error& e) {
+    // Only the position: nlohmann's message quotes the bytes it read ("last read: ..."), and the
+    // text may be a file that was never meant to be shown (a wrong path, a secret).
+    return Malformed(absl::StrCat("invalid JSON at byte ", e.byte));
   } catch (const Json::exception& e) {
-    return Malformed(absl::StrCat("invalid JSON: ", e.what()));
+    return Malformed(absl::StrCat("invalid JSON (error ", e.id, ")"));
   }
   if (!doc.is_object()) {
     return Malformed(absl::StrCat("top level must be a JSON object, got ", doc.type_name()));

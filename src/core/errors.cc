@@ -15,10 +15,13 @@ constexpr absl::string_view kRejectReasonPayloadUrl = "type.googleapis.com/eldr.
 constexpr RejectReason kAllReasons[] = {
     RejectReason::kGeometry,     RejectReason::kNegativeCount, RejectReason::kNonFinite,
     RejectReason::kZeroSignature, RejectReason::kWrongEncoding, RejectReason::kMalformed,
-    RejectReason::kUnknownWorker, RejectReason::kOversized,     RejectReason::kOther,
+    RejectReason::kUnknownWorker, RejectReason::kOversized,     RejectReason::kOutOfRange,
+    RejectReason::kOther,
 };
 
 }  // namespace
+
+absl::Span<const RejectReason> AllRejectReasons() { return kAllReasons; }
 
 absl::string_view RejectReasonLabel(RejectReason reason) {
   switch (reason) {
@@ -38,6 +41,8 @@ absl::string_view RejectReasonLabel(RejectReason reason) {
       return "unknown_worker";
     case RejectReason::kOversized:
       return "oversized";
+    case RejectReason::kOutOfRange:
+      return "out_of_range";
     case RejectReason::kOther:
       return "other";
   }

@@ -104,14 +104,14 @@ class EldrPolicy final : public RoutingPolicy {
 
     float best = -std::numeric_limits<float>::infinity();
     bool any_candidate = false;
-    for (const ScoredRow& candidate : input.scores) {
-      if (candidate.row < 0 || candidate.row >= n || !workers[candidate.row].eligible) continue;
+    for (const WorkerScore& candidate : input.candidates) {
+      if (candidate.worker < 0 || candidate.worker >= n || !workers[candidate.worker].eligible) continue;
       any_candidate = true;
       best = std::max(best, candidate.score);
     }
     if (!any_candidate) {
       decision.fallback =
-          input.scores.empty() ? input.no_scores_reason : FallbackReason::kNoEligibleCentroid;
+          input.candidates.empty() ? input.no_scores_reason : FallbackReason::kNoEligibleCentroid;
       if (decision.fallback == FallbackReason::kNone) decision.fallback = FallbackReason::kNoSignature;
       decision.used = PolicyKind::kJsq;
       decision.worker = PickJsq(workers, &rng_);
@@ -122,12 +122,12 @@ class EldrPolicy final : public RoutingPolicy {
     const double edge = static_cast<double>(best) - std::max(0.0, input.tau);
     LeastLoaded least(&rng_);
     int band_size = 0;
-    for (const ScoredRow& candidate : input.scores) {
-      if (candidate.row < 0 || candidate.row >= n) continue;
-      const WorkerLoadView& worker = workers[candidate.row];
+    for (const WorkerScore& candidate : input.candidates) {
+      if (candidate.worker < 0 || candidate.worker >= n) continue;
+      const WorkerLoadView& worker = workers[candidate.worker];
       if (!worker.eligible || static_cast<double>(candidate.score) < edge) continue;
       ++band_size;
-      if (!AtLimit(worker)) least.Offer(candidate.row, NormalisedLoad(worker));
+      if (!AtLimit(worker)) least.Offer(candidate.worker, NormalisedLoad(worker));
     }
     decision.best_similarity = best;
     decision.band_size = band_size;

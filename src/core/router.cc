@@ -1,22 +1,43 @@
 #include "eldr/core/router.h"
 
+#include <sys/random.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "eldr/core/errors.h"
-#include "eldr/common/mutex.h"
 
 namespace eldr {
 namespace {
+
+// Leases released per hold of the routing mutex by ExpireLeases: at about 100 ns each, a hold
+// stays in the tens of microseconds, so routes interleave with a large expiry.
+constexpr int64_t kExpiryBatch = 512;
+
+constexpr CentroidSource kAllCentroidSources[] = {
+    CentroidSource::kApi,    CentroidSource::kStartup,   CentroidSource::kStateDir, CentroidSource::kSignal,
+    CentroidSource::kAdmin,  CentroidSource::kFileWatch, CentroidSource::kRefit,
+};
 
 // Everything a route needs from a calibration, built once and never modified: Routes that hold a
 // pointer to it keep using it safely while a newer set is swapped in.
@@ -45,7 +66,7 @@ struct WorkerEntry {
 
 struct LeaseRecord {
   WorkerEntry* worker;
-  absl::Time acquired;
+  WorkerLoadAccount::LeaseHandle handle;  // its place in the worker's account (acquisition time)
 };
 
 // Per-thread buffers for the part of a route that runs outside every lock, reused across calls so
@@ -60,30 +81,116 @@ RouteScratch& ThreadScratch() {
   return scratch;
 }
 
-absl::Status ValidateWorkerSpec(const WorkerSpec& spec) {
-  if (spec.id.empty()) return absl::InvalidArgumentError("worker id must not be empty");
-  if (!std::isfinite(spec.capacity) || spec.capacity <= 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "worker '%s': capacity must be a finite number > 0, got %g", spec.id, spec.capacity));
+// Lease ids are capabilities (Complete takes nothing else), so they come from the kernel's
+// cryptographic generator: unguessable, and unique across restarts and replicas with
+// overwhelming probability. Drawn 256 at a time to keep the system call off most routes.
+// Not thread-safe: used under the routing mutex.
+class LeaseIdSource {
+ public:
+  uint64_t Next() {
+    while (true) {
+      if (next_ == buffer_.size()) Refill();
+      const uint64_t id = buffer_[next_++];
+      if (id != 0) return id;
+    }
   }
-  if (spec.max_inflight < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "worker '%s': max_inflight must be >= 0 (0 = no limit), got %d", spec.id,
-        spec.max_inflight));
+
+ private:
+  void Refill() {
+    auto* bytes = reinterpret_cast<char*>(buffer_.data());
+    size_t filled = 0;
+    const size_t wanted = sizeof(buffer_);
+    while (filled < wanted) {
+      const ssize_t got = ::getrandom(bytes + filled, wanted - filled, 0);
+      if (got > 0) {
+        filled += static_cast<size_t>(got);
+      } else if (got < 0 && errno != EINTR) {
+        // getrandom cannot fail on a supported kernel once its pool is initialised; stay
+        // correct (unique) anyway with a sequence mixed by SplitMix64.
+        for (uint64_t& value : buffer_) value = SplitMix(fallback_state_ += 0x9E3779B97F4A7C15ULL);
+        break;
+      }
+    }
+    next_ = 0;
+  }
+  static uint64_t SplitMix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  }
+
+  std::array<uint64_t, 256> buffer_{};
+  size_t next_ = 256;
+  uint64_t fallback_state_ = reinterpret_cast<uintptr_t>(this);
+};
+
+absl::Status BadWorker(RejectReason reason, const WorkerSpec& spec, absl::string_view problem) {
+  const std::string name = spec.id.size() <= kMaxWorkerIdBytes ? spec.id : spec.id.substr(0, 32) + "...";
+  return InvalidInput(reason, absl::StrCat("worker '", absl::CHexEscape(name), "': ", problem));
+}
+
+absl::Status UnknownWorker(const std::string& id) {
+  return MakeInputError(absl::StatusCode::kNotFound, RejectReason::kUnknownWorker,
+                        absl::StrCat("unknown worker '", absl::CHexEscape(id), "'"));
+}
+
+bool IsIdChar(char c) {
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-' || c == ':' ||
+         c == '@' || c == '/' || c == '+';
+}
+
+bool IsHostNameChar(char c) {
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+}
+
+// host:port with a DNS name, dotted IPv4 or [IPv6] host and a port in 1..65535.
+absl::Status CheckAddress(const WorkerSpec& spec) {
+  const std::string& address = spec.address;
+  if (address.empty()) return BadWorker(RejectReason::kMalformed, spec, "address must not be empty");
+  if (address.size() > kMaxWorkerAddressBytes) {
+    return BadWorker(RejectReason::kMalformed, spec,
+                     absl::StrCat("address is ", address.size(), " bytes; at most ", kMaxWorkerAddressBytes));
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+    return BadWorker(RejectReason::kMalformed, spec, "address must be host:port");
+  }
+  const absl::string_view host(address.data(), colon);
+  const absl::string_view port_text = absl::string_view(address).substr(colon + 1);
+  bool host_ok = false;
+  if (host.front() == '[') {
+    host_ok = host.size() > 2 && host.back() == ']' &&
+              std::all_of(host.begin() + 1, host.end() - 1, [](char c) {
+                return absl::ascii_isxdigit(static_cast<unsigned char>(c)) || c == ':' || c == '.';
+              });
+  } else {
+    host_ok = host.front() != '.' && host.front() != '-' && std::all_of(host.begin(), host.end(), IsHostNameChar);
+  }
+  if (!host_ok) {
+    return BadWorker(RejectReason::kMalformed, spec,
+                     "address host must be a DNS name, an IPv4 address or a [bracketed] IPv6 address");
+  }
+  int port = 0;
+  if (!std::all_of(port_text.begin(), port_text.end(), [](char c) { return absl::ascii_isdigit(c); }) ||
+      port_text.size() > 5 || !absl::SimpleAtoi(port_text, &port) || port < 1 || port > 65535) {
+    return BadWorker(RejectReason::kOutOfRange, spec, "address port must be a number in 1..65535");
   }
   return absl::OkStatus();
 }
 
 absl::Status ValidateRouterOptions(const RouterOptions& options) {
   if (!std::isfinite(options.tau) || options.tau < 0 || options.tau > 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("router: tau must be in [0, 1], got %g", options.tau));
+    return absl::InvalidArgumentError(absl::StrFormat("router: tau must be in [0, 1], got %g", options.tau));
   }
   if (options.load.lease_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("router: lease TTL must be positive");
   }
   if (options.load.snapshot_staleness < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("router: snapshot staleness must not be negative");
+  }
+  if (options.max_live_leases < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("router: max_live_leases must be at least 1, got ", options.max_live_leases));
   }
   return absl::OkStatus();
 }
@@ -93,157 +200,247 @@ class RouterImpl final : public Router {
   explicit RouterImpl(RouterOptions options)
       : options_(std::move(options)), policy_(MakePolicy(options_.policy, options_.seed)) {}
 
-  absl::StatusOr<RouteResult> Route(const SignatureInput* signature, absl::Time now) override;
-  absl::Status Complete(uint64_t lease_id) override { return CompleteLease(lease_id).status(); }
-  absl::StatusOr<std::string> CompleteLease(uint64_t lease_id) override;
-  absl::Status InstallCentroids(const CentroidArtifact& artifact) override;
+  absl::StatusOr<RouteResult> Route(const RouteInput& input) override;
+  absl::StatusOr<std::string> Complete(uint64_t lease_id) override;
+  absl::StatusOr<uint64_t> InstallCentroids(const CentroidArtifact& artifact, CentroidSource source) override;
   absl::StatusOr<CentroidArtifact> CurrentCentroids() const override;
-  absl::Status UpsertWorker(const WorkerSpec& spec) override;
-  absl::Status DrainWorker(const std::string& id) override;
-  absl::Status RemoveWorker(const std::string& id) override;
+  void NotifyCentroidsRejected(CentroidSource source, const absl::Status& status) override;
+  absl::StatusOr<PoolChange> UpsertWorker(const WorkerSpec& spec) override;
+  absl::StatusOr<PoolChange> DrainWorker(const std::string& id) override;
+  absl::StatusOr<PoolChange> RemoveWorker(const std::string& id) override;
   absl::Status SetWorkerHealthy(const std::string& id, bool healthy) override;
-  absl::Status ReportLoad(const std::string& id, const LoadSnapshot& snapshot) override;
+  absl::Status ReportLoad(const std::string& id, const LoadSnapshot& snapshot, absl::Time now) override;
   int64_t ExpireLeases(absl::Time now) override;
   RouterState GetState(absl::Time now) const override;
   const RouterOptions& options() const override { return options_; }
+  void AddObserver(RouterObserver* observer) override;
+  void RemoveObserver(RouterObserver* observer) override;
 
  private:
   std::shared_ptr<const CentroidSet> CurrentSet() const {
-    MutexLock lock(&set_mu_);
+    absl::MutexLock lock(&set_mu_);
     return set_;
   }
   WorkerEntry* FindWorker(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = by_id_.find(id);
     return it == by_id_.end() ? nullptr : it->second;
   }
+
+  // The transform and the index search of a route, outside every lock: fills scratch.signature
+  // (when accepted) and scratch.scored (when scores are wanted), or says why there are none.
+  struct Scoring {
+    bool accepted_signature = false;
+    bool have_scores = false;
+    FallbackReason no_scores_reason = FallbackReason::kNone;
+  };
+  absl::StatusOr<Scoring> ScoreSignature(const SignatureInput* signature, const CentroidSet* set,
+                                         RouteScratch& scratch) const;
+  // The decision and the lease, under mu_.
+  absl::StatusOr<RouteResult> DecideLocked(const RouteInput& input, const CentroidSet* set,
+                                           const Scoring& scoring, const RouteScratch& scratch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t TakeLeaseLocked(WorkerEntry* worker, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases the pool's oldest live lease (the max_live_leases limit).
+  void EvictOldestLeaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Row names for `artifact` against the pool: its own `workers`, or the pool's ids in order.
+  absl::StatusOr<std::vector<std::string>> RowOwnersLocked(const CentroidArtifact& artifact) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<uint64_t> RejectInstall(CentroidSource source, absl::Status status)
+      ABSL_LOCKS_EXCLUDED(mutation_mu_);
+
   // Recomputes each worker's centroid row and the row -> worker table for `set` (may be null).
   void MapRows(const CentroidSet* set) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The worker index of `row` of `set`, for a route that scored against `set`. Normally the
   // precomputed table; a route that raced with a swap resolves the row by name.
   int WorkerOfRow(const CentroidSet& set, int row) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  PoolChange DescribeChangeLocked(PoolChangeKind kind, const WorkerEntry& worker) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Runs `mutate` under mutation_mu_ and mu_, publishes the change it returns and delivers it.
+  absl::StatusOr<PoolChange> MutatePool(const std::function<absl::StatusOr<PoolChange>()>& mutate)
+      ABSL_LOCKS_EXCLUDED(mutation_mu_, mu_);
+
+  // Observer delivery (see RouterObserver). A mutation publishes its event while it still holds
+  // mutation_mu_, so the queue is in mutation order; after releasing it the mutating thread
+  // delivers the queue, unless another thread is delivering already (then that one delivers it
+  // next). Callbacks therefore run without any router lock and may even mutate the router: their
+  // own events join the queue behind the current one.
+  using Event = std::variant<PoolChange, CentroidInstall, std::pair<CentroidSource, absl::Status>>;
+  void Publish(Event event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutation_mu_) ABSL_LOCKS_EXCLUDED(events_mu_);
+  void DeliverEvents() ABSL_LOCKS_EXCLUDED(mutation_mu_, events_mu_, mu_);
+  template <typename Call>
+  void ForEachObserver(const Call& call) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::ReaderMutexLock lock(&observers_mu_);
+    for (RouterObserver* observer : observers_) call(*observer);
+  }
 
   const RouterOptions options_;
 
-  // Serialises InstallCentroids so generations are swapped in the order they are numbered.
-  Mutex install_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // Serialises every mutation (workers, health, centroids) and the publication of its event.
+  absl::Mutex mutation_mu_ ABSL_ACQUIRED_BEFORE(events_mu_, mu_);
+  uint64_t next_generation_ ABSL_GUARDED_BY(mutation_mu_) = 1;
+
+  // Events published and not yet delivered, oldest first; `delivering_` while a thread delivers.
+  absl::Mutex events_mu_;
+  std::deque<Event> events_ ABSL_GUARDED_BY(events_mu_);
+  bool delivering_ ABSL_GUARDED_BY(events_mu_) = false;
+
+  // Observers; read-held while callbacks run, so RemoveObserver waits for them.
+  absl::Mutex observers_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::vector<RouterObserver*> observers_ ABSL_GUARDED_BY(observers_mu_);
+  std::atomic<bool> has_observers_{false};
 
   // Worker table, leases and the policy. Held for the decision itself only.
-  mutable Mutex mu_ ABSL_ACQUIRED_BEFORE(set_mu_);
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(set_mu_);
   std::unique_ptr<RoutingPolicy> policy_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<WorkerEntry>> workers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, WorkerEntry*> by_id_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, LeaseRecord> leases_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_lease_ ABSL_GUARDED_BY(mu_) = 1;
+  LeaseIdSource lease_ids_ ABSL_GUARDED_BY(mu_);
   int64_t expired_total_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t evicted_total_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<int> row_to_worker_ ABSL_GUARDED_BY(mu_);  // for set generation mapped_generation_
   uint64_t mapped_generation_ ABSL_GUARDED_BY(mu_) = 0;
   // Decision buffers, reused under mu_.
   std::vector<WorkerLoadView> views_ ABSL_GUARDED_BY(mu_);
-  std::vector<ScoredRow> candidates_ ABSL_GUARDED_BY(mu_);
+  std::vector<WorkerScore> candidates_ ABSL_GUARDED_BY(mu_);
 
   // The centroid set in service. Only ever held to copy or swap the pointer.
-  mutable Mutex set_mu_;
+  mutable absl::Mutex set_mu_;
   std::shared_ptr<const CentroidSet> set_ ABSL_GUARDED_BY(set_mu_);
 };
 
-absl::StatusOr<RouteResult> RouterImpl::Route(const SignatureInput* signature, absl::Time now) {
+absl::StatusOr<RouterImpl::Scoring> RouterImpl::ScoreSignature(const SignatureInput* signature,
+                                                               const CentroidSet* set,
+                                                               RouteScratch& scratch) const {
+  Scoring scoring;
+  if (signature == nullptr) {
+    scoring.no_scores_reason = FallbackReason::kNoSignature;
+    return scoring;
+  }
+  if (set == nullptr) {
+    scoring.no_scores_reason = FallbackReason::kNoCentroids;
+    return scoring;
+  }
+  scratch.signature.resize(static_cast<size_t>(set->transform.dim()));
+  const absl::Status transformed = set->transform.Apply(*signature, absl::MakeSpan(scratch.signature));
+  if (!transformed.ok()) {
+    if (RejectReasonOf(transformed) != RejectReason::kZeroSignature) return transformed;
+    scoring.no_scores_reason = FallbackReason::kZeroSignature;
+    return scoring;
+  }
+  scoring.accepted_signature = true;
+  if (options_.policy == PolicyKind::kEldr) {
+    scratch.scored.clear();
+    const absl::Status searched = set->index->Search(scratch.signature, &scratch.scored);
+    if (!searched.ok()) return absl::InternalError(absl::StrCat("centroid index search failed: ", searched.message()));
+    scoring.have_scores = true;
+  }
+  return scoring;
+}
+
+absl::StatusOr<RouteResult> RouterImpl::Route(const RouteInput& input) {
   RouteScratch& scratch = ThreadScratch();
   const std::shared_ptr<const CentroidSet> set = CurrentSet();
-  const bool wants_scores = options_.policy == PolicyKind::kEldr;
-
-  // Transform and score outside every lock.
-  FallbackReason no_scores_reason = FallbackReason::kNone;
-  bool accepted_signature = false;
-  bool have_scores = false;
-  if (signature == nullptr) {
-    no_scores_reason = FallbackReason::kNoSignature;
-  } else if (set == nullptr) {
-    no_scores_reason = FallbackReason::kNoCentroids;
-  } else {
-    scratch.signature.resize(static_cast<size_t>(set->transform.dim()));
-    const absl::Status transformed = set->transform.Apply(*signature, absl::MakeSpan(scratch.signature));
-    if (transformed.ok()) {
-      accepted_signature = true;
-      if (wants_scores) {
-        scratch.scored.clear();
-        const absl::Status searched = set->index->Search(scratch.signature, &scratch.scored);
-        if (!searched.ok()) {
-          return absl::InternalError(
-              absl::StrCat("centroid index search failed: ", searched.message()));
-        }
-        have_scores = true;
-      }
-    } else if (RejectReasonOf(transformed) == RejectReason::kZeroSignature) {
-      no_scores_reason = FallbackReason::kZeroSignature;
-    } else {
-      return transformed;
-    }
-  }
-
-  RouteResult result;
+  ELDR_ASSIGN_OR_RETURN(const Scoring scoring, ScoreSignature(input.signature, set.get(), scratch));
+  absl::StatusOr<RouteResult> result;
   {
-    MutexLock lock(&mu_);
-    const int n = static_cast<int>(workers_.size());
-    if (n == 0) return absl::UnavailableError("no decode workers are registered");
-    bool any_active = false;
-    bool any_active_healthy = false;
-    for (const auto& worker : workers_) {
-      const bool active = worker->state == WorkerState::kActive;
-      any_active = any_active || active;
-      any_active_healthy = any_active_healthy || (active && worker->healthy);
-    }
-    if (!any_active) return absl::UnavailableError("every decode worker is draining");
-    // Fail open: when health checks condemn every worker, routing by load beats refusing traffic.
-    const bool fail_open = !any_active_healthy;
-
-    views_.resize(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) {
-      const WorkerEntry& worker = *workers_[i];
-      WorkerLoadView& view = views_[i];
-      view.load = worker.load.Effective(now, options_.load.snapshot_staleness);
-      view.capacity = worker.spec.capacity;
-      view.max_inflight = worker.spec.max_inflight;
-      view.eligible = worker.state == WorkerState::kActive && (worker.healthy || fail_open);
-    }
-    candidates_.clear();
-    if (have_scores) {
-      for (const ScoredRow& scored : scratch.scored) {
-        const int worker = WorkerOfRow(*set, scored.row);
-        if (worker >= 0) candidates_.push_back(ScoredRow{worker, scored.score});
-      }
-      if (candidates_.empty()) no_scores_reason = FallbackReason::kNoEligibleCentroid;
-    }
-
-    PolicyInput input;
-    input.workers = views_;
-    input.scores = candidates_;
-    input.tau = options_.tau;
-    input.no_scores_reason = no_scores_reason;
-    const PolicyDecision decision = policy_->Pick(input);
-    if (decision.worker < 0 || decision.worker >= n) {
-      return absl::UnavailableError("no decode worker is eligible");
-    }
-
-    WorkerEntry* chosen = workers_[decision.worker].get();
-    const uint64_t lease_id = next_lease_++;
-    leases_.emplace(lease_id, LeaseRecord{chosen, now});
-    chosen->load.OnAcquire(now);
-
-    result.worker_id = chosen->spec.id;
-    result.address = chosen->spec.address;
-    result.lease_id = lease_id;
-    result.similarity = decision.best_similarity;
-    result.band_size = decision.band_size;
-    result.policy = decision.used;
-    result.fallback = fail_open ? FallbackReason::kAllUnhealthy : decision.fallback;
-    result.centroid_generation = set != nullptr ? set->generation : 0;
+    absl::MutexLock lock(&mu_);
+    result = DecideLocked(input, set.get(), scoring, scratch);
   }
-
-  if (accepted_signature && options_.on_signature) {
-    options_.on_signature(scratch.signature, result.worker_id);
+  if (result.ok() && scoring.accepted_signature && has_observers_.load(std::memory_order_acquire)) {
+    RoutedSignature routed;
+    routed.signature = scratch.signature;
+    routed.worker_id = result->worker_id;
+    routed.lease_id = result->lease_id;
+    routed.centroid_generation = result->centroid_generation;
+    routed.client = input.client;
+    routed.at = input.now;
+    ForEachObserver([&](RouterObserver& observer) { observer.OnSignatureRouted(routed); });
   }
   return result;
+}
+
+absl::StatusOr<RouteResult> RouterImpl::DecideLocked(const RouteInput& input, const CentroidSet* set,
+                                                     const Scoring& scoring, const RouteScratch& scratch) {
+  const int n = static_cast<int>(workers_.size());
+  if (n == 0) return absl::UnavailableError("no decode workers are registered");
+  bool any_active = false;
+  bool any_active_healthy = false;
+  for (const auto& worker : workers_) {
+    const bool active = worker->state == WorkerState::kActive;
+    any_active = any_active || active;
+    any_active_healthy = any_active_healthy || (active && worker->healthy);
+  }
+  if (!any_active) return absl::UnavailableError("every decode worker is draining");
+  // Fail open: when health checks condemn every worker, routing by load beats refusing traffic.
+  const bool fail_open = !any_active_healthy;
+
+  views_.resize(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    const WorkerEntry& worker = *workers_[i];
+    WorkerLoadView& view = views_[i];
+    view.load = worker.load.Effective(input.now, options_.load.snapshot_staleness);
+    view.capacity = worker.spec.capacity;
+    view.max_inflight = worker.spec.max_inflight;
+    view.eligible = worker.state == WorkerState::kActive && (worker.healthy || fail_open);
+  }
+  FallbackReason no_scores_reason = scoring.no_scores_reason;
+  candidates_.clear();
+  if (scoring.have_scores) {
+    for (const ScoredRow& scored : scratch.scored) {
+      const int worker = WorkerOfRow(*set, scored.row);
+      if (worker >= 0) candidates_.push_back(WorkerScore{worker, scored.score});
+    }
+    if (candidates_.empty()) no_scores_reason = FallbackReason::kNoEligibleCentroid;
+  }
+
+  PolicyInput policy_input;
+  policy_input.workers = views_;
+  policy_input.candidates = candidates_;
+  policy_input.tau = options_.tau;
+  policy_input.no_scores_reason = no_scores_reason;
+  const PolicyDecision decision = policy_->Pick(policy_input);
+  if (decision.worker < 0 || decision.worker >= n) return absl::UnavailableError("no decode worker is eligible");
+
+  WorkerEntry* chosen = workers_[decision.worker].get();
+  RouteResult result;
+  result.lease_id = TakeLeaseLocked(chosen, input.now);
+  result.worker_id = chosen->spec.id;
+  result.address = chosen->spec.address;
+  result.similarity = decision.best_similarity;
+  result.band_size = decision.band_size;
+  result.policy = decision.used;
+  result.fallback = fail_open ? FallbackReason::kAllUnhealthy : decision.fallback;
+  result.centroid_generation = set != nullptr ? set->generation : 0;
+  return result;
+}
+
+uint64_t RouterImpl::TakeLeaseLocked(WorkerEntry* worker, absl::Time now) {
+  if (static_cast<int64_t>(leases_.size()) >= options_.max_live_leases) EvictOldestLeaseLocked();
+  uint64_t id = lease_ids_.Next();
+  while (leases_.contains(id)) id = lease_ids_.Next();
+  leases_.emplace(id, LeaseRecord{worker, worker->load.OnAcquire(now, id)});
+  return id;
+}
+
+void RouterImpl::ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease) {
+  lease->second.worker->load.OnRelease(lease->second.handle);
+  leases_.erase(lease);
+}
+
+void RouterImpl::EvictOldestLeaseLocked() {
+  WorkerEntry* oldest = nullptr;
+  for (const auto& worker : workers_) {
+    if (worker->load.leases() == 0) continue;
+    if (oldest == nullptr || *worker->load.Oldest() < *oldest->load.Oldest()) oldest = worker.get();
+  }
+  if (oldest == nullptr) return;
+  auto lease = leases_.find(oldest->load.Oldest()->second);
+  if (lease == leases_.end()) return;
+  ReleaseLeaseLocked(lease);
+  ++evicted_total_;
 }
 
 int RouterImpl::WorkerOfRow(const CentroidSet& set, int row) const {
@@ -272,64 +469,147 @@ void RouterImpl::MapRows(const CentroidSet* set) {
   mapped_generation_ = set->generation;
 }
 
-absl::StatusOr<std::string> RouterImpl::CompleteLease(uint64_t lease_id) {
-  MutexLock lock(&mu_);
+absl::StatusOr<std::string> RouterImpl::Complete(uint64_t lease_id) {
+  absl::MutexLock lock(&mu_);
   auto it = leases_.find(lease_id);
   if (it == leases_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("lease ", lease_id, " is unknown, already completed or expired"));
+    return absl::NotFoundError(absl::StrCat("lease ", lease_id, " is unknown, already completed or expired"));
   }
-  it->second.worker->load.OnRelease(it->second.acquired);
   std::string worker = it->second.worker->spec.id;
-  leases_.erase(it);
+  ReleaseLeaseLocked(it);
   return worker;
 }
 
-absl::Status RouterImpl::InstallCentroids(const CentroidArtifact& artifact) {
-  ELDR_RETURN_IF_ERROR(ValidateCentroidArtifact(artifact));
-  ELDR_ASSIGN_OR_RETURN(SignatureTransform transform, SignatureTransform::Create(artifact.spec));
+absl::StatusOr<std::vector<std::string>> RouterImpl::RowOwnersLocked(const CentroidArtifact& artifact) const {
+  if (artifact.workers.empty()) {
+    if (artifact.k != static_cast<int>(workers_.size())) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "centroid artifact has k = %d unnamed rows but the router has %d workers; name the rows with "
+          "`workers` or make the counts match",
+          artifact.k, workers_.size()));
+    }
+    std::vector<std::string> owners;
+    owners.reserve(workers_.size());
+    for (const auto& worker : workers_) owners.push_back(worker->spec.id);
+    return owners;
+  }
+  std::vector<std::string> unknown;
+  for (const std::string& id : artifact.workers) {
+    if (!by_id_.contains(id)) unknown.push_back(id);
+  }
+  if (!unknown.empty()) {
+    const size_t shown = std::min<size_t>(unknown.size(), 8);
+    return MakeInputError(
+        absl::StatusCode::kFailedPrecondition, RejectReason::kUnknownWorker,
+        absl::StrCat("centroid artifact names ", unknown.size(), " worker(s) the router does not know: ",
+                     absl::StrJoin(unknown.begin(), unknown.begin() + shown, ", "),
+                     unknown.size() > shown ? ", ..." : ""));
+  }
+  return artifact.workers;
+}
+
+absl::StatusOr<uint64_t> RouterImpl::RejectInstall(CentroidSource source, absl::Status status) {
+  {
+    absl::MutexLock mutation_lock(&mutation_mu_);
+    Publish(std::make_pair(source, status));
+  }
+  DeliverEvents();
+  return status;
+}
+
+void RouterImpl::Publish(Event event) {
+  absl::MutexLock lock(&events_mu_);
+  events_.push_back(std::move(event));
+}
+
+void RouterImpl::DeliverEvents() {
+  {
+    absl::MutexLock lock(&events_mu_);
+    if (delivering_) return;  // the thread delivering now also delivers what we published
+    delivering_ = true;
+  }
+  while (true) {
+    Event event;
+    {
+      absl::MutexLock lock(&events_mu_);
+      if (events_.empty()) {
+        delivering_ = false;
+        return;
+      }
+      event = std::move(events_.front());
+      events_.pop_front();
+    }
+    ForEachObserver([&](RouterObserver& observer) {
+      if (const auto* change = std::get_if<PoolChange>(&event)) {
+        observer.OnPoolChanged(*change);
+      } else if (const auto* install = std::get_if<CentroidInstall>(&event)) {
+        observer.OnCentroidsInstalled(*install);
+      } else {
+        const auto& rejection = std::get<std::pair<CentroidSource, absl::Status>>(event);
+        observer.OnCentroidsRejected(rejection.first, rejection.second);
+      }
+    });
+  }
+}
+
+void RouterImpl::NotifyCentroidsRejected(CentroidSource source, const absl::Status& status) {
+  (void)RejectInstall(source, status);
+}
+
+absl::StatusOr<uint64_t> RouterImpl::InstallCentroids(const CentroidArtifact& artifact, CentroidSource source) {
+  // Cheap checks first: a malformed artifact, or one whose rows do not fit the pool, is refused
+  // before any index is built (that can take seconds for thousands of long rows).
+  if (absl::Status valid = ValidateCentroidArtifact(artifact); !valid.ok()) return RejectInstall(source, valid);
+  absl::StatusOr<SignatureTransform> transform = SignatureTransform::Create(artifact.spec);
+  if (!transform.ok()) return RejectInstall(source, transform.status());
+  absl::Status fits;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    fits = RowOwnersLocked(artifact).status();
+  }
+  if (!fits.ok()) return RejectInstall(source, fits);
   // The index certifies its decisions for the band width the router applies.
   CentroidIndexOptions index_options = options_.index;
   index_options.band_tau = options_.tau;
-  ELDR_ASSIGN_OR_RETURN(std::unique_ptr<CentroidIndex> index,
-                        BuildCentroidIndex(artifact.centroids, artifact.k, artifact.dim(),
-                                           index_options));
+  absl::StatusOr<std::unique_ptr<CentroidIndex>> index =
+      BuildCentroidIndex(artifact.centroids, artifact.k, artifact.dim(), index_options);
+  if (!index.ok()) return RejectInstall(source, index.status());
 
   CentroidArtifact named = artifact;  // copied before locking: it can be megabytes
-  MutexLock install_lock(&install_mu_);
-  std::shared_ptr<const CentroidSet> retired;  // destroyed after mu_ is released
+  std::shared_ptr<const CentroidSet> retired;  // destroyed after the locks are released
+  CentroidInstall install;
+  absl::Status refused;
   {
-    MutexLock lock(&mu_);
-    if (named.workers.empty()) {
-      if (named.k != static_cast<int>(workers_.size())) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "centroid artifact has k = %d unnamed rows but the router has %d workers; name the "
-            "rows with `workers` or make the counts match",
-            named.k, workers_.size()));
-      }
-      for (const auto& worker : workers_) named.workers.push_back(worker->spec.id);
+    absl::MutexLock mutation_lock(&mutation_mu_);
+    absl::MutexLock lock(&mu_);
+    // The pool may have changed while the index was built.
+    absl::StatusOr<std::vector<std::string>> owners = RowOwnersLocked(named);
+    if (!owners.ok()) {
+      refused = owners.status();
+      Publish(std::make_pair(source, refused));
     } else {
-      std::vector<std::string> unknown;
-      for (const std::string& id : named.workers) {
-        if (FindWorker(id) == nullptr) unknown.push_back(id);
-      }
-      if (!unknown.empty()) {
-        return MakeInputError(
-            absl::StatusCode::kFailedPrecondition, RejectReason::kUnknownWorker,
-            absl::StrCat("centroid artifact names workers the router does not know: ",
-                         absl::StrJoin(unknown, ", ")));
-      }
-    }
-    auto set = std::make_shared<const CentroidSet>(next_generation_++, std::move(named),
-                                                   std::move(transform), std::move(index));
+    named.workers = *std::move(owners);
+    auto set = std::make_shared<const CentroidSet>(next_generation_++, std::move(named), *std::move(transform),
+                                                   *std::move(index));
     {
-      MutexLock set_lock(&set_mu_);
+      absl::MutexLock set_lock(&set_mu_);
       retired = std::move(set_);
       set_ = set;
     }
     MapRows(set.get());
+    install.generation = set->generation;
+    install.source = source;
+    install.rows = set->artifact.k;
+    install.dim = set->artifact.dim();
+    install.model = set->artifact.model;
+    install.workers = set->artifact.workers;
+    install.transform_changed = retired == nullptr || !SameTransform(retired->artifact.spec, set->artifact.spec);
+    Publish(install);
+    }
   }
-  return absl::OkStatus();
+  DeliverEvents();
+  if (!refused.ok()) return refused;
+  return install.generation;
 }
 
 absl::StatusOr<CentroidArtifact> RouterImpl::CurrentCentroids() const {
@@ -338,86 +618,134 @@ absl::StatusOr<CentroidArtifact> RouterImpl::CurrentCentroids() const {
   return set->artifact;
 }
 
-absl::Status RouterImpl::UpsertWorker(const WorkerSpec& spec) {
+PoolChange RouterImpl::DescribeChangeLocked(PoolChangeKind kind, const WorkerEntry& worker) const {
+  PoolChange change;
+  change.kind = kind;
+  change.spec = worker.spec;
+  change.state = worker.state;
+  change.healthy = worker.healthy;
+  change.inflight = worker.load.leases();
+  return change;
+}
+
+absl::StatusOr<PoolChange> RouterImpl::MutatePool(
+    const std::function<absl::StatusOr<PoolChange>()>& mutate) {
+  absl::StatusOr<PoolChange> change;
+  {
+    absl::MutexLock mutation_lock(&mutation_mu_);
+    {
+      absl::MutexLock lock(&mu_);
+      change = mutate();
+    }
+    if (change.ok()) Publish(*change);
+  }
+  if (change.ok()) DeliverEvents();
+  return change;
+}
+
+absl::StatusOr<PoolChange> RouterImpl::UpsertWorker(const WorkerSpec& spec) {
   ELDR_RETURN_IF_ERROR(ValidateWorkerSpec(spec));
-  MutexLock lock(&mu_);
-  if (WorkerEntry* existing = FindWorker(spec.id)) {
-    existing->spec = spec;
-    existing->state = WorkerState::kActive;
-    return absl::OkStatus();
-  }
-  auto entry = std::make_unique<WorkerEntry>();
-  entry->spec = spec;
-  entry->index = static_cast<int>(workers_.size());
-  by_id_.emplace(spec.id, entry.get());
-  workers_.push_back(std::move(entry));
-  // The new worker may be named by the centroid set in service.
-  MapRows(CurrentSet().get());
-  return absl::OkStatus();
+  return MutatePool([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<PoolChange> {
+    if (WorkerEntry* existing = FindWorker(spec.id)) {
+      existing->spec = spec;
+      existing->state = WorkerState::kActive;
+      return DescribeChangeLocked(PoolChangeKind::kUpdated, *existing);
+    }
+    auto entry = std::make_unique<WorkerEntry>();
+    entry->spec = spec;
+    entry->index = static_cast<int>(workers_.size());
+    by_id_.emplace(spec.id, entry.get());
+    workers_.push_back(std::move(entry));
+    // The new worker may be named by the centroid set in service.
+    MapRows(CurrentSet().get());
+    return DescribeChangeLocked(PoolChangeKind::kAdded, *workers_.back());
+  });
 }
 
-absl::Status RouterImpl::DrainWorker(const std::string& id) {
-  MutexLock lock(&mu_);
-  WorkerEntry* worker = FindWorker(id);
-  if (worker == nullptr) return absl::NotFoundError(absl::StrCat("unknown worker '", id, "'"));
-  worker->state = WorkerState::kDraining;
-  return absl::OkStatus();
+absl::StatusOr<PoolChange> RouterImpl::DrainWorker(const std::string& id) {
+  return MutatePool([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<PoolChange> {
+    WorkerEntry* worker = FindWorker(id);
+    if (worker == nullptr) return UnknownWorker(id);
+    worker->state = WorkerState::kDraining;
+    return DescribeChangeLocked(PoolChangeKind::kDraining, *worker);
+  });
 }
 
-absl::Status RouterImpl::RemoveWorker(const std::string& id) {
-  MutexLock lock(&mu_);
-  WorkerEntry* worker = FindWorker(id);
-  if (worker == nullptr) return absl::NotFoundError(absl::StrCat("unknown worker '", id, "'"));
-  if (worker->load.leases() > 0) {
-    absl::erase_if(leases_, [worker](const auto& entry) { return entry.second.worker == worker; });
-  }
-  by_id_.erase(id);
-  workers_.erase(workers_.begin() + worker->index);
-  for (int i = 0; i < static_cast<int>(workers_.size()); ++i) workers_[i]->index = i;
-  MapRows(CurrentSet().get());
-  return absl::OkStatus();
+absl::StatusOr<PoolChange> RouterImpl::RemoveWorker(const std::string& id) {
+  return MutatePool([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<PoolChange> {
+    WorkerEntry* worker = FindWorker(id);
+    if (worker == nullptr) return UnknownWorker(id);
+    const PoolChange change = DescribeChangeLocked(PoolChangeKind::kRemoved, *worker);
+    while (worker->load.leases() > 0) {
+      auto lease = leases_.find(worker->load.Oldest()->second);
+      if (lease == leases_.end()) break;  // cannot happen: every account entry has its record
+      ReleaseLeaseLocked(lease);
+    }
+    by_id_.erase(id);
+    workers_.erase(workers_.begin() + worker->index);
+    for (int i = 0; i < static_cast<int>(workers_.size()); ++i) workers_[i]->index = i;
+    MapRows(CurrentSet().get());
+    return change;
+  });
 }
 
 absl::Status RouterImpl::SetWorkerHealthy(const std::string& id, bool healthy) {
-  MutexLock lock(&mu_);
-  WorkerEntry* worker = FindWorker(id);
-  if (worker == nullptr) return absl::NotFoundError(absl::StrCat("unknown worker '", id, "'"));
-  worker->healthy = healthy;
+  bool changed = false;
+  const absl::StatusOr<PoolChange> change =
+      MutatePool([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<PoolChange> {
+        WorkerEntry* worker = FindWorker(id);
+        if (worker == nullptr) return UnknownWorker(id);
+        changed = worker->healthy != healthy;
+        worker->healthy = healthy;
+        if (!changed) return absl::AlreadyExistsError("unchanged");  // nothing to announce
+        return DescribeChangeLocked(PoolChangeKind::kHealthChanged, *worker);
+      });
+  if (!change.ok() && !absl::IsAlreadyExists(change.status())) return change.status();
   return absl::OkStatus();
 }
 
-absl::Status RouterImpl::ReportLoad(const std::string& id, const LoadSnapshot& snapshot) {
-  absl::Status valid = ValidateLoadSnapshot(snapshot);
-  if (!valid.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("worker '", id, "': ", valid.message()));
+absl::Status RouterImpl::ReportLoad(const std::string& id, const LoadSnapshot& snapshot, absl::Time now) {
+  if (absl::Status valid = ValidateLoadSnapshot(snapshot); !valid.ok()) {
+    return MakeInputError(valid.code(), RejectReasonOf(valid),
+                          absl::StrCat("worker '", absl::CHexEscape(id), "': ", valid.message()));
   }
-  MutexLock lock(&mu_);
+  LoadSnapshot clamped = snapshot;
+  clamped.taken_at = std::min(snapshot.taken_at, now);
+  absl::MutexLock lock(&mu_);
   WorkerEntry* worker = FindWorker(id);
-  if (worker == nullptr) return absl::NotFoundError(absl::StrCat("unknown worker '", id, "'"));
-  worker->load.OnReport(snapshot);
+  if (worker == nullptr) return UnknownWorker(id);
+  worker->load.OnReport(clamped);
   return absl::OkStatus();
 }
 
 int64_t RouterImpl::ExpireLeases(absl::Time now) {
-  MutexLock lock(&mu_);
   const absl::Time cutoff = now - options_.load.lease_ttl;
-  int64_t expired = 0;
-  absl::erase_if(leases_, [&](const auto& entry) {
-    const LeaseRecord& lease = entry.second;
-    if (lease.acquired >= cutoff) return false;
-    lease.worker->load.OnRelease(lease.acquired);
-    ++expired;
-    return true;
-  });
-  expired_total_ += expired;
-  return expired;
+  int64_t total = 0;
+  while (true) {
+    int64_t batch = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& worker : workers_) {
+        while (batch < kExpiryBatch && worker->load.leases() > 0 && worker->load.Oldest()->first < cutoff) {
+          auto lease = leases_.find(worker->load.Oldest()->second);
+          if (lease == leases_.end()) break;
+          ReleaseLeaseLocked(lease);
+          ++batch;
+        }
+        if (batch == kExpiryBatch) break;
+      }
+      expired_total_ += batch;
+    }
+    total += batch;
+    if (batch < kExpiryBatch) return total;
+  }
 }
 
 RouterState RouterImpl::GetState(absl::Time now) const {
   RouterState state;
   state.policy = options_.policy;
   state.tau = options_.tau;
-  MutexLock lock(&mu_);
+  absl::MutexLock lock(&mu_);
   // Read under mu_: the set and the row mapping change together under it.
   const std::shared_ptr<const CentroidSet> set = CurrentSet();
   if (set != nullptr) {
@@ -437,13 +765,81 @@ RouterState RouterImpl::GetState(absl::Time now) const {
   }
   state.live_leases = static_cast<int64_t>(leases_.size());
   state.leases_expired_total = expired_total_;
+  state.leases_evicted_total = evicted_total_;
   return state;
+}
+
+void RouterImpl::AddObserver(RouterObserver* observer) {
+  absl::MutexLock lock(&observers_mu_);
+  observers_.push_back(observer);
+  has_observers_.store(true, std::memory_order_release);
+}
+
+void RouterImpl::RemoveObserver(RouterObserver* observer) {
+  absl::MutexLock lock(&observers_mu_);
+  observers_.erase(std::remove(observers_.begin(), observers_.end(), observer), observers_.end());
+  has_observers_.store(!observers_.empty(), std::memory_order_release);
 }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Router>> Router::Create(RouterOptions options,
-                                                       std::vector<WorkerSpec> workers) {
+absl::string_view CentroidSourceLabel(CentroidSource source) {
+  switch (source) {
+    case CentroidSource::kApi: return "api";
+    case CentroidSource::kStartup: return "startup";
+    case CentroidSource::kStateDir: return "state_dir";
+    case CentroidSource::kSignal: return "sighup";
+    case CentroidSource::kAdmin: return "admin";
+    case CentroidSource::kFileWatch: return "file_watch";
+    case CentroidSource::kRefit: return "refit";
+  }
+  return "api";
+}
+
+absl::Span<const CentroidSource> AllCentroidSources() { return kAllCentroidSources; }
+
+absl::string_view PoolChangeKindLabel(PoolChangeKind kind) {
+  switch (kind) {
+    case PoolChangeKind::kAdded: return "added";
+    case PoolChangeKind::kUpdated: return "updated";
+    case PoolChangeKind::kDraining: return "draining";
+    case PoolChangeKind::kRemoved: return "removed";
+    case PoolChangeKind::kHealthChanged: return "health_changed";
+  }
+  return "updated";
+}
+
+absl::Status ValidateWorkerSpec(const WorkerSpec& spec) {
+  if (spec.id.empty()) return InvalidInput(RejectReason::kMalformed, "worker id must not be empty");
+  if (spec.id.size() > kMaxWorkerIdBytes) {
+    return BadWorker(RejectReason::kMalformed, spec,
+                     absl::StrCat("id is ", spec.id.size(), " bytes; at most ", kMaxWorkerIdBytes));
+  }
+  if (!std::all_of(spec.id.begin(), spec.id.end(), IsIdChar)) {
+    return BadWorker(RejectReason::kMalformed, spec, "id may hold only letters, digits and . _ - : @ / +");
+  }
+  ELDR_RETURN_IF_ERROR(CheckAddress(spec));
+  if (!std::isfinite(spec.capacity) || spec.capacity < kMinWorkerCapacity || spec.capacity > kMaxWorkerCapacity) {
+    return BadWorker(RejectReason::kOutOfRange, spec,
+                     absl::StrFormat("capacity must be a finite number in [%g, %g], got %g", kMinWorkerCapacity,
+                                     kMaxWorkerCapacity, spec.capacity));
+  }
+  if (spec.max_inflight < 0 || spec.max_inflight > kMaxWorkerInflightLimit) {
+    return BadWorker(RejectReason::kOutOfRange, spec,
+                     absl::StrFormat("max_inflight must be in [0, %d] (0 = no limit), got %d", kMaxWorkerInflightLimit,
+                                     spec.max_inflight));
+  }
+  if (spec.metrics_url.size() > kMaxMetricsUrlBytes ||
+      !std::all_of(spec.metrics_url.begin(), spec.metrics_url.end(),
+                   [](char c) { return c > ' ' && c < 0x7f; })) {
+    return BadWorker(RejectReason::kMalformed, spec,
+                     absl::StrCat("metrics_url must be at most ", kMaxMetricsUrlBytes,
+                                  " bytes of printable ASCII without spaces"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Router>> Router::Create(RouterOptions options, std::vector<WorkerSpec> workers) {
   ELDR_RETURN_IF_ERROR(ValidateRouterOptions(options));
   absl::flat_hash_map<std::string, int> seen;
   for (int i = 0; i < static_cast<int>(workers.size()); ++i) {
@@ -454,7 +850,7 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Create(RouterOptions options,
     }
   }
   auto router = std::make_unique<RouterImpl>(std::move(options));
-  for (const WorkerSpec& spec : workers) ELDR_RETURN_IF_ERROR(router->UpsertWorker(spec));
+  for (const WorkerSpec& spec : workers) ELDR_RETURN_IF_ERROR(router->UpsertWorker(spec).status());
   return std::unique_ptr<Router>(std::move(router));
 }
 

@@ -90,6 +90,15 @@ std::vector<int> SignatureSpec::EffectiveMask() const {
   return all;
 }
 
+bool SameTransform(const SignatureSpec& a, const SignatureSpec& b) {
+  if (a.layers != b.layers || a.experts != b.experts || a.variant != b.variant) return false;
+  if (a.EffectiveMask() != b.EffectiveMask() || a.idf.size() != b.idf.size()) return false;
+  for (size_t i = 0; i < a.idf.size(); ++i) {
+    if (std::abs(a.idf[i] - b.idf[i]) > 1e-6f * std::max(1.0f, std::abs(a.idf[i]))) return false;
+  }
+  return true;
+}
+
 absl::Status ValidateSignatureSpec(const SignatureSpec& spec) {
   if (spec.layers < 1) {
     return InvalidInput(RejectReason::kGeometry,

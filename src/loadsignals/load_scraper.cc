@@ -415,7 +415,7 @@ class LoadScraperImpl final : public LoadScraper {
       snapshot.waiting = result.load.waiting;
       snapshot.kv_usage = result.load.kv_usage.value_or(0.0);
       snapshot.taken_at = transfer.started_at;
-      absl::Status reported = router_->ReportLoad(stats.worker_id, snapshot);
+      absl::Status reported = router_->ReportLoad(stats.worker_id, snapshot, absl::Now());
       if (!reported.ok()) {
         ++stats.rejected_reports;
         stats.last_error = absl::StrCat("router refused the snapshot: ", reported.message());

@@ -32,6 +32,11 @@
 namespace eldr {
 namespace {
 
+// Clients remembered by the fair-share admission; beyond this, clients not seen for a window are
+// forgotten first, and a flood of fresh names shares one account.
+constexpr size_t kMaxTrackedClients = 1024;
+constexpr char kOverflowClient[] = "\x01overflow";
+
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -40,12 +45,36 @@ bool PeriodicEnabled(absl::Duration interval) {
   return interval > absl::ZeroDuration() && interval != absl::InfiniteDuration();
 }
 
-// Same transform: a persisted state is only trusted for the calibration it was learnt under.
-bool SameTransform(const SignatureSpec& a, const SignatureSpec& b) {
-  if (a.layers != b.layers || a.experts != b.experts || a.variant != b.variant) return false;
-  if (a.EffectiveMask() != b.EffectiveMask() || a.idf.size() != b.idf.size()) return false;
-  for (size_t i = 0; i < a.idf.size(); ++i) {
-    if (std::abs(a.idf[i] - b.idf[i]) > 1e-6f * std::max(1.0f, std::abs(a.idf[i]))) return false;
+double Dot(absl::Span<const float> a, absl::Span<const float> b) {
+  double sum = 0;
+  for (size_t i = 0; i < a.size(); ++i) sum += static_cast<double>(a[i]) * b[i];
+  return sum;
+}
+
+// Rotates unit `from` towards unit `to` (in their plane) until 1 - cos(from, result) equals
+// `max_distance`, when `to` is further than that; writes the unit result into `to`. Returns whether
+// it rotated. Antipodal vectors have no plane: `to` then becomes `from`.
+bool LimitRotation(absl::Span<const float> from, absl::Span<float> to, double max_distance) {
+  const double cos_theta = std::clamp(Dot(from, to), -1.0, 1.0);
+  if (1.0 - cos_theta <= max_distance) return false;
+  const double theta = std::acos(cos_theta);
+  const double phi = std::acos(std::clamp(1.0 - max_distance, -1.0, 1.0));
+  const double sin_theta = std::sin(theta);
+  if (sin_theta < 1e-9) {
+    std::copy(from.begin(), from.end(), to.begin());
+    return true;
+  }
+  const double a = std::sin(theta - phi) / sin_theta;
+  const double b = std::sin(phi) / sin_theta;
+  double norm = 0;
+  for (size_t i = 0; i < to.size(); ++i) {
+    const double v = a * from[i] + b * to[i];
+    to[i] = static_cast<float>(v);
+    norm += v * v;
+  }
+  norm = std::sqrt(norm);
+  if (norm > 0) {
+    for (float& v : to) v = static_cast<float>(v / norm);
   }
   return true;
 }
@@ -101,59 +130,96 @@ std::vector<float> SplitSeeds(const std::vector<float>& points, int m, const std
 
 }  // namespace
 
+struct OnlineRefitter::RefitPlan {
+  uint64_t external_installs_before = 0;
+  CentroidArtifact current;            // the centroids in service
+  std::vector<std::string> target;     // kept workers in row order, then workers without a row
+  std::vector<double> capacity;        // capacity weight per target
+  std::vector<float> kept_rows;        // the kept workers' rows
+  int kept_k = 0;
+  int added = 0;
+  int dropped = 0;
+  std::vector<float> points;           // the window, usable for these centroids
+  int m = 0;
+};
+
 // ---- Construction and lifecycle ----------------------------------------------------------------
 
 OnlineRefitter::OnlineRefitter(RefitOptions options, Router* router)
     : options_(std::move(options)), router_(router) {}
 
-absl::StatusOr<std::unique_ptr<OnlineRefitter>> OnlineRefitter::Create(RefitOptions options,
-                                                                       Router* router) {
+absl::StatusOr<std::unique_ptr<OnlineRefitter>> OnlineRefitter::Create(RefitOptions options, Router* router) {
   if (router == nullptr) return absl::InvalidArgumentError("refit: router must not be null");
   if (options.window <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("refit: window must be positive, got ", absl::FormatDuration(options.window)));
   }
   if (options.interval < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "refit: interval must not be negative, got ", absl::FormatDuration(options.interval)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("refit: interval must not be negative, got ", absl::FormatDuration(options.interval)));
   }
   if (options.max_window_signatures < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("refit: max_window_signatures = ",
-                                                   options.max_window_signatures, ", need >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("refit: max_window_signatures = ", options.max_window_signatures, ", need >= 1"));
+  }
+  if (!(options.max_client_share > 0 && options.max_client_share <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("refit: max_client_share = ", options.max_client_share, ", need a fraction in (0, 1]"));
   }
   if (options.min_signatures_per_centroid < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("refit: min_signatures_per_centroid = ",
-                                                   options.min_signatures_per_centroid, ", need >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("refit: min_signatures_per_centroid = ", options.min_signatures_per_centroid, ", need >= 1"));
   }
   if (options.max_iterations < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("refit: max_iterations = ", options.max_iterations, ", need >= 1"));
+    return absl::InvalidArgumentError(absl::StrCat("refit: max_iterations = ", options.max_iterations, ", need >= 1"));
   }
   if (!(options.tolerance >= 0) || !std::isfinite(options.tolerance)) {
     return absl::InvalidArgumentError(absl::StrCat("refit: tolerance = ", options.tolerance, ", need >= 0"));
+  }
+  for (const auto& [name, bound] : {std::pair<const char*, double>{"max_step_distance", options.max_step_distance},
+                                    {"max_drift_distance", options.max_drift_distance}}) {
+    if (!(bound > 0 && bound <= 2)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("refit: ", name, " = ", bound, ", need a cosine distance in (0, 2] (2: unbounded)"));
+    }
+  }
+  if (options.pool_change_settle < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("refit: pool_change_settle must not be negative");
   }
   if (!options.state_dir.empty()) {
     std::error_code error;
     std::filesystem::create_directories(options.state_dir, error);
     if (error) {
-      return absl::InvalidArgumentError(absl::StrCat("refit: cannot create state folder ",
-                                                     options.state_dir, ": ", error.message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("refit: cannot create state folder ", options.state_dir, ": ", error.message()));
     }
   }
-  return std::unique_ptr<OnlineRefitter>(new OnlineRefitter(std::move(options), router));
+  std::unique_ptr<OnlineRefitter> refitter(new OnlineRefitter(std::move(options), router));
+  // The centroids in service are the first calibrated anchor.
+  if (absl::StatusOr<CentroidArtifact> current = router->CurrentCentroids(); current.ok()) {
+    absl::MutexLock lock(&refitter->anchors_mu_);
+    for (int r = 0; r < current->k; ++r) {
+      const auto row = current->row(r);
+      refitter->anchors_[current->workers[r]].assign(row.begin(), row.end());
+    }
+  }
+  router->AddObserver(refitter.get());
+  return refitter;
 }
 
-OnlineRefitter::~OnlineRefitter() { Stop(); }
+OnlineRefitter::~OnlineRefitter() {
+  Stop();
+  router_->RemoveObserver(this);
+}
 
 void OnlineRefitter::Start() {
-  if (!PeriodicEnabled(options_.interval)) return;
   absl::MutexLock lifecycle(&lifecycle_mu_);
   if (thread_.joinable()) return;
   {
     absl::MutexLock lock(&thread_mu_);
     stopping_ = false;
   }
-  thread_ = std::thread([this] { RunPeriodic(); });
+  thread_ = std::thread([this] { RunBackground(); });
 }
 
 void OnlineRefitter::Stop() {
@@ -168,7 +234,7 @@ void OnlineRefitter::Stop() {
   thread_ = std::thread();
 }
 
-void OnlineRefitter::RunPeriodic() {
+void OnlineRefitter::RunBackground() {
   // Fits yield the CPU to routing. On Linux a thread has its own scheduling policy and nice value:
   // SCHED_IDLE runs the fit only on CPU time routing leaves over, so a fit on a saturated core
   // takes longer instead of delaying routes. Best effort (an unprivileged thread may always lower
@@ -177,22 +243,102 @@ void OnlineRefitter::RunPeriodic() {
   if (sched_setscheduler(0, SCHED_IDLE, &idle_param) != 0) {
     setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
   }
+  const bool periodic = PeriodicEnabled(options_.interval);
+  absl::Time next_periodic = periodic ? absl::Now() + options_.interval : absl::InfiniteFuture();
   thread_mu_.Lock();
   while (!stopping_) {
-    const absl::Time deadline = absl::Now() + options_.interval;
-    while (!stopping_ && absl::Now() < deadline) thread_cv_.WaitWithDeadline(&thread_mu_, deadline);
+    while (!stopping_ && !pool_changed_ && absl::Now() < next_periodic) {
+      thread_cv_.WaitWithDeadline(&thread_mu_, next_periodic);
+    }
     if (stopping_) break;
+    bool pool_change = pool_changed_;
+    if (pool_change) {
+      // Let a burst of changes (a rollout, a flapping pod) settle, then reconcile once.
+      const absl::Time settle_until = absl::Now() + options_.pool_change_settle;
+      while (!stopping_ && absl::Now() < settle_until) thread_cv_.WaitWithDeadline(&thread_mu_, settle_until);
+      if (stopping_) break;
+      pool_changed_ = false;
+    }
     thread_mu_.Unlock();
-    // The outcome is in the stats; a periodic refit has nobody to return it to.
-    Refit().IgnoreError();
+    // The outcome is in the stats and the on_refit callback; nobody waits for it here.
+    Refit(pool_change).IgnoreError();
+    if (periodic && absl::Now() >= next_periodic) next_periodic = absl::Now() + options_.interval;
     thread_mu_.Lock();
   }
   thread_mu_.Unlock();
 }
 
+// ---- Router notifications ----------------------------------------------------------------------
+
+void OnlineRefitter::OnSignatureRouted(const RoutedSignature& routed) { Observe(routed.signature, routed.client); }
+
+void OnlineRefitter::OnPoolChanged(const PoolChange& change) {
+  // A health change moves no zone; everything else may add or remove a row.
+  if (change.kind == PoolChangeKind::kHealthChanged) return;
+  absl::MutexLock lock(&thread_mu_);
+  pool_changed_ = true;
+  thread_cv_.Signal();
+}
+
+void OnlineRefitter::OnCentroidsInstalled(const CentroidInstall& install) {
+  if (install.source == CentroidSource::kRefit) return;
+  external_installs_.fetch_add(1, std::memory_order_acq_rel);
+  // A restart's persisted state continues the refits learnt under the calibration: it is not a
+  // new anchor. Anything else is a calibration the operator chose.
+  if (install.source != CentroidSource::kStateDir) {
+    absl::StatusOr<CentroidArtifact> current = router_->CurrentCentroids();
+    if (current.ok() && current->k == install.rows) {
+      absl::MutexLock lock(&anchors_mu_);
+      anchors_.clear();
+      for (int r = 0; r < current->k; ++r) {
+        const auto row = current->row(r);
+        anchors_[current->workers[r]].assign(row.begin(), row.end());
+      }
+    }
+  }
+  if (install.transform_changed) ResetWindow();
+}
+
 // ---- Window ------------------------------------------------------------------------------------
 
-void OnlineRefitter::Observe(absl::Span<const float> signature, const std::string& /*worker*/) {
+bool OnlineRefitter::AdmitClient(absl::string_view client, absl::Time now) {
+  // The number of active clients (admitted a signature within the window), recounted at most once
+  // a second; stale accounts are dropped then.
+  if (now - clients_counted_at_ >= absl::Seconds(1) || clients_counted_at_ > now) {
+    active_clients_ = 0;
+    for (auto it = clients_.begin(); it != clients_.end();) {
+      if (now - it->second.last_admitted > options_.window) {
+        clients_.erase(it++);
+      } else {
+        ++active_clients_;
+        ++it;
+      }
+    }
+    clients_counted_at_ = now;
+  }
+  std::string key(client);
+  if (!clients_.contains(key) && clients_.size() >= kMaxTrackedClients) key = kOverflowClient;
+  auto [it, created] = clients_.try_emplace(key);
+  ClientBucket& bucket = it->second;
+  if (created) ++active_clients_;
+  const double fair = 1.0 / static_cast<double>(std::max<int64_t>(1, active_clients_));
+  const double capacity = options_.max_window_signatures * std::min(options_.max_client_share, fair);
+  if (created) {
+    bucket.tokens = capacity;
+    bucket.refilled_at = now;
+    bucket.last_admitted = now;
+  } else if (now > bucket.refilled_at) {
+    bucket.tokens += capacity * absl::FDivDuration(now - bucket.refilled_at, options_.window);
+    bucket.refilled_at = now;
+  }
+  bucket.tokens = std::min(bucket.tokens, capacity);
+  if (bucket.tokens < 1) return false;
+  bucket.tokens -= 1;
+  bucket.last_admitted = now;
+  return true;
+}
+
+void OnlineRefitter::Observe(absl::Span<const float> signature, absl::string_view client) {
   if (signature.empty()) return;
   const int dim = static_cast<int>(signature.size());
   const absl::Time now = Now();
@@ -215,6 +361,10 @@ void OnlineRefitter::Observe(absl::Span<const float> signature, const std::strin
   admission_refilled_at_ = now;
   if (admission_tokens_ < 1) {
     ++sampled_out_;
+    return;
+  }
+  if (!AdmitClient(client, now)) {
+    ++client_limited_;
     return;
   }
   admission_tokens_ -= 1;
@@ -262,6 +412,8 @@ void OnlineRefitter::ResetWindow() {
   absl::MutexLock lock(&window_mu_);
   evicted.swap(chunks_);
   window_rows_ = 0;
+  clients_.clear();
+  active_clients_ = 0;
 }
 
 int OnlineRefitter::SnapshotWindow(absl::Time now, std::vector<float>* points, int* dim) {
@@ -302,26 +454,36 @@ int OnlineRefitter::SnapshotWindow(absl::Time now, std::vector<float>* points, i
 
 // ---- Refit -------------------------------------------------------------------------------------
 
-absl::Status OnlineRefitter::RecordFailure(const absl::Status& status) {
-  absl::MutexLock lock(&stats_mu_);
-  ++stats_.refits_failed;
-  stats_.last_error = std::string(status.message());
+absl::Status OnlineRefitter::RecordFailure(const absl::Status& status, RefitOutcome outcome) {
+  outcome.kind = RefitOutcome::Kind::kFailed;
+  outcome.reason = std::string(status.message());
+  {
+    absl::MutexLock lock(&stats_mu_);
+    ++stats_.refits_failed;
+    stats_.last_error = outcome.reason;
+  }
+  if (options_.on_refit) options_.on_refit(outcome);
   return status;
 }
 
-absl::Status OnlineRefitter::RecordSkip(const std::string& why) {
-  absl::MutexLock lock(&stats_mu_);
-  ++stats_.refits_skipped;
-  stats_.last_error = why;
+absl::Status OnlineRefitter::RecordSkip(const std::string& why, RefitOutcome outcome) {
+  outcome.kind = RefitOutcome::Kind::kSkipped;
+  outcome.reason = why;
+  {
+    absl::MutexLock lock(&stats_mu_);
+    ++stats_.refits_skipped;
+    stats_.last_error = why;
+  }
+  if (options_.on_refit) options_.on_refit(outcome);
   return absl::OkStatus();
 }
 
-absl::Status OnlineRefitter::Refit() {
+absl::Status OnlineRefitter::Refit(bool pool_change) {
   absl::MutexLock lock(&fit_mu_);
-  return RefitLocked();
+  return RefitLocked(pool_change);
 }
 
-absl::Status OnlineRefitter::RefitNow() { return Refit(); }
+absl::Status OnlineRefitter::RefitNow() { return Refit(/*pool_change=*/false); }
 
 absl::Status OnlineRefitter::OnWorkerAdded(const std::string& worker_id) {
   absl::MutexLock lock(&fit_mu_);
@@ -329,19 +491,17 @@ absl::Status OnlineRefitter::OnWorkerAdded(const std::string& worker_id) {
   const auto it = std::find_if(state.workers.begin(), state.workers.end(),
                                [&](const WorkerStatus& w) { return w.spec.id == worker_id; });
   if (it == state.workers.end() || it->state != WorkerState::kActive) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "refit: worker '", worker_id, "' is ", it == state.workers.end() ? "unknown" : "draining",
-        " to the router; upsert it first"));
+    return absl::FailedPreconditionError(absl::StrCat("refit: worker '", worker_id, "' is ",
+                                                      it == state.workers.end() ? "unknown" : "draining",
+                                                      " to the router; upsert it first"));
   }
-  if (absl::Status refit = RefitLocked(); !refit.ok()) return refit;
+  if (absl::Status refit = RefitLocked(/*pool_change=*/true); !refit.ok()) return refit;
   absl::StatusOr<CentroidArtifact> current = router_->CurrentCentroids();
-  if (current.ok() && std::find(current->workers.begin(), current->workers.end(), worker_id) !=
-                          current->workers.end()) {
+  if (current.ok() && std::find(current->workers.begin(), current->workers.end(), worker_id) != current->workers.end()) {
     return absl::OkStatus();
   }
   absl::MutexLock stats_lock(&stats_mu_);
-  return absl::FailedPreconditionError(
-      absl::StrCat("refit: worker '", worker_id, "' got no zone: ", stats_.last_error));
+  return absl::FailedPreconditionError(absl::StrCat("refit: worker '", worker_id, "' got no zone: ", stats_.last_error));
 }
 
 absl::Status OnlineRefitter::OnWorkerRemoved(const std::string& worker_id) {
@@ -349,25 +509,21 @@ absl::Status OnlineRefitter::OnWorkerRemoved(const std::string& worker_id) {
   const RouterState state = router_->GetState(Now());
   for (const WorkerStatus& w : state.workers) {
     if (w.spec.id == worker_id && w.state == WorkerState::kActive) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "refit: worker '", worker_id, "' is still active; drain or remove it from the router first"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("refit: worker '", worker_id, "' is still active; drain or remove it from the router first"));
     }
   }
-  return RefitLocked();
+  return RefitLocked(/*pool_change=*/true);
 }
 
-absl::Status OnlineRefitter::RefitLocked() {
-  const auto started = std::chrono::steady_clock::now();
-  {
-    absl::MutexLock lock(&stats_mu_);
-    ++stats_.refits_started;
-  }
-  const absl::Time now = Now();
+absl::StatusOr<OnlineRefitter::RefitPlan> OnlineRefitter::PlanRefit(absl::Time now) {
+  RefitPlan plan;
+  plan.external_installs_before = external_installs_.load(std::memory_order_acquire);
   const RouterState state = router_->GetState(now);
-  const uint64_t generation_before = state.centroid_generation;
   absl::StatusOr<CentroidArtifact> current = router_->CurrentCentroids();
-  if (!current.ok()) return RecordSkip("refit skipped: no centroids are installed yet");
-  const int dim = current->dim();
+  if (!current.ok()) return absl::FailedPreconditionError("refit skipped: no centroids are installed yet");
+  plan.current = *std::move(current);
+  const int dim = plan.current.dim();
 
   // Target rows: the kept workers (active, with a row) in their row order, then the active workers
   // that have no row yet, in router order.
@@ -375,109 +531,158 @@ absl::Status OnlineRefitter::RefitLocked() {
   for (const WorkerStatus& w : state.workers) {
     if (w.state == WorkerState::kActive) active_capacity[w.spec.id] = w.spec.capacity;
   }
-  std::vector<std::string> target;
-  std::vector<float> kept_rows;
   absl::flat_hash_set<std::string> has_row;
-  for (int r = 0; r < current->k; ++r) {
-    const std::string& id = current->workers[r];
+  for (int r = 0; r < plan.current.k; ++r) {
+    const std::string& id = plan.current.workers[r];
     has_row.insert(id);
     if (!active_capacity.contains(id)) continue;
-    target.push_back(id);
-    const auto row = current->row(r);
-    kept_rows.insert(kept_rows.end(), row.begin(), row.end());
+    plan.target.push_back(id);
+    const auto row = plan.current.row(r);
+    plan.kept_rows.insert(plan.kept_rows.end(), row.begin(), row.end());
   }
-  const int kept_k = static_cast<int>(target.size());
+  plan.kept_k = static_cast<int>(plan.target.size());
   for (const WorkerStatus& w : state.workers) {
-    if (w.state == WorkerState::kActive && !has_row.contains(w.spec.id)) target.push_back(w.spec.id);
+    if (w.state == WorkerState::kActive && !has_row.contains(w.spec.id)) plan.target.push_back(w.spec.id);
   }
-  const int k = static_cast<int>(target.size());
-  const int added = k - kept_k;
-  const int dropped = current->k - kept_k;
-  if (k == 0) return RecordSkip("refit skipped: no active workers");
+  for (const std::string& id : plan.target) plan.capacity.push_back(active_capacity[id]);
+  plan.added = static_cast<int>(plan.target.size()) - plan.kept_k;
+  plan.dropped = plan.current.k - plan.kept_k;
+  if (plan.target.empty()) return absl::FailedPreconditionError("refit skipped: no active workers");
 
-  std::vector<float> points;
   int window_dim = 0;
-  int m = SnapshotWindow(now, &points, &window_dim);
-  if (m > 0 && window_dim != dim) {
-    m = 0;  // signatures of another transform: unusable for these centroids
-    points.clear();
+  plan.m = SnapshotWindow(now, &plan.points, &window_dim);
+  if (plan.m > 0 && window_dim != dim) {  // signatures of another transform: unusable here
+    plan.m = 0;
+    plan.points.clear();
   }
-  const int64_t needed = std::max<int64_t>(k, static_cast<int64_t>(options_.min_signatures_per_centroid) * k);
+  return plan;
+}
+
+absl::StatusOr<std::vector<float>> OnlineRefitter::FitAligned(const RefitPlan& plan) {
+  const int k = static_cast<int>(plan.target.size());
+  const int dim = plan.current.dim();
+  BalancedKMeansOptions fit_options;
+  fit_options.clusters = k;
+  fit_options.seed = options_.seed;
+  fit_options.max_iterations = options_.max_iterations;
+  fit_options.tolerance = options_.tolerance;
+  fit_options.capacity_weights = plan.capacity;
+  if (plan.kept_k > 0) {
+    fit_options.initial_centroids = plan.kept_rows;
+    if (plan.added > 0) {
+      const std::vector<float> seeds = SplitSeeds(plan.points, plan.m, plan.kept_rows, plan.kept_k, dim, plan.added);
+      fit_options.initial_centroids.insert(fit_options.initial_centroids.end(), seeds.begin(), seeds.end());
+    }
+  }
+  absl::StatusOr<BalancedKMeansResult> fit = FitBalancedKMeans(plan.points, plan.m, dim, fit_options);
+  if (!fit.ok()) return absl::Status(fit.status().code(), absl::StrCat("refit: ", fit.status().message()));
+  if (plan.kept_k == 0) return std::move(fit->centroids);
+  // Align the fitted rows to the warm start's identities (kept workers' old rows and the new
+  // workers' seeds), so each worker keeps the zone nearest its old one.
+  const std::vector<int> row_of_target = AlignCentroids(fit_options.initial_centroids, fit->centroids, k, dim);
+  if (row_of_target.size() != static_cast<size_t>(k)) return absl::InternalError("refit: centroid alignment failed");
+  std::vector<float> rows(static_cast<size_t>(k) * dim);
+  for (int t = 0; t < k; ++t) {
+    std::copy_n(fit->centroids.begin() + static_cast<size_t>(row_of_target[t]) * dim, dim,
+                rows.begin() + static_cast<size_t>(t) * dim);
+  }
+  return rows;
+}
+
+void OnlineRefitter::BoundMovement(const RefitPlan& plan, std::vector<float>* rows, RefitOutcome* outcome) {
+  const int dim = plan.current.dim();
+  absl::MutexLock lock(&anchors_mu_);
+  for (int t = 0; t < static_cast<int>(plan.target.size()); ++t) {
+    const absl::Span<float> row = absl::MakeSpan(*rows).subspan(static_cast<size_t>(t) * dim, dim);
+    if (t < plan.kept_k) {
+      const absl::Span<const float> before(plan.kept_rows.data() + static_cast<size_t>(t) * dim, dim);
+      if (LimitRotation(before, row, options_.max_step_distance)) ++outcome->rows_step_bounded;
+    }
+    auto anchor = anchors_.find(plan.target[t]);
+    if (anchor == anchors_.end() || anchor->second.size() != static_cast<size_t>(dim)) {
+      // A worker's first zone from a refit is where its drift is measured from.
+      anchors_[plan.target[t]].assign(row.begin(), row.end());
+      continue;
+    }
+    if (LimitRotation(anchor->second, row, options_.max_drift_distance)) ++outcome->rows_drift_bounded;
+  }
+}
+
+absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
+  const auto started = std::chrono::steady_clock::now();
+  {
+    absl::MutexLock lock(&stats_mu_);
+    ++stats_.refits_started;
+  }
+  const absl::Time now = Now();
+  RefitOutcome outcome;
+  outcome.pool_change = pool_change;
+  absl::StatusOr<RefitPlan> planned = PlanRefit(now);
+  if (!planned.ok()) return RecordSkip(std::string(planned.status().message()), outcome);
+  RefitPlan& plan = *planned;
+  const int k = static_cast<int>(plan.target.size());
+  outcome.window_signatures = plan.m;
 
   CentroidArtifact next;
-  next.spec = current->spec;
-  next.model = current->model;
-  next.seed = current->seed;
+  next.spec = plan.current.spec;
+  next.model = plan.current.model;
+  next.seed = plan.current.seed;
   next.k = k;
-  next.workers = target;
-  if (m < needed) {
-    const std::string shortage = absl::StrCat("the window holds ", m, " usable signatures, a fit of ", k,
-                                              " centroids needs ", needed);
-    if (dropped == 0 || kept_k == 0) {
-      return RecordSkip(added > 0 ? absl::StrCat("refit skipped: cannot give ", added,
-                                                 " new worker(s) a zone: ", shortage)
-                                  : absl::StrCat("refit skipped: ", shortage));
+  next.workers = plan.target;
+  const int64_t needed = std::max<int64_t>(k, static_cast<int64_t>(options_.min_signatures_per_centroid) * k);
+  if (plan.m < needed) {
+    const std::string shortage =
+        absl::StrCat("the window holds ", plan.m, " usable signatures, a fit of ", k, " centroids needs ", needed);
+    if (plan.dropped == 0 || plan.kept_k == 0) {
+      return RecordSkip(plan.added > 0 ? absl::StrCat("refit skipped: cannot give ", plan.added,
+                                                      " new worker(s) a zone: ", shortage)
+                                       : absl::StrCat("refit skipped: ", shortage),
+                        outcome);
     }
     // Too little data to refit, but workers left: drop their rows, so the nearest remaining zones
     // absorb their traffic. Workers without a row wait for a later refit.
-    next.k = kept_k;
-    next.workers.resize(kept_k);
-    next.centroids = std::move(kept_rows);
+    next.k = plan.kept_k;
+    next.workers.resize(plan.kept_k);
+    next.centroids = plan.kept_rows;
   } else {
-    BalancedKMeansOptions fit_options;
-    fit_options.clusters = k;
-    fit_options.seed = options_.seed;
-    fit_options.max_iterations = options_.max_iterations;
-    fit_options.tolerance = options_.tolerance;
-    for (const std::string& id : target) fit_options.capacity_weights.push_back(active_capacity[id]);
-    if (kept_k > 0) {
-      fit_options.initial_centroids = kept_rows;
-      if (added > 0) {
-        const std::vector<float> seeds = SplitSeeds(points, m, kept_rows, kept_k, dim, added);
-        fit_options.initial_centroids.insert(fit_options.initial_centroids.end(), seeds.begin(), seeds.end());
-      }
-    }
-    absl::StatusOr<BalancedKMeansResult> fit = FitBalancedKMeans(points, m, dim, fit_options);
-    if (!fit.ok()) return RecordFailure(absl::Status(fit.status().code(), absl::StrCat("refit: ", fit.status().message())));
-    // Align the fitted rows to the warm start's identities (kept workers' old rows and the new
-    // workers' seeds), so each worker keeps the zone nearest its old one.
-    std::vector<int> row_of_target(k);
-    if (kept_k > 0) {
-      row_of_target = AlignCentroids(fit_options.initial_centroids, fit->centroids, k, dim);
-      if (row_of_target.size() != static_cast<size_t>(k)) {
-        return RecordFailure(absl::InternalError("refit: centroid alignment failed"));
-      }
-    } else {
-      for (int t = 0; t < k; ++t) row_of_target[t] = t;
-    }
-    next.centroids.resize(static_cast<size_t>(k) * dim);
-    for (int t = 0; t < k; ++t) {
-      std::copy_n(fit->centroids.begin() + static_cast<size_t>(row_of_target[t]) * dim, dim,
-                  next.centroids.begin() + static_cast<size_t>(t) * dim);
-    }
+    absl::StatusOr<std::vector<float>> rows = FitAligned(plan);
+    if (!rows.ok()) return RecordFailure(rows.status(), outcome);
+    next.centroids = *std::move(rows);
+    BoundMovement(plan, &next.centroids, &outcome);
   }
 
   // A reload (or another writer) replaced the centroids while we fitted: theirs win.
-  if (router_->GetState(Now()).centroid_generation != generation_before) {
-    return RecordSkip("refit discarded: the centroids were replaced during the fit");
+  if (external_installs_.load(std::memory_order_acquire) != plan.external_installs_before) {
+    return RecordSkip("refit discarded: the centroids were replaced during the fit", outcome);
   }
-  if (absl::Status installed = router_->InstallCentroids(next); !installed.ok()) {
-    return RecordFailure(absl::Status(installed.code(), absl::StrCat("refit: install failed: ", installed.message())));
+  absl::StatusOr<uint64_t> generation = router_->InstallCentroids(next, CentroidSource::kRefit);
+  if (!generation.ok()) {
+    return RecordFailure(absl::Status(generation.status().code(),
+                                      absl::StrCat("refit: install failed: ", generation.status().message())),
+                         outcome);
   }
-  const uint64_t generation_after = router_->GetState(Now()).centroid_generation;
-
   std::string persist_error;
   if (!options_.state_dir.empty()) {
     const absl::Status saved = SaveCentroidArtifact(next, StatePath(options_.state_dir));
     if (!saved.ok()) persist_error = absl::StrCat("refit installed, but persisting failed: ", saved.message());
   }
-  absl::MutexLock lock(&stats_mu_);
-  ++stats_.refits_completed;
-  stats_.last_fit_seconds = SecondsSince(started);
-  stats_.centroid_generation = generation_after;
-  stats_.last_refit_time = now;
-  stats_.last_error = persist_error;
-  if (!persist_error.empty()) ++stats_.persist_failures;
+  outcome.kind = RefitOutcome::Kind::kInstalled;
+  outcome.generation = *generation;
+  outcome.rows = next.k;
+  outcome.seconds = SecondsSince(started);
+  outcome.reason = persist_error;
+  {
+    absl::MutexLock lock(&stats_mu_);
+    ++stats_.refits_completed;
+    stats_.last_fit_seconds = outcome.seconds;
+    stats_.centroid_generation = *generation;
+    stats_.last_refit_time = now;
+    stats_.last_error = persist_error;
+    stats_.rows_step_bounded += outcome.rows_step_bounded;
+    stats_.rows_drift_bounded += outcome.rows_drift_bounded;
+    if (!persist_error.empty()) ++stats_.persist_failures;
+  }
+  if (options_.on_refit) options_.on_refit(outcome);
   return absl::OkStatus();
 }
 
@@ -489,8 +694,10 @@ RefitStats OnlineRefitter::stats() const {
   }
   absl::MutexLock lock(&window_mu_);
   stats.window_signatures = window_rows_;
+  stats.window_clients = active_clients_;
   stats.signatures_observed = observed_;
   stats.signatures_sampled_out = sampled_out_;
+  stats.signatures_client_limited = client_limited_;
   return stats;
 }
 
@@ -551,23 +758,6 @@ absl::StatusOr<StartupCentroids> OnlineRefitter::LoadStartupCentroids(
   if (!configured->ok()) return configured->status();
   chosen.artifact = **configured;
   return chosen;
-}
-
-// ---- Observer slot -----------------------------------------------------------------------------
-
-RefitObserverSlot::RefitObserverSlot() : shared_(std::make_shared<Shared>()) {}
-
-std::function<void(absl::Span<const float>, const std::string&)> RefitObserverSlot::Callback() const {
-  std::shared_ptr<Shared> shared = shared_;
-  return [shared](absl::Span<const float> signature, const std::string& worker) {
-    absl::ReaderMutexLock lock(&shared->mu);
-    if (shared->refitter != nullptr) shared->refitter->Observe(signature, worker);
-  };
-}
-
-void RefitObserverSlot::Attach(OnlineRefitter* refitter) {
-  absl::MutexLock lock(&shared_->mu);
-  shared_->refitter = refitter;
 }
 
 }  // namespace eldr

@@ -1,5 +1,6 @@
 #include "server/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -14,7 +15,6 @@
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
 #include "eldr/common/file.h"
-#include "eldr/core/centroid_artifact.h"
 #include "nlohmann/json.hpp"
 
 namespace eldr::server {
@@ -23,25 +23,23 @@ namespace {
 using Json = nlohmann::json;
 
 absl::Status BadValue(absl::string_view key, absl::string_view value, absl::string_view expected) {
+  const std::string shown = value.size() <= 64 ? std::string(value) : absl::StrCat(value.substr(0, 64), "...");
   return absl::InvalidArgumentError(
-      absl::StrCat("setting '", key, "': invalid value '", value, "' (expected ", expected, ")"));
+      absl::StrCat("setting '", key, "': invalid value '", shown, "' (expected ", expected, ")"));
 }
 
 absl::StatusOr<absl::Duration> ParseDurationValue(absl::string_view key, absl::string_view text) {
   const absl::string_view trimmed = absl::StripAsciiWhitespace(text);
   double seconds = 0;
-  if (absl::SimpleAtod(trimmed, &seconds) && std::isfinite(seconds)) {
-    return absl::Seconds(seconds);
-  }
+  if (absl::SimpleAtod(trimmed, &seconds) && std::isfinite(seconds)) return absl::Seconds(seconds);
   absl::Duration d;
   if (absl::ParseDuration(trimmed, &d)) return d;
   return BadValue(key, text, "a duration such as 250ms, 10s, 10m or inf");
 }
 
 absl::StatusOr<int64_t> ParseIntValue(absl::string_view key, absl::string_view text) {
-  const absl::string_view trimmed = absl::StripAsciiWhitespace(text);
   int64_t v = 0;
-  if (absl::SimpleAtoi(trimmed, &v)) return v;
+  if (absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &v)) return v;
   return BadValue(key, text, "an integer");
 }
 
@@ -68,54 +66,101 @@ absl::StatusOr<bool> ParseBoolValue(absl::string_view key, absl::string_view tex
   return BadValue(key, text, "true or false");
 }
 
-// One setting: how to set it from text and how to show it.
+// One setting: its key, how it is written, what it means, and how to set and show it.
 struct OptionDef {
   std::string key;
+  std::string type;  // for --help: string, duration, int, number, bool, list, or the choices
+  std::string help;
   std::function<absl::Status(absl::string_view, ServerOptions*)> set;
   std::function<Json(const ServerOptions&)> get;
+  bool is_bool = false;
 };
 
-Json DurationJson(absl::Duration d) { return absl::FormatDuration(d); }
+// Every setting of a given C++ type is declared the same way: the key, the help, and where the
+// value lives in ServerOptions.
+template <typename T>
+using FieldOf = std::function<T&(ServerOptions&)>;
 
-template <typename Field>
-OptionDef StringOption(std::string key, Field field) {
-  return OptionDef{
-      key,
-      [field](absl::string_view v, ServerOptions* o) {
-        o->*field = std::string(v);
-        return absl::OkStatus();
-      },
-      [field](const ServerOptions& o) { return Json(o.*field); }};
+template <typename T>
+std::function<Json(const ServerOptions&)> Getter(FieldOf<T> field) {
+  return [field](const ServerOptions& o) { return Json(field(const_cast<ServerOptions&>(o))); };
 }
 
-OptionDef DurationOption(std::string key, absl::Duration ServerOptions::*field) {
-  return OptionDef{
-      key,
-      [key, field](absl::string_view v, ServerOptions* o) -> absl::Status {
-        ELDR_ASSIGN_OR_RETURN(o->*field, ParseDurationValue(key, v));
-        return absl::OkStatus();
-      },
-      [field](const ServerOptions& o) { return DurationJson(o.*field); }};
+OptionDef StringOption(std::string key, std::string help, FieldOf<std::string> field) {
+  return OptionDef{std::move(key), "string", std::move(help),
+                   [field](absl::string_view v, ServerOptions* o) {
+                     field(*o) = std::string(v);
+                     return absl::OkStatus();
+                   },
+                   Getter(field)};
 }
 
-OptionDef IntOption(std::string key, int64_t ServerOptions::*field) {
-  return OptionDef{
-      key,
-      [key, field](absl::string_view v, ServerOptions* o) -> absl::Status {
-        ELDR_ASSIGN_OR_RETURN(o->*field, ParseIntValue(key, v));
-        return absl::OkStatus();
-      },
-      [field](const ServerOptions& o) { return Json(o.*field); }};
+OptionDef DurationOption(std::string key, std::string help, FieldOf<absl::Duration> field) {
+  const std::string name = key;
+  return OptionDef{std::move(key), "duration", std::move(help),
+                   [name, field](absl::string_view v, ServerOptions* o) -> absl::Status {
+                     ELDR_ASSIGN_OR_RETURN(field(*o), ParseDurationValue(name, v));
+                     return absl::OkStatus();
+                   },
+                   [field](const ServerOptions& o) {
+                     return Json(absl::FormatDuration(field(const_cast<ServerOptions&>(o))));
+                   }};
 }
 
-OptionDef BoolOption(std::string key, bool ServerOptions::*field) {
-  return OptionDef{
-      key,
-      [key, field](absl::string_view v, ServerOptions* o) -> absl::Status {
-        ELDR_ASSIGN_OR_RETURN(o->*field, ParseBoolValue(key, v));
-        return absl::OkStatus();
-      },
-      [field](const ServerOptions& o) { return Json(o.*field); }};
+template <typename Int>
+OptionDef IntOption(std::string key, std::string help, FieldOf<Int> field) {
+  const std::string name = key;
+  return OptionDef{std::move(key), "int", std::move(help),
+                   [name, field](absl::string_view v, ServerOptions* o) -> absl::Status {
+                     ELDR_ASSIGN_OR_RETURN(const int64_t value, ParseIntValue(name, v));
+                     if (value < std::numeric_limits<Int>::min() || value > std::numeric_limits<Int>::max()) {
+                       return BadValue(name, v, "an integer in range");
+                     }
+                     field(*o) = static_cast<Int>(value);
+                     return absl::OkStatus();
+                   },
+                   [field](const ServerOptions& o) { return Json(int64_t{field(const_cast<ServerOptions&>(o))}); }};
+}
+
+OptionDef DoubleOption(std::string key, std::string help, FieldOf<double> field) {
+  const std::string name = key;
+  return OptionDef{std::move(key), "number", std::move(help),
+                   [name, field](absl::string_view v, ServerOptions* o) -> absl::Status {
+                     ELDR_ASSIGN_OR_RETURN(field(*o), ParseDoubleValue(name, v));
+                     return absl::OkStatus();
+                   },
+                   Getter(field)};
+}
+
+OptionDef BoolOption(std::string key, std::string help, FieldOf<bool> field) {
+  const std::string name = key;
+  OptionDef def{std::move(key), "bool", std::move(help),
+                [name, field](absl::string_view v, ServerOptions* o) -> absl::Status {
+                  ELDR_ASSIGN_OR_RETURN(field(*o), ParseBoolValue(name, v));
+                  return absl::OkStatus();
+                },
+                Getter(field)};
+  def.is_bool = true;
+  return def;
+}
+
+// A setting with a closed set of names (policy, log level, ...).
+template <typename Enum>
+OptionDef ChoiceOption(std::string key, std::string help, std::string choices, FieldOf<Enum> field,
+                       std::function<absl::StatusOr<Enum>(absl::string_view)> parse,
+                       std::function<absl::string_view(Enum)> name_of) {
+  const std::string name = key;
+  const std::string expected = choices;
+  return OptionDef{std::move(key), std::move(choices), std::move(help),
+                   [=](absl::string_view v, ServerOptions* o) -> absl::Status {
+                     absl::StatusOr<Enum> value = parse(absl::StripAsciiWhitespace(v));
+                     if (!value.ok()) return BadValue(name, v, expected);
+                     field(*o) = *value;
+                     return absl::OkStatus();
+                   },
+                   [=](const ServerOptions& o) {
+                     return Json(std::string(name_of(field(const_cast<ServerOptions&>(o)))));
+                   }};
 }
 
 Json WorkerToJson(const WorkerSpec& w) {
@@ -125,99 +170,197 @@ Json WorkerToJson(const WorkerSpec& w) {
   return j;
 }
 
+OptionDef WorkersOption() {
+  return OptionDef{
+      "workers", "list",
+      "Decode workers: 'id=host:port,...' or a JSON file of {id, address, capacity, max_inflight, metrics_url}.",
+      [](absl::string_view v, ServerOptions* o) -> absl::Status {
+        if (absl::StripAsciiWhitespace(v).empty()) {
+          o->workers.clear();
+          return absl::OkStatus();
+        }
+        absl::StatusOr<std::vector<WorkerSpec>> workers = ParseWorkerList(v);
+        if (!workers.ok()) {
+          return absl::Status(workers.status().code(), absl::StrCat("setting 'workers': ", workers.status().message()));
+        }
+        o->workers = *std::move(workers);
+        return absl::OkStatus();
+      },
+      [](const ServerOptions& o) {
+        Json list = Json::array();
+        for (const WorkerSpec& w : o.workers) list.push_back(WorkerToJson(w));
+        return list;
+      }};
+}
+
+// The seed feeds the routing policy's generator and the refit's k-means alike.
+OptionDef SeedOption() {
+  return OptionDef{"seed", "int", "Seed of the tie-breaking, sampling and refit generators (decimal or 0x hex).",
+                   [](absl::string_view v, ServerOptions* o) -> absl::Status {
+                     ELDR_ASSIGN_OR_RETURN(o->router.seed, ParseUintValue("seed", v));
+                     o->refit.seed = o->router.seed;
+                     return absl::OkStatus();
+                   },
+                   [](const ServerOptions& o) { return Json(o.router.seed); }};
+}
+
+// clang-format off
 const std::vector<OptionDef>& OptionTable() {
   static const auto* table = new std::vector<OptionDef>{
-      StringOption("listen", &ServerOptions::listen),
-      StringOption("metrics_listen", &ServerOptions::metrics_listen),
-      StringOption("admin_listen", &ServerOptions::admin_listen),
-      StringOption("port_file", &ServerOptions::port_file),
-      StringOption("centroids", &ServerOptions::centroids),
-      OptionDef{"workers",
-                [](absl::string_view v, ServerOptions* o) -> absl::Status {
-                  if (absl::StripAsciiWhitespace(v).empty()) {
-                    o->workers.clear();
-                    return absl::OkStatus();
-                  }
-                  auto workers = ParseWorkerList(v);
-                  if (!workers.ok()) {
-                    return absl::Status(workers.status().code(),
-                                        absl::StrCat("setting 'workers': ", workers.status().message()));
-                  }
-                  o->workers = *std::move(workers);
-                  return absl::OkStatus();
-                },
-                [](const ServerOptions& o) {
-                  Json list = Json::array();
-                  for (const WorkerSpec& w : o.workers) list.push_back(WorkerToJson(w));
-                  return list;
-                }},
-      OptionDef{"policy",
-                [](absl::string_view v, ServerOptions* o) -> absl::Status {
-                  auto kind = ParsePolicyKind(absl::StripAsciiWhitespace(v));
-                  if (!kind.ok()) return BadValue("policy", v, "eldr, rr, random, jsq or p2c");
-                  o->policy = *kind;
-                  return absl::OkStatus();
-                },
-                [](const ServerOptions& o) { return Json(std::string(PolicyKindName(o.policy))); }},
-      OptionDef{"tau",
-                [](absl::string_view v, ServerOptions* o) -> absl::Status {
-                  ELDR_ASSIGN_OR_RETURN(o->tau, ParseDoubleValue("tau", v));
-                  return absl::OkStatus();
-                },
-                [](const ServerOptions& o) { return Json(o.tau); }},
-      DurationOption("lease_ttl", &ServerOptions::lease_ttl),
-      DurationOption("snapshot_staleness", &ServerOptions::snapshot_staleness),
-      DurationOption("lease_expiry_interval", &ServerOptions::lease_expiry_interval),
-      StringOption("worker_metrics", &ServerOptions::worker_metrics),
-      IntOption("scrape_interval_ms", &ServerOptions::scrape_interval_ms),
-      IntOption("scrape_timeout_ms", &ServerOptions::scrape_timeout_ms),
-      IntOption("unhealthy_after_failures", &ServerOptions::unhealthy_after_failures),
-      StringOption("scrape_model_name", &ServerOptions::scrape_model_name),
-      IntOption("refit_window_s", &ServerOptions::refit_window_s),
-      IntOption("refit_interval_s", &ServerOptions::refit_interval_s),
-      StringOption("state_dir", &ServerOptions::state_dir),
-      OptionDef{"seed",
-                [](absl::string_view v, ServerOptions* o) -> absl::Status {
-                  ELDR_ASSIGN_OR_RETURN(o->seed, ParseUintValue("seed", v));
-                  return absl::OkStatus();
-                },
-                [](const ServerOptions& o) { return Json(o.seed); }},
-      StringOption("tls_cert", &ServerOptions::tls_cert),
-      StringOption("tls_key", &ServerOptions::tls_key),
-      StringOption("tls_client_ca", &ServerOptions::tls_client_ca),
-      DurationOption("tls_reload_interval", &ServerOptions::tls_reload_interval),
-      StringOption("admin_token_file", &ServerOptions::admin_token_file),
-      IntOption("max_message_bytes", &ServerOptions::max_message_bytes),
-      IntOption("admin_max_message_bytes", &ServerOptions::admin_max_message_bytes),
-      IntOption("max_concurrent_streams", &ServerOptions::max_concurrent_streams),
-      DurationOption("keepalive_time", &ServerOptions::keepalive_time),
-      DurationOption("keepalive_timeout", &ServerOptions::keepalive_timeout),
-      DurationOption("keepalive_min_ping_interval", &ServerOptions::keepalive_min_ping_interval),
-      BoolOption("keepalive_permit_without_calls", &ServerOptions::keepalive_permit_without_calls),
-      DurationOption("max_connection_idle", &ServerOptions::max_connection_idle),
-      DurationOption("max_connection_age", &ServerOptions::max_connection_age),
-      DurationOption("max_connection_age_grace", &ServerOptions::max_connection_age_grace),
-      DurationOption("shutdown_drain_delay", &ServerOptions::shutdown_drain_delay),
-      DurationOption("shutdown_grace", &ServerOptions::shutdown_grace),
-      OptionDef{"log_level",
-                [](absl::string_view v, ServerOptions* o) -> absl::Status {
-                  auto level = ParseLogLevel(absl::StripAsciiWhitespace(v));
-                  if (!level.ok()) return BadValue("log_level", v, "debug, info, warning or error");
-                  o->log_level = *level;
-                  return absl::OkStatus();
-                },
-                [](const ServerOptions& o) { return Json(std::string(LogLevelName(o.log_level))); }},
-      OptionDef{"log_format",
-                [](absl::string_view v, ServerOptions* o) -> absl::Status {
-                  auto format = ParseLogFormat(absl::StripAsciiWhitespace(v));
-                  if (!format.ok()) return BadValue("log_format", v, "kv or json");
-                  o->log_format = *format;
-                  return absl::OkStatus();
-                },
-                [](const ServerOptions& o) { return Json(std::string(LogFormatName(o.log_format))); }},
+      // ---- Network ----
+      StringOption("listen", "host:port of the gRPC data plane (port 0: any free port).",
+                   [](ServerOptions& o) -> std::string& { return o.listen; }),
+      StringOption("admin_listen", "host:port of the RouterAdmin listener (loopback by default); empty: on --listen.",
+                   [](ServerOptions& o) -> std::string& { return o.admin_listen; }),
+      BoolOption("allow_insecure_admin",
+                 "Start even though RouterAdmin is reachable beyond loopback without a token or mutual TLS.",
+                 [](ServerOptions& o) -> bool& { return o.allow_insecure_admin; }),
+      StringOption("metrics_listen", "host:port of the HTTP endpoint (/metrics, /healthz, /readyz); empty disables it.",
+                   [](ServerOptions& o) -> std::string& { return o.metrics_http.listen; }),
+      IntOption<int>("metrics_max_connections", "Open connections of the HTTP endpoint at most (more get 503).",
+                     [](ServerOptions& o) -> int& { return o.metrics_http.max_connections; }),
+      StringOption("port_file", "Write the bound ports here as JSON once listening (for port 0).",
+                   [](ServerOptions& o) -> std::string& { return o.port_file; }),
+      // ---- Routing ----
+      StringOption("centroids", "Centroid artifact (JSON). Empty: start without centroids (eldr falls back to jsq).",
+                   [](ServerOptions& o) -> std::string& { return o.centroids; }),
+      StringOption("centroids_dir",
+                   "ReloadCentroids(path) reads only regular files in this folder (default: the folder of --centroids).",
+                   [](ServerOptions& o) -> std::string& { return o.centroids_dir; }),
+      IntOption<int64_t>("max_artifact_bytes", "Largest centroid artifact accepted (file or inline).",
+                         [](ServerOptions& o) -> int64_t& { return o.max_artifact_bytes; }),
+      WorkersOption(),
+      ChoiceOption<PolicyKind>("policy", "Routing policy.", "eldr, rr, random, jsq or p2c",
+                               [](ServerOptions& o) -> PolicyKind& { return o.router.policy; }, ParsePolicyKind,
+                               PolicyKindName),
+      DoubleOption("tau", "Locality band width in [0, 1] (eldr).",
+                   [](ServerOptions& o) -> double& { return o.router.tau; }),
+      SeedOption(),
+      DurationOption("lease_ttl", "A lease without Complete expires after this.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.router.load.lease_ttl; }),
+      DurationOption("snapshot_staleness", "Load reports older than this are ignored (the router's lease count is used).",
+                     [](ServerOptions& o) -> absl::Duration& { return o.router.load.snapshot_staleness; }),
+      IntOption<int64_t>("max_live_leases",
+                         "Live leases at most; at the limit a route releases the oldest lease (counted as evicted).",
+                         [](ServerOptions& o) -> int64_t& { return o.router.max_live_leases; }),
+      DurationOption("lease_expiry_interval", "How often expired leases are released.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.lease_expiry_interval; }),
+      // ---- Load scraping ----
+      StringOption("worker_metrics",
+                   "Decode workers' Prometheus pages to scrape for load: 'id=url,...' (vLLM or SGLang); overrides "
+                   "metrics_url in the workers file.",
+                   [](ServerOptions& o) -> std::string& { return o.worker_metrics; }),
+      DurationOption("scrape_interval", "Time between two scrapes of one worker.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.scrape.interval; }),
+      DurationOption("scrape_timeout", "A scrape taking longer fails.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.scrape.timeout; }),
+      IntOption<int>("unhealthy_after_failures",
+                     "Consecutive failed scrapes that mark a worker unhealthy until one succeeds (0: never).",
+                     [](ServerOptions& o) -> int& { return o.scrape.unhealthy_after_failures; }),
+      StringOption("scrape_model_name", "Sum only the series with this model_name label (empty: all series).",
+                   [](ServerOptions& o) -> std::string& { return o.scrape.engine.model_name; }),
+      // ---- Online refit ----
+      DurationOption("refit_window", "Online refit: signatures older than this leave the refit window.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.refit.window; }),
+      DurationOption("refit_interval",
+                     "Online refit: time between periodic refits; 0 turns periodic refit off (pool changes still "
+                     "refit when --state_dir is set). Refit runs when this is > 0 or --state_dir is set.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.refit.interval; }),
+      StringOption("state_dir",
+                   "Folder where refitted centroids are persisted and reloaded from at start (same transform as "
+                   "--centroids); empty: no persistence.",
+                   [](ServerOptions& o) -> std::string& { return o.refit.state_dir; }),
+      IntOption<int>("refit_max_window_signatures", "Signatures the refit window keeps at most (an even sample).",
+                     [](ServerOptions& o) -> int& { return o.refit.max_window_signatures; }),
+      DoubleOption("refit_max_client_share",
+                   "Largest fraction of the refit window one client may hold (on top of the fair share 1/n).",
+                   [](ServerOptions& o) -> double& { return o.refit.max_client_share; }),
+      DoubleOption("refit_max_step", "Cosine distance one refit may move a worker's centroid at most (2: no bound).",
+                   [](ServerOptions& o) -> double& { return o.refit.max_step_distance; }),
+      DoubleOption("refit_max_drift",
+                   "Cosine distance a centroid may drift from the calibrated one at most, in total (2: no bound).",
+                   [](ServerOptions& o) -> double& { return o.refit.max_drift_distance; }),
+      // ---- Security ----
+      StringOption("tls_cert", "PEM certificate chain: enables TLS on the gRPC ports.",
+                   [](ServerOptions& o) -> std::string& { return o.tls_cert; }),
+      StringOption("tls_key", "PEM private key of --tls_cert.", [](ServerOptions& o) -> std::string& { return o.tls_key; }),
+      StringOption("tls_client_ca", "PEM client CA bundle: mutual TLS (clients without a valid certificate are refused).",
+                   [](ServerOptions& o) -> std::string& { return o.tls_client_ca; }),
+      DurationOption("tls_reload_interval", "How often the TLS files are re-read and, when valid, rotated in.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.tls_reload_interval; }),
+      StringOption("tls_mirror_dir",
+                   "Private folder for the validated copies of the TLS files gRPC reads (default: a new one in $TMPDIR).",
+                   [](ServerOptions& o) -> std::string& { return o.tls_mirror_dir; }),
+      StringOption("admin_token_file", "File with the bearer token every RouterAdmin RPC must present (re-read on SIGHUP).",
+                   [](ServerOptions& o) -> std::string& { return o.admin_token_file; }),
+      StringOption("data_token_file",
+                   "File with the bearer token every DecodeRouter RPC must present (re-read on SIGHUP); empty: none.",
+                   [](ServerOptions& o) -> std::string& { return o.data_token_file; }),
+      ChoiceOption<ReporterAuth>("reporter_auth", "Who may report load for a worker.", "none, token or mtls",
+                                 [](ServerOptions& o) -> ReporterAuth& { return o.reporter_auth; }, ParseReporterAuth,
+                                 ReporterAuthName),
+      StringOption("reporter_tokens_file",
+                   "reporter_auth=token: JSON object {\"worker id\": \"token\"} (re-read on SIGHUP).",
+                   [](ServerOptions& o) -> std::string& { return o.reporter_tokens_file; }),
+      // ---- Limits ----
+      IntOption<int64_t>("max_message_bytes",
+                         "Largest Route request on the data plane: larger ones are INVALID_ARGUMENT (oversized); gRPC "
+                         "refuses beyond 4x this with RESOURCE_EXHAUSTED.",
+                         [](ServerOptions& o) -> int64_t& { return o.max_message_bytes; }),
+      IntOption<int64_t>("admin_max_message_bytes", "Largest message on the admin listener (inline artifacts).",
+                         [](ServerOptions& o) -> int64_t& { return o.admin_max_message_bytes; }),
+      IntOption<int64_t>("max_concurrent_streams", "Concurrent RPCs per connection.",
+                         [](ServerOptions& o) -> int64_t& { return o.max_concurrent_streams; }),
+      IntOption<int64_t>("max_report_streams", "Open ReportLoad streams at most (more: RESOURCE_EXHAUSTED).",
+                         [](ServerOptions& o) -> int64_t& { return o.max_report_streams; }),
+      IntOption<int64_t>("max_report_streams_per_peer", "Open ReportLoad streams per peer address at most.",
+                         [](ServerOptions& o) -> int64_t& { return o.max_report_streams_per_peer; }),
+      DurationOption("report_stream_idle_timeout", "A ReportLoad stream silent this long is ended.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.report_stream_idle_timeout; }),
+      DurationOption("keepalive_time", "Idle time before the server pings a connection.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.keepalive_time; }),
+      DurationOption("keepalive_timeout", "Time to wait for a keepalive ack before closing the connection.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.keepalive_timeout; }),
+      DurationOption("keepalive_min_ping_interval", "Minimum interval between client pings the server tolerates.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.keepalive_min_ping_interval; }),
+      BoolOption("keepalive_permit_without_calls", "Allow client keepalive pings on connections without calls.",
+                 [](ServerOptions& o) -> bool& { return o.keepalive_permit_without_calls; }),
+      DurationOption("max_connection_idle", "Close connections idle this long (inf: never).",
+                     [](ServerOptions& o) -> absl::Duration& { return o.max_connection_idle; }),
+      DurationOption("max_connection_age", "Close connections older than this (inf: never).",
+                     [](ServerOptions& o) -> absl::Duration& { return o.max_connection_age; }),
+      DurationOption("max_connection_age_grace", "Grace for calls on a connection closed for its age (inf: unlimited).",
+                     [](ServerOptions& o) -> absl::Duration& { return o.max_connection_age_grace; }),
+      // ---- Lifecycle and logs ----
+      DurationOption("shutdown_drain_delay",
+                     "On SIGTERM, keep serving this long after readiness turns false, before closing.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.shutdown_drain_delay; }),
+      DurationOption("shutdown_grace", "On SIGTERM, in-flight RPCs get this long to finish.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.shutdown_grace; }),
+      ChoiceOption<LogLevel>("log_level", "Lowest level logged.", "debug, info, warning or error",
+                             [](ServerOptions& o) -> LogLevel& { return o.log_level; }, ParseLogLevel, LogLevelName),
+      ChoiceOption<LogFormat>("log_format", "One line per event on stderr: key=value or JSON.", "kv or json",
+                              [](ServerOptions& o) -> LogFormat& { return o.log_format; }, ParseLogFormat,
+                              LogFormatName),
+      DoubleOption("log_rate_limit", "Warning lines of one kind per second at most (the rest are counted).",
+                   [](ServerOptions& o) -> double& { return o.log_rate_limit; }),
   };
   return *table;
 }
+// clang-format on
+
+// Older spellings with a unit in the name: the number is read in that unit.
+struct OptionAlias {
+  const char* old_key;
+  const char* key;
+  const char* unit;  // appended to a plain number
+};
+constexpr OptionAlias kAliases[] = {
+    {"scrape_interval_ms", "scrape_interval", "ms"},
+    {"scrape_timeout_ms", "scrape_timeout", "ms"},
+    {"refit_window_s", "refit_window", "s"},
+    {"refit_interval_s", "refit_interval", "s"},
+};
 
 const OptionDef* FindOption(absl::string_view key) {
   for (const OptionDef& def : OptionTable()) {
@@ -226,36 +369,37 @@ const OptionDef* FindOption(absl::string_view key) {
   return nullptr;
 }
 
+// Resolves an alias: the option it stands for and the value in that option's syntax.
+const OptionDef* FindOptionOrAlias(absl::string_view key, absl::string_view value, std::string* resolved_value) {
+  *resolved_value = std::string(value);
+  if (const OptionDef* def = FindOption(key)) return def;
+  for (const OptionAlias& alias : kAliases) {
+    if (key != alias.old_key) continue;
+    double number = 0;
+    if (absl::SimpleAtod(absl::StripAsciiWhitespace(value), &number)) {
+      *resolved_value = absl::StrCat(absl::StripAsciiWhitespace(value), alias.unit);
+    }
+    return FindOption(alias.key);
+  }
+  return nullptr;
+}
+
 absl::StatusOr<WorkerSpec> WorkerFromJson(const Json& j, size_t index) {
   const std::string where = absl::StrCat("worker #", index);
-  if (!j.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": expected an object with id and address"));
-  }
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": expected an object with id and address"));
   WorkerSpec w;
   for (const auto& [key, value] : j.items()) {
-    if (key == "id") {
-      if (!value.is_string()) return absl::InvalidArgumentError(absl::StrCat(where, ": 'id' must be a string"));
-      w.id = value.get<std::string>();
-    } else if (key == "address") {
-      if (!value.is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": 'address' must be a string"));
-      }
-      w.address = value.get<std::string>();
+    if (key == "id" || key == "address" || key == "metrics_url") {
+      if (!value.is_string()) return absl::InvalidArgumentError(absl::StrCat(where, ": '", key, "' must be a string"));
+      (key == "id" ? w.id : key == "address" ? w.address : w.metrics_url) = value.get<std::string>();
     } else if (key == "capacity") {
-      if (!value.is_number()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": 'capacity' must be a number"));
-      }
+      if (!value.is_number()) return absl::InvalidArgumentError(absl::StrCat(where, ": 'capacity' must be a number"));
       w.capacity = value.get<double>();
     } else if (key == "max_inflight") {
       if (!value.is_number_integer()) {
         return absl::InvalidArgumentError(absl::StrCat(where, ": 'max_inflight' must be an integer"));
       }
       w.max_inflight = value.get<int64_t>();
-    } else if (key == "metrics_url") {
-      if (!value.is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": 'metrics_url' must be a string"));
-      }
-      w.metrics_url = value.get<std::string>();
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": unknown key '", key, "' (expected id, address, capacity, max_inflight, metrics_url)"));
@@ -268,14 +412,43 @@ absl::StatusOr<std::vector<WorkerSpec>> CheckWorkers(std::vector<WorkerSpec> wor
   absl::flat_hash_set<std::string> seen;
   for (const WorkerSpec& w : workers) {
     ELDR_RETURN_IF_ERROR(ValidateWorkerSpec(w));
-    if (!seen.insert(w.id).second) {
-      return absl::InvalidArgumentError(absl::StrCat("duplicate worker id '", w.id, "'"));
-    }
+    if (!seen.insert(w.id).second) return absl::InvalidArgumentError(absl::StrCat("duplicate worker id '", w.id, "'"));
   }
   return workers;
 }
 
+std::string JsonToSettingText(const Json& value) {
+  if (value.is_string()) return value.get<std::string>();
+  if (value.is_boolean()) return value.get<bool>() ? "true" : "false";
+  if (value.is_number_integer()) {
+    return value.is_number_unsigned() ? absl::StrCat(value.get<uint64_t>()) : absl::StrCat(value.get<int64_t>());
+  }
+  return absl::StrCat(value.get<double>());
+}
+
 }  // namespace
+
+ServerOptions::ServerOptions() {
+  metrics_http.listen = "0.0.0.0:9464";
+  metrics_http.max_connections = 64;
+  refit.seed = router.seed;
+}
+
+absl::StatusOr<ReporterAuth> ParseReporterAuth(absl::string_view name) {
+  if (name == "none") return ReporterAuth::kNone;
+  if (name == "token") return ReporterAuth::kToken;
+  if (name == "mtls") return ReporterAuth::kMtls;
+  return absl::InvalidArgumentError(absl::StrCat("unknown reporter_auth '", name, "'"));
+}
+
+absl::string_view ReporterAuthName(ReporterAuth auth) {
+  switch (auth) {
+    case ReporterAuth::kNone: return "none";
+    case ReporterAuth::kToken: return "token";
+    case ReporterAuth::kMtls: return "mtls";
+  }
+  return "none";
+}
 
 const std::vector<std::string>& ServerOptionKeys() {
   static const auto* keys = [] {
@@ -287,9 +460,14 @@ const std::vector<std::string>& ServerOptionKeys() {
 }
 
 absl::Status SetServerOption(absl::string_view key, absl::string_view value, ServerOptions* options) {
-  const OptionDef* def = FindOption(key);
+  std::string resolved;
+  const OptionDef* def = FindOptionOrAlias(key, value, &resolved);
   if (def == nullptr) return absl::InvalidArgumentError(absl::StrCat("unknown setting '", key, "'"));
-  return def->set(value, options);
+  absl::Status status = def->set(resolved, options);
+  if (!status.ok() && def->key != key) {
+    return absl::Status(status.code(), absl::StrCat(status.message(), " (given as '", key, "')"));
+  }
+  return status;
 }
 
 absl::Status ApplyConfigJson(absl::string_view json_text, ServerOptions* options) {
@@ -297,10 +475,6 @@ absl::Status ApplyConfigJson(absl::string_view json_text, ServerOptions* options
   if (root.is_discarded()) return absl::InvalidArgumentError("config: not valid JSON");
   if (!root.is_object()) return absl::InvalidArgumentError("config: expected a JSON object of settings");
   for (const auto& [key, value] : root.items()) {
-    const OptionDef* def = FindOption(key);
-    if (def == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("config: unknown setting '", key, "'"));
-    }
     if (key == "workers" && (value.is_array() || value.is_object())) {
       auto workers = ParseWorkerJson(value.dump());
       if (!workers.ok()) {
@@ -309,30 +483,116 @@ absl::Status ApplyConfigJson(absl::string_view json_text, ServerOptions* options
       options->workers = *std::move(workers);
       continue;
     }
-    std::string text;
-    if (value.is_string()) {
-      text = value.get<std::string>();
-    } else if (value.is_boolean()) {
-      text = value.get<bool>() ? "true" : "false";
-    } else if (value.is_number_integer()) {
-      text = value.is_number_unsigned() ? absl::StrCat(value.get<uint64_t>()) : absl::StrCat(value.get<int64_t>());
-    } else if (value.is_number()) {
-      text = absl::StrCat(value.get<double>());
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("config: setting '", key, "': expected a string, number or boolean"));
+    if (!value.is_string() && !value.is_boolean() && !value.is_number()) {
+      if (FindOption(key) == nullptr) return absl::InvalidArgumentError(absl::StrCat("config: unknown setting '", key, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("config: setting '", key, "': expected a string, number or boolean"));
     }
-    absl::Status status = def->set(text, options);
+    absl::Status status = SetServerOption(key, JsonToSettingText(value), options);
     if (!status.ok()) return absl::InvalidArgumentError(absl::StrCat("config: ", status.message()));
   }
   return absl::OkStatus();
 }
 
 absl::Status ApplyConfigFile(const std::string& path, ServerOptions* options) {
-  ELDR_ASSIGN_OR_RETURN(const std::string text, ReadFile(path));
+  ELDR_ASSIGN_OR_RETURN(const std::string text, ReadFile(path, size_t{16} << 20));
   absl::Status status = ApplyConfigJson(text, options);
   if (!status.ok()) return absl::Status(status.code(), absl::StrCat(path, ": ", status.message()));
   return absl::OkStatus();
+}
+
+absl::StatusOr<CommandLine> ParseCommandLine(int argc, const char* const* argv, ServerOptions* options) {
+  struct Flag {
+    std::string name;
+    std::optional<std::string> value;
+  };
+  std::vector<Flag> flags;
+  CommandLine result;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg.size() < 2 || arg[0] != '-') {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "' (settings are --key=value)"));
+    }
+    arg.remove_prefix(arg[1] == '-' ? 2 : 1);
+    Flag flag;
+    const size_t eq = arg.find('=');
+    flag.name = std::string(arg.substr(0, eq));
+    if (eq != absl::string_view::npos) flag.value = std::string(arg.substr(eq + 1));
+    if (flag.name == "help" || flag.name == "h") {
+      result.help = true;
+      continue;
+    }
+    if (flag.name == "version") {
+      result.version = true;
+      continue;
+    }
+    std::string ignored;
+    const OptionDef* def = FindOptionOrAlias(flag.name, "", &ignored);
+    const bool negated_bool = def == nullptr && absl::StartsWith(flag.name, "no") &&
+                              FindOption(flag.name.substr(2)) != nullptr && FindOption(flag.name.substr(2))->is_bool;
+    if (negated_bool) {
+      if (flag.value.has_value()) return absl::InvalidArgumentError(absl::StrCat("--", flag.name, " takes no value"));
+      flag.name = flag.name.substr(2);
+      flag.value = "false";
+    } else if (def == nullptr && flag.name != "config") {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", flag.name, " (see --help)"));
+    } else if (!flag.value.has_value()) {
+      if (def != nullptr && def->is_bool) {
+        flag.value = "true";
+      } else if (i + 1 < argc) {
+        flag.value = std::string(argv[++i]);
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("flag --", flag.name, " needs a value"));
+      }
+    }
+    flags.push_back(std::move(flag));
+  }
+  if (result.help || result.version) return result;
+  // The config file first, wherever it stands; then the flags in order, so they override it.
+  for (const Flag& flag : flags) {
+    if (flag.name == "config" && !flag.value->empty()) ELDR_RETURN_IF_ERROR(ApplyConfigFile(*flag.value, options));
+  }
+  for (const Flag& flag : flags) {
+    if (flag.name != "config") ELDR_RETURN_IF_ERROR(SetServerOption(flag.name, *flag.value, options));
+  }
+  return result;
+}
+
+std::string UsageText() {
+  const ServerOptions defaults;
+  std::string text =
+      "eldr-router: routes each request to the decode worker whose expert centroid matches its prefill "
+      "signature, balanced with load.\n\n"
+      "Usage: eldr-router --workers=... --centroids=... [--key=value ...]\n\n"
+      "  --config=FILE  JSON object of any settings below (same keys); flags on the command line override it.\n"
+      "  --help, --version\n\n";
+  for (const OptionDef& def : OptionTable()) {
+    const Json value = def.get(defaults);
+    std::string shown = value.is_string() ? value.get<std::string>() : value.dump();
+    if (shown.empty() || shown == "[]") shown = "(none)";
+    absl::StrAppend(&text, "  --", def.key, "=<", def.type, ">  (default: ", shown, ")\n      ", def.help, "\n");
+  }
+  absl::StrAppend(&text, "\nOlder spellings still accepted: ");
+  for (const OptionAlias& alias : kAliases) {
+    absl::StrAppend(&text, "--", alias.old_key, " (= --", alias.key, " in ", alias.unit, ") ");
+  }
+  text += "\n";
+  return text;
+}
+
+bool IsLoopbackAddress(absl::string_view address) {
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) return true;
+  const size_t colon = address.rfind(':');
+  absl::string_view host = colon == absl::string_view::npos ? address : address.substr(0, colon);
+  if (absl::ConsumePrefix(&host, "[")) absl::ConsumeSuffix(&host, "]");
+  if (absl::EqualsIgnoreCase(host, "localhost") || host == "::1") return true;
+  // 127.0.0.0/8, written as a dotted quad.
+  std::vector<absl::string_view> octets = absl::StrSplit(host, '.');
+  if (octets.size() != 4 || octets[0] != "127") return false;
+  for (absl::string_view octet : octets) {
+    int v = 0;
+    if (!absl::SimpleAtoi(octet, &v) || v < 0 || v > 255) return false;
+  }
+  return true;
 }
 
 absl::Status ValidateServerOptions(const ServerOptions& o) {
@@ -343,18 +603,38 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   if (!o.admin_listen.empty() && o.admin_listen == o.listen && !absl::EndsWith(o.listen, ":0")) {
     return bad("admin_listen", "must differ from listen (leave it empty to serve admin on listen)");
   }
-  if (!(o.tau >= 0.0 && o.tau <= 1.0)) return bad("tau", "must be in [0, 1]");
-  if (o.lease_ttl <= absl::ZeroDuration()) return bad("lease_ttl", "must be positive");
-  if (o.snapshot_staleness <= absl::ZeroDuration()) return bad("snapshot_staleness", "must be positive");
+  const std::string& admin_address = o.admin_listen.empty() ? o.listen : o.admin_listen;
+  const bool admin_protected = !o.admin_token_file.empty() || !o.tls_client_ca.empty();
+  if (!IsLoopbackAddress(admin_address) && !admin_protected && !o.allow_insecure_admin) {
+    return bad("admin_listen",
+               absl::StrCat("RouterAdmin would be reachable from the network at ", admin_address,
+                            " without credentials: set admin_token_file or tls_client_ca, keep admin_listen on "
+                            "loopback, or pass allow_insecure_admin to accept the risk"));
+  }
+  if (!(o.router.tau >= 0.0 && o.router.tau <= 1.0)) return bad("tau", "must be in [0, 1]");
+  if (o.router.load.lease_ttl <= absl::ZeroDuration()) return bad("lease_ttl", "must be positive");
+  if (o.router.load.snapshot_staleness <= absl::ZeroDuration()) return bad("snapshot_staleness", "must be positive");
+  if (o.router.max_live_leases < 1) return bad("max_live_leases", "must be at least 1");
   if (o.lease_expiry_interval <= absl::ZeroDuration() || o.lease_expiry_interval == absl::InfiniteDuration()) {
     return bad("lease_expiry_interval", "must be positive and finite");
   }
-  if (o.scrape_interval_ms < 1) return bad("scrape_interval_ms", "must be >= 1");
-  if (o.refit_window_s < 1) return bad("refit_window_s", "must be >= 1");
-  if (o.refit_interval_s < 0) return bad("refit_interval_s", "must be >= 0");
-  if (o.scrape_timeout_ms < 1) return bad("scrape_timeout_ms", "must be >= 1");
-  if (o.unhealthy_after_failures < 0 || o.unhealthy_after_failures > 1'000'000) {
+  if (o.max_artifact_bytes < 1024) return bad("max_artifact_bytes", "must be at least 1024");
+  if (o.scrape.interval < absl::Milliseconds(1)) return bad("scrape_interval", "must be at least 1ms");
+  if (o.scrape.timeout < absl::Milliseconds(1)) return bad("scrape_timeout", "must be at least 1ms");
+  if (o.scrape.unhealthy_after_failures < 0 || o.scrape.unhealthy_after_failures > 1'000'000) {
     return bad("unhealthy_after_failures", "must be in [0, 1000000] (0: never mark unhealthy)");
+  }
+  if (o.refit.window < absl::Seconds(1)) return bad("refit_window", "must be at least 1s");
+  if (o.refit.interval < absl::ZeroDuration()) return bad("refit_interval", "must not be negative");
+  if (o.refit.max_window_signatures < 1) return bad("refit_max_window_signatures", "must be at least 1");
+  if (!(o.refit.max_client_share > 0 && o.refit.max_client_share <= 1)) {
+    return bad("refit_max_client_share", "must be a fraction in (0, 1]");
+  }
+  if (!(o.refit.max_step_distance > 0 && o.refit.max_step_distance <= 2)) {
+    return bad("refit_max_step", "must be a cosine distance in (0, 2]");
+  }
+  if (!(o.refit.max_drift_distance > 0 && o.refit.max_drift_distance <= 2)) {
+    return bad("refit_max_drift", "must be a cosine distance in (0, 2]");
   }
   if (o.tls_cert.empty() != o.tls_key.empty()) {
     return bad(o.tls_cert.empty() ? "tls_cert" : "tls_key", "tls_cert and tls_key go together");
@@ -364,6 +644,12 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   }
   if (o.tls_reload_interval < absl::Seconds(1) || o.tls_reload_interval == absl::InfiniteDuration()) {
     return bad("tls_reload_interval", "must be at least 1s and finite");
+  }
+  if (o.reporter_auth == ReporterAuth::kToken && o.reporter_tokens_file.empty()) {
+    return bad("reporter_tokens_file", "reporter_auth=token needs the file of per-worker tokens");
+  }
+  if (o.reporter_auth == ReporterAuth::kMtls && o.tls_client_ca.empty()) {
+    return bad("reporter_auth", "mtls needs mutual TLS (tls_client_ca)");
   }
   constexpr int64_t kMinMessage = 4096;
   constexpr int64_t kMaxMessage = std::numeric_limits<int32_t>::max();
@@ -375,6 +661,11 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   }
   if (o.max_concurrent_streams < 1 || o.max_concurrent_streams > std::numeric_limits<int32_t>::max()) {
     return bad("max_concurrent_streams", "must be between 1 and 2147483647");
+  }
+  if (o.max_report_streams < 1) return bad("max_report_streams", "must be at least 1");
+  if (o.max_report_streams_per_peer < 1) return bad("max_report_streams_per_peer", "must be at least 1");
+  if (o.report_stream_idle_timeout <= absl::ZeroDuration()) {
+    return bad("report_stream_idle_timeout", "must be positive (inf: never)");
   }
   for (const auto& [key, d] : {std::pair<const char*, absl::Duration>{"keepalive_time", o.keepalive_time},
                                {"keepalive_timeout", o.keepalive_timeout},
@@ -390,24 +681,14 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   if (o.shutdown_grace < absl::ZeroDuration() || o.shutdown_grace == absl::InfiniteDuration()) {
     return bad("shutdown_grace", "must be finite and not negative");
   }
+  if (!(o.log_rate_limit > 0)) return bad("log_rate_limit", "must be positive");
+  if (!o.metrics_http.listen.empty()) {
+    if (absl::Status http = http::ValidateHttpServerOptions(o.metrics_http); !http.ok()) {
+      return bad("metrics_*", http.message());
+    }
+  }
   auto ids = CheckWorkers(o.workers);
   if (!ids.ok()) return bad("workers", ids.status().message());
-  return absl::OkStatus();
-}
-
-absl::Status ValidateWorkerSpec(const WorkerSpec& w) {
-  if (w.id.empty()) return absl::InvalidArgumentError("worker id must not be empty");
-  if (w.address.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("worker '", w.id, "': address must not be empty"));
-  }
-  if (!(w.capacity > 0) || !std::isfinite(w.capacity)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("worker '", w.id, "': capacity must be a finite number > 0, got ", w.capacity));
-  }
-  if (w.max_inflight < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("worker '", w.id, "': max_inflight must be >= 0, got ", w.max_inflight));
-  }
   return absl::OkStatus();
 }
 
@@ -434,27 +715,22 @@ absl::StatusOr<std::vector<WorkerSpec>> ParseWorkerList(absl::string_view spec) 
   spec = absl::StripAsciiWhitespace(spec);
   if (!absl::StrContains(spec, '=')) {
     const std::string path(spec);
-    ELDR_ASSIGN_OR_RETURN(const std::string text, ReadFile(path));
+    ELDR_ASSIGN_OR_RETURN(const std::string text, ReadFile(path, size_t{64} << 20));
     auto workers = ParseWorkerJson(text);
-    if (!workers.ok()) {
-      return absl::Status(workers.status().code(), absl::StrCat(path, ": ", workers.status().message()));
-    }
+    if (!workers.ok()) return absl::Status(workers.status().code(), absl::StrCat(path, ": ", workers.status().message()));
     return workers;
   }
   std::vector<WorkerSpec> workers;
   for (absl::string_view item : absl::StrSplit(spec, ',', absl::SkipWhitespace())) {
     item = absl::StripAsciiWhitespace(item);
     const size_t eq = item.find('=');
-    if (eq == absl::string_view::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("workers: item '", item, "' is not id=host:port"));
-    }
     WorkerSpec w;
-    w.id = std::string(absl::StripAsciiWhitespace(item.substr(0, eq)));
-    w.address = std::string(absl::StripAsciiWhitespace(item.substr(eq + 1)));
+    if (eq != absl::string_view::npos) {
+      w.id = std::string(absl::StripAsciiWhitespace(item.substr(0, eq)));
+      w.address = std::string(absl::StripAsciiWhitespace(item.substr(eq + 1)));
+    }
     if (w.id.empty() || w.address.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("workers: item '", item, "' is not id=host:port"));
+      return absl::InvalidArgumentError(absl::StrCat("workers: item '", item, "' is not id=host:port"));
     }
     workers.push_back(std::move(w));
   }

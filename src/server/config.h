@@ -1,10 +1,17 @@
-// eldr-router configuration: every setting of the daemon, with its default, and the parsers that
-// fill it from a config file (JSON), from flags and from worker lists.
+// eldr-router configuration: every setting of the daemon, defined once in one table (config.cc)
+// that gives its key, type, default and help, and from which the command-line flags, the config
+// file keys, --help and the effective-settings dump are all derived.
+//
+// ServerOptions is composed of the libraries' own Options structs (RouterOptions, LoadScraperOptions,
+// RefitOptions, http::HttpServerOptions), so a setting goes straight to the library that uses it.
+// Their documented defaults are the daemon's defaults unless the field comment below says
+// otherwise.
 //
 // One key per setting, spelled the same as the command-line flag (`tau`, `lease_ttl`, ...).
 // Precedence: built-in defaults < the --config file < flags given on the command line.
-// Durations are written the absl way ("250ms", "10s", "10m", "inf") or, in JSON, as a number of
-// seconds. Paths are used as given (relative ones against the daemon's working directory).
+// Durations are written the absl way ("250ms", "10s", "10m", "inf") or as a number of seconds.
+// A few settings keep an older spelling with a unit in its name (`refit_interval_s=10`,
+// `scrape_interval_ms=100`); the number is then read in that unit.
 #ifndef ELDR_SERVER_CONFIG_H_
 #define ELDR_SERVER_CONFIG_H_
 
@@ -16,108 +23,118 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "eldr/core/policy.h"
 #include "eldr/core/router.h"
+#include "eldr/http/http_server.h"
+#include "eldr/loadsignals/load_scraper.h"
+#include "eldr/refit/refit.h"
 #include "server/logging.h"
 
 namespace eldr::server {
 
+// Who may push load reports for a worker (ReportLoad).
+enum class ReporterAuth {
+  kNone,   // any data-plane client, for any worker (the data-plane token still applies)
+  kToken,  // a stream's bearer token must be the worker's own (reporter_tokens_file)
+  kMtls,   // the client certificate must name the worker (CN or a DNS SAN equal to its id)
+};
+absl::StatusOr<ReporterAuth> ParseReporterAuth(absl::string_view name);
+absl::string_view ReporterAuthName(ReporterAuth auth);
+
 struct ServerOptions {
+  ServerOptions();
+
   // ---- Network ----
-  // host:port of the data plane (DecodeRouter, health, reflection; RouterAdmin too unless
-  // admin_listen is set). Port 0 picks a free port (see port_file).
+  // host:port of the data plane (DecodeRouter, health, reflection). Port 0 picks a free port.
   std::string listen = "0.0.0.0:50051";
-  // host:port of the Prometheus endpoint (/metrics). Empty: no metrics endpoint.
-  std::string metrics_listen = "0.0.0.0:9464";
-  // host:port of a separate control-plane listener serving only RouterAdmin (plus health and
-  // reflection). Empty: RouterAdmin is served on `listen`.
-  std::string admin_listen;
+  // host:port of the control plane (RouterAdmin, health, reflection). Empty: served on `listen`.
+  // Loopback by default: the admin service is not reachable from the network unless an operator
+  // moves it, and a non-loopback admin address needs admin_token_file or tls_client_ca (or
+  // allow_insecure_admin, which logs a warning at start).
+  std::string admin_listen = "127.0.0.1:50052";
+  bool allow_insecure_admin = false;
+  // The operations HTTP endpoint: /metrics (Prometheus), /healthz (liveness), /readyz (readiness).
+  // metrics_http.listen defaults to 0.0.0.0:9464 (the Prometheus default port); empty disables it.
+  http::HttpServerOptions metrics_http;
   // When set, the bound ports are written here as JSON ({"grpc_port":..,"admin_port":..,
-  // "metrics_port":..}) once the daemon listens: how tools find ports chosen with port 0.
+  // "metrics_port":..,"pid":..}) once the daemon listens: how tools find ports chosen with port 0.
   std::string port_file;
 
   // ---- Routing ----
-  // Centroid artifact (JSON). Empty: start without centroids (eldr falls back to jsq with
-  // reason no_centroids, and health stays NOT_SERVING under policy eldr until centroids load).
+  // Centroid artifact (JSON). Empty: start without centroids (eldr falls back to jsq with reason
+  // no_centroids, and readiness stays false under policy eldr until centroids load).
   std::string centroids;
+  // ReloadCentroids(path) reads only regular files inside this folder. Empty: the folder of
+  // `centroids` (no path reloads at all when that is empty too).
+  std::string centroids_dir;
+  // Largest artifact file or inline artifact accepted.
+  int64_t max_artifact_bytes = int64_t{256} << 20;
   // The decode workers, in order (centroid rows follow this order when the artifact does not
   // name its workers). Filled from `workers` = "id=host:port,..." or a JSON file path.
   std::vector<WorkerSpec> workers;
-  PolicyKind policy = PolicyKind::kEldr;
-  double tau = 0.1;                                      // locality band width, [0, 1]
-  absl::Duration lease_ttl = absl::Minutes(10);          // leases older than this expire
-  absl::Duration snapshot_staleness = absl::Seconds(5);  // older load reports are ignored
+  // policy, tau, seed, lease_ttl, snapshot_staleness, max_live_leases.
+  RouterOptions router;
   absl::Duration lease_expiry_interval = absl::Seconds(1);  // how often leases are expired
-  uint64_t seed = 0x5eed;                                // tie-breaking / sampling seed
 
-  // ---- Load scraping (decode workers' Prometheus endpoints, see load_scrape_component.h) ----
+  // ---- Load scraping (decode workers' Prometheus pages, see load_scrape_component.h) ----
   // Metrics URL per worker, "id=url,..."; overrides the workers' `metrics_url` from the workers
   // JSON file. No URL at all: no scraping (load comes from ReportLoad and leases only).
   std::string worker_metrics;
-  int64_t scrape_interval_ms = 100;     // between two scrapes of one worker
-  int64_t scrape_timeout_ms = 1000;     // whole-request limit; a timeout is a failed scrape
-  // Consecutive failed scrapes that mark a worker unhealthy (no new routes until one succeeds);
-  // 0: never. Its load goes stale after snapshot_staleness either way.
-  int64_t unhealthy_after_failures = 3;
-  // Only series with this `model_name` label are summed; empty: every series on the page.
-  std::string scrape_model_name;
+  LoadScraperOptions scrape;  // scrape_interval, scrape_timeout, unhealthy_after_failures, ...
 
   // ---- Online refit (see refit_component.h) ----
-  // Refit is on when refit_interval_s > 0 or state_dir is set; otherwise no refitter exists and
+  // Refit runs when refit.interval > 0 or refit.state_dir is set; otherwise no refitter exists and
   // routes pay nothing for it.
-  int64_t refit_window_s = 60;    // signatures older than this leave the refit window; >= 1
-  int64_t refit_interval_s = 10;  // seconds between periodic refits; 0: only pool changes refit
-  // Folder for the learned centroids (centroids.json), reloaded at start when it matches the
-  // configured artifact's transform. Empty: nothing persisted.
-  std::string state_dir;
+  RefitOptions refit;
 
   // ---- Security ----
   // PEM files of the server certificate chain and key: TLS on every gRPC listener. Both or none.
+  // The pair is validated at start and at every rotation (a broken rotation keeps the pair in
+  // service); gRPC reads private copies in tls_mirror_dir (empty: a fresh folder under $TMPDIR).
   std::string tls_cert;
   std::string tls_key;
-  // PEM bundle of client CAs: mutual TLS, clients without a certificate signed by one of them are
-  // refused during the handshake. Requires tls_cert/tls_key.
+  // PEM bundle of client CAs: mutual TLS on every listener.
   std::string tls_client_ca;
-  // How often the TLS files are re-read; changed certificates apply to new connections.
   absl::Duration tls_reload_interval = absl::Seconds(60);
-  // File holding the admin bearer token (surrounding whitespace ignored). When set, every
-  // RouterAdmin RPC needs the metadata `authorization: Bearer <token>`: none is UNAUTHENTICATED,
-  // a wrong one PERMISSION_DENIED. Re-read on SIGHUP.
+  std::string tls_mirror_dir;
+  // Bearer token of RouterAdmin (`authorization: Bearer <token>`); re-read on SIGHUP.
   std::string admin_token_file;
+  // Bearer token every DecodeRouter RPC must present (Route, Complete, ReportLoad); empty: none.
+  std::string data_token_file;
+  ReporterAuth reporter_auth = ReporterAuth::kNone;
+  // reporter_auth=token: JSON object {"<worker id>": "<token>", ...}; re-read on SIGHUP.
+  std::string reporter_tokens_file;
 
   // ---- Limits ----
-  // Largest message accepted or sent on the data plane. The biggest signature realistic today
-  // (128 layers x 512 experts as packed int32) is about 256 KiB: 1 MiB leaves 4x headroom while
-  // bounding what one request can make the router allocate. A larger Route request is
-  // INVALID_ARGUMENT (eldr_rejected_total{reason="oversized"}); the transport itself refuses, with
-  // RESOURCE_EXHAUSTED and before any handler, messages over kTransportMessageHeadroom (4) times it.
+  // Largest message accepted or sent on the data plane (a larger Route is INVALID_ARGUMENT,
+  // counted as oversized; the transport refuses beyond 4x with RESOURCE_EXHAUSTED).
   int64_t max_message_bytes = 1 << 20;
-  // Same limit on the separate admin listener, where ReloadCentroids may carry an artifact inline.
+  // Same limit on the admin listener, where ReloadCentroids may carry an artifact inline.
   int64_t admin_max_message_bytes = 64 << 20;
-  // Concurrent RPCs (HTTP/2 streams) per connection.
-  int64_t max_concurrent_streams = 1024;
-  // Server-initiated keepalive pings on idle connections, and how long to wait for the ack.
+  int64_t max_concurrent_streams = 1024;  // concurrent RPCs per connection
+  // Open ReportLoad streams at most, in total and per peer address; beyond, RESOURCE_EXHAUSTED.
+  int64_t max_report_streams = 1024;
+  int64_t max_report_streams_per_peer = 64;
+  // A ReportLoad stream that sends nothing for this long is ended (DEADLINE_EXCEEDED).
+  absl::Duration report_stream_idle_timeout = absl::Minutes(2);
   absl::Duration keepalive_time = absl::Hours(2);
   absl::Duration keepalive_timeout = absl::Seconds(20);
-  // Minimum interval between client pings the server tolerates (more frequent pings get the
-  // connection closed with GOAWAY after a few strikes).
   absl::Duration keepalive_min_ping_interval = absl::Seconds(10);
-  // Whether clients may ping while they have no call in flight.
   bool keepalive_permit_without_calls = true;
-  // Close connections idle this long / older than this (after a grace for their calls). inf: never.
   absl::Duration max_connection_idle = absl::InfiniteDuration();
   absl::Duration max_connection_age = absl::InfiniteDuration();
   absl::Duration max_connection_age_grace = absl::InfiniteDuration();
 
   // ---- Lifecycle and logs ----
-  // On SIGTERM health turns NOT_SERVING at once, and the daemon keeps serving for this long so
-  // load balancers and clients watching health stop sending before the listeners close (RPCs that
-  // race with the close are refused or cancelled by gRPC). 0: close at once.
+  // On SIGTERM readiness turns false at once and the daemon keeps serving this long, then the
+  // listeners close and in-flight RPCs get shutdown_grace; the process exits after at most both
+  // (plus a second for components), whatever a reload is doing.
   absl::Duration shutdown_drain_delay = absl::ZeroDuration();
-  // Then: time in-flight RPCs get to finish before they are cancelled and the daemon exits.
   absl::Duration shutdown_grace = absl::Seconds(10);
   LogLevel log_level = LogLevel::kInfo;
   LogFormat log_format = LogFormat::kKeyValue;
+  // Warning lines of one kind (refused admin calls, failed routes by reason, ...) per second at
+  // most; the rest are counted and reported in the next line of that kind.
+  double log_rate_limit = 10;
 };
 
 // The settings keys (flag names), in documentation order. `config` itself is not one.
@@ -134,18 +151,31 @@ absl::Status ApplyConfigJson(absl::string_view json_text, ServerOptions* options
 // Reads `path` and applies it; errors name the path.
 absl::Status ApplyConfigFile(const std::string& path, ServerOptions* options);
 
-// Cross-setting checks (ranges, TLS pairs, ...). The message names the setting.
+// What ParseCommandLine found besides settings.
+struct CommandLine {
+  bool help = false;     // --help / -h: print UsageText() and exit 0
+  bool version = false;  // --version
+};
+// The daemon's argv: --config=FILE (applied first, wherever it stands), then every setting in
+// order: --key=value, --key value, -key=value; booleans also as --key and --nokey. Unknown
+// flags and stray arguments are INVALID_ARGUMENT naming them.
+absl::StatusOr<CommandLine> ParseCommandLine(int argc, const char* const* argv, ServerOptions* options);
+// --help: every setting with its type, default and meaning.
+std::string UsageText();
+
+// Cross-setting checks (ranges, TLS pairs, admin exposure, ...). The message names the setting.
 absl::Status ValidateServerOptions(const ServerOptions& options);
 
 // Workers from "id=host:port,id=host:port" or, when `spec` holds no '=', a JSON file: an array of
 // {"id", "address", "capacity"?, "max_inflight"?, "metrics_url"?} or an object with such an array
-// under "workers".
-// Ids must be distinct and non-empty, addresses non-empty, capacity > 0, max_inflight >= 0.
+// under "workers". Each worker obeys ValidateWorkerSpec (eldr/core/router.h); ids are distinct.
 absl::StatusOr<std::vector<WorkerSpec>> ParseWorkerList(absl::string_view spec);
 // The JSON text form of the above (no file access).
 absl::StatusOr<std::vector<WorkerSpec>> ParseWorkerJson(absl::string_view json_text);
-// Checks one worker (same rules); the message names the worker and the field.
-absl::Status ValidateWorkerSpec(const WorkerSpec& worker);
+
+// Whether a listen address is on the loopback interface only (127.0.0.0/8, [::1], localhost,
+// unix sockets).
+bool IsLoopbackAddress(absl::string_view address);
 
 // The effective settings as a JSON object (for the startup log line and tests).
 std::string ServerOptionsToJson(const ServerOptions& options);

@@ -3,49 +3,22 @@
 #include <algorithm>
 #include <memory>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "server/logging.h"
+#include "server/prometheus_util.h"
 
 namespace eldr::server {
 namespace {
 
 absl::Status BadSetting(absl::string_view key, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat("setting '", key, "': ", why));
-}
-
-prometheus::MetricFamily Family(std::string name, std::string help, prometheus::MetricType type) {
-  prometheus::MetricFamily family;
-  family.name = std::move(name);
-  family.help = std::move(help);
-  family.type = type;
-  return family;
-}
-
-void Add(prometheus::MetricFamily* family, double value, std::vector<prometheus::ClientMetric::Label> labels) {
-  prometheus::ClientMetric metric;
-  metric.label = std::move(labels);
-  if (family->type == prometheus::MetricType::Counter) {
-    metric.counter.value = value;
-  } else {
-    metric.gauge.value = value;
-  }
-  family->metric.push_back(std::move(metric));
-}
-
-prometheus::ClientMetric::Label Label(std::string name, std::string value) {
-  prometheus::ClientMetric::Label label;
-  label.name = std::move(name);
-  label.value = std::move(value);
-  return label;
 }
 
 // Per-worker scrape figures, read from the scraper at every /metrics request.
@@ -55,37 +28,37 @@ class ScrapeCollector : public prometheus::Collectable {
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     using prometheus::MetricType;
-    auto scrapes = Family("eldr_scrapes_total", "Successful scrapes of a decode worker's metrics endpoint.",
+    auto scrapes = MetricFamily("eldr_scrapes_total", "Successful scrapes of a decode worker's metrics endpoint.",
                           MetricType::Counter);
-    auto errors = Family("eldr_scrape_errors_total",
+    auto errors = MetricFamily("eldr_scrape_errors_total",
                          "Failed scrapes by kind: transport (refused, timeout, ...), http (status other than "
                          "200), malformed (unparsable page or missing load gauges).",
                          MetricType::Counter);
-    auto rejected = Family("eldr_scrape_rejected_reports_total",
+    auto rejected = MetricFamily("eldr_scrape_rejected_reports_total",
                            "Scraped load snapshots the router refused (e.g. worker not in the pool).",
                            MetricType::Counter);
-    auto transitions = Family("eldr_scrape_unhealthy_transitions_total",
+    auto transitions = MetricFamily("eldr_scrape_unhealthy_transitions_total",
                               "Times a worker was marked unhealthy after consecutive failed scrapes.",
                               MetricType::Counter);
-    auto healthy = Family("eldr_scrape_healthy", "0 while failed scrapes hold the worker unhealthy, else 1.",
+    auto healthy = MetricFamily("eldr_scrape_healthy", "0 while failed scrapes hold the worker unhealthy, else 1.",
                           MetricType::Gauge);
-    auto age = Family("eldr_scrape_last_success_age_seconds",
+    auto age = MetricFamily("eldr_scrape_last_success_age_seconds",
                       "Seconds since the last successful scrape started; -1 before the first.", MetricType::Gauge);
-    auto duration = Family("eldr_scrape_duration_seconds", "Duration of the last completed scrape.",
+    auto duration = MetricFamily("eldr_scrape_duration_seconds", "Duration of the last completed scrape.",
                            MetricType::Gauge);
     const absl::Time now = absl::Now();
     for (const WorkerScrapeStats& stats : scraper_->Stats()) {
       const std::string& worker = stats.worker_id;
-      Add(&scrapes, static_cast<double>(stats.successes), {Label("worker", worker), Label("outcome", "ok")});
-      Add(&errors, static_cast<double>(stats.transport_errors), {Label("worker", worker), Label("kind", "transport")});
-      Add(&errors, static_cast<double>(stats.http_errors), {Label("worker", worker), Label("kind", "http")});
-      Add(&errors, static_cast<double>(stats.malformed_pages), {Label("worker", worker), Label("kind", "malformed")});
-      Add(&rejected, static_cast<double>(stats.rejected_reports), {Label("worker", worker)});
-      Add(&transitions, static_cast<double>(stats.unhealthy_transitions), {Label("worker", worker)});
-      Add(&healthy, stats.healthy ? 1 : 0, {Label("worker", worker)});
-      Add(&age, stats.last_success.has_value() ? absl::ToDoubleSeconds(now - *stats.last_success) : -1,
-          {Label("worker", worker)});
-      Add(&duration, absl::ToDoubleSeconds(stats.last_duration), {Label("worker", worker)});
+      AddSample(&scrapes, static_cast<double>(stats.successes), {MetricLabel("worker", worker), MetricLabel("outcome", "ok")});
+      AddSample(&errors, static_cast<double>(stats.transport_errors), {MetricLabel("worker", worker), MetricLabel("kind", "transport")});
+      AddSample(&errors, static_cast<double>(stats.http_errors), {MetricLabel("worker", worker), MetricLabel("kind", "http")});
+      AddSample(&errors, static_cast<double>(stats.malformed_pages), {MetricLabel("worker", worker), MetricLabel("kind", "malformed")});
+      AddSample(&rejected, static_cast<double>(stats.rejected_reports), {MetricLabel("worker", worker)});
+      AddSample(&transitions, static_cast<double>(stats.unhealthy_transitions), {MetricLabel("worker", worker)});
+      AddSample(&healthy, stats.healthy ? 1 : 0, {MetricLabel("worker", worker)});
+      AddSample(&age, stats.last_success.has_value() ? absl::ToDoubleSeconds(now - *stats.last_success) : -1,
+          {MetricLabel("worker", worker)});
+      AddSample(&duration, absl::ToDoubleSeconds(stats.last_duration), {MetricLabel("worker", worker)});
     }
     return {std::move(scrapes), std::move(errors), std::move(rejected), std::move(transitions),
             std::move(healthy), std::move(age), std::move(duration)};
@@ -95,11 +68,14 @@ class ScrapeCollector : public prometheus::Collectable {
   std::shared_ptr<const LoadScraper> scraper_;
 };
 
-class LoadScrapeComponent final : public BackgroundComponent {
+// Follows the pool through the router's announcements (no polling): a worker added to or removed
+// from the pool is added to or removed from the scraped targets when it has a configured URL.
+class LoadScrapeComponent final : public BackgroundComponent, public RouterObserver {
  public:
   LoadScrapeComponent(Router* router, ServerMetrics* metrics, LoadScraperOptions options,
                       std::vector<ScrapeTarget> configured)
       : router_(router), metrics_(metrics), options_(std::move(options)), configured_(std::move(configured)) {}
+  ~LoadScrapeComponent() override { Stop(); }
 
   std::string name() const override { return "load_scraper"; }
 
@@ -118,31 +94,30 @@ class LoadScrapeComponent final : public BackgroundComponent {
     metrics_->AddCollectable(std::make_shared<ScrapeCollector>(scraper_));
     absl::Status started = scraper_->Start();
     if (!started.ok()) return started;
+    router_->AddObserver(this);
+    subscribed_ = true;
     ELDR_LOG(Info, "load_scraper_started")
         .With("targets", static_cast<int64_t>(configured_.size()))
         .With("interval", options_.interval)
         .With("timeout", options_.timeout)
         .With("unhealthy_after_failures", static_cast<int64_t>(options_.unhealthy_after_failures));
-    sync_thread_ = std::thread([this] {
-      while (!stop_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
-        std::vector<ScrapeTarget> targets = PoolTargets();
-        std::vector<std::string> wanted, current;
-        for (const ScrapeTarget& target : targets) wanted.push_back(target.worker_id);
-        for (const WorkerScrapeStats& stats : scraper_->Stats()) current.push_back(stats.worker_id);
-        std::sort(wanted.begin(), wanted.end());  // Stats() is already in id order
-        if (wanted == current) continue;
-        absl::Status updated = scraper_->SetTargets(std::move(targets));
-        if (!updated.ok()) ELDR_LOG(Error, "load_scraper_targets").With("code", updated);
-      }
-    });
     return absl::OkStatus();
   }
 
   void Stop() override {
-    if (!stop_.HasBeenNotified()) stop_.Notify();
-    if (sync_thread_.joinable()) sync_thread_.join();
+    if (subscribed_) {
+      router_->RemoveObserver(this);
+      subscribed_ = false;
+    }
     // Also hands back the health of every worker the scraper held unhealthy.
     if (scraper_ != nullptr) scraper_->Stop();
+  }
+
+  void OnPoolChanged(const PoolChange& change) override {
+    // Health changes are the scraper's own doing (it calls the router with its lock held).
+    if (change.kind != PoolChangeKind::kAdded && change.kind != PoolChangeKind::kRemoved) return;
+    absl::Status updated = scraper_->SetTargets(PoolTargets());
+    if (!updated.ok()) ELDR_LOG(Error, "load_scraper_targets").With("code", updated);
   }
 
  private:
@@ -162,8 +137,7 @@ class LoadScrapeComponent final : public BackgroundComponent {
   LoadScraperOptions options_;
   const std::vector<ScrapeTarget> configured_;
   std::shared_ptr<LoadScraper> scraper_;
-  absl::Notification stop_;
-  std::thread sync_thread_;
+  bool subscribed_ = false;
 };
 
 }  // namespace
@@ -193,26 +167,18 @@ absl::StatusOr<std::vector<ScrapeTarget>> ScrapeTargetsFromOptions(const ServerO
   return targets;
 }
 
-absl::StatusOr<LoadScraperOptions> ScraperOptionsFromServerOptions(const ServerOptions& options) {
-  LoadScraperOptions scraper;
-  scraper.interval = absl::Milliseconds(options.scrape_interval_ms);
-  scraper.timeout = absl::Milliseconds(options.scrape_timeout_ms);
-  scraper.unhealthy_after_failures = static_cast<int>(options.unhealthy_after_failures);
-  scraper.engine.model_name = options.scrape_model_name;
-  // ValidateServerOptions checked the ranges; this is the scraper's own word on the result.
-  absl::Status valid = ValidateLoadScraperOptions(scraper);
-  if (!valid.ok()) return BadSetting("scrape_*", valid.message());
-  return scraper;
-}
+
 
 ComponentFactory LoadScrapeComponentFactory() {
   return [](const ComponentContext& context) -> absl::StatusOr<std::unique_ptr<BackgroundComponent>> {
     absl::StatusOr<std::vector<ScrapeTarget>> targets = ScrapeTargetsFromOptions(*context.options);
     if (!targets.ok()) return targets.status();
-    absl::StatusOr<LoadScraperOptions> options = ScraperOptionsFromServerOptions(*context.options);
-    if (!options.ok()) return options.status();
+    // ValidateServerOptions checked the ranges; this is the scraper's own word on the result.
+    if (absl::Status valid = ValidateLoadScraperOptions(context.options->scrape); !valid.ok()) {
+      return BadSetting("scrape_*", valid.message());
+    }
     return std::unique_ptr<BackgroundComponent>(
-        new LoadScrapeComponent(context.router, context.metrics, *std::move(options), *std::move(targets)));
+        new LoadScrapeComponent(context.router, context.metrics, context.options->scrape, *std::move(targets)));
   };
 }
 

@@ -4,8 +4,9 @@
 //
 // Targets come from the settings: each worker's `metrics_url` in the workers JSON file, overridden
 // per worker by `worker_metrics` ("id=url,..."). Only targets whose worker is in the Router's pool
-// are scraped; the pool is re-read every second, so a worker removed over the admin API stops
-// being scraped (and its health is handed back) and is scraped again when it is added back.
+// are scraped; the component follows the router's pool announcements, so a worker removed over the
+// admin API stops being scraped (and its health is handed back) and is scraped again when it is
+// added back.
 //
 // Metrics (label `worker`; `kind` is transport, http or malformed):
 //   eldr_scrapes_total{worker,outcome="ok"}            successful scrapes
@@ -32,10 +33,6 @@ namespace eldr::server {
 // The configured targets (see above), in worker order. INVALID_ARGUMENT names the setting for a
 // malformed `worker_metrics`, an id there that is not a configured worker, or a bad URL.
 absl::StatusOr<std::vector<ScrapeTarget>> ScrapeTargetsFromOptions(const ServerOptions& options);
-
-// The scraper's options from the settings (scrape_interval_ms, scrape_timeout_ms,
-// unhealthy_after_failures, scrape_model_name; ValidateServerOptions checks their ranges).
-absl::StatusOr<LoadScraperOptions> ScraperOptionsFromServerOptions(const ServerOptions& options);
 
 // For ServerExtensions::components. With no target configured the component does nothing (and
 // exports nothing); configuration errors fail RouterServer::Create.

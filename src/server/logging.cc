@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -116,7 +117,18 @@ LogEvent::LogEvent(LogLevel level, absl::string_view event)
   }
 }
 
+LogEvent::LogEvent(LogLevel level, absl::string_view event, LogRateLimiter* limiter, absl::string_view key)
+    : LogEvent(level, event) {
+  int64_t suppressed = 0;
+  if (!limiter->Allow(key, &suppressed)) {
+    enabled_ = false;
+    return;
+  }
+  if (suppressed > 0) WithInteger("suppressed", suppressed, /*is_signed=*/true);
+}
+
 LogEvent::~LogEvent() {
+  if (!enabled_) return;
   line_.append(format_ == LogFormat::kJson ? "}\n" : "\n");
   std::lock_guard<std::mutex> lock(g_write_mu);
   const int fd = g_fd.load(std::memory_order_relaxed);
@@ -134,6 +146,7 @@ LogEvent::~LogEvent() {
 }
 
 LogEvent& LogEvent::With(absl::string_view key, absl::string_view value) {
+  if (!enabled_) return *this;
   if (format_ == LogFormat::kJson) {
     line_.push_back(',');
     AppendJsonString(key, &line_);
@@ -148,6 +161,7 @@ LogEvent& LogEvent::With(absl::string_view key, absl::string_view value) {
 }
 
 LogEvent& LogEvent::WithRaw(absl::string_view key, absl::string_view literal) {
+  if (!enabled_) return *this;
   if (format_ == LogFormat::kJson) {
     line_.push_back(',');
     AppendJsonString(key, &line_);
@@ -191,6 +205,38 @@ std::string FormatLogValueForTest(LogFormat format, absl::string_view value) {
     AppendKvValue(value, &out);
   }
   return out;
+}
+
+bool LogRateLimiter::Allow(absl::string_view key, absl::Time now, int64_t* suppressed) {
+  absl::MutexLock lock(&mu_);
+  auto [it, created] = buckets_.try_emplace(key);
+  Bucket& bucket = it->second;
+  if (created) {
+    bucket.tokens = per_second_;
+    bucket.refilled_at = now;
+  } else if (now > bucket.refilled_at) {
+    bucket.tokens = std::min(per_second_, bucket.tokens + per_second_ * absl::ToDoubleSeconds(now - bucket.refilled_at));
+    bucket.refilled_at = now;
+  }
+  if (bucket.tokens < 1) {
+    ++bucket.suppressed;
+    *suppressed = 0;
+    return false;
+  }
+  bucket.tokens -= 1;
+  *suppressed = bucket.suppressed;
+  bucket.suppressed = 0;
+  return true;
+}
+
+void LogRateLimiter::set_per_second(double per_second) {
+  absl::MutexLock lock(&mu_);
+  per_second_ = per_second;
+}
+
+LogRateLimiter& DaemonLogLimiter() {
+  static auto* limiter = new LogRateLimiter(10);
+  return *limiter;
 }
 
 }  // namespace eldr::server

@@ -3,11 +3,13 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <fstream>
 #include <sstream>
 #include <iterator>
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -16,6 +18,7 @@
 #include "prometheus/family.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
+#include "server/prometheus_util.h"
 
 namespace eldr::server {
 namespace {
@@ -28,10 +31,6 @@ constexpr FallbackReason kFallbackReasons[] = {
     FallbackReason::kNone,         FallbackReason::kNoSignature,        FallbackReason::kZeroSignature,
     FallbackReason::kNoCentroids,  FallbackReason::kNoEligibleCentroid, FallbackReason::kOverload,
     FallbackReason::kAllUnhealthy};
-constexpr RejectReason kRejectReasons[] = {
-    RejectReason::kGeometry,  RejectReason::kNegativeCount, RejectReason::kNonFinite,
-    RejectReason::kZeroSignature, RejectReason::kWrongEncoding, RejectReason::kMalformed,
-    RejectReason::kUnknownWorker, RejectReason::kOversized, RejectReason::kOther};
 
 template <typename Enum, size_t N>
 size_t IndexOf(const Enum (&all)[N], Enum value, size_t fallback) {
@@ -39,35 +38,6 @@ size_t IndexOf(const Enum (&all)[N], Enum value, size_t fallback) {
     if (all[i] == value) return i;
   }
   return fallback;
-}
-
-prometheus::ClientMetric::Label Label(std::string name, std::string value) {
-  prometheus::ClientMetric::Label label;
-  label.name = std::move(name);
-  label.value = std::move(value);
-  return label;
-}
-
-prometheus::MetricFamily Family(std::string name, std::string help, prometheus::MetricType type) {
-  prometheus::MetricFamily family;
-  family.name = std::move(name);
-  family.help = std::move(help);
-  family.type = type;
-  return family;
-}
-
-void AddGauge(prometheus::MetricFamily* family, double value,
-              std::vector<prometheus::ClientMetric::Label> labels = {}) {
-  prometheus::ClientMetric metric;
-  metric.label = std::move(labels);
-  metric.gauge.value = value;
-  family->metric.push_back(std::move(metric));
-}
-
-void AddCounter(prometheus::MetricFamily* family, double value) {
-  prometheus::ClientMetric metric;
-  metric.counter.value = value;
-  family->metric.push_back(std::move(metric));
 }
 
 // Per-worker and centroid state, read from the router at scrape time.
@@ -80,54 +50,58 @@ class RouterStateCollector : public prometheus::Collectable {
     const absl::Time now = absl::Now();
     const RouterState state = router_->GetState(now);
 
-    auto inflight = Family("eldr_worker_inflight", "Live leases (routed, not completed) per worker.",
+    auto inflight = MetricFamily("eldr_worker_inflight", "Live leases (routed, not completed) per worker.",
                            MetricType::Gauge);
-    auto effective = Family("eldr_worker_effective_load",
+    auto effective = MetricFamily("eldr_worker_effective_load",
                             "Load the policy sees per worker: fresh report + leases since it, or leases.",
                             MetricType::Gauge);
-    auto reported = Family("eldr_worker_reported_load",
+    auto reported = MetricFamily("eldr_worker_reported_load",
                            "Last reported running + waiting requests per worker (absent: never reported).",
                            MetricType::Gauge);
-    auto kv = Family("eldr_worker_reported_kv_usage",
+    auto kv = MetricFamily("eldr_worker_reported_kv_usage",
                      "Last reported KV cache usage fraction per worker (absent: never reported).",
                      MetricType::Gauge);
-    auto age = Family("eldr_worker_report_age_seconds",
+    auto age = MetricFamily("eldr_worker_report_age_seconds",
                       "Age of the last load report per worker (absent: never reported).", MetricType::Gauge);
-    auto healthy = Family("eldr_worker_healthy", "1 when the worker is healthy, 0 when marked unhealthy.",
+    auto healthy = MetricFamily("eldr_worker_healthy", "1 when the worker is healthy, 0 when marked unhealthy.",
                           MetricType::Gauge);
-    auto draining = Family("eldr_worker_draining", "1 while the worker is draining (no new routes).",
+    auto draining = MetricFamily("eldr_worker_draining", "1 while the worker is draining (no new routes).",
                            MetricType::Gauge);
     for (const WorkerStatus& w : state.workers) {
-      std::vector<prometheus::ClientMetric::Label> labels = {Label("worker", w.spec.id)};
-      AddGauge(&inflight, static_cast<double>(w.load.leases), labels);
-      AddGauge(&effective, w.load.effective, labels);
-      AddGauge(&healthy, w.healthy ? 1 : 0, labels);
-      AddGauge(&draining, w.state == WorkerState::kDraining ? 1 : 0, labels);
+      std::vector<prometheus::ClientMetric::Label> labels = {MetricLabel("worker", w.spec.id)};
+      AddSample(&inflight, static_cast<double>(w.load.leases), labels);
+      AddSample(&effective, w.load.effective, labels);
+      AddSample(&healthy, w.healthy ? 1 : 0, labels);
+      AddSample(&draining, w.state == WorkerState::kDraining ? 1 : 0, labels);
       if (w.load.snapshot.has_value()) {
-        AddGauge(&reported, w.load.snapshot->running + w.load.snapshot->waiting, labels);
-        AddGauge(&kv, w.load.snapshot->kv_usage, labels);
-        AddGauge(&age, absl::ToDoubleSeconds(now - w.load.snapshot->taken_at), labels);
+        AddSample(&reported, w.load.snapshot->running + w.load.snapshot->waiting, labels);
+        AddSample(&kv, w.load.snapshot->kv_usage, labels);
+        AddSample(&age, absl::ToDoubleSeconds(now - w.load.snapshot->taken_at), labels);
       }
     }
 
-    auto generation = Family("eldr_centroid_generation",
+    auto generation = MetricFamily("eldr_centroid_generation",
                              "Generation of the centroid set in service (0: none loaded).", MetricType::Gauge);
-    AddGauge(&generation, static_cast<double>(state.centroid_generation));
-    auto rows = Family("eldr_centroid_rows", "Centroid rows in service.", MetricType::Gauge);
-    AddGauge(&rows, state.centroid_rows);
-    auto workers = Family("eldr_workers", "Workers in the pool.", MetricType::Gauge);
-    AddGauge(&workers, static_cast<double>(state.workers.size()));
-    auto live = Family("eldr_live_leases", "Leases not yet completed or expired.", MetricType::Gauge);
-    AddGauge(&live, static_cast<double>(state.live_leases));
-    auto expired = Family("eldr_leases_expired_total",
+    AddSample(&generation, static_cast<double>(state.centroid_generation));
+    auto rows = MetricFamily("eldr_centroid_rows", "Centroid rows in service.", MetricType::Gauge);
+    AddSample(&rows, state.centroid_rows);
+    auto workers = MetricFamily("eldr_workers", "Workers in the pool.", MetricType::Gauge);
+    AddSample(&workers, static_cast<double>(state.workers.size()));
+    auto live = MetricFamily("eldr_live_leases", "Leases not yet completed or expired.", MetricType::Gauge);
+    AddSample(&live, static_cast<double>(state.live_leases));
+    auto expired = MetricFamily("eldr_leases_expired_total",
                           "Leases released by expiry (their Complete never came within --lease_ttl).",
                           MetricType::Counter);
-    AddCounter(&expired, static_cast<double>(state.leases_expired_total));
+    AddSample(&expired, static_cast<double>(state.leases_expired_total));
+    auto evicted = MetricFamily("eldr_leases_evicted_total",
+                                "Leases released at the --max_live_leases limit (the oldest of the pool).",
+                                MetricType::Counter);
+    AddSample(&evicted, static_cast<double>(state.leases_evicted_total));
 
     std::vector<prometheus::MetricFamily> out;
-    out.reserve(12);
+    out.reserve(13);
     for (auto* f : {&inflight, &effective, &reported, &kv, &age, &healthy, &draining, &generation, &rows,
-                    &workers, &live, &expired}) {
+                    &workers, &live, &expired, &evicted}) {
       out.push_back(std::move(*f));
     }
     return out;
@@ -159,24 +133,24 @@ class ProcessCollector : public prometheus::Collectable {
     const double vsize = std::stod(fields[23 - 3]);
     const double rss_pages = std::stod(fields[24 - 3]);
 
-    auto cpu = Family("process_cpu_seconds_total", "User and system CPU time spent in seconds.",
+    auto cpu = MetricFamily("process_cpu_seconds_total", "User and system CPU time spent in seconds.",
                       MetricType::Counter);
-    AddCounter(&cpu, (utime + stime) / ticks);
+    AddSample(&cpu, (utime + stime) / ticks);
     out.push_back(std::move(cpu));
-    auto rss = Family("process_resident_memory_bytes", "Resident memory size in bytes.", MetricType::Gauge);
-    AddGauge(&rss, rss_pages * page);
+    auto rss = MetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.", MetricType::Gauge);
+    AddSample(&rss, rss_pages * page);
     out.push_back(std::move(rss));
-    auto vms = Family("process_virtual_memory_bytes", "Virtual memory size in bytes.", MetricType::Gauge);
-    AddGauge(&vms, vsize);
+    auto vms = MetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.", MetricType::Gauge);
+    AddSample(&vms, vsize);
     out.push_back(std::move(vms));
     if (boot_time_ > 0) {
-      auto start = Family("process_start_time_seconds", "Start time of the process since the Unix epoch.",
+      auto start = MetricFamily("process_start_time_seconds", "Start time of the process since the Unix epoch.",
                           MetricType::Gauge);
-      AddGauge(&start, boot_time_ + start_ticks / ticks);
+      AddSample(&start, boot_time_ + start_ticks / ticks);
       out.push_back(std::move(start));
     }
-    auto fds = Family("process_open_fds", "Open file descriptors.", MetricType::Gauge);
-    AddGauge(&fds, CountOpenFds());
+    auto fds = MetricFamily("process_open_fds", "Open file descriptors.", MetricType::Gauge);
+    AddSample(&fds, CountOpenFds());
     out.push_back(std::move(fds));
     return out;
   }
@@ -229,7 +203,6 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   static_assert(std::size(kPolicyKinds) == kNumPolicies);
   static_assert(std::size(kOutcomes) == kNumOutcomes);
   static_assert(std::size(kFallbackReasons) == kNumFallbacks);
-  static_assert(std::size(kRejectReasons) == kNumRejectReasons);
   auto& requests = prometheus::BuildCounter()
                        .Name("eldr_route_requests_total")
                        .Help("Route RPCs by the policy that decided (the configured one when the route "
@@ -273,13 +246,13 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                        .Help("Rejected inputs (signatures, load reports, artifacts, admin requests) by "
                              "reason.")
                        .Register(*registry_);
-  for (size_t i = 0; i < kNumRejectReasons; ++i) {
-    rejected_[i] = &rejected.Add({{"reason", std::string(RejectReasonLabel(kRejectReasons[i]))}});
+  for (RejectReason reason : AllRejectReasons()) {
+    rejected_.push_back(&rejected.Add({{"reason", std::string(RejectReasonLabel(reason))}}));
   }
   auto& completes = prometheus::BuildCounter()
                         .Name("eldr_complete_requests_total")
                         .Help("Complete RPCs by outcome: released, or not_found (unknown, already "
-                              "completed or expired lease).")
+                              "completed, expired or evicted lease).")
                         .Register(*registry_);
   complete_ok_ = &completes.Add({{"outcome", "released"}});
   complete_not_found_ = &completes.Add({{"outcome", "not_found"}});
@@ -289,25 +262,71 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                       .Register(*registry_);
   reports_accepted_ = &reports.Add({{"outcome", "accepted"}});
   reports_rejected_ = &reports.Add({{"outcome", "rejected"}});
-  auto& reloads = prometheus::BuildCounter()
-                      .Name("eldr_centroid_reloads_total")
-                      .Help("Centroid reload attempts (SIGHUP, ReloadCentroids) by outcome.")
-                      .Register(*registry_);
-  reloads_ok_ = &reloads.Add({{"outcome", "ok"}});
-  reloads_error_ = &reloads.Add({{"outcome", "error"}});
+  auto& installs = prometheus::BuildCounter()
+                       .Name("eldr_centroid_reloads_total")
+                       .Help("Centroid sets offered through the one door, by source (startup, state_dir, "
+                             "sighup, admin, file_watch, refit, api) and outcome (ok: installed, error: "
+                             "refused, the set in service stays).")
+                       .Register(*registry_);
+  for (CentroidSource source : AllCentroidSources()) {
+    const std::string label(CentroidSourceLabel(source));
+    installs_.push_back({&installs.Add({{"source", label}, {"outcome", "error"}}),
+                         &installs.Add({{"source", label}, {"outcome", "ok"}})});
+  }
   auto& refused = prometheus::BuildCounter()
                       .Name("eldr_admin_refused_total")
                       .Help("Admin RPCs refused by the bearer-token check, by status code.")
                       .Register(*registry_);
-  admin_unauthenticated_ = &refused.Add({{"code", "unauthenticated"}});
-  admin_permission_denied_ = &refused.Add({{"code", "permission_denied"}});
+  auto& data_refused = prometheus::BuildCounter()
+                           .Name("eldr_data_plane_refused_total")
+                           .Help("DecodeRouter calls refused by a credential check (plane data: the data-plane "
+                                 "token; reporter: a load report for a worker its caller may not report for), by "
+                                 "status code.")
+                           .Register(*registry_);
+  for (size_t p = 0; p < kNumPlanes; ++p) {
+    auto& family = p == static_cast<size_t>(AuthPlane::kAdmin) ? refused : data_refused;
+    const std::map<std::string, std::string> plane =
+        p == static_cast<size_t>(AuthPlane::kAdmin) ? std::map<std::string, std::string>{}
+        : p == static_cast<size_t>(AuthPlane::kData) ? std::map<std::string, std::string>{{"plane", "data"}}
+                                                      : std::map<std::string, std::string>{{"plane", "reporter"}};
+    auto labels = [&](const char* code) {
+      std::map<std::string, std::string> all = plane;
+      all["code"] = code;
+      return all;
+    };
+    auth_refused_[p][0] = &family.Add(labels("permission_denied"));
+    auth_refused_[p][1] = &family.Add(labels("unauthenticated"));
+  }
+  auto& streams = prometheus::BuildCounter()
+                      .Name("eldr_report_streams_refused_total")
+                      .Help("ReportLoad streams refused at --max_report_streams (limit total) or "
+                            "--max_report_streams_per_peer (limit per_peer).")
+                      .Register(*registry_);
+  streams_refused_total_ = &streams.Add({{"limit", "total"}});
+  streams_refused_peer_ = &streams.Add({{"limit", "per_peer"}});
+  streams_idle_ended_ = &prometheus::BuildCounter()
+                             .Name("eldr_report_streams_idle_ended_total")
+                             .Help("ReportLoad streams ended after --report_stream_idle_timeout without a message.")
+                             .Register(*registry_)
+                             .Add({});
+  streams_open_ = &prometheus::BuildGauge()
+                       .Name("eldr_report_streams_open")
+                       .Help("ReportLoad streams open now.")
+                       .Register(*registry_)
+                       .Add({});
+  auto& tls = prometheus::BuildCounter()
+                  .Name("eldr_tls_rotations_total")
+                  .Help("Changed TLS certificate files seen: installed, or refused (invalid; the pair in "
+                        "service stays).")
+                  .Register(*registry_);
+  tls_installed_ = &tls.Add({{"outcome", "installed"}});
+  tls_refused_ = &tls.Add({{"outcome", "refused"}});
 }
 
-ServerMetrics::~ServerMetrics() { StopExposer(); }
+ServerMetrics::~ServerMetrics() = default;
 
 void ServerMetrics::AddCollectable(std::shared_ptr<prometheus::Collectable> collectable) {
-  collectables_.push_back(collectable);
-  if (exposer_ != nullptr) exposer_->RegisterCollectable(collectable);
+  collectables_.push_back(std::move(collectable));
 }
 
 void ServerMetrics::AttachRouter(const Router* router) {
@@ -320,24 +339,6 @@ std::vector<std::weak_ptr<prometheus::Collectable>> ServerMetrics::AllCollectabl
   for (const auto& c : collectables_) all.push_back(c);
   return all;
 }
-
-absl::StatusOr<int> ServerMetrics::StartExposer(const std::string& listen) {
-  if (exposer_ != nullptr) return absl::FailedPreconditionError("metrics endpoint already started");
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/1);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("metrics_listen ", listen, ": cannot listen: ", e.what()));
-  }
-  const std::vector<int> ports = exposer_->GetListeningPorts();
-  if (ports.empty()) {
-    exposer_.reset();
-    return absl::UnavailableError(absl::StrCat("metrics_listen ", listen, ": no listening port"));
-  }
-  for (const auto& c : AllCollectables()) exposer_->RegisterCollectable(c);
-  return ports.front();
-}
-
-void ServerMetrics::StopExposer() { exposer_.reset(); }
 
 void ServerMetrics::RecordRoute(const RouteResult& result, double seconds) {
   const size_t policy = IndexOf(kPolicyKinds, result.policy, 0);
@@ -375,22 +376,38 @@ void ServerMetrics::RecordRouteFailure(PolicyKind policy, const absl::Status& st
 }
 
 void ServerMetrics::RecordRejected(RejectReason reason) {
-  rejected_[IndexOf(kRejectReasons, reason, std::size(kRejectReasons) - 1)]->Increment();
+  const absl::Span<const RejectReason> all = AllRejectReasons();
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i] == reason) {
+      rejected_[i]->Increment();
+      return;
+    }
+  }
 }
 
-void ServerMetrics::RecordComplete(bool released) {
-  (released ? complete_ok_ : complete_not_found_)->Increment();
+void ServerMetrics::RecordComplete(bool released) { (released ? complete_ok_ : complete_not_found_)->Increment(); }
+
+void ServerMetrics::RecordLoadReport(bool accepted) { (accepted ? reports_accepted_ : reports_rejected_)->Increment(); }
+
+void ServerMetrics::RecordCentroidInstall(CentroidSource source, bool installed) {
+  const absl::Span<const CentroidSource> all = AllCentroidSources();
+  const size_t index = static_cast<size_t>(std::find(all.begin(), all.end(), source) - all.begin());
+  if (index < installs_.size()) installs_[index][installed ? 1 : 0]->Increment();
 }
 
-void ServerMetrics::RecordLoadReport(bool accepted) {
-  (accepted ? reports_accepted_ : reports_rejected_)->Increment();
+void ServerMetrics::RecordAuthRefused(AuthPlane plane, bool missing) {
+  auth_refused_[static_cast<size_t>(plane)][missing ? 1 : 0]->Increment();
 }
 
-void ServerMetrics::RecordReload(bool ok) { (ok ? reloads_ok_ : reloads_error_)->Increment(); }
-
-void ServerMetrics::RecordAdminRefused(bool missing) {
-  (missing ? admin_unauthenticated_ : admin_permission_denied_)->Increment();
+void ServerMetrics::RecordReportStreamRefused(bool per_peer) {
+  (per_peer ? streams_refused_peer_ : streams_refused_total_)->Increment();
 }
+
+void ServerMetrics::RecordReportStreamIdleEnded() { streams_idle_ended_->Increment(); }
+
+void ServerMetrics::SetReportStreamsOpen(int64_t open) { streams_open_->Set(static_cast<double>(open)); }
+
+void ServerMetrics::RecordTlsRotation(bool installed) { (installed ? tls_installed_ : tls_refused_)->Increment(); }
 
 std::string ServerMetrics::RenderText() const {
   std::vector<prometheus::MetricFamily> families;

@@ -1,5 +1,7 @@
 // Prometheus metrics of the daemon (names, labels and meaning in docs/api.md, "Metrics").
 //
+// Served by the daemon's own HTTP endpoint (server/ops_http.h) through RenderText.
+//
 // Two kinds of metrics:
 //  - event metrics updated on the request path (route counts and latency, rejections, fallbacks,
 //    completions, reports, reloads, admin refusals). Every labelled series is created up front and
@@ -13,7 +15,7 @@
 // AddCollectable) and they appear on the same /metrics page.
 //
 // Thread-safety: Record* methods may be called from any thread concurrently. AttachRouter,
-// AddCollectable and Start/StopExposer are called by the owner during startup/shutdown.
+// AddCollectable is called by the owner during startup.
 #ifndef ELDR_SERVER_METRICS_H_
 #define ELDR_SERVER_METRICS_H_
 
@@ -29,7 +31,6 @@
 #include "eldr/core/router.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
-#include "prometheus/exposer.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
@@ -49,6 +50,9 @@ absl::string_view RouteOutcomeLabel(RouteOutcome outcome);
 // Bucket upper bounds of eldr_route_duration_seconds: 1 us .. 10 ms, denser where decisions land.
 const std::vector<double>& RouteDurationBuckets();
 
+// Which credential check refused a call (eldr_auth_refused_total{plane}).
+enum class AuthPlane { kAdmin, kData, kReporter };
+
 class ServerMetrics {
  public:
   ServerMetrics();
@@ -58,15 +62,12 @@ class ServerMetrics {
 
   // For components that add their own metric families.
   prometheus::Registry& registry() { return *registry_; }
-  // Adds a collectable read at every scrape (kept alive by the metrics object).
+  // Adds a collectable read at every scrape (kept alive by the metrics object). Call before the
+  // HTTP endpoint starts.
   void AddCollectable(std::shared_ptr<prometheus::Collectable> collectable);
   // Adds the scrape-time router state and process metrics. `router` must outlive every scrape:
-  // the owner stops the exposer before destroying the router.
+  // the owner stops the HTTP endpoint before destroying the router.
   void AttachRouter(const Router* router);
-
-  // Serves /metrics on `listen` (host:port; port 0 picks one) and returns the bound port.
-  absl::StatusOr<int> StartExposer(const std::string& listen);
-  void StopExposer();
 
   // ---- Request path ----
   void RecordRoute(const RouteResult& result, double seconds);
@@ -76,39 +77,51 @@ class ServerMetrics {
   void RecordRejected(RejectReason reason);
   void RecordComplete(bool released);
   void RecordLoadReport(bool accepted);
-  void RecordReload(bool ok);
-  // Admin RPCs refused by the token check: `missing` token (UNAUTHENTICATED) or wrong one.
-  void RecordAdminRefused(bool missing);
+  // A centroid set offered through the one door (Router::InstallCentroids or a refusal before
+  // it), by source: installed or rejected.
+  void RecordCentroidInstall(CentroidSource source, bool installed);
+  // A call refused by a credential check: `missing` credentials (UNAUTHENTICATED) or wrong ones
+  // (PERMISSION_DENIED).
+  void RecordAuthRefused(AuthPlane plane, bool missing);
+  // ReportLoad streams: refused at a limit (`per_peer` or the total), or ended for idleness.
+  void RecordReportStreamRefused(bool per_peer);
+  void RecordReportStreamIdleEnded();
+  void SetReportStreamsOpen(int64_t open);
+  // TLS rotations of the certificate files: installed, or refused (the old pair stays).
+  void RecordTlsRotation(bool installed);
 
-  // Everything a scrape would return, in the text exposition format (tests, debugging).
+  // Everything a scrape returns, in the text exposition format (version 0.0.4).
   std::string RenderText() const;
 
  private:
   static constexpr int kNumPolicies = 5;
   static constexpr int kNumOutcomes = 5;
   static constexpr int kNumFallbacks = 7;
-  static constexpr int kNumRejectReasons = 9;
+  static constexpr int kNumPlanes = 3;
 
   std::vector<std::weak_ptr<prometheus::Collectable>> AllCollectables() const;
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::vector<std::shared_ptr<prometheus::Collectable>> collectables_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
 
   std::array<std::array<prometheus::Counter*, kNumOutcomes>, kNumPolicies> route_requests_{};
   prometheus::Histogram* route_duration_ = nullptr;
   prometheus::Histogram* band_size_ = nullptr;
   prometheus::Histogram* similarity_ = nullptr;
   std::array<prometheus::Counter*, kNumFallbacks> fallbacks_{};
-  std::array<prometheus::Counter*, kNumRejectReasons> rejected_{};
+  std::vector<prometheus::Counter*> rejected_;  // by RejectReason, in AllRejectReasons() order
   prometheus::Counter* complete_ok_ = nullptr;
   prometheus::Counter* complete_not_found_ = nullptr;
   prometheus::Counter* reports_accepted_ = nullptr;
   prometheus::Counter* reports_rejected_ = nullptr;
-  prometheus::Counter* reloads_ok_ = nullptr;
-  prometheus::Counter* reloads_error_ = nullptr;
-  prometheus::Counter* admin_unauthenticated_ = nullptr;
-  prometheus::Counter* admin_permission_denied_ = nullptr;
+  std::vector<std::array<prometheus::Counter*, 2>> installs_;  // [AllCentroidSources() index][installed]
+  std::array<std::array<prometheus::Counter*, 2>, kNumPlanes> auth_refused_{};  // [plane][missing]
+  prometheus::Counter* streams_refused_total_ = nullptr;
+  prometheus::Counter* streams_refused_peer_ = nullptr;
+  prometheus::Counter* streams_idle_ended_ = nullptr;
+  prometheus::Gauge* streams_open_ = nullptr;
+  prometheus::Counter* tls_installed_ = nullptr;
+  prometheus::Counter* tls_refused_ = nullptr;
 };
 
 }  // namespace eldr::server

@@ -1,7 +1,8 @@
 #include "server/server.h"
 
+#include <unistd.h>
+
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <limits>
 #include <mutex>
@@ -9,7 +10,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "eldr/common/file.h"
@@ -28,14 +28,14 @@ namespace eldr::server {
 namespace {
 
 constexpr char kDecodeRouterServiceName[] = "eldr.v1.DecodeRouter";
-// How long answers already handed to gRPC get to reach the clients before the remaining calls
-// and connections are cut during a shutdown.
-constexpr absl::Duration kAnswerFlushTime = absl::Milliseconds(100);
 constexpr char kRouterAdminServiceName[] = "eldr.v1.RouterAdmin";
 // Health service name for liveness probes: SERVING from the moment the listener is up until
 // shutdown, whatever the pool and centroids (readiness uses ""), so a router whose workers are all
 // drained is taken out of rotation but not restarted.
 constexpr char kLivenessServiceName[] = "liveness";
+// How long answers already handed to gRPC get to reach the clients before the remaining calls
+// and connections are cut during a shutdown.
+constexpr absl::Duration kAnswerFlushTime = absl::Milliseconds(100);
 
 // gRPC channel arguments take milliseconds as int; INT_MAX means "never" for the connection
 // limits and is the largest representable keepalive.
@@ -45,19 +45,18 @@ int ToGrpcMillis(absl::Duration d) {
   return ms > INT_MAX ? INT_MAX : static_cast<int>(ms);
 }
 
-// Releases leases whose Complete never came.
-class LeaseExpiryComponent final : public BackgroundComponent {
+// Something done every `interval` on its own thread until Stop.
+class PeriodicComponent : public BackgroundComponent {
  public:
-  LeaseExpiryComponent(Router* router, absl::Duration interval) : router_(router), interval_(interval) {}
+  PeriodicComponent(std::string name, absl::Duration interval, std::function<void()> tick)
+      : name_(std::move(name)), interval_(interval), tick_(std::move(tick)) {}
+  ~PeriodicComponent() override { Stop(); }
 
-  std::string name() const override { return "lease_expiry"; }
+  std::string name() const override { return name_; }
 
   absl::Status Start() override {
     thread_ = std::thread([this] {
-      while (!stop_.WaitForNotificationWithTimeout(interval_)) {
-        const int64_t expired = router_->ExpireLeases(absl::Now());
-        if (expired > 0) ELDR_LOG(Info, "leases_expired").With("count", expired);
-      }
+      while (!stop_.WaitForNotificationWithTimeout(interval_)) tick_();
     });
     return absl::OkStatus();
   }
@@ -68,36 +67,40 @@ class LeaseExpiryComponent final : public BackgroundComponent {
   }
 
  private:
-  Router* const router_;
+  const std::string name_;
   const absl::Duration interval_;
+  const std::function<void()> tick_;
   absl::Notification stop_;
   std::thread thread_;
 };
 
-absl::Status CheckPemFile(absl::string_view setting, const std::string& path) {
-  auto text = ReadFile(path);
-  if (!text.ok()) {
-    return absl::Status(text.status().code(), absl::StrCat("setting '", setting, "': ", text.status().message()));
+// The TLS files gRPC reads are validated private copies (TlsFileMirror): a mismatched pair is a
+// startup error, and a broken rotation is refused, logged and counted while the pair in service
+// stays. gRPC's own watcher then picks up the copies.
+absl::StatusOr<std::unique_ptr<TlsFileMirror>> MakeTlsMirror(const ServerOptions& o) {
+  if (o.tls_cert.empty()) return std::unique_ptr<TlsFileMirror>();
+  std::string dir = o.tls_mirror_dir;
+  if (dir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/eldr-router-tls-XXXXXX");
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return absl::ErrnoToStatus(errno, absl::StrCat("setting 'tls_mirror_dir': cannot create ", pattern));
+    }
+    dir = pattern;
   }
-  if (text->find("-----BEGIN") == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("setting '", setting, "': ", path, " holds no PEM block"));
-  }
-  return absl::OkStatus();
+  return TlsFileMirror::Create(TlsFiles{o.tls_cert, o.tls_key, o.tls_client_ca}, dir);
 }
 
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(const ServerOptions& o) {
-  if (o.tls_cert.empty()) return grpc::InsecureServerCredentials();
-  // The file watcher only logs unreadable files; checking them here turns a typo into a startup
-  // error that names the setting.
-  ELDR_RETURN_IF_ERROR(CheckPemFile("tls_cert", o.tls_cert));
-  ELDR_RETURN_IF_ERROR(CheckPemFile("tls_key", o.tls_key));
-  if (!o.tls_client_ca.empty()) ELDR_RETURN_IF_ERROR(CheckPemFile("tls_client_ca", o.tls_client_ca));
-  const auto refresh_s = static_cast<unsigned int>(absl::ToInt64Seconds(o.tls_reload_interval));
-  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      o.tls_key, o.tls_cert, o.tls_client_ca, refresh_s);
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(const ServerOptions& o,
+                                                                         const TlsFileMirror* mirror) {
+  if (mirror == nullptr) return grpc::InsecureServerCredentials();
+  const TlsFiles files = mirror->mirrored();
+  const auto refresh_s = static_cast<unsigned int>(std::max<int64_t>(1, absl::ToInt64Seconds(o.tls_reload_interval)));
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(files.key, files.cert,
+                                                                                       files.client_ca, refresh_s);
   grpc::experimental::TlsServerCredentialsOptions tls(provider);
   tls.watch_identity_key_cert_pairs();
-  if (o.tls_client_ca.empty()) {
+  if (files.client_ca.empty()) {
     tls.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   } else {
     tls.watch_root_certs();
@@ -118,54 +121,147 @@ void InitReflectionOnce() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(ServerOptions options,
-                                                                   ServerExtensions extensions) {
+// The one place where the router's changes become log lines, metrics and health.
+class RouterServer::Events final : public RouterObserver {
+ public:
+  explicit Events(RouterServer* server) : server_(server) {}
+
+  void OnPoolChanged(const PoolChange& change) override {
+    switch (change.kind) {
+      case PoolChangeKind::kAdded:
+      case PoolChangeKind::kUpdated:
+        ELDR_LOG(Info, "worker_upserted")
+            .With("worker", change.spec.id)
+            .With("address", change.spec.address)
+            .With("capacity", change.spec.capacity)
+            .With("max_inflight", change.spec.max_inflight)
+            .With("created", change.kind == PoolChangeKind::kAdded);
+        break;
+      case PoolChangeKind::kDraining:
+        ELDR_LOG(Info, "worker_draining").With("worker", change.spec.id).With("inflight", change.inflight);
+        break;
+      case PoolChangeKind::kRemoved:
+        ELDR_LOG(Info, "worker_removed").With("worker", change.spec.id).With("dropped_leases", change.inflight);
+        break;
+      case PoolChangeKind::kHealthChanged:
+        return;  // the load source that decided logs it, with its reason
+    }
+    server_->UpdateHealth();
+  }
+
+  void OnCentroidsInstalled(const CentroidInstall& install) override {
+    server_->metrics_->RecordCentroidInstall(install.source, true);
+    ELDR_LOG(Info, "centroids_installed")
+        .With("source", CentroidSourceLabel(install.source))
+        .With("generation", install.generation)
+        .With("rows", install.rows)
+        .With("dim", install.dim)
+        .With("model", install.model)
+        .With("transform_changed", install.transform_changed);
+    server_->UpdateHealth();
+  }
+
+  void OnCentroidsRejected(CentroidSource source, const absl::Status& status) override {
+    server_->metrics_->RecordCentroidInstall(source, false);
+    if (status.code() == absl::StatusCode::kInvalidArgument || status.code() == absl::StatusCode::kFailedPrecondition) {
+      server_->metrics_->RecordRejected(RejectReasonOf(status));
+    }
+    ELDR_LOG_LIMITED(Warning, "centroids_rejected", absl::StrCat("centroids_rejected/", CentroidSourceLabel(source)))
+        .With("source", CentroidSourceLabel(source))
+        .With("code", status);
+  }
+
+ private:
+  RouterServer* const server_;
+};
+
+absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(ServerOptions options, ServerExtensions extensions) {
   ELDR_RETURN_IF_ERROR(ValidateServerOptions(options));
   SetLogLevel(options.log_level);
   SetLogFormat(options.log_format);
-
-  RouterOptions router_options;
-  router_options.policy = options.policy;
-  router_options.tau = options.tau;
-  router_options.seed = options.seed;
-  router_options.load.lease_ttl = options.lease_ttl;
-  router_options.load.snapshot_staleness = options.snapshot_staleness;
-  router_options.on_signature = std::move(extensions.on_signature);
-  ELDR_ASSIGN_OR_RETURN(std::unique_ptr<Router> router, Router::Create(std::move(router_options), options.workers));
-
-  ELDR_ASSIGN_OR_RETURN(std::unique_ptr<AdminAuthorizer> auth, AdminAuthorizer::Create(options.admin_token_file));
-
-  std::unique_ptr<RouterServer> server(new RouterServer(std::move(options), std::move(router), std::move(auth)));
-  ELDR_ASSIGN_OR_RETURN(server->credentials_, MakeCredentials(server->options_));
-
-  if (!server->options_.centroids.empty()) {
-    auto artifact = LoadCentroidArtifact(server->options_.centroids);
-    if (!artifact.ok()) {
-      return absl::Status(artifact.status().code(), absl::StrCat("--centroids ", server->options_.centroids, ": ",
-                                                                 artifact.status().message()));
-    }
-    absl::Status installed = server->router_->InstallCentroids(*artifact);
-    if (!installed.ok()) {
-      return absl::Status(installed.code(), absl::StrCat("--centroids ", server->options_.centroids,
-                                                         " does not fit --workers: ", installed.message()));
+  DaemonLogLimiter().set_per_second(options.log_rate_limit);
+  if (options.allow_insecure_admin) {
+    const std::string& admin = options.admin_listen.empty() ? options.listen : options.admin_listen;
+    if (!IsLoopbackAddress(admin) && options.admin_token_file.empty() && options.tls_client_ca.empty()) {
+      ELDR_LOG(Warning, "admin_insecure")
+          .With("admin_address", admin)
+          .With("note", "RouterAdmin accepts unauthenticated calls from the network (allow_insecure_admin)");
     }
   }
 
+  ELDR_ASSIGN_OR_RETURN(std::unique_ptr<Router> router, Router::Create(options.router, options.workers));
+  std::unique_ptr<RouterServer> server(new RouterServer(std::move(options), std::move(router)));
+  const ServerOptions& o = server->options_;
+  ELDR_ASSIGN_OR_RETURN(server->admin_token_, BearerTokenFile::Create("admin_token_file", o.admin_token_file));
+  ELDR_ASSIGN_OR_RETURN(server->data_token_, BearerTokenFile::Create("data_token_file", o.data_token_file));
+  if (o.reporter_auth == ReporterAuth::kToken) {
+    ELDR_ASSIGN_OR_RETURN(server->reporter_tokens_, WorkerTokenFile::Create(o.reporter_tokens_file));
+  }
+  ELDR_ASSIGN_OR_RETURN(server->tls_mirror_, MakeTlsMirror(o));
+  ELDR_ASSIGN_OR_RETURN(server->credentials_, MakeCredentials(o, server->tls_mirror_.get()));
+  ELDR_ASSIGN_OR_RETURN(server->loader_,
+                        CentroidLoader::Create(CentroidLoaderOptions{o.centroids, o.centroids_dir,
+                                                                     static_cast<size_t>(o.max_artifact_bytes)},
+                                               server->router_.get()));
+
+  ServiceContext ctx;
+  ctx.router = server->router_.get();
+  ctx.metrics = server->metrics_.get();
+  ctx.loader = server->loader_.get();
+  ctx.configured_policy = o.router.policy;
+  ctx.admin_token = server->admin_token_.get();
+  ctx.data_token = server->data_token_.get();
+  ctx.reporter_auth = o.reporter_auth;
+  ctx.reporter_tokens = server->reporter_tokens_.get();
+  ctx.mutual_tls = !o.tls_client_ca.empty();
+  ctx.route_client_keys = o.refit.interval > absl::ZeroDuration() || !o.refit.state_dir.empty();
+  ctx.max_request_bytes = o.max_message_bytes;
+  ctx.max_report_streams = o.max_report_streams;
+  ctx.max_report_streams_per_peer = o.max_report_streams_per_peer;
+  ctx.report_stream_idle_timeout = o.report_stream_idle_timeout;
+  server->decode_service_ = std::make_unique<DecodeRouterService>(ctx);
+  server->admin_service_ = std::make_unique<RouterAdminService>(ctx);
+
+  server->router_->AddObserver(server->events_.get());
+  if (!o.centroids.empty()) {
+    absl::StatusOr<LoadedCentroids> loaded = server->loader_->LoadConfiguredNow(CentroidSource::kStartup);
+    if (!loaded.ok()) {
+      const bool misfit = absl::IsFailedPrecondition(loaded.status());
+      return absl::Status(loaded.status().code(), absl::StrCat("--centroids ", o.centroids,
+                                                               misfit ? " does not fit --workers: " : ": ",
+                                                               loaded.status().message()));
+    }
+  }
+
+  RouterServer* raw = server.get();
+  server->components_.push_back(std::make_unique<PeriodicComponent>("lease_expiry", o.lease_expiry_interval, [raw] {
+    const int64_t expired = raw->router_->ExpireLeases(absl::Now());
+    if (expired > 0) ELDR_LOG(Info, "leases_expired").With("count", expired);
+  }));
+  server->components_.push_back(std::make_unique<PeriodicComponent>(
+      "report_stream_idle", absl::Seconds(1), [raw] { raw->decode_service_->EndIdleStreams(absl::Now()); }));
+  if (!o.centroids.empty()) {
+    // A rewritten --centroids file (an edited ConfigMap) is reloaded like SIGHUP does it.
+    server->components_.push_back(std::make_unique<CentroidFileWatch>(
+        o.centroids, absl::Seconds(1), [raw] { raw->loader_->ReloadConfigured(CentroidSource::kFileWatch); }));
+  }
+  if (server->tls_mirror_ != nullptr) {
+    server->components_.push_back(std::make_unique<PeriodicComponent>("tls_rotation", o.tls_reload_interval, [raw] {
+      absl::StatusOr<bool> rotated = raw->tls_mirror_->Refresh();
+      if (!rotated.ok()) {
+        raw->metrics_->RecordTlsRotation(false);
+        ELDR_LOG_LIMITED(Warning, "tls_rotation_refused", "tls_rotation_refused").With("code", rotated.status());
+      } else if (*rotated) {
+        raw->metrics_->RecordTlsRotation(true);
+        ELDR_LOG(Info, "tls_rotated").With("generation", raw->tls_mirror_->generation());
+      }
+    }));
+  }
   ComponentContext context;
   context.router = server->router_.get();
   context.metrics = server->metrics_.get();
   context.options = &server->options_;
-  RouterServer* raw = server.get();
-  context.install_centroids = [raw](const CentroidArtifact& artifact) {
-    return raw->InstallArtifact(artifact, "component");
-  };
-  server->components_.push_back(
-      std::make_unique<LeaseExpiryComponent>(server->router_.get(), server->options_.lease_expiry_interval));
-  if (!server->options_.centroids.empty()) {
-    // A rewritten --centroids file (an edited ConfigMap) is reloaded like SIGHUP does it.
-    server->components_.push_back(std::make_unique<CentroidFileWatch>(
-        server->options_.centroids, absl::Seconds(1), [raw] { (void)raw->ReloadCentroids(std::string(), nullptr); }));
-  }
+  context.loader = server->loader_.get();
   for (const ComponentFactory& factory : extensions.components) {
     ELDR_ASSIGN_OR_RETURN(std::unique_ptr<BackgroundComponent> component, factory(context));
     if (component != nullptr) server->components_.push_back(std::move(component));
@@ -173,27 +269,12 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(ServerOptions
   return server;
 }
 
-RouterServer::RouterServer(ServerOptions options, std::unique_ptr<Router> router,
-                           std::unique_ptr<AdminAuthorizer> auth)
+RouterServer::RouterServer(ServerOptions options, std::unique_ptr<Router> router)
     : options_(std::move(options)),
       router_(std::move(router)),
       metrics_(std::make_unique<ServerMetrics>()),
-      admin_auth_(std::move(auth)),
-      blocking_(std::make_unique<BlockingExecutor>(1)) {
+      events_(std::make_unique<Events>(this)) {
   metrics_->AttachRouter(router_.get());
-  ServiceContext ctx;
-  ctx.router = router_.get();
-  ctx.metrics = metrics_.get();
-  ctx.configured_policy = options_.policy;
-  ctx.admin_auth = admin_auth_->enabled() ? admin_auth_.get() : nullptr;
-  ctx.max_request_bytes = options_.max_message_bytes;
-  ctx.blocking = blocking_.get();
-  ctx.reload_centroids = [this](const std::string& path, const std::string* inline_json) {
-    return ReloadCentroids(path, inline_json);
-  };
-  ctx.on_pool_changed = [this] { UpdateHealth(); };
-  decode_service_ = std::make_unique<DecodeRouterService>(ctx);
-  admin_service_ = std::make_unique<RouterAdminService>(ctx);
 }
 
 RouterServer::~RouterServer() {
@@ -204,13 +285,14 @@ RouterServer::~RouterServer() {
   }
   if (started && !shutdown_done_.HasBeenNotified()) Shutdown();
   StopComponents();
-  metrics_->StopExposer();  // no scrape may read the router while it is destroyed
-  blocking_->Shutdown();
+  if (ops_http_ != nullptr) ops_http_->Stop();  // no scrape may read the router while it is destroyed
+  loader_.reset();                              // joins its thread before the router goes
+  router_->RemoveObserver(events_.get());
 }
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> RouterServer::BuildServer(const std::string& address,
-                                                                        bool data_plane, bool admin,
-                                                                        int64_t max_message_bytes, int* port) {
+absl::StatusOr<std::unique_ptr<grpc::Server>> RouterServer::BuildServer(const std::string& address, bool data_plane,
+                                                                        bool admin, int64_t max_message_bytes,
+                                                                        int* port) {
   InitReflectionOnce();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, credentials_, port);
@@ -229,14 +311,12 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> RouterServer::BuildServer(const st
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, static_cast<int>(options_.max_concurrent_streams));
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, ToGrpcMillis(options_.keepalive_time));
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ToGrpcMillis(options_.keepalive_timeout));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
-                             options_.keepalive_permit_without_calls ? 1 : 0);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, options_.keepalive_permit_without_calls ? 1 : 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                              ToGrpcMillis(options_.keepalive_min_ping_interval));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, ToGrpcMillis(options_.max_connection_idle));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, ToGrpcMillis(options_.max_connection_age));
-  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
-                             ToGrpcMillis(options_.max_connection_age_grace));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, ToGrpcMillis(options_.max_connection_age_grace));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || *port == 0) {
     if (server != nullptr) server->Shutdown();
@@ -253,6 +333,41 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> RouterServer::BuildServer(const st
   return server;
 }
 
+absl::Status RouterServer::StartListeners() {
+  const bool separate_admin = !options_.admin_listen.empty();
+  auto data = BuildServer(options_.listen, /*data_plane=*/true, /*admin=*/!separate_admin, options_.max_message_bytes,
+                          &grpc_port_);
+  if (!data.ok()) return absl::Status(data.status().code(), absl::StrCat("listen: ", data.status().message()));
+  data_server_ = *std::move(data);
+  admin_port_ = grpc_port_;
+  if (separate_admin) {
+    auto admin = BuildServer(options_.admin_listen, /*data_plane=*/false, /*admin=*/true,
+                             options_.admin_max_message_bytes, &admin_port_);
+    if (!admin.ok()) return absl::Status(admin.status().code(), absl::StrCat("admin_listen: ", admin.status().message()));
+    admin_server_ = *std::move(admin);
+  }
+  if (!options_.metrics_http.listen.empty()) {
+    std::shared_ptr<prometheus::Collectable> stats = OpsHttpEndpoint::StatsCollector();
+    metrics_->AddCollectable(stats);
+    ELDR_ASSIGN_OR_RETURN(
+        ops_http_, OpsHttpEndpoint::Start(
+                       options_.metrics_http, metrics_.get(), [this] { return serving(); },
+                       [this] {
+                         absl::MutexLock lock(&health_mu_);
+                         return !shutting_down_;
+                       },
+                       std::move(stats)));
+    metrics_port_ = ops_http_->port();
+  }
+  return absl::OkStatus();
+}
+
+void RouterServer::StopListeners() {
+  if (ops_http_ != nullptr) ops_http_->Stop();
+  if (admin_server_ != nullptr) admin_server_->Shutdown();
+  if (data_server_ != nullptr) data_server_->Shutdown();
+}
+
 absl::Status RouterServer::Start() {
   {
     absl::MutexLock lock(&health_mu_);
@@ -266,35 +381,10 @@ absl::Status RouterServer::Start() {
       return absl::Status(status.code(), absl::StrCat("component ", c.name(), ": ", status.message()));
     }
   }
-
-  const bool separate_admin = !options_.admin_listen.empty();
-  auto data = BuildServer(options_.listen, /*data_plane=*/true, /*admin=*/!separate_admin,
-                          options_.max_message_bytes, &grpc_port_);
-  if (!data.ok()) {
+  if (absl::Status listening = StartListeners(); !listening.ok()) {
+    StopListeners();
     StopComponents();
-    return absl::Status(data.status().code(), absl::StrCat("listen: ", data.status().message()));
-  }
-  data_server_ = *std::move(data);
-  admin_port_ = grpc_port_;
-  if (separate_admin) {
-    auto admin = BuildServer(options_.admin_listen, /*data_plane=*/false, /*admin=*/true,
-                             options_.admin_max_message_bytes, &admin_port_);
-    if (!admin.ok()) {
-      data_server_->Shutdown();
-      StopComponents();
-      return absl::Status(admin.status().code(), absl::StrCat("admin_listen: ", admin.status().message()));
-    }
-    admin_server_ = *std::move(admin);
-  }
-  if (!options_.metrics_listen.empty()) {
-    auto port = metrics_->StartExposer(options_.metrics_listen);
-    if (!port.ok()) {
-      if (admin_server_) admin_server_->Shutdown();
-      data_server_->Shutdown();
-      StopComponents();
-      return port.status();
-    }
-    metrics_port_ = *port;
+    return listening;
   }
   {
     absl::MutexLock lock(&health_mu_);
@@ -306,11 +396,14 @@ absl::Status RouterServer::Start() {
       .With("grpc_port", grpc_port_)
       .With("admin_port", admin_port_)
       .With("metrics_port", metrics_port_)
-      .With("tls", !options_.tls_cert.empty())
+      .With("admin_on_loopback", IsLoopbackAddress(options_.admin_listen.empty() ? options_.listen : options_.admin_listen))
+      .With("tls", tls_mirror_ != nullptr)
       .With("mtls", !options_.tls_client_ca.empty())
-      .With("admin_token", admin_auth_->enabled())
-      .With("policy", PolicyKindName(options_.policy))
-      .With("tau", options_.tau)
+      .With("admin_token", admin_token_->enabled())
+      .With("data_token", data_token_->enabled())
+      .With("reporter_auth", ReporterAuthName(options_.reporter_auth))
+      .With("policy", PolicyKindName(options_.router.policy))
+      .With("tau", options_.router.tau)
       .With("workers", state.workers.size())
       .With("centroid_generation", state.centroid_generation)
       .With("centroid_rows", state.centroid_rows)
@@ -328,7 +421,9 @@ absl::Status RouterServer::Start() {
 
 absl::Status RouterServer::WritePortFile() const {
   if (options_.port_file.empty()) return absl::OkStatus();
-  nlohmann::json j = {{"grpc_port", grpc_port_}, {"admin_port", admin_port_}, {"metrics_port", metrics_port_},
+  nlohmann::json j = {{"grpc_port", grpc_port_},
+                      {"admin_port", admin_port_},
+                      {"metrics_port", metrics_port_},
                       {"pid", static_cast<int64_t>(getpid())}};
   absl::Status status = WriteFileAtomically(options_.port_file, j.dump() + "\n");
   if (!status.ok()) return absl::Status(status.code(), absl::StrCat("port_file: ", status.message()));
@@ -340,13 +435,18 @@ bool RouterServer::serving() const {
   return serving_;
 }
 
+bool RouterServer::clean_shutdown() const {
+  absl::MutexLock lock(&shutdown_mu_);
+  return clean_shutdown_;
+}
+
 void RouterServer::UpdateHealth() {
   const RouterState state = router_->GetState(absl::Now());
   int active = 0;
   for (const WorkerStatus& w : state.workers) {
     if (w.state == WorkerState::kActive) ++active;
   }
-  const bool centroids_ok = options_.policy != PolicyKind::kEldr || state.centroid_generation > 0;
+  const bool centroids_ok = options_.router.policy != PolicyKind::kEldr || state.centroid_generation > 0;
   absl::MutexLock lock(&health_mu_);
   if (!started_ || shutting_down_) return;
   const bool serving = active > 0 && centroids_ok;
@@ -365,74 +465,20 @@ void RouterServer::UpdateHealth() {
   }
 }
 
-absl::StatusOr<uint64_t> RouterServer::InstallArtifact(const CentroidArtifact& artifact, absl::string_view source) {
-  absl::Status status;
-  uint64_t generation = 0;
-  {
-    absl::MutexLock lock(&reload_mu_);
-    status = router_->InstallCentroids(artifact);
-    if (status.ok()) generation = router_->GetState(absl::Now()).centroid_generation;
-  }
-  metrics_->RecordReload(status.ok());
-  if (!status.ok()) {
-    if (status.code() == absl::StatusCode::kInvalidArgument || status.code() == absl::StatusCode::kFailedPrecondition) {
-      metrics_->RecordRejected(RejectReasonOf(status));
-    }
-    ELDR_LOG(Warning, "centroids_rejected").With("source", source).With("code", status);
-    return status;
-  }
-  ELDR_LOG(Info, "centroids_installed")
-      .With("source", source)
-      .With("generation", generation)
-      .With("rows", artifact.k)
-      .With("dim", artifact.dim())
-      .With("model", artifact.model);
-  UpdateHealth();
-  return generation;
-}
-
-absl::StatusOr<std::pair<uint64_t, int>> RouterServer::ReloadCentroids(const std::string& path,
-                                                                      const std::string* inline_json) {
-  absl::StatusOr<CentroidArtifact> artifact;
-  std::string source;
-  if (inline_json != nullptr) {
-    source = "inline";
-    artifact = ParseCentroidArtifact(*inline_json);
-  } else {
-    source = path.empty() ? options_.centroids : path;
-    if (source.empty()) {
-      metrics_->RecordReload(false);
-      return absl::FailedPreconditionError("no path given and no --centroids file configured");
-    }
-    artifact = LoadCentroidArtifact(source);
-  }
-  if (!artifact.ok()) {
-    metrics_->RecordReload(false);
-    if (artifact.status().code() == absl::StatusCode::kInvalidArgument) {
-      metrics_->RecordRejected(RejectReasonOf(artifact.status()));
-    }
-    ELDR_LOG(Warning, "centroids_rejected").With("source", source).With("code", artifact.status());
-    const absl::Status& s = artifact.status();
-    return absl::Status(s.code(), inline_json != nullptr ? std::string(s.message())
-                                                         : absl::StrCat(source, ": ", s.message()));
-  }
-  ELDR_ASSIGN_OR_RETURN(const uint64_t generation, InstallArtifact(*artifact, source));
-  return std::make_pair(generation, artifact->k);
-}
-
 void RouterServer::ReloadFromSignal() {
-  ELDR_LOG(Info, "reload_requested").With("signal", "SIGHUP");
-  if (!options_.centroids.empty()) {
-    // Errors are logged and counted inside; the old set stays.
-    (void)ReloadCentroids(std::string(), nullptr);
-  }
-  if (admin_auth_->enabled()) {
-    absl::Status status = admin_auth_->Reload();
-    if (status.ok()) {
-      ELDR_LOG(Info, "admin_token_reloaded");
-    } else {
-      ELDR_LOG(Warning, "admin_token_reload_failed").With("code", status);
-    }
+  ELDR_LOG_LIMITED(Info, "reload_requested", "reload_requested").With("signal", "SIGHUP");
+  // Queued on the loader's thread; a reload already waiting absorbs this one.
+  if (!options_.centroids.empty()) loader_->ReloadConfigured(CentroidSource::kSignal);
+  struct Reloadable {
+    const char* event;
+    absl::Status status;
+  };
+  for (const Reloadable& reload :
+       {Reloadable{"admin_token_reload_failed", admin_token_->Reload()},
+        Reloadable{"data_token_reload_failed", data_token_->Reload()},
+        Reloadable{"reporter_tokens_reload_failed",
+                   reporter_tokens_ != nullptr ? reporter_tokens_->Reload() : absl::OkStatus()}}) {
+    if (!reload.status.ok()) ELDR_LOG(Warning, reload.event).With("code", reload.status);
   }
 }
 
@@ -460,27 +506,28 @@ void RouterServer::Shutdown() {
       .With("grace", options_.shutdown_grace);
   if (options_.shutdown_drain_delay > absl::ZeroDuration()) absl::SleepFor(options_.shutdown_drain_delay);
   decode_service_->FinishStreamsForShutdown();
-  // The metrics endpoint takes about a second to stop (its HTTP server's poll period): stop it
-  // while the listeners drain rather than after.
-  std::thread metrics_stop([this] { metrics_->StopExposer(); });
-  const std::chrono::system_clock::time_point deadline =
-      absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
+  const absl::Time deadline = absl::Now() + options_.shutdown_grace;
   // Both listeners stop taking new calls at once (GOAWAY) and share the grace period.
   absl::Notification servers_stopped;
   std::thread stopper([this, deadline, &servers_stopped] {
+    const auto chrono_deadline = absl::ToChronoTime(deadline);
     std::thread admin_stop;
-    if (admin_server_ != nullptr) admin_stop = std::thread([this, deadline] { admin_server_->Shutdown(deadline); });
-    if (data_server_ != nullptr) data_server_->Shutdown(deadline);
+    if (admin_server_ != nullptr) {
+      admin_stop = std::thread([this, chrono_deadline] { admin_server_->Shutdown(chrono_deadline); });
+    }
+    if (data_server_ != nullptr) data_server_->Shutdown(chrono_deadline);
     if (admin_stop.joinable()) admin_stop.join();
     servers_stopped.Notify();
   });
+  // A reload that is still queued is answered UNAVAILABLE; one that is running gets the grace
+  // period. Past it, the daemon does not wait: clean_shutdown() turns false and main() exits
+  // without destroying what the load still uses.
+  clean_shutdown_ = loader_->Shutdown(deadline);
   // gRPC's Shutdown also waits for every client connection to close, and a client whose channel
   // is idle answers the GOAWAY only when its own backup poller runs (seconds later). Our RPCs
-  // finish by themselves: unary handlers answer inline, streams were finished above, and the
-  // blocking executor runs its queue to the end (later submissions are answered UNAVAILABLE).
-  // Once that is done and the last answers had time to leave, the remaining calls (health
-  // watches, idle connections) are cut instead of holding the shutdown for the whole grace.
-  blocking_->Shutdown();
+  // finish by themselves: unary handlers answer inline, streams were finished above, and reloads
+  // are answered by the loader. Once the last answers had time to leave, the remaining calls
+  // (health watches, idle connections) are cut instead of holding the shutdown for the whole grace.
   if (!servers_stopped.WaitForNotificationWithTimeout(kAnswerFlushTime)) {
     for (grpc::Server* s : {data_server_.get(), admin_server_.get()}) {
       if (s != nullptr) grpc_server_cancel_all_calls(s->c_server());
@@ -488,11 +535,12 @@ void RouterServer::Shutdown() {
   }
   stopper.join();
   StopComponents();
-  metrics_stop.join();
+  if (ops_http_ != nullptr) ops_http_->Stop();
   const RouterState state = router_->GetState(absl::Now());
   ELDR_LOG(Info, "shutdown_complete")
       .With("took", absl::Now() - begin)
-      .With("live_leases", state.live_leases);
+      .With("live_leases", state.live_leases)
+      .With("clean", clean_shutdown_);
   shutdown_done_.Notify();
 }
 

@@ -2,19 +2,17 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
+#include <optional>
 #include <utility>
+#include <vector>
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
-#include "eldr/common/file.h"
-#include "eldr/core/centroid_artifact.h"
 #include "eldr/core/errors.h"
-#include "server/config.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/support/proto_buffer_writer.h"
 #include "server/logging.h"
 #include "server/status_conversion.h"
 
@@ -23,11 +21,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 void SetString(std::string* out, absl::string_view value) { out->assign(value.data(), value.size()); }
+
+// What a log line may show of a caller-chosen string: bounded and escaped.
+std::string Shown(absl::string_view text) {
+  constexpr size_t kShown = 64;
+  return text.size() <= kShown ? absl::CHexEscape(text) : absl::StrCat(absl::CHexEscape(text.substr(0, kShown)), "...");
+}
 
 absl::Status CheckGeometry(int32_t layers, int32_t experts) {
   if (layers <= 0 || experts <= 0) {
@@ -41,12 +43,35 @@ absl::Status CheckGeometry(int32_t layers, int32_t experts) {
   return absl::OkStatus();
 }
 
-// A snapshot time in the future (clock skew between hosts) would stay "fresh" too long and hide
-// leases acquired after it: it is taken as "now" instead.
-absl::Time SnapshotTime(int64_t unix_us, absl::Time now) {
-  if (unix_us == 0) return now;
-  const absl::Time t = absl::FromUnixMicros(unix_us);
-  return std::min(t, now);
+// Parses a raw request; INVALID_ARGUMENT (kMalformed) naming the message type when it is not one.
+template <typename Message>
+absl::Status ParseRaw(const grpc::ByteBuffer& buffer, Message* message) {
+  grpc::ByteBuffer copy(buffer);  // slices are shared, not copied
+  grpc::ProtoBufferReader reader(&copy);
+  if (!message->ParseFromZeroCopyStream(&reader)) {
+    return InvalidInput(RejectReason::kMalformed,
+                        absl::StrCat("the request is not a valid ", Message::descriptor()->full_name(), " message"));
+  }
+  return absl::OkStatus();
+}
+
+template <typename Message>
+void SerializeRaw(const Message& message, grpc::ByteBuffer* out) {
+  bool own_buffer = false;
+  (void)grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer);
+}
+
+// A refused credential: counted by plane, logged at most --log_rate_limit times a second per
+// method and code.
+void RecordRefusal(ServerMetrics* metrics, AuthPlane plane, absl::string_view method, const absl::Status& status,
+                   const grpc::CallbackServerContext& context) {
+  const bool missing = absl::IsUnauthenticated(status);
+  metrics->RecordAuthRefused(plane, missing);
+  ELDR_LOG_LIMITED(Warning, plane == AuthPlane::kAdmin ? "admin_refused" : "data_plane_refused",
+                   absl::StrCat("refused/", method, "/", missing ? "unauthenticated" : "permission_denied"))
+      .With("method", method)
+      .With("peer", context.peer())
+      .With("code", missing ? "UNAUTHENTICATED" : "PERMISSION_DENIED");
 }
 
 }  // namespace
@@ -87,78 +112,30 @@ absl::Status SignatureFromProto(const eldr::v1::RouteRequest& request, Signature
   return InvalidInput(RejectReason::kMalformed, "unknown signature kind");
 }
 
-bool ConstantTimeEquals(absl::string_view expected, absl::string_view given) {
-  // Every byte of `expected` is visited whatever `given` holds; a length mismatch is folded into
-  // the accumulator instead of returning early.
-  volatile unsigned char diff = expected.size() == given.size() ? 0 : 1;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const unsigned char g = i < given.size() ? static_cast<unsigned char>(given[i]) : 0;
-    diff = diff | static_cast<unsigned char>(static_cast<unsigned char>(expected[i]) ^ g);
-  }
-  return diff == 0;
-}
-
-// ---------------------------------------------------------------------------------------------
-// AdminAuthorizer
-
-absl::StatusOr<std::unique_ptr<AdminAuthorizer>> AdminAuthorizer::Create(std::string token_file) {
-  std::unique_ptr<AdminAuthorizer> auth(new AdminAuthorizer(std::move(token_file)));
-  if (auth->enabled()) ELDR_RETURN_IF_ERROR(auth->Reload());
-  return auth;
-}
-
-absl::Status AdminAuthorizer::Reload() {
-  if (!enabled()) return absl::OkStatus();
-  ELDR_ASSIGN_OR_RETURN(const std::string text, ReadFile(token_file_));
-  const absl::string_view token = absl::StripAsciiWhitespace(text);
-  if (token.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("admin_token_file ", token_file_, ": the token is empty"));
-  }
-  absl::MutexLock lock(&mu_);
-  token_ = std::string(token);
-  return absl::OkStatus();
-}
-
-grpc::Status AdminAuthorizer::Check(const grpc::CallbackServerContext& context) const {
-  if (!enabled()) return grpc::Status::OK;
-  const auto& metadata = context.client_metadata();
-  const auto it = metadata.find("authorization");
-  if (it == metadata.end()) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        "admin RPCs need the metadata 'authorization: Bearer <token>'");
-  }
-  absl::string_view value(it->second.data(), it->second.size());
-  value = absl::StripAsciiWhitespace(value);
-  // The scheme is case-insensitive (RFC 7235).
-  if (value.size() < 7 || !absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization metadata is not a bearer token");
-  }
-  const absl::string_view given = absl::StripLeadingAsciiWhitespace(value.substr(7));
-  absl::MutexLock lock(&mu_);
-  if (!ConstantTimeEquals(token_, given)) {
-    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "wrong admin token");
-  }
-  return grpc::Status::OK;
-}
-
 // ---------------------------------------------------------------------------------------------
 // DecodeRouterService
 
 // One ReportLoad stream. Reactions never run inline on the thread that calls StartRead/Finish
 // (gRPC dispatches them), so holding mu_ around those calls cannot deadlock.
-class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReactor<eldr::v1::LoadReport> {
+class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  LoadReportReactor(DecodeRouterService* service, grpc::CallbackServerContext* context,
-                    eldr::v1::ReportLoadResponse* response)
-      : service_(service), peer_(context->peer()), response_(response) {}
+  LoadReportReactor(DecodeRouterService* service, grpc::CallbackServerContext* context, grpc::ByteBuffer* response,
+                    std::string peer_key)
+      : service_(service), context_(context), peer_key_(std::move(peer_key)), response_(response) {
+    if (absl::StatusOr<std::string> token = BearerTokenOf(*context); token.ok()) stream_token_ = *std::move(token);
+    last_activity_ = absl::Now();
+  }
 
-  void Begin(bool finish_now) {
+  const std::string& peer_key() const { return peer_key_; }
+
+  // Starts reading, or ends the stream at once with `finish_now`.
+  void Begin(const std::optional<grpc::Status>& finish_now) {
     absl::MutexLock lock(&mu_);
     if (finished_) return;  // a shutdown got to it first
-    if (finish_now) {
-      FinishLocked(grpc::Status::OK);
+    if (finish_now.has_value()) {
+      FinishLocked(*finish_now);
     } else {
-      StartRead(&report_);
+      StartRead(&buffer_);
     }
   }
 
@@ -171,20 +148,41 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
       FinishLocked(grpc::Status::OK);
       return;
     }
-    const absl::Status status = service_->ApplyReport(report_);
+    last_activity_ = absl::Now();
+    eldr::v1::LoadReport report;
+    absl::Status status = ParseRaw(buffer_, &report);
     if (status.ok()) {
-      response_->set_accepted(response_->accepted() + 1);
+      status = service_->ApplyReport(*context_, report, stream_token_);
     } else {
-      response_->set_rejected(response_->rejected() + 1);
-      SetString(response_->mutable_last_error(), status.message());
-      ELDR_LOG(Debug, "load_report_rejected").With("peer", peer_).With("worker", report_.worker_id()).With("code", status);
+      service_->ctx_.metrics->RecordLoadReport(false);
+      service_->ctx_.metrics->RecordRejected(RejectReason::kMalformed);
     }
-    StartRead(&report_);
+    if (status.ok()) {
+      summary_.set_accepted(summary_.accepted() + 1);
+    } else {
+      summary_.set_rejected(summary_.rejected() + 1);
+      SetString(summary_.mutable_last_error(), status.message());
+      ELDR_LOG(Debug, "load_report_rejected")
+          .With("peer", peer_key_)
+          .With("worker", Shown(report.worker_id()))
+          .With("code", status);
+    }
+    StartRead(&buffer_);
   }
 
   void FinishForShutdown() {
     absl::MutexLock lock(&mu_);
     FinishLocked(grpc::Status::OK);
+  }
+
+  // Ends the stream when it received nothing since `cutoff`; returns whether it did.
+  bool FinishIfIdleSince(absl::Time cutoff, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    if (finished_ || last_activity_ >= cutoff) return false;
+    FinishLocked(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                              absl::StrCat("no load report for ", absl::FormatDuration(timeout),
+                                           " (--report_stream_idle_timeout); reconnect to report again")));
+    return true;
   }
 
   void OnDone() override {
@@ -196,44 +194,45 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
   void FinishLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (finished_) return;
     finished_ = true;
+    SerializeRaw(summary_, response_);
     Finish(status);
   }
 
   DecodeRouterService* const service_;
-  const std::string peer_;
-  eldr::v1::ReportLoadResponse* const response_;
+  grpc::CallbackServerContext* const context_;
+  const std::string peer_key_;
+  std::string stream_token_;  // the stream's bearer token (reporter_auth=token), read once
+  grpc::ByteBuffer* const response_;
   absl::Mutex mu_;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  eldr::v1::LoadReport report_;
+  absl::Time last_activity_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer buffer_;
+  eldr::v1::ReportLoadResponse summary_;
 };
 
 DecodeRouterService::DecodeRouterService(ServiceContext context) : ctx_(std::move(context)) {}
 
 DecodeRouterService::~DecodeRouterService() = default;
 
-absl::Status DecodeRouterService::RouteOnce(const eldr::v1::RouteRequest& request,
-                                            eldr::v1::RouteResponse* response, RouteResult* decided) {
-  if (ctx_.max_request_bytes > 0) {
-    // A cheap upper bound first (a packed int32 takes at most 10 bytes); the exact size only when
-    // the bound is over the limit, which keeps ByteSizeLong's walk over packed values off the
-    // common path.
-    using eldr::v1::RouteRequest;
-    const RouteRequest::SignatureCase kind = request.signature_case();
-    const int64_t bound =
-        64 + static_cast<int64_t>(request.request_id().size()) +
-        (kind == RouteRequest::kCounts ? static_cast<int64_t>(request.counts().int16_le().size()) +
-                                             10 * int64_t{request.counts().values().values_size()}
-                                       : 0) +
-        (kind == RouteRequest::kVector ? 4 * int64_t{request.vector().values_size()} : 0);
-    if (bound > ctx_.max_request_bytes) {
-      const int64_t size = static_cast<int64_t>(request.ByteSizeLong());
-      if (size > ctx_.max_request_bytes) {
-        return MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
-                              absl::StrCat("RouteRequest is ", size, " bytes; the router accepts at most ",
-                                           ctx_.max_request_bytes, " (--max_message_bytes)"));
-      }
-    }
+absl::Status DecodeRouterService::CheckDataToken(const grpc::CallbackServerContext& context, absl::string_view method) {
+  if (ctx_.data_token == nullptr || !ctx_.data_token->enabled()) return absl::OkStatus();
+  absl::Status status = ctx_.data_token->Check(context);
+  if (!status.ok()) RecordRefusal(ctx_.metrics, AuthPlane::kData, method, status, context);
+  return status;
+}
+
+absl::Status DecodeRouterService::RouteOnce(grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw,
+                                            eldr::v1::RouteResponse* response, RouteResult* decided,
+                                            std::string* request_id) {
+  ELDR_RETURN_IF_ERROR(CheckDataToken(*context, "Route"));
+  if (ctx_.max_request_bytes > 0 && static_cast<int64_t>(raw.Length()) > ctx_.max_request_bytes) {
+    return MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
+                          absl::StrCat("RouteRequest is ", raw.Length(), " bytes; the router accepts at most ",
+                                       ctx_.max_request_bytes, " (--max_message_bytes)"));
   }
+  eldr::v1::RouteRequest request;
+  ELDR_RETURN_IF_ERROR(ParseRaw(raw, &request));
+  *request_id = request.request_id();
   if (request.request_id().size() > kMaxRequestIdBytes) {
     return MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
                           absl::StrCat("request_id is ", request.request_id().size(), " bytes; at most ",
@@ -246,11 +245,10 @@ absl::Status DecodeRouterService::RouteOnce(const eldr::v1::RouteRequest& reques
   SignatureInput input;
   bool present = false;
   ELDR_RETURN_IF_ERROR(SignatureFromProto(request, &input, &present));
-  absl::StatusOr<RouteResult> result = ctx_.router->Route(present ? &input : nullptr, absl::Now());
-  if (!result.ok()) return result.status();
-  RouteResult& r = *result;
-  *response->mutable_worker_id() = std::move(r.worker_id);
-  *response->mutable_address() = std::move(r.address);
+  const std::string client = ctx_.route_client_keys ? ClientKey(*context, ctx_.mutual_tls) : std::string();
+  ELDR_ASSIGN_OR_RETURN(RouteResult r, ctx_.router->Route(RouteInput{present ? &input : nullptr, absl::Now(), client}));
+  SetString(response->mutable_worker_id(), r.worker_id);
+  SetString(response->mutable_address(), r.address);
   response->set_lease_id(r.lease_id);
   response->set_similarity(r.similarity);
   response->set_band_size(r.band_size);
@@ -262,20 +260,23 @@ absl::Status DecodeRouterService::RouteOnce(const eldr::v1::RouteRequest& reques
 }
 
 grpc::ServerUnaryReactor* DecodeRouterService::Route(grpc::CallbackServerContext* context,
-                                                     const eldr::v1::RouteRequest* request,
-                                                     eldr::v1::RouteResponse* response) {
+                                                     const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
   const Clock::time_point start = Clock::now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  eldr::v1::RouteResponse message;
   RouteResult decided;
-  const absl::Status status = RouteOnce(*request, response, &decided);
+  std::string request_id;
+  const absl::Status status = RouteOnce(context, *request, &message, &decided, &request_id);
   const double seconds = SecondsSince(start);
   if (status.ok()) {
+    SerializeRaw(message, response);
     ctx_.metrics->RecordRoute(decided, seconds);
   } else {
     ctx_.metrics->RecordRouteFailure(ctx_.configured_policy, status, seconds);
-    ELDR_LOG(Debug, "route_failed")
-        .With("request_id", request->request_id())
-        .With("reason", RejectReasonLabel(RejectReasonOf(status)))
+    const absl::string_view reason = RejectReasonLabel(RejectReasonOf(status));
+    ELDR_LOG_LIMITED(Debug, "route_failed", absl::StrCat("route_failed/", absl::StatusCodeToString(status.code()), "/", reason))
+        .With("request_id", Shown(request_id))
+        .With("reason", reason)
         .With("code", status);
   }
   reactor->Finish(ToGrpcStatus(status));
@@ -283,68 +284,115 @@ grpc::ServerUnaryReactor* DecodeRouterService::Route(grpc::CallbackServerContext
 }
 
 grpc::ServerUnaryReactor* DecodeRouterService::Complete(grpc::CallbackServerContext* context,
-                                                        const eldr::v1::CompleteRequest* request,
-                                                        eldr::v1::CompleteResponse* response) {
+                                                        const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status;
-  if (request->output_tokens() < 0) {
+  absl::Status status = CheckDataToken(*context, "Complete");
+  eldr::v1::CompleteRequest message;
+  if (status.ok()) {
+    status = ParseRaw(*request, &message);
+    if (!status.ok()) ctx_.metrics->RecordRejected(RejectReason::kMalformed);
+  }
+  if (status.ok() && message.output_tokens() < 0) {
     status = InvalidInput(RejectReason::kNegativeCount,
-                          absl::StrCat("output_tokens must not be negative, got ", request->output_tokens()));
+                          absl::StrCat("output_tokens must not be negative, got ", message.output_tokens()));
     ctx_.metrics->RecordRejected(RejectReason::kNegativeCount);
-  } else {
-    absl::StatusOr<std::string> worker = ctx_.router->CompleteLease(request->lease_id());
+  }
+  if (status.ok()) {
+    absl::StatusOr<std::string> worker = ctx_.router->Complete(message.lease_id());
     status = worker.status();
-    if (worker.ok()) *response->mutable_worker_id() = *std::move(worker);
     ctx_.metrics->RecordComplete(status.ok());
+    if (worker.ok()) {
+      eldr::v1::CompleteResponse answer;
+      answer.set_worker_id(*std::move(worker));
+      SerializeRaw(answer, response);
+    }
   }
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 
-absl::Status DecodeRouterService::ApplyReport(const eldr::v1::LoadReport& report) {
-  const absl::Time now = absl::Now();
+absl::Status DecodeRouterService::ApplyReport(const grpc::CallbackServerContext& context,
+                                              const eldr::v1::LoadReport& report, const std::string& stream_token) {
   absl::Status status;
   if (report.worker_id().empty()) {
     status = InvalidInput(RejectReason::kUnknownWorker, "load report without worker_id");
-  } else if (!std::isfinite(report.running()) || !std::isfinite(report.waiting()) ||
-             !std::isfinite(report.kv_usage())) {
-    status = InvalidInput(RejectReason::kNonFinite,
-                          absl::StrCat("load report of '", report.worker_id(), "': non-finite value"));
-  } else if (report.running() < 0 || report.waiting() < 0 || report.kv_usage() < 0) {
-    status = InvalidInput(RejectReason::kNegativeCount,
-                          absl::StrCat("load report of '", report.worker_id(), "': negative value"));
-  } else {
+  } else if (ctx_.reporter_auth == ReporterAuth::kToken &&
+             (ctx_.reporter_tokens == nullptr || !ctx_.reporter_tokens->Matches(report.worker_id(), stream_token))) {
+    status = absl::PermissionDeniedError(
+        absl::StrCat("this stream's token may not report for worker '", Shown(report.worker_id()), "'"));
+    RecordRefusal(ctx_.metrics, AuthPlane::kReporter, "ReportLoad", status, context);
+  } else if (ctx_.reporter_auth == ReporterAuth::kMtls) {
+    const std::vector<std::string> identities = PeerCertificateIdentities(context);
+    if (std::find(identities.begin(), identities.end(), report.worker_id()) == identities.end()) {
+      status = absl::PermissionDeniedError(absl::StrCat("the client certificate does not name worker '",
+                                                        Shown(report.worker_id()), "'"));
+      RecordRefusal(ctx_.metrics, AuthPlane::kReporter, "ReportLoad", status, context);
+    }
+  }
+  if (status.ok()) {
     LoadSnapshot snapshot;
     snapshot.running = report.running();
     snapshot.waiting = report.waiting();
     snapshot.kv_usage = report.kv_usage();
-    snapshot.taken_at = SnapshotTime(report.snapshot_time_unix_us(), now);
-    status = ctx_.router->ReportLoad(report.worker_id(), snapshot);
-    if (absl::IsNotFound(status)) {
-      status = MakeInputError(absl::StatusCode::kNotFound, RejectReason::kUnknownWorker, status.message());
-    }
+    const absl::Time now = absl::Now();
+    snapshot.taken_at = report.snapshot_time_unix_us() == 0 ? now : absl::FromUnixMicros(report.snapshot_time_unix_us());
+    status = ctx_.router->ReportLoad(report.worker_id(), snapshot, now);
   }
   ctx_.metrics->RecordLoadReport(status.ok());
-  if (!status.ok()) ctx_.metrics->RecordRejected(RejectReasonOf(status));
+  if (!status.ok() && !absl::IsPermissionDenied(status)) ctx_.metrics->RecordRejected(RejectReasonOf(status));
   return status;
 }
 
-grpc::ServerReadReactor<eldr::v1::LoadReport>* DecodeRouterService::ReportLoad(
-    grpc::CallbackServerContext* context, eldr::v1::ReportLoadResponse* response) {
-  auto* reactor = new LoadReportReactor(this, context, response);
-  bool finish_now = false;
+grpc::ServerReadReactor<grpc::ByteBuffer>* DecodeRouterService::ReportLoad(grpc::CallbackServerContext* context,
+                                                                           grpc::ByteBuffer* response) {
+  auto* reactor = new LoadReportReactor(this, context, response, ClientKey(*context, ctx_.mutual_tls));
+  absl::Status refuse = CheckDataToken(*context, "ReportLoad");
+  bool shutting_down = false;
+  int64_t open = 0;
   {
     absl::MutexLock lock(&streams_mu_);
-    finish_now = shutting_down_;
+    shutting_down = shutting_down_;
+    if (refuse.ok() && static_cast<int64_t>(streams_.size()) >= ctx_.max_report_streams) {
+      refuse = absl::ResourceExhaustedError(
+          absl::StrCat("the router has ", streams_.size(), " ReportLoad streams open (--max_report_streams)"));
+      ctx_.metrics->RecordReportStreamRefused(/*per_peer=*/false);
+    }
+    int64_t& of_peer = streams_per_peer_[reactor->peer_key()];
+    if (refuse.ok() && of_peer >= ctx_.max_report_streams_per_peer) {
+      refuse = absl::ResourceExhaustedError(absl::StrCat("this peer has ", of_peer,
+                                                         " ReportLoad streams open (--max_report_streams_per_peer)"));
+      ctx_.metrics->RecordReportStreamRefused(/*per_peer=*/true);
+    }
+    ++of_peer;  // every registered stream counts until StreamDone, refused ones included
     streams_.insert(reactor);
+    open = static_cast<int64_t>(streams_.size());
+  }
+  ctx_.metrics->SetReportStreamsOpen(open);
+  std::optional<grpc::Status> finish_now;
+  if (shutting_down) {
+    finish_now = grpc::Status::OK;  // answered at once with its (empty) summary
+  } else if (!refuse.ok()) {
+    finish_now = ToGrpcStatus(refuse);
+    if (absl::IsResourceExhausted(refuse)) {
+      ELDR_LOG_LIMITED(Warning, "report_stream_refused", "report_stream_refused")
+          .With("peer", reactor->peer_key())
+          .With("code", refuse);
+    }
   }
   reactor->Begin(finish_now);
   return reactor;
 }
 
 void DecodeRouterService::StreamDone(LoadReportReactor* reactor) {
-  absl::MutexLock lock(&streams_mu_);
-  streams_.erase(reactor);
+  int64_t open = 0;
+  {
+    absl::MutexLock lock(&streams_mu_);
+    streams_.erase(reactor);
+    auto it = streams_per_peer_.find(reactor->peer_key());
+    if (it != streams_per_peer_.end() && --it->second <= 0) streams_per_peer_.erase(it);
+    open = static_cast<int64_t>(streams_.size());
+  }
+  ctx_.metrics->SetReportStreamsOpen(open);
 }
 
 void DecodeRouterService::FinishStreamsForShutdown() {
@@ -353,6 +401,14 @@ void DecodeRouterService::FinishStreamsForShutdown() {
   absl::MutexLock lock(&streams_mu_);
   shutting_down_ = true;
   for (LoadReportReactor* reactor : streams_) reactor->FinishForShutdown();
+}
+
+void DecodeRouterService::EndIdleStreams(absl::Time now) {
+  const absl::Time cutoff = now - ctx_.report_stream_idle_timeout;
+  absl::MutexLock lock(&streams_mu_);
+  for (LoadReportReactor* reactor : streams_) {
+    if (reactor->FinishIfIdleSince(cutoff, ctx_.report_stream_idle_timeout)) ctx_.metrics->RecordReportStreamIdleEnded();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -382,16 +438,11 @@ RouterAdminService::RouterAdminService(ServiceContext context) : ctx_(std::move(
 
 bool RouterAdminService::Authorize(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
                                    absl::string_view method) {
-  if (ctx_.admin_auth == nullptr) return true;
-  grpc::Status status = ctx_.admin_auth->Check(*context);
+  if (ctx_.admin_token == nullptr || !ctx_.admin_token->enabled()) return true;
+  const absl::Status status = ctx_.admin_token->Check(*context);
   if (status.ok()) return true;
-  const bool missing = status.error_code() == grpc::StatusCode::UNAUTHENTICATED;
-  ctx_.metrics->RecordAdminRefused(missing);
-  ELDR_LOG(Warning, "admin_refused")
-      .With("method", method)
-      .With("peer", context->peer())
-      .With("code", missing ? "UNAUTHENTICATED" : "PERMISSION_DENIED");
-  reactor->Finish(status);
+  RecordRefusal(ctx_.metrics, AuthPlane::kAdmin, method, status, *context);
+  reactor->Finish(ToGrpcStatus(status));
   return false;
 }
 
@@ -418,28 +469,13 @@ grpc::ServerUnaryReactor* RouterAdminService::UpsertWorker(grpc::CallbackServerC
   spec.address = w.address();
   spec.capacity = w.capacity() == 0 ? 1.0 : w.capacity();  // proto3 default: unset means 1
   spec.max_inflight = w.max_inflight();
-  absl::Status status = ValidateWorkerSpec(spec);
-  if (status.ok()) {
-    absl::MutexLock lock(&mutation_mu_);
-    bool existed = false;
-    for (const WorkerStatus& ws : ctx_.router->GetState(absl::Now()).workers) {
-      if (ws.spec.id == spec.id) existed = true;
-    }
-    status = ctx_.router->UpsertWorker(spec);
-    if (status.ok()) response->set_created(!existed);
+  absl::StatusOr<PoolChange> change = ctx_.router->UpsertWorker(spec);
+  if (change.ok()) {
+    response->set_created(change->kind == PoolChangeKind::kAdded);
   } else {
-    ctx_.metrics->RecordRejected(RejectReason::kMalformed);
+    ctx_.metrics->RecordRejected(RejectReasonOf(change.status()));
   }
-  if (status.ok()) {
-    ELDR_LOG(Info, "worker_upserted")
-        .With("worker", spec.id)
-        .With("address", spec.address)
-        .With("capacity", spec.capacity)
-        .With("max_inflight", spec.max_inflight)
-        .With("created", response->created());
-    if (ctx_.on_pool_changed) ctx_.on_pool_changed();
-  }
-  reactor->Finish(ToGrpcStatus(status));
+  reactor->Finish(ToGrpcStatus(change.status()));
   return reactor;
 }
 
@@ -448,23 +484,13 @@ grpc::ServerUnaryReactor* RouterAdminService::DrainWorker(grpc::CallbackServerCo
                                                           eldr::v1::DrainWorkerResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorize(context, reactor, "DrainWorker")) return reactor;
-  absl::Status status;
-  {
-    absl::MutexLock lock(&mutation_mu_);
-    status = ctx_.router->DrainWorker(request->worker_id());
-    if (status.ok()) {
-      for (const WorkerStatus& ws : ctx_.router->GetState(absl::Now()).workers) {
-        if (ws.spec.id == request->worker_id()) response->set_inflight(ws.load.leases);
-      }
-    }
+  absl::StatusOr<PoolChange> change = ctx_.router->DrainWorker(request->worker_id());
+  if (change.ok()) {
+    response->set_inflight(change->inflight);
+  } else {
+    ctx_.metrics->RecordRejected(RejectReasonOf(change.status()));
   }
-  if (status.ok()) {
-    ELDR_LOG(Info, "worker_draining").With("worker", request->worker_id()).With("inflight", response->inflight());
-    if (ctx_.on_pool_changed) ctx_.on_pool_changed();
-  } else if (absl::IsNotFound(status)) {
-    ctx_.metrics->RecordRejected(RejectReason::kUnknownWorker);
-  }
-  reactor->Finish(ToGrpcStatus(status));
+  reactor->Finish(ToGrpcStatus(change.status()));
   return reactor;
 }
 
@@ -473,25 +499,13 @@ grpc::ServerUnaryReactor* RouterAdminService::RemoveWorker(grpc::CallbackServerC
                                                            eldr::v1::RemoveWorkerResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorize(context, reactor, "RemoveWorker")) return reactor;
-  absl::Status status;
-  {
-    absl::MutexLock lock(&mutation_mu_);
-    int64_t inflight = 0;
-    for (const WorkerStatus& ws : ctx_.router->GetState(absl::Now()).workers) {
-      if (ws.spec.id == request->worker_id()) inflight = ws.load.leases;
-    }
-    status = ctx_.router->RemoveWorker(request->worker_id());
-    if (status.ok()) response->set_dropped_leases(inflight);
+  absl::StatusOr<PoolChange> change = ctx_.router->RemoveWorker(request->worker_id());
+  if (change.ok()) {
+    response->set_dropped_leases(change->inflight);
+  } else {
+    ctx_.metrics->RecordRejected(RejectReasonOf(change.status()));
   }
-  if (status.ok()) {
-    ELDR_LOG(Info, "worker_removed")
-        .With("worker", request->worker_id())
-        .With("dropped_leases", response->dropped_leases());
-    if (ctx_.on_pool_changed) ctx_.on_pool_changed();
-  } else if (absl::IsNotFound(status)) {
-    ctx_.metrics->RecordRejected(RejectReason::kUnknownWorker);
-  }
-  reactor->Finish(ToGrpcStatus(status));
+  reactor->Finish(ToGrpcStatus(change.status()));
   return reactor;
 }
 
@@ -500,19 +514,20 @@ grpc::ServerUnaryReactor* RouterAdminService::ReloadCentroids(grpc::CallbackServ
                                                               eldr::v1::ReloadCentroidsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorize(context, reactor, "ReloadCentroids")) return reactor;
-  // Reading and indexing an artifact blocks: it runs on the blocking executor, which answers.
-  // The request and response live until the reactor finishes.
-  const bool queued = ctx_.blocking->Submit([this, reactor, request, response] {
-    const bool is_inline = request->source_case() == eldr::v1::ReloadCentroidsRequest::kArtifactJson;
-    auto result = ctx_.reload_centroids(is_inline ? std::string() : request->path(),
-                                        is_inline ? &request->artifact_json() : nullptr);
+  // Reading and indexing an artifact blocks: the loader's thread does it and answers. The request
+  // and response live until the reactor finishes.
+  LoadCallback done = [reactor, response](const absl::StatusOr<LoadedCentroids>& result) {
     if (result.ok()) {
-      response->set_centroid_generation(result->first);
-      response->set_rows(result->second);
+      response->set_centroid_generation(result->generation);
+      response->set_rows(result->rows);
     }
     reactor->Finish(ToGrpcStatus(result.status()));
-  });
-  if (!queued) reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is shutting down"));
+  };
+  if (request->source_case() == eldr::v1::ReloadCentroidsRequest::kArtifactJson) {
+    ctx_.loader->ReloadInline(request->artifact_json(), std::move(done));
+  } else {
+    ctx_.loader->ReloadPath(request->path(), std::move(done));
+  }
   return reactor;
 }
 

@@ -193,7 +193,10 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
   // the order the runs use them, exactly as one long-running daemon would see the calls.
   std::unique_ptr<RoutingBackend> daemon;
   if (!options.grpc_target.empty()) {
-    ELDR_ASSIGN_OR_RETURN(DaemonInfo info, QueryDaemon(options.grpc_target, options.rpc_timeout_s));
+    ELDR_ASSIGN_OR_RETURN(DaemonInfo info, QueryDaemon(options.grpc_target,
+                                                      options.grpc_admin_target.empty() ? options.grpc_target
+                                                                                        : options.grpc_admin_target,
+                                                      options.rpc_timeout_s));
     if (static_cast<int>(info.worker_ids.size()) != options.cluster.decoders) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "eldr-router at %s has %d active decode workers but the simulation has %d: pass "

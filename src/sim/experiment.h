@@ -49,6 +49,7 @@ struct ExperimentOptions {
   bool weight_by_decode_tokens = true;  // calibrate on WeightByDecodeTokens(calibration split)
   SimRefitOptions refit;
   std::string grpc_target;       // host:port of a running eldr-router; empty: in-process
+  std::string grpc_admin_target;  // host:port of its RouterAdmin; empty: grpc_target
   double rpc_timeout_s = 10;
   std::function<void(const std::string&)> log;  // progress lines (may be empty)
 };

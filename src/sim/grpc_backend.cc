@@ -47,7 +47,7 @@ class GrpcBackend final : public RoutingBackend {
       : daemon_(std::move(daemon)), rpc_timeout_s_(rpc_timeout_s) {
     channel_ = OpenChannel(daemon_.target);
     router_ = eldr::v1::DecodeRouter::NewStub(channel_);
-    admin_ = eldr::v1::RouterAdmin::NewStub(channel_);
+    admin_ = eldr::v1::RouterAdmin::NewStub(OpenChannel(daemon_.admin_target));
     for (int i = 0; i < static_cast<int>(daemon_.worker_ids.size()); ++i) {
       index_[daemon_.worker_ids[i]] = i;
     }
@@ -139,22 +139,25 @@ absl::StatusOr<std::string> ParseGrpcTarget(const std::string& url) {
   return target;
 }
 
-absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, double timeout_s) {
-  std::shared_ptr<grpc::Channel> channel = OpenChannel(target);
+absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, const std::string& admin_target,
+                                        double timeout_s) {
+  std::shared_ptr<grpc::Channel> channel = OpenChannel(admin_target);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() +
                                  std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)))) {
     return absl::UnavailableError(absl::StrFormat(
-        "eldr-router at %s did not answer within %g s (is it running and listening there?)", target,
-        timeout_s));
+        "eldr-router's admin service at %s did not answer within %g s (is it running and listening there? "
+        "see --router_admin)",
+        admin_target, timeout_s));
   }
   auto admin = eldr::v1::RouterAdmin::NewStub(channel);
   eldr::v1::GetStateRequest request;
   eldr::v1::GetStateResponse state;
   auto context = ContextWithDeadline(timeout_s);
-  ELDR_RETURN_IF_ERROR(FromGrpc(admin->GetState(context.get(), request, &state), "GetState", target));
+  ELDR_RETURN_IF_ERROR(FromGrpc(admin->GetState(context.get(), request, &state), "GetState", admin_target));
 
   DaemonInfo info;
   info.target = target;
+  info.admin_target = admin_target;
   absl::StatusOr<PolicyKind> policy = ParsePolicyKind(state.policy());
   if (!policy.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(

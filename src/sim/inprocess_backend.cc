@@ -58,11 +58,11 @@ class InProcessBackend final : public RoutingBackend {
 
   absl::Status Complete(uint64_t lease_id, int64_t /*output_tokens*/, double now_us) override {
     Clock(now_us);
-    return router_->Complete(lease_id);
+    return router_->Complete(lease_id).status();
   }
 
   absl::Status InstallCentroids(const CentroidArtifact& artifact) override {
-    return router_->InstallCentroids(artifact);
+    return router_->InstallCentroids(artifact).status();
   }
 
  private:
@@ -96,7 +96,7 @@ absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind 
   for (int i = 0; i < workers; ++i) {
     WorkerSpec spec;
     spec.id = absl::StrCat("decode-", i);
-    spec.address = absl::StrCat("sim-decode-", i, ":0");
+    spec.address = absl::StrCat("sim-decode-", i, ":8000");
     spec.max_inflight = max_inflight;
     ids.push_back(spec.id);
     specs.push_back(std::move(spec));

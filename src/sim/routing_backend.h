@@ -67,7 +67,8 @@ absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind 
 
 // What a running daemon says about itself (RouterAdmin.GetState).
 struct DaemonInfo {
-  std::string target;  // host:port
+  std::string target;        // host:port of the data plane (Route, Complete)
+  std::string admin_target;  // host:port of RouterAdmin (GetState, ReloadCentroids)
   PolicyKind policy = PolicyKind::kEldr;
   double tau = 0;
   std::vector<std::string> worker_ids;
@@ -81,7 +82,8 @@ absl::StatusOr<std::string> ParseGrpcTarget(const std::string& url);
 
 // Connects to eldr-router at `target` (host:port, plaintext) and reads its state; UNAVAILABLE naming
 // the target when it does not answer within `timeout_s`.
-absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, double timeout_s);
+absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, const std::string& admin_target,
+                                        double timeout_s);
 
 // Every Route and Complete of the run goes to the daemon (DecodeRouter, synchronous stub); centroids
 // are installed with RouterAdmin.ReloadCentroids (inline JSON).

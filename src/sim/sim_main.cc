@@ -88,6 +88,8 @@ ABSL_FLAG(bool, weight_by_decode_tokens, true,
 ABSL_FLAG(std::string, router, "",
           "grpc://HOST:PORT of a running eldr-router: every Route and Complete of the policies it "
           "serves goes to it; empty: the routing library in this process");
+ABSL_FLAG(std::string, router_admin, "",
+          "grpc://HOST:PORT of that eldr-router's RouterAdmin listener (its --admin_listen); empty: the --router address");
 ABSL_FLAG(uint64_t, router_seed, 0x5eed,
           "Tie-breaking seed of the in-process routers (eldr-router's default)");
 ABSL_FLAG(double, rpc_timeout_s, 10, "Deadline of each RPC to the router, seconds");
@@ -246,10 +248,16 @@ int main(int argc, char** argv) {
     absl::StatusOr<std::string> target = eldr::sim::ParseGrpcTarget(router);
     if (!target.ok()) return Fail(target.status());
     options.grpc_target = *target;
+    options.grpc_admin_target = options.grpc_target;
+    if (const std::string admin = absl::GetFlag(FLAGS_router_admin); !admin.empty()) {
+      absl::StatusOr<std::string> admin_target = eldr::sim::ParseGrpcTarget(admin);
+      if (!admin_target.ok()) return Fail(admin_target.status());
+      options.grpc_admin_target = *admin_target;
+    }
     // Without an explicit --decoders, simulate as many decode workers as the daemon routes to.
     if (decoders_flag == 0) {
       absl::StatusOr<eldr::sim::DaemonInfo> daemon =
-          eldr::sim::QueryDaemon(options.grpc_target, options.rpc_timeout_s);
+          eldr::sim::QueryDaemon(options.grpc_target, options.grpc_admin_target, options.rpc_timeout_s);
       if (!daemon.ok()) return Fail(daemon.status());
       options.cluster.decoders = static_cast<int>(daemon->worker_ids.size());
     }

@@ -27,13 +27,13 @@ absl::StatusOr<std::unique_ptr<SimRefitDriver>> SimRefitDriver::Create(
   for (const std::string& id : initial.workers) {
     WorkerSpec spec;
     spec.id = id;
-    spec.address = id;
+    spec.address = absl::StrCat(id, ":8000");
     workers.push_back(std::move(spec));
   }
   RouterOptions host_options;
   host_options.policy = PolicyKind::kEldr;
   ELDR_ASSIGN_OR_RETURN(driver->host_, Router::Create(host_options, std::move(workers)));
-  ELDR_RETURN_IF_ERROR(driver->host_->InstallCentroids(initial));
+  ELDR_RETURN_IF_ERROR(driver->host_->InstallCentroids(initial).status());
 
   RefitOptions refit;
   refit.window = absl::Microseconds(static_cast<int64_t>(options.window_s * 1e6));

@@ -279,6 +279,7 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
   for (WorkerLoadView& worker : workers) worker.load = static_cast<double>(rng() % 8);
   std::vector<float> signature(w.dim);
   std::vector<ScoredRow> scores;
+  std::vector<WorkerScore> candidates;  // row r belongs to worker r, as the Router maps them
   size_t i = 0;
   int64_t band_total = 0;
   const int64_t refined_before = internal::RefinedRowsOnThisThread();
@@ -290,7 +291,9 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
       state.SkipWithError("route decision failed");
       break;
     }
-    const PolicyDecision decision = policy->Pick(PolicyInput{workers, scores, kTau});
+    candidates.clear();
+    for (const ScoredRow& scored : scores) candidates.push_back(WorkerScore{scored.row, scored.score});
+    const PolicyDecision decision = policy->Pick(PolicyInput{workers, candidates, kTau});
     benchmark::DoNotOptimize(decision);
     band_total += decision.band_size;
   }

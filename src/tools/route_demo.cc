@@ -144,7 +144,7 @@ absl::StatusOr<PolicyReport> RunPolicy(PolicyKind policy, const CentroidArtifact
   }
   absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(options, workers);
   if (!router.ok()) return router.status();
-  if (absl::Status status = (*router)->InstallCentroids(artifact); !status.ok()) return status;
+  if (absl::Status status = (*router)->InstallCentroids(artifact).status(); !status.ok()) return status;
 
   PolicyReport report;
   report.policy = std::string(PolicyKindName(policy));
@@ -172,13 +172,13 @@ absl::StatusOr<PolicyReport> RunPolicy(PolicyKind policy, const CentroidArtifact
       }
       in_flight.push_back(result->lease_id);
       while (in_flight.size() > inflight) {
-        if (absl::Status done = (*router)->Complete(in_flight.front()); !done.ok()) return done;
+        if (absl::Status done = (*router)->Complete(in_flight.front()).status(); !done.ok()) return done;
         in_flight.pop_front();
       }
     }
   }
   for (uint64_t lease : in_flight) {
-    if (absl::Status done = (*router)->Complete(lease); !done.ok()) return done;
+    if (absl::Status done = (*router)->Complete(lease).status(); !done.ok()) return done;
   }
   return report;
 }

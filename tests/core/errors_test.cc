@@ -12,7 +12,8 @@ namespace {
 constexpr RejectReason kReasons[] = {
     RejectReason::kGeometry,      RejectReason::kNegativeCount, RejectReason::kNonFinite,
     RejectReason::kZeroSignature, RejectReason::kWrongEncoding, RejectReason::kMalformed,
-    RejectReason::kUnknownWorker, RejectReason::kOversized,     RejectReason::kOther,
+    RejectReason::kUnknownWorker, RejectReason::kOversized,     RejectReason::kOutOfRange,
+    RejectReason::kOther,
 };
 
 TEST(RejectReasonTest, LabelsAreDistinctLowerSnakeCase) {

@@ -20,10 +20,10 @@ std::vector<WorkerLoadView> Loads(const std::vector<double>& loads) {
 }
 
 PolicyDecision PickEldr(RoutingPolicy& policy, const std::vector<WorkerLoadView>& workers,
-                        const std::vector<ScoredRow>& scores, double tau) {
+                        const std::vector<WorkerScore>& scores, double tau) {
   PolicyInput input;
   input.workers = workers;
-  input.scores = scores;
+  input.candidates = scores;
   input.tau = tau;
   return policy.Pick(input);
 }
@@ -49,7 +49,7 @@ TEST(EldrPolicyTest, BandThenLeastLoaded) {
   // Scores 0.90, 0.85, 0.70, 0.88; tau 0.1 -> band {0, 1, 3}; worker 1 is least loaded in it,
   // worker 2 is even less loaded but outside the band.
   const auto workers = Loads({5, 2, 0, 3});
-  const std::vector<ScoredRow> scores = {{0, 0.90f}, {1, 0.85f}, {2, 0.70f}, {3, 0.88f}};
+  const std::vector<WorkerScore> scores = {{0, 0.90f}, {1, 0.85f}, {2, 0.70f}, {3, 0.88f}};
   const PolicyDecision d = PickEldr(*policy, workers, scores, 0.1);
   EXPECT_EQ(d.worker, 1);
   EXPECT_EQ(d.band_size, 3);
@@ -61,7 +61,7 @@ TEST(EldrPolicyTest, BandThenLeastLoaded) {
 TEST(EldrPolicyTest, TauZeroIsPureLocality) {
   auto policy = MakePolicy(PolicyKind::kEldr, 1);
   const auto workers = Loads({100, 0, 0});
-  const std::vector<ScoredRow> scores = {{0, 0.91f}, {1, 0.90f}, {2, 0.2f}};
+  const std::vector<WorkerScore> scores = {{0, 0.91f}, {1, 0.90f}, {2, 0.2f}};
   const PolicyDecision d = PickEldr(*policy, workers, scores, 0.0);
   EXPECT_EQ(d.worker, 0);
   EXPECT_EQ(d.band_size, 1);
@@ -70,7 +70,7 @@ TEST(EldrPolicyTest, TauZeroIsPureLocality) {
 TEST(EldrPolicyTest, TauOneIsPureLoadBalance) {
   auto policy = MakePolicy(PolicyKind::kEldr, 1);
   const auto workers = Loads({4, 9, 1, 7});
-  const std::vector<ScoredRow> scores = {{0, 0.99f}, {1, 0.5f}, {2, 0.0f}, {3, 0.3f}};
+  const std::vector<WorkerScore> scores = {{0, 0.99f}, {1, 0.5f}, {2, 0.0f}, {3, 0.3f}};
   const PolicyDecision d = PickEldr(*policy, workers, scores, 1.0);
   EXPECT_EQ(d.worker, 2);
   EXPECT_EQ(d.band_size, 4);
@@ -80,7 +80,7 @@ TEST(EldrPolicyTest, CapacityWeightsDivideLoad) {
   auto policy = MakePolicy(PolicyKind::kEldr, 1);
   auto workers = Loads({6, 4});
   workers[0].capacity = 3;  // 6 / 3 = 2 < 4 / 1
-  const std::vector<ScoredRow> scores = {{0, 0.8f}, {1, 0.8f}};
+  const std::vector<WorkerScore> scores = {{0, 0.8f}, {1, 0.8f}};
   EXPECT_EQ(PickEldr(*policy, workers, scores, 0.1).worker, 0);
   workers[0].capacity = 1;
   EXPECT_EQ(PickEldr(*policy, workers, scores, 0.1).worker, 1);
@@ -90,7 +90,7 @@ TEST(EldrPolicyTest, IneligibleCandidatesDoNotSetTheBest) {
   auto policy = MakePolicy(PolicyKind::kEldr, 1);
   auto workers = Loads({0, 3, 1});
   workers[0].eligible = false;  // best score but draining
-  const std::vector<ScoredRow> scores = {{0, 0.99f}, {1, 0.60f}, {2, 0.45f}};
+  const std::vector<WorkerScore> scores = {{0, 0.99f}, {1, 0.60f}, {2, 0.45f}};
   const PolicyDecision d = PickEldr(*policy, workers, scores, 0.1);
   EXPECT_EQ(d.worker, 1);
   EXPECT_FLOAT_EQ(d.best_similarity, 0.60f);
@@ -101,7 +101,7 @@ TEST(EldrPolicyTest, BandMemberAtLimitLeavesTheBand) {
   auto policy = MakePolicy(PolicyKind::kEldr, 1);
   auto workers = Loads({1, 3, 0});
   workers[0].max_inflight = 1;  // at its limit
-  const std::vector<ScoredRow> scores = {{0, 0.9f}, {1, 0.85f}, {2, 0.1f}};
+  const std::vector<WorkerScore> scores = {{0, 0.9f}, {1, 0.85f}, {2, 0.1f}};
   const PolicyDecision d = PickEldr(*policy, workers, scores, 0.1);
   EXPECT_EQ(d.worker, 1);
   EXPECT_EQ(d.fallback, FallbackReason::kNone);
@@ -113,7 +113,7 @@ TEST(EldrPolicyTest, OverloadSpillsToLeastLoadedOverall) {
   auto workers = Loads({4, 4, 6, 5});
   workers[0].max_inflight = 4;
   workers[1].max_inflight = 4;
-  const std::vector<ScoredRow> scores = {{0, 0.9f}, {1, 0.88f}, {2, 0.1f}, {3, 0.2f}};
+  const std::vector<WorkerScore> scores = {{0, 0.9f}, {1, 0.88f}, {2, 0.1f}, {3, 0.2f}};
   const PolicyDecision d = PickEldr(*policy, workers, scores, 0.1);
   EXPECT_EQ(d.fallback, FallbackReason::kOverload);
   EXPECT_EQ(d.used, PolicyKind::kJsq);
@@ -150,7 +150,7 @@ TEST(EldrPolicyTest, NoEligibleCandidateFallsBack) {
   auto policy = MakePolicy(PolicyKind::kEldr, 1);
   auto workers = Loads({0, 5, 2});
   workers[0].eligible = false;
-  const std::vector<ScoredRow> scores = {{0, 0.9f}};
+  const std::vector<WorkerScore> scores = {{0, 0.9f}};
   const PolicyDecision d = PickEldr(*policy, workers, scores, 0.1);
   EXPECT_EQ(d.fallback, FallbackReason::kNoEligibleCentroid);
   EXPECT_EQ(d.worker, 2);
@@ -158,7 +158,7 @@ TEST(EldrPolicyTest, NoEligibleCandidateFallsBack) {
 
 TEST(EldrPolicyTest, TiesAreRandomButReproducibleForASeed) {
   const auto workers = Loads({1, 1, 1, 1});
-  const std::vector<ScoredRow> scores = {{0, 0.5f}, {1, 0.5f}, {2, 0.5f}, {3, 0.5f}};
+  const std::vector<WorkerScore> scores = {{0, 0.5f}, {1, 0.5f}, {2, 0.5f}, {3, 0.5f}};
   auto run = [&](uint64_t seed) {
     auto policy = MakePolicy(PolicyKind::kEldr, seed);
     std::vector<int> picks;
@@ -178,7 +178,7 @@ TEST(EldrPolicyTest, NoEligibleWorkerAtAll) {
   auto policy = MakePolicy(PolicyKind::kEldr, 1);
   auto workers = Loads({0, 0});
   workers[0].eligible = workers[1].eligible = false;
-  const std::vector<ScoredRow> scores = {{0, 0.9f}};
+  const std::vector<WorkerScore> scores = {{0, 0.9f}};
   EXPECT_EQ(PickEldr(*policy, workers, scores, 0.1).worker, -1);
 }
 

@@ -154,16 +154,16 @@ TEST(RouterTest, ZeroSignatureFallsBackAndBadInputIsRejected) {
 
 TEST(RouterTest, InstallMapsRowsOrFailsClearly) {
   auto router = MakeRouter({Worker("a"), Worker("b")});
-  absl::Status mismatch = router->InstallCentroids(Artifact(3));
+  absl::Status mismatch = router->InstallCentroids(Artifact(3)).status();
   EXPECT_EQ(mismatch.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(mismatch.message()), HasSubstr("k = 3 unnamed rows but the router has 2"));
-  absl::Status unknown = router->InstallCentroids(Artifact(2, {"a", "zz"}));
+  absl::Status unknown = router->InstallCentroids(Artifact(2, {"a", "zz"})).status();
   EXPECT_EQ(unknown.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(RejectReasonOf(unknown), RejectReason::kUnknownWorker);
   EXPECT_THAT(std::string(unknown.message()), HasSubstr("zz"));
   CentroidArtifact invalid = Artifact(2);
   invalid.centroids[0] = 3.f;
-  EXPECT_EQ(router->InstallCentroids(invalid).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(router->InstallCentroids(invalid).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(router->GetState(kT0).centroid_generation, 0u);
 
   // Named rows in any order: row 0 belongs to b.
@@ -200,7 +200,7 @@ TEST(RouterTest, WorkerTableChangesRemapRows) {
   EXPECT_EQ(router->Route(&input, kT0)->worker_id, "b");
   // Removing b drops its leases and its locality: b's requests fall back.
   ASSERT_TRUE(router->RemoveWorker("b").ok());
-  EXPECT_EQ(router->Complete(first->lease_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(router->Complete(first->lease_id).status().code(), absl::StatusCode::kNotFound);
   absl::StatusOr<RouteResult> orphan = router->Route(&input, kT0);
   ASSERT_TRUE(orphan.ok());
   EXPECT_EQ(orphan->worker_id, "c");  // the only candidate left with a centroid
@@ -215,7 +215,7 @@ TEST(RouterTest, WorkerTableChangesRemapRows) {
   state = router->GetState(kT0);
   EXPECT_TRUE(state.workers[2].has_centroid);
   EXPECT_EQ(router->Route(&input, kT0)->worker_id, "b");
-  EXPECT_EQ(router->RemoveWorker("nobody").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(router->RemoveWorker("nobody").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(RouterTest, NoCandidateWithCentroidFallsBack) {
@@ -258,7 +258,7 @@ TEST(RouterTest, DrainingAndHealth) {
   EXPECT_EQ(fail_open->worker_id, "a");
   EXPECT_EQ(fail_open->fallback, FallbackReason::kAllUnhealthy);
   EXPECT_EQ(router->SetWorkerHealthy("zz", true).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(router->DrainWorker("zz").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(router->DrainWorker("zz").status().code(), absl::StatusCode::kNotFound);
 
   auto empty = MakeRouter({});
   EXPECT_EQ(empty->Route(nullptr, kT0).status().code(), absl::StatusCode::kUnavailable);
@@ -269,9 +269,9 @@ TEST(RouterTest, LoadReportsAndCapacityDriveTheBand) {
   options.tau = 1.0;  // every worker in the band: pure load balance
   auto router = MakeRouter({Worker("a"), Worker("b"), Worker("c", 4)}, options);
   ASSERT_TRUE(router->InstallCentroids(Artifact(3)).ok());
-  ASSERT_TRUE(router->ReportLoad("a", {.running = 1, .waiting = 0, .kv_usage = 0.1, .taken_at = kT0}).ok());
-  ASSERT_TRUE(router->ReportLoad("b", {.running = 0, .waiting = 0, .kv_usage = 0.1, .taken_at = kT0}).ok());
-  ASSERT_TRUE(router->ReportLoad("c", {.running = 6, .waiting = 2, .kv_usage = 0.9, .taken_at = kT0}).ok());
+  ASSERT_TRUE(router->ReportLoad("a", {.running = 1, .waiting = 0, .kv_usage = 0.1, .taken_at = kT0}, kT0).ok());
+  ASSERT_TRUE(router->ReportLoad("b", {.running = 0, .waiting = 0, .kv_usage = 0.1, .taken_at = kT0}, kT0).ok());
+  ASSERT_TRUE(router->ReportLoad("c", {.running = 6, .waiting = 2, .kv_usage = 0.9, .taken_at = kT0}, kT0).ok());
   const std::vector<int32_t> counts = Counts(0);
   const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
   const absl::Time now = kT0 + absl::Seconds(1);
@@ -280,14 +280,14 @@ TEST(RouterTest, LoadReportsAndCapacityDriveTheBand) {
   EXPECT_EQ(r->worker_id, "b");
   EXPECT_EQ(r->band_size, 3);
   // b reports 5 running after that lease was taken: b = 5 + 1 lease since, a = 1, c = 2.
-  ASSERT_TRUE(router->ReportLoad("b", {.running = 5, .taken_at = kT0 + absl::Milliseconds(500)}).ok());
+  ASSERT_TRUE(router->ReportLoad("b", {.running = 5, .taken_at = kT0 + absl::Milliseconds(500)}, now).ok());
   EXPECT_EQ(router->Route(&input, now)->worker_id, "a");
   const RouterState state = router->GetState(now);
   EXPECT_DOUBLE_EQ(state.workers[2].load.effective, 8);
   EXPECT_TRUE(state.workers[2].load.snapshot_fresh);
-  EXPECT_EQ(router->ReportLoad("a", {.running = -1, .taken_at = kT0}).code(),
+  EXPECT_EQ(router->ReportLoad("a", {.running = -1, .taken_at = kT0}, now).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(router->ReportLoad("x", {.running = 1, .taken_at = kT0}).code(),
+  EXPECT_EQ(router->ReportLoad("x", {.running = 1, .taken_at = kT0}, now).code(),
             absl::StatusCode::kNotFound);
 }
 
@@ -313,24 +313,51 @@ TEST(RouterTest, LeasesExpireAndCompleteOnce) {
   absl::StatusOr<RouteResult> second = router->Route(nullptr, kT0 + absl::Seconds(8));
   EXPECT_NE(first->lease_id, second->lease_id);
   EXPECT_EQ(router->ExpireLeases(kT0 + absl::Seconds(11)), 1);
-  EXPECT_EQ(router->Complete(first->lease_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(router->Complete(first->lease_id).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(router->Complete(second->lease_id).ok());
-  EXPECT_EQ(router->Complete(second->lease_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(router->Complete(second->lease_id).status().code(), absl::StatusCode::kNotFound);
   const RouterState state = router->GetState(kT0 + absl::Seconds(12));
   EXPECT_EQ(state.live_leases, 0);
   EXPECT_EQ(state.leases_expired_total, 1);
   EXPECT_EQ(state.workers[0].load.leases, 0);
 }
 
-TEST(RouterTest, OnSignatureSeesAcceptedSignaturesOnly) {
-  std::mutex mu;
-  std::vector<std::pair<std::vector<float>, std::string>> seen;
-  RouterOptions options;
-  options.on_signature = [&](absl::Span<const float> signature, const std::string& worker) {
+// Records what a RouterObserver is told.
+class RecordingObserver : public RouterObserver {
+ public:
+  void OnSignatureRouted(const RoutedSignature& routed) override {
     std::lock_guard<std::mutex> lock(mu);
-    seen.emplace_back(std::vector<float>(signature.begin(), signature.end()), worker);
-  };
-  auto router = MakeRouter({Worker("a"), Worker("b")}, options);
+    signatures.emplace_back(std::vector<float>(routed.signature.begin(), routed.signature.end()),
+                            std::string(routed.worker_id));
+    clients.emplace_back(routed.client);
+    leases.push_back(routed.lease_id);
+  }
+  void OnPoolChanged(const PoolChange& change) override {
+    std::lock_guard<std::mutex> lock(mu);
+    pool.push_back(change);
+  }
+  void OnCentroidsInstalled(const CentroidInstall& install) override {
+    std::lock_guard<std::mutex> lock(mu);
+    installs.push_back(install);
+  }
+  void OnCentroidsRejected(CentroidSource source, const absl::Status& status) override {
+    std::lock_guard<std::mutex> lock(mu);
+    rejections.emplace_back(source, status);
+  }
+
+  std::mutex mu;
+  std::vector<std::pair<std::vector<float>, std::string>> signatures;
+  std::vector<std::string> clients;
+  std::vector<uint64_t> leases;
+  std::vector<PoolChange> pool;
+  std::vector<CentroidInstall> installs;
+  std::vector<std::pair<CentroidSource, absl::Status>> rejections;
+};
+
+TEST(RouterTest, OnSignatureSeesAcceptedSignaturesOnly) {
+  RecordingObserver observer;
+  auto router = MakeRouter({Worker("a"), Worker("b")});
+  router->AddObserver(&observer);
   ASSERT_TRUE(router->InstallCentroids(Artifact(2)).ok());
   const std::vector<int32_t> counts = Counts(1, 3, 4);
   const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
@@ -339,10 +366,85 @@ TEST(RouterTest, OnSignatureSeesAcceptedSignaturesOnly) {
   const std::vector<int32_t> zeros(8, 0);
   const SignatureInput zero = CountsInt32{kLayers, kExperts, zeros};
   ASSERT_TRUE(router->Route(&zero, kT0).ok());
+  const auto& seen = observer.signatures;
   ASSERT_EQ(seen.size(), 1u);
   EXPECT_EQ(seen[0].second, "b");
   ASSERT_EQ(seen[0].first.size(), 8u);
   EXPECT_NEAR(seen[0].first[1], 3 / std::sqrt(50.0), 1e-6);  // unit-norm transformed vector
+  // The client of a RouteInput reaches the observer.
+  ASSERT_TRUE(router->Route(RouteInput{&input, kT0, "ipv4:10.1.2.3"}).ok());
+  ASSERT_EQ(observer.clients.size(), 2u);
+  EXPECT_EQ(observer.clients[1], "ipv4:10.1.2.3");
+  router->RemoveObserver(&observer);
+  ASSERT_TRUE(router->Route(&input, kT0).ok());
+  EXPECT_EQ(observer.signatures.size(), 2u);
+}
+
+TEST(RouterTest, ObserversHearEveryChangeInOrderAndMutationsSayWhatTheyDid) {
+  RecordingObserver observer;
+  auto router = MakeRouter({Worker("a"), Worker("b")});
+  router->AddObserver(&observer);
+  absl::StatusOr<uint64_t> first = router->InstallCentroids(Artifact(2), CentroidSource::kStartup);
+  ASSERT_TRUE(first.ok());
+  absl::StatusOr<PoolChange> created = router->UpsertWorker(Worker("c"));
+  ASSERT_TRUE(created.ok());
+  EXPECT_EQ(created->kind, PoolChangeKind::kAdded);
+  absl::StatusOr<PoolChange> updated = router->UpsertWorker(Worker("c", 2));
+  ASSERT_TRUE(updated.ok());
+  EXPECT_EQ(updated->kind, PoolChangeKind::kUpdated);
+  const uint64_t lease = router->Route(nullptr, kT0)->lease_id;
+  absl::StatusOr<PoolChange> drained = router->DrainWorker("c");
+  ASSERT_TRUE(drained.ok());
+  ASSERT_TRUE(router->SetWorkerHealthy("a", false).ok());
+  ASSERT_TRUE(router->SetWorkerHealthy("a", false).ok());  // no change: not announced
+  ASSERT_TRUE(router->SetWorkerHealthy("a", true).ok());
+  const absl::StatusOr<uint64_t> refused = router->InstallCentroids(Artifact(5), CentroidSource::kAdmin);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<uint64_t> second = router->InstallCentroids(Artifact(2, {"b", "a"}), CentroidSource::kRefit);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(*second, *first + 1);
+  absl::StatusOr<PoolChange> removed = router->RemoveWorker("b");
+  ASSERT_TRUE(removed.ok());
+  (void)lease;
+
+  std::vector<std::string> kinds;
+  for (const PoolChange& change : observer.pool) {
+    kinds.push_back(absl::StrCat(PoolChangeKindLabel(change.kind), ":", change.spec.id));
+  }
+  EXPECT_EQ(kinds, (std::vector<std::string>{"added:c", "updated:c", "draining:c", "health_changed:a",
+                                             "health_changed:a", "removed:b"}));
+  EXPECT_FALSE(observer.pool[3].healthy);
+  EXPECT_TRUE(observer.pool[4].healthy);
+  ASSERT_EQ(observer.installs.size(), 2u);
+  EXPECT_EQ(observer.installs[0].source, CentroidSource::kStartup);
+  EXPECT_EQ(observer.installs[0].generation, *first);
+  EXPECT_TRUE(observer.installs[0].transform_changed);
+  EXPECT_EQ(observer.installs[1].source, CentroidSource::kRefit);
+  EXPECT_FALSE(observer.installs[1].transform_changed);
+  EXPECT_EQ(observer.installs[1].workers, (std::vector<std::string>{"b", "a"}));
+  ASSERT_EQ(observer.rejections.size(), 1u);
+  EXPECT_EQ(observer.rejections[0].first, CentroidSource::kAdmin);
+  EXPECT_EQ(observer.rejections[0].second.code(), absl::StatusCode::kFailedPrecondition);
+  router->RemoveObserver(&observer);
+}
+
+// A callback may mutate the router: its own change is delivered after the current one.
+TEST(RouterTest, ObserverCallbacksMayMutateTheRouter) {
+  struct Reactor : RecordingObserver {
+    Router* router = nullptr;
+    void OnPoolChanged(const PoolChange& change) override {
+      RecordingObserver::OnPoolChanged(change);
+      if (change.kind == PoolChangeKind::kAdded && change.spec.id == "c") (void)router->DrainWorker("c");
+    }
+  } reactor;
+  auto router = MakeRouter({Worker("a")});
+  reactor.router = router.get();
+  router->AddObserver(&reactor);
+  ASSERT_TRUE(router->UpsertWorker(Worker("c")).ok());
+  ASSERT_EQ(reactor.pool.size(), 2u);
+  EXPECT_EQ(reactor.pool[0].kind, PoolChangeKind::kAdded);
+  EXPECT_EQ(reactor.pool[1].kind, PoolChangeKind::kDraining);
+  router->RemoveObserver(&reactor);
 }
 
 TEST(RouterTest, BaselinePoliciesStillValidateSignatures) {
@@ -370,9 +472,13 @@ TEST(RouterTest, BaselinePoliciesStillValidateSignatures) {
 // Many threads route and complete while centroids are swapped and the worker table changes.
 TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
   RouterOptions options;
-  std::atomic<int64_t> callbacks{0};
-  options.on_signature = [&](absl::Span<const float>, const std::string&) { callbacks++; };
+  struct Counter : RouterObserver {
+    std::atomic<int64_t> callbacks{0};
+    void OnSignatureRouted(const RoutedSignature&) override { callbacks++; }
+  } counter;
+  std::atomic<int64_t>& callbacks = counter.callbacks;
   auto router = MakeRouter({Worker("a"), Worker("b"), Worker("c"), Worker("d")}, options);
+  router->AddObserver(&counter);
   ASSERT_TRUE(router->InstallCentroids(Artifact(4)).ok());
 
   std::atomic<bool> stop{false};
@@ -417,7 +523,7 @@ TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
         held_by.push_back(result->worker_id);
         // Keep a few requests in flight so loads are non-trivial.
         if (held.size() > 3) {
-          const absl::Status done = router->Complete(held.front());
+          const absl::Status done = router->Complete(held.front()).status();
           if (!done.ok()) {
             // Only a removed worker's leases may vanish.
             if (done.code() == absl::StatusCode::kNotFound && held_by.front() == "extra") {
@@ -431,7 +537,7 @@ TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
         }
       }
       for (size_t j = 0; j < held.size(); ++j) {
-        const absl::Status done = router->Complete(held[j]);
+        const absl::Status done = router->Complete(held[j]).status();
         if (!done.ok() && !(done.code() == absl::StatusCode::kNotFound && held_by[j] == "extra")) {
           record_error(done);
         }
@@ -442,8 +548,8 @@ TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
     int i = 0;
     while (!stop.load()) {
       const absl::Status status =
-          i % 2 == 0 ? router->InstallCentroids(Artifact(4, {"d", "c", "b", "a"}))
-                     : router->InstallCentroids(Artifact(4, {"a", "b", "c", "d"}));
+          i % 2 == 0 ? router->InstallCentroids(Artifact(4, {"d", "c", "b", "a"})).status()
+                     : router->InstallCentroids(Artifact(4, {"a", "b", "c", "d"})).status();
       if (!status.ok()) record_error(status);
       ++i;
       swaps++;
@@ -453,12 +559,14 @@ TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
   threads.emplace_back([&] {  // worker churn, load reports, health flaps, expiry
     int i = 0;
     while (!stop.load()) {
-      absl::Status status = router->UpsertWorker(Worker("extra", 1 + i % 3));
-      if (status.ok() && i % 3 == 0) status = router->DrainWorker("extra");
-      if (status.ok()) status = router->ReportLoad("b", {.running = static_cast<double>(i % 5),
-                                                          .taken_at = absl::Now()});
+      absl::Status status = router->UpsertWorker(Worker("extra", 1 + i % 3)).status();
+      if (status.ok() && i % 3 == 0) status = router->DrainWorker("extra").status();
+      if (status.ok()) {
+        status = router->ReportLoad("b", {.running = static_cast<double>(i % 5), .taken_at = absl::Now()},
+                                    absl::Now());
+      }
       if (status.ok()) status = router->SetWorkerHealthy("c", i % 4 != 0);
-      if (status.ok() && i % 2 == 1) status = router->RemoveWorker("extra");
+      if (status.ok() && i % 2 == 1) status = router->RemoveWorker("extra").status();
       if (!status.ok()) record_error(status);
       (void)router->ExpireLeases(absl::Now());
       (void)router->GetState(absl::Now());

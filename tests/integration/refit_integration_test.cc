@@ -118,8 +118,8 @@ TEST(RefitIntegrationTest, RefitDuringTrafficAdvancesGenerationWithoutFailedRout
   ASSERT_GT(Requests().size(), 100u);
   TempDir dir;
   std::vector<std::string> args = BaseArgs(dir);
-  args.push_back("--refit_interval_s=1");
-  args.push_back("--refit_window_s=30");
+  args.push_back("--refit_interval=1s");
+  args.push_back("--refit_window=30s");
   auto router = MustStart(dir, args);
   ASSERT_NE(router, nullptr);
   const uint64_t initial = State(*router).centroid_generation();
@@ -154,8 +154,8 @@ TEST(RefitIntegrationTest, RestartWithSameStateDirServesLearnedCentroids) {
   const std::string state_file = state_dir + "/centroids.json";
   {
     std::vector<std::string> args = BaseArgs(dir);
-    args.push_back("--refit_interval_s=1");
-    args.push_back("--refit_window_s=30");
+    args.push_back("--refit_interval=1s");
+    args.push_back("--refit_window=30s");
     args.push_back("--state_dir=" + state_dir);
     auto router = MustStart(dir, args);
     ASSERT_NE(router, nullptr);
@@ -173,22 +173,22 @@ TEST(RefitIntegrationTest, RestartWithSameStateDirServesLearnedCentroids) {
   WriteTextFile(learned_copy, learned);
 
   std::vector<std::string> restart_args = BaseArgs(dir);
-  restart_args.push_back("--refit_interval_s=0");
+  restart_args.push_back("--refit_interval=0");
   restart_args.push_back("--state_dir=" + state_dir);
   auto restarted = MustStart(dir, restart_args);
   ASSERT_NE(restarted, nullptr);
   const auto state = State(*restarted);
   EXPECT_EQ(state.centroid_generation(), 2u);  // the configured artifact, then the persisted one
   EXPECT_EQ(state.centroid_rows(), 4);
-  EXPECT_THAT(restarted->Log(), ::testing::HasSubstr("refit_state_loaded"));
+  EXPECT_THAT(restarted->Log(), ::testing::HasSubstr("event=centroids_installed source=state_dir generation=2"));
 
   // Reference daemons: one serving the learned artifact directly, one the original artifact.
   std::vector<std::string> learned_args = {"--workers=" + WorkerFlag(4), "--centroids=" + learned_copy,
-                                           "--seed=7", "--refit_interval_s=0"};
+                                           "--seed=7", "--refit_interval=0"};
   auto reference = MustStart(dir, learned_args);
   ASSERT_NE(reference, nullptr);
   std::vector<std::string> original_args = BaseArgs(dir);
-  original_args.push_back("--refit_interval_s=0");
+  original_args.push_back("--refit_interval=0");
   auto original = MustStart(dir, original_args);
   ASSERT_NE(original, nullptr);
 
@@ -206,8 +206,8 @@ TEST(RefitIntegrationTest, RestartWithSameStateDirServesLearnedCentroids) {
 TEST(RefitIntegrationTest, WorkerAddedAndRemovedAtRuntimeKeepsRoutingCorrect) {
   TempDir dir;
   std::vector<std::string> args = BaseArgs(dir);
-  args.push_back("--refit_interval_s=1");
-  args.push_back("--refit_window_s=60");
+  args.push_back("--refit_interval=1s");
+  args.push_back("--refit_window=60s");
   auto router = MustStart(dir, args);
   ASSERT_NE(router, nullptr);
   RouteTally tally;
@@ -268,7 +268,7 @@ TEST(RefitIntegrationTest, WorkerAddedAndRemovedAtRuntimeKeepsRoutingCorrect) {
 TEST(RefitIntegrationTest, ReloadWithAnotherTransformEmptiesTheWindow) {
   TempDir dir;
   std::vector<std::string> args = BaseArgs(dir);
-  args.push_back("--refit_interval_s=3600");  // no periodic refit during the test
+  args.push_back("--refit_interval=1h");  // no periodic refit during the test
   auto router = MustStart(dir, args);
   ASSERT_NE(router, nullptr);
   RouteTally tally;
@@ -290,10 +290,11 @@ TEST(RefitIntegrationTest, ReloadWithAnotherTransformEmptiesTheWindow) {
     EXPECT_TRUE(status.ok()) << status.error_message();
   };
   // Same transform (count, every layer), other rows.
+  // The refitter hears of the install from the router before the RPC is answered.
   reload(ArtifactJson({1, 0, 3, 2}, {"w0", "w1", "w2", "w3"}));
-  absl::SleepFor(absl::Seconds(1));  // four watcher periods
   EXPECT_EQ(window(), 100);
-  EXPECT_THAT(router->Log(), ::testing::Not(::testing::HasSubstr("refit_window_reset")));
+  EXPECT_THAT(router->Log(), ::testing::HasSubstr("source=admin generation=2 rows=4 dim=1664 model=test-26x64 "
+                                                  "transform_changed=false"));
 
   // Another transform: count_idf with non-uniform weights, same geometry and rows.
   auto artifact = ParseCentroidArtifact(ArtifactJson({0, 1, 2, 3}, {"w0", "w1", "w2", "w3"}));
@@ -305,7 +306,8 @@ TEST(RefitIntegrationTest, ReloadWithAnotherTransformEmptiesTheWindow) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (window() != 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(100));
   EXPECT_EQ(window(), 0);
-  EXPECT_THAT(router->Log(), ::testing::HasSubstr("refit_window_reset"));
+  EXPECT_THAT(router->Log(), ::testing::HasSubstr("source=admin generation=3 rows=4 dim=1664 model=test-26x64 "
+                                                  "transform_changed=true"));
 }
 
 }  // namespace

@@ -34,79 +34,7 @@
 namespace eldr::testing {
 namespace {
 
-// fork + exec with stdout/stderr redirected to files. The child dies with the test process.
-pid_t Spawn(const std::string& binary, const std::vector<std::string>& args, const std::string& stdout_path,
-            const std::string& stderr_path) {
-  std::vector<std::string> argv_storage;
-  argv_storage.push_back(binary);
-  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& a : argv_storage) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid == 0) {
-    // Only async-signal-safe calls between fork and exec.
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != parent) _exit(127);
-    const int out = open(stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int err = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (out < 0 || err < 0) _exit(126);
-    dup2(out, 1);
-    dup2(err, 2);
-    execv(binary.c_str(), argv.data());
-    _exit(127);
-  }
-  return pid;
-}
-
-int DecodeWaitStatus(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return -1;
-}
-
-// Polls waitpid until the child exits or `timeout` passes.
-std::optional<int> WaitPid(pid_t pid, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    int status = 0;
-    const pid_t r = waitpid(pid, &status, WNOHANG);
-    if (r == pid) return DecodeWaitStatus(status);
-    if (r < 0 && errno != EINTR) return -1;
-    if (absl::Now() >= deadline) return std::nullopt;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-}
-
-bool HasFlag(const std::vector<std::string>& args, const std::string& name) {
-  for (const std::string& a : args) {
-    if (a == "--" + name || absl::StartsWith(a, "--" + name + "=")) return true;
-  }
-  return false;
-}
-
 }  // namespace
-
-TempDir::TempDir() {
-  std::string pattern = ::testing::TempDir();
-  if (pattern.empty() || pattern.back() != '/') pattern += '/';
-  pattern += "eldr_it_XXXXXX";
-  std::vector<char> buf(pattern.begin(), pattern.end());
-  buf.push_back('\0');
-  const char* made = mkdtemp(buf.data());
-  if (made == nullptr) {
-    ADD_FAILURE() << "mkdtemp failed for " << pattern;
-    return;
-  }
-  path_ = made;
-}
-
-TempDir::~TempDir() {
-  if (path_.empty()) return;
-  std::error_code ec;
-  std::filesystem::remove_all(path_, ec);
-}
 
 void WriteTextFile(const std::string& path, const std::string& contents) {
   absl::Status status = WriteFileAtomically(path, contents);
@@ -120,68 +48,27 @@ std::string ReadTextFile(const std::string& path) {
   return ss.str();
 }
 
-std::string BinaryPath(const std::string& name) {
-  const char* dir = std::getenv("ELDR_BIN_DIR");
-  return absl::StrCat(dir != nullptr ? dir : ".", "/", name);
-}
-
 absl::StatusOr<std::unique_ptr<RouterProcess>> RouterProcess::Start(const TempDir& dir, std::vector<std::string> args,
                                                                     absl::Duration timeout) {
-  static int counter = 0;
-  const int id = ++counter;
-  const std::string port_file = dir.File(absl::StrCat("ports-", id, ".json"));
-  if (!HasFlag(args, "listen")) args.push_back("--listen=127.0.0.1:0");
-  if (!HasFlag(args, "metrics_listen")) args.push_back("--metrics_listen=127.0.0.1:0");
-  args.push_back("--port_file=" + port_file);
+  absl::StatusOr<RouterChild> child = StartRouter(dir, std::move(args), timeout);
+  if (!child.ok()) return child.status();
   std::unique_ptr<RouterProcess> p(new RouterProcess());
-  p->log_path_ = dir.File(absl::StrCat("router-", id, ".log"));
-  p->pid_ = Spawn(BinaryPath("eldr-router"), args, "/dev/null", p->log_path_);
-  if (p->pid_ < 0) return absl::InternalError("fork failed");
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    const std::string text = ReadTextFile(port_file);
-    if (!text.empty()) {
-      nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-      if (!j.is_discarded()) {
-        p->grpc_port_ = j.value("grpc_port", 0);
-        p->admin_port_ = j.value("admin_port", 0);
-        p->metrics_port_ = j.value("metrics_port", 0);
-        return p;
-      }
-    }
-    if (auto code = WaitPid(p->pid_, absl::ZeroDuration()); code.has_value()) {
-      p->exited_ = true;
-      p->exit_code_ = *code;
-      return absl::FailedPreconditionError(
-          absl::StrCat("eldr-router exited with ", *code, " during startup:\n", p->Log()));
-    }
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("eldr-router did not start in time:\n", p->Log()));
-    }
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  p->process_ = std::move(child->process);
+  p->grpc_port_ = child->ports.grpc;
+  p->admin_port_ = child->ports.admin;
+  p->metrics_port_ = child->ports.metrics;
+  return p;
 }
 
-RouterProcess::~RouterProcess() {
-  if (pid_ > 0 && !exited_) {
-    kill(pid_, SIGKILL);
-    WaitPid(pid_, absl::Seconds(10));
-  }
-}
-
-void RouterProcess::Signal(int signal) const { kill(pid_, signal); }
+void RouterProcess::Signal(int signal) const { process_->Signal(signal); }
 
 std::optional<int> RouterProcess::WaitForExit(absl::Duration timeout) {
-  if (exited_) return exit_code_;
-  auto code = WaitPid(pid_, timeout);
-  if (code.has_value()) {
-    exited_ = true;
-    exit_code_ = *code;
-  }
-  return code;
+  absl::StatusOr<int> code = process_->Wait(timeout);
+  if (!code.ok()) return std::nullopt;
+  return *code;
 }
 
-std::string RouterProcess::Log() const { return ReadTextFile(log_path_); }
+std::string RouterProcess::Log() const { return process_->Log(size_t{1} << 24); }
 
 std::shared_ptr<grpc::Channel> RouterProcess::Channel() const {
   return grpc::CreateChannel(target(), grpc::InsecureChannelCredentials());
@@ -194,24 +81,6 @@ std::unique_ptr<eldr::v1::RouterAdmin::Stub> RouterProcess::AdminStub() const {
 }
 std::unique_ptr<grpc::health::v1::Health::Stub> RouterProcess::HealthStub() const {
   return grpc::health::v1::Health::NewStub(Channel());
-}
-
-ProcessResult RunProcess(const std::string& binary, const std::vector<std::string>& args, absl::Duration timeout) {
-  TempDir dir;
-  const std::string out = dir.File("stdout");
-  const std::string err = dir.File("stderr");
-  ProcessResult result;
-  const pid_t pid = Spawn(binary, args, out, err);
-  auto code = WaitPid(pid, timeout);
-  if (!code.has_value()) {
-    kill(pid, SIGKILL);
-    WaitPid(pid, absl::Seconds(10));
-    ADD_FAILURE() << binary << " did not finish within " << timeout;
-  }
-  result.exit_code = code.value_or(-1);
-  result.stdout_text = ReadTextFile(out);
-  result.stderr_text = ReadTextFile(err);
-  return result;
 }
 
 std::string ArtifactJson(const std::vector<int>& blocks, const std::vector<std::string>& workers) {
@@ -260,46 +129,6 @@ eldr::v1::RouteRequest BlockRequest(int block, const std::string& request_id) {
   return request;
 }
 
-absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::InternalError("socket failed");
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("connect to 127.0.0.1:", port, " failed"));
-  }
-  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
-    close(fd);
-    return absl::UnavailableError("send failed");
-  }
-  std::string response;
-  char buf[8192];
-  while (true) {
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n > 0) {
-      response.append(buf, static_cast<size_t>(n));
-    } else if (n < 0 && errno == EINTR) {
-      continue;
-    } else {
-      break;
-    }
-  }
-  close(fd);
-  const size_t header_end = response.find("\r\n\r\n");
-  if (header_end == std::string::npos) return absl::DataLossError("no HTTP header in the response");
-  const std::string status_line = response.substr(0, response.find("\r\n"));
-  if (status_line.find(" 200") == std::string::npos) {
-    return absl::UnavailableError(absl::StrCat("HTTP status: ", status_line));
-  }
-  return response.substr(header_end + 4);
-}
 
 std::optional<double> ParsedMetrics::Value(const std::string& name,
                                            const std::map<std::string, std::string>& labels) const {

@@ -1,6 +1,6 @@
-// Test harness for integration tests: runs the real eldr-router binary on kernel-chosen loopback
-// ports, writes small centroid artifacts, builds Route requests, scrapes and parses /metrics,
-// generates TLS certificates with the openssl CLI.
+// Test harness for integration tests: the real eldr-router binary on kernel-chosen loopback ports
+// (on top of the process harness, testing/process.h), small centroid artifacts, Route requests,
+// /metrics scrapes and parsing, TLS certificates made with the openssl CLI.
 //
 // Every wait is bounded; a RouterProcess kills its child when it goes out of scope (and the child
 // dies with the test process through PR_SET_PDEATHSIG), so a failing test never leaks a daemon.
@@ -22,40 +22,28 @@
 #include "eldr/v1/router.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "health.grpc.pb.h"
+#include "testing/process.h"
 
 namespace eldr::testing {
 
-// A fresh directory under the test temp dir, removed by the destructor.
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  const std::string& path() const { return path_; }
-  std::string File(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 // Writes `contents` to `path` (replacing it atomically); fails the test on error.
 void WriteTextFile(const std::string& path, const std::string& contents);
 std::string ReadTextFile(const std::string& path);
 
-// <ELDR_BIN_DIR>/<name>.
-std::string BinaryPath(const std::string& name);
 
 class RouterProcess {
  public:
-  // Starts eldr-router with `args` plus --listen/--metrics_listen on 127.0.0.1:0 (unless `args`
-  // sets them) and a --port_file, and waits (bounded) until the port file appears.
+  // Starts eldr-router with `args` plus --listen/--admin_listen/--metrics_listen on 127.0.0.1:0
+  // (unless `args` sets them) and a --port_file, and waits (bounded) until the port file appears
+  // (testing/process.h, StartRouter).
   static absl::StatusOr<std::unique_ptr<RouterProcess>> Start(const TempDir& dir, std::vector<std::string> args,
                                                               absl::Duration timeout = absl::Seconds(20));
-  ~RouterProcess();
 
   int grpc_port() const { return grpc_port_; }
   int admin_port() const { return admin_port_; }
   int metrics_port() const { return metrics_port_; }
-  pid_t pid() const { return pid_; }
+  pid_t pid() const { return process_->pid(); }
   std::string target() const { return "127.0.0.1:" + std::to_string(grpc_port_); }
   std::string admin_target() const { return "127.0.0.1:" + std::to_string(admin_port_); }
 
@@ -73,23 +61,12 @@ class RouterProcess {
  private:
   RouterProcess() = default;
 
-  pid_t pid_ = -1;
-  bool exited_ = false;
-  int exit_code_ = 0;
-  std::string log_path_;
+  std::unique_ptr<ChildProcess> process_;
   int grpc_port_ = 0;
   int admin_port_ = 0;
   int metrics_port_ = 0;
 };
 
-// Runs a binary to completion (bounded); returns exit code (128 + signal when killed) and stderr.
-struct ProcessResult {
-  int exit_code = -1;
-  std::string stdout_text;
-  std::string stderr_text;
-};
-ProcessResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
-                         absl::Duration timeout = absl::Seconds(60));
 
 // ---- Artifacts and requests: the bundled traces' geometry (26 x 64) ----
 inline constexpr int kLayers = 26;
@@ -120,8 +97,6 @@ eldr::v1::GetStateResponse State(const RouterProcess& router);
 const eldr::v1::WorkerState* FindWorker(const eldr::v1::GetStateResponse& state, const std::string& id);
 
 // ---- Metrics ----
-// HTTP GET http://127.0.0.1:<port><path>; returns the body of a 200 response.
-absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
 struct Sample {
   std::map<std::string, std::string> labels;
   double value = 0;

@@ -25,6 +25,7 @@ namespace {
 using ::grpc::health::v1::HealthCheckRequest;
 using ::grpc::health::v1::HealthCheckResponse;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // The standard fixture: 4 workers w0..w3, artifact rows named w0..w3 on blocks 0..3.
 HealthCheckResponse::ServingStatus Health(const RouterProcess& router, const std::string& service) {
@@ -266,8 +267,9 @@ TEST(RouterIntegration, HealthFollowsCentroidsAndWorkers) {
   TempDir dir;
   const std::string artifact = dir.File("artifact.json");
   WriteTextFile(artifact, ArtifactJson({0, 1, 2, 3}, {"w0", "w1", "w2", "w3"}));
-  // Policy eldr without centroids: not ready, but routes are answered (jsq, no_centroids).
-  auto router = MustStart(dir, {"--workers=" + WorkerFlag(4)});
+  // Policy eldr without centroids: not ready, but routes are answered (jsq, no_centroids). Path
+  // reloads read from --centroids_dir.
+  auto router = MustStart(dir, {"--workers=" + WorkerFlag(4), "--centroids_dir=" + dir.path()});
   ASSERT_NE(router, nullptr);
   EXPECT_EQ(Health(*router, ""), HealthCheckResponse::NOT_SERVING);
   EXPECT_EQ(Health(*router, "eldr.v1.DecodeRouter"), HealthCheckResponse::NOT_SERVING);
@@ -680,14 +682,16 @@ TEST_F(BadInputTest, BadArtifactReloadIsRejectedAndOldCentroidsStay) {
   eldr::v1::ReloadCentroidsRequest missing;
   missing.set_path(dir_.File("does-not-exist.json"));
   grpc::Status not_found = reload(missing);
-  EXPECT_EQ(not_found.error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_THAT(not_found.error_message(), HasSubstr("does-not-exist.json"));
+  // One answer whatever the cause (missing, outside the folder, a loop), so a caller learns nothing
+  // about the router's file system.
+  EXPECT_EQ(not_found.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(not_found.error_message(), HasSubstr("not a file inside the allowed directory"));
 
   // SIGHUP with a broken configured file: rejected as well.
   WriteTextFile(dir_.File("artifact.json"), "[1, 2");
   router_->Signal(SIGHUP);
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (router_->Log().find("event=centroids_rejected source=" + dir_.File("artifact.json")) == std::string::npos) {
+  while (router_->Log().find("event=centroids_rejected source=sighup") == std::string::npos) {
     ASSERT_LT(absl::Now(), deadline) << router_->Log();
     absl::SleepFor(absl::Milliseconds(10));
   }
@@ -697,8 +701,13 @@ TEST_F(BadInputTest, BadArtifactReloadIsRejectedAndOldCentroidsStay) {
   auto metrics = ScrapeMetrics(router_->metrics_port());
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   // Four RPCs and the SIGHUP; the --centroids file watch may have tried the broken file as well.
-  EXPECT_GE(MetricOr(*metrics, "eldr_centroid_reloads_total", {{"outcome", "error"}}), 5);
-  EXPECT_EQ(MetricOr(*metrics, "eldr_centroid_reloads_total", {{"outcome", "ok"}}), 0);
+  // Every refusal is counted by its source; only the startup artifact was ever installed.
+  EXPECT_EQ(MetricOr(*metrics, "eldr_centroid_reloads_total", {{"outcome", "error"}, {"source", "admin"}}), 4);
+  EXPECT_EQ(MetricOr(*metrics, "eldr_centroid_reloads_total", {{"outcome", "error"}, {"source", "sighup"}}), 1);
+  EXPECT_EQ(MetricOr(*metrics, "eldr_centroid_reloads_total", {{"outcome", "ok"}, {"source", "startup"}}), 1);
+  for (const char* source : {"admin", "sighup", "file_watch", "refit"}) {
+    EXPECT_EQ(MetricOr(*metrics, "eldr_centroid_reloads_total", {{"outcome", "ok"}, {"source", source}}), 0) << source;
+  }
 }
 
 // Over --max_message_bytes: INVALID_ARGUMENT with the sizes, counted as oversized. Over four times
@@ -922,11 +931,9 @@ TEST(RouterIntegration, StartupErrorsSayWhatIsWrong) {
 }
 
 // grpcurl-style discovery: the reflection service lists the API.
-TEST(RouterIntegration, ReflectionListsTheServices) {
-  TempDir dir;
-  auto router = MustStart(dir, StandardArgs(dir));
-  ASSERT_NE(router, nullptr);
-  grpc::GenericStub generic(router->Channel());
+// The services `target` lists through reflection (a grpcurl-style list_services).
+std::string ReflectedServices(const std::string& target) {
+  grpc::GenericStub generic(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
   grpc::CompletionQueue cq;
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
@@ -938,26 +945,25 @@ TEST(RouterIntegration, ReflectionListsTheServices) {
     EXPECT_EQ(reinterpret_cast<intptr_t>(tag), expected);
     return ok;
   };
-  call->StartCall(reinterpret_cast<void*>(1));
-  ASSERT_TRUE(step(1));
-  // ServerReflectionRequest{list_services: "*"}: field 7, length-delimited.
-  const std::string request_bytes = std::string("\x3a\x01*", 3);
-  grpc::Slice slice(request_bytes);
-  grpc::ByteBuffer request(&slice, 1);
-  call->Write(request, reinterpret_cast<void*>(2));
-  ASSERT_TRUE(step(2));
-  grpc::ByteBuffer reply;
-  call->Read(&reply, reinterpret_cast<void*>(3));
-  ASSERT_TRUE(step(3));
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(reply.Dump(&slices).ok());
   std::string text;
-  for (const auto& s : slices) text.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  EXPECT_THAT(text, HasSubstr("eldr.v1.DecodeRouter"));
-  EXPECT_THAT(text, HasSubstr("eldr.v1.RouterAdmin"));
-  EXPECT_THAT(text, HasSubstr("grpc.health.v1.Health"));
-  call->WritesDone(reinterpret_cast<void*>(4));
-  step(4);
+  call->StartCall(reinterpret_cast<void*>(1));
+  if (step(1)) {
+    // ServerReflectionRequest{list_services: "*"}: field 7, length-delimited.
+    const std::string request_bytes = std::string("\x3a\x01*", 3);
+    grpc::Slice slice(request_bytes);
+    grpc::ByteBuffer request(&slice, 1);
+    call->Write(request, reinterpret_cast<void*>(2));
+    step(2);
+    grpc::ByteBuffer reply;
+    call->Read(&reply, reinterpret_cast<void*>(3));
+    if (step(3)) {
+      std::vector<grpc::Slice> slices;
+      EXPECT_TRUE(reply.Dump(&slices).ok());
+      for (const auto& s : slices) text.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    call->WritesDone(reinterpret_cast<void*>(4));
+    step(4);
+  }
   grpc::Status status;
   call->Finish(&status, reinterpret_cast<void*>(5));
   step(5);
@@ -965,6 +971,22 @@ TEST(RouterIntegration, ReflectionListsTheServices) {
   cq.Shutdown();
   while (cq.Next(&tag, &ok)) {
   }
+  return text;
+}
+
+// grpcurl-style discovery: the reflection service lists the API on each listener, and the admin
+// service only on its own (loopback) listener.
+TEST(RouterIntegration, ReflectionListsTheServices) {
+  TempDir dir;
+  auto router = MustStart(dir, StandardArgs(dir));
+  ASSERT_NE(router, nullptr);
+  const std::string data = ReflectedServices(router->target());
+  EXPECT_THAT(data, HasSubstr("eldr.v1.DecodeRouter"));
+  EXPECT_THAT(data, HasSubstr("grpc.health.v1.Health"));
+  EXPECT_THAT(data, Not(HasSubstr("eldr.v1.RouterAdmin")));
+  const std::string admin = ReflectedServices(router->admin_target());
+  EXPECT_THAT(admin, HasSubstr("eldr.v1.RouterAdmin"));
+  EXPECT_THAT(admin, HasSubstr("grpc.health.v1.Health"));
 }
 
 }  // namespace

@@ -255,7 +255,7 @@ TEST(RouterSecurity, UnreadableTlsOrTokenFilesAreStartupErrors) {
   for (const Case& c : std::vector<Case>{
            {{"--admin_token_file=" + dir.File("missing.token")}, "missing.token"},
            {{"--admin_token_file=" + empty_token}, "token is empty"},
-           {{"--tls_cert=" + not_pem, "--tls_key=" + not_pem}, "no PEM block"},
+           {{"--tls_cert=" + not_pem, "--tls_key=" + not_pem}, "holds no PEM certificate"},
            {{"--tls_client_ca=" + not_pem}, "mutual TLS needs tls_cert"},
        }) {
     std::vector<std::string> args = c.args;

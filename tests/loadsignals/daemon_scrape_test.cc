@@ -45,8 +45,8 @@ class ScrapingDaemon {
     std::vector<std::string> args = {"--workers=" + WorkerFlag(workers),
                                      "--policy=jsq",
                                      "--worker_metrics=" + absl::StrJoin(metrics, ","),
-                                     "--scrape_interval_ms=20",
-                                     "--scrape_timeout_ms=300",
+                                     "--scrape_interval=20ms",
+                                     "--scrape_timeout=300ms",
                                      "--unhealthy_after_failures=2",
                                      "--scrape_model_name=served-model"};
     args.insert(args.end(), extra_args.begin(), extra_args.end());
@@ -232,7 +232,7 @@ TEST(DaemonScrapeTest, WorkersFileMetricsUrlsAndAdminRemoval) {
   WriteTextFile(workers_file, absl::StrCat(R"({"workers": [
     {"id": "w0", "address": "10.0.0.1:8000", "metrics_url": ")", (*w0)->url(), R"("},
     {"id": "w1", "address": "10.0.0.2:8000", "metrics_url": ")", (*w1)->url(), R"("}]})"));
-  auto process = RouterProcess::Start(dir, {"--workers=" + workers_file, "--policy=jsq", "--scrape_interval_ms=20"});
+  auto process = RouterProcess::Start(dir, {"--workers=" + workers_file, "--policy=jsq", "--scrape_interval=20ms"});
   ASSERT_TRUE(process.ok()) << process.status();
   auto admin = (*process)->AdminStub();
   auto reported = [&](const std::string& id) {
@@ -279,7 +279,7 @@ TEST(DaemonScrapeTest, BadScrapeSettingsStopTheDaemonWithAClearMessage) {
   auto bad_interval = RouterProcess::Start(dir, {"--workers=" + WorkerFlag(2), "--scrape_interval_ms=0"},
                                            absl::Seconds(10));
   ASSERT_FALSE(bad_interval.ok());
-  EXPECT_THAT(std::string(bad_interval.status().message()), HasSubstr("scrape_interval_ms"));
+  EXPECT_THAT(std::string(bad_interval.status().message()), HasSubstr("scrape_interval"));
 }
 
 }  // namespace

@@ -88,21 +88,18 @@ class RefitTest : public ::testing::Test {
     state_dir_ = std::filesystem::path(::testing::TempDir()) /
                  ("refit_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     std::filesystem::remove_all(state_dir_);
-    router_ = MakeRouter(slot_.Callback());
+    router_ = MakeRouter();
   }
   void TearDown() override {
-    slot_.Attach(nullptr);
     if (refitter_) refitter_->Stop();
     refitter_.reset();
     router_.reset();
     std::filesystem::remove_all(state_dir_);
   }
 
-  static std::unique_ptr<Router> MakeRouter(
-      std::function<void(absl::Span<const float>, const std::string&)> on_signature) {
+  static std::unique_ptr<Router> MakeRouter() {
     RouterOptions options;
     options.tau = 0;  // pure locality: a route goes to the nearest centroid's worker
-    options.on_signature = std::move(on_signature);
     std::vector<WorkerSpec> workers;
     for (const std::string& id : artifact_->workers) workers.push_back(Worker(id));
     absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(options, workers);
@@ -115,7 +112,6 @@ class RefitTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<OnlineRefitter>> refitter = OnlineRefitter::Create(std::move(options), router_.get());
     ASSERT_TRUE(refitter.ok()) << refitter.status();
     refitter_ = *std::move(refitter);
-    slot_.Attach(refitter_.get());
   }
 
   static SignatureInput Request(int r) {
@@ -138,7 +134,6 @@ class RefitTest : public ::testing::Test {
 
   static CalibrationData* data_;
   static CentroidArtifact* artifact_;
-  RefitObserverSlot slot_;
   std::unique_ptr<Router> router_;
   std::unique_ptr<OnlineRefitter> refitter_;
   std::filesystem::path state_dir_;
@@ -247,7 +242,7 @@ TEST_F(RefitTest, PersistedStateSurvivesARestart) {
     ASSERT_NEAR(startup->artifact.centroids[i], learnt->centroids[i], 1e-6);
   }
   // A restarted router serves the learnt centroids.
-  std::unique_ptr<Router> restarted = MakeRouter(nullptr);
+  std::unique_ptr<Router> restarted = MakeRouter();
   ASSERT_TRUE(restarted->InstallCentroids(startup->artifact).ok());
   EXPECT_EQ(RowsByWorker(*restarted->CurrentCentroids()).size(), 4u);
 
@@ -466,14 +461,151 @@ TEST_F(RefitTest, WindowIsAnEvenSampleUnderSustainedTraffic) {
   EXPECT_LE(stats.window_signatures, 100 + 32);
 }
 
-TEST_F(RefitTest, DetachedSlotStopsObservations) {
+TEST_F(RefitTest, DestroyedRefitterUnsubscribes) {
   RefitOptions options;
   options.interval = absl::ZeroDuration();
   MakeRefitter(options);
   RouteAll();
-  slot_.Attach(nullptr);
+  EXPECT_EQ(refitter_->stats().signatures_observed, static_cast<uint64_t>(data_->n));
+  refitter_.reset();
+  RouteAll();  // no observer left: routes go on
+  MakeRefitter(options);
   RouteAll();
   EXPECT_EQ(refitter_->stats().signatures_observed, static_cast<uint64_t>(data_->n));
+}
+
+// A flood of one crafted signature (the "refit learns from anyone" attack) cannot move a zone
+// further than the bounds allow: at most max_step_distance per refit, max_drift_distance in total
+// from the calibrated anchor. Without the bounds the same flood drags every row onto it.
+TEST_F(RefitTest, MovementIsBoundedPerRefitAndInTotal) {
+  const std::vector<float> poison(kCells, 1.0f / std::sqrt(static_cast<float>(kCells)));
+  auto flood_and_refit = [&](int refits) {
+    for (int i = 0; i < refits; ++i) {
+      refitter_->ResetWindow();
+      for (int j = 0; j < 400; ++j) refitter_->Observe(poison, "attacker");
+      ASSERT_TRUE(refitter_->RefitNow().ok());
+    }
+  };
+  auto max_distance = [](const CentroidArtifact& a, const CentroidArtifact& b) {
+    const auto rows_a = RowsByWorker(a), rows_b = RowsByWorker(b);
+    double worst = 0;
+    for (const auto& [id, row] : rows_a) worst = std::max(worst, 1.0 - Cosine(row, rows_b.at(id)));
+    return worst;
+  };
+
+  RefitOptions unbounded;
+  unbounded.interval = absl::ZeroDuration();
+  unbounded.min_signatures_per_centroid = 8;
+  unbounded.max_step_distance = 2;
+  unbounded.max_drift_distance = 2;
+  MakeRefitter(unbounded);
+  flood_and_refit(1);
+  EXPECT_GT(max_distance(*artifact_, *router_->CurrentCentroids()), 0.3);  // the attack works unbounded
+
+  refitter_.reset();  // the router must outlive its refitter
+  router_ = MakeRouter();
+  RefitOptions bounded = unbounded;
+  bounded.max_step_distance = 0.05;
+  bounded.max_drift_distance = 0.12;
+  MakeRefitter(bounded);
+  CentroidArtifact before = *router_->CurrentCentroids();
+  flood_and_refit(1);
+  CentroidArtifact after = *router_->CurrentCentroids();
+  EXPECT_LE(max_distance(before, after), 0.05 + 1e-4);
+  EXPECT_GT(refitter_->stats().rows_step_bounded, 0u);
+  flood_and_refit(8);
+  after = *router_->CurrentCentroids();
+  EXPECT_LE(max_distance(*artifact_, after), 0.12 + 1e-4);
+  EXPECT_GT(refitter_->stats().rows_drift_bounded, 0u);
+  // Legitimate traffic still finds its calibrated zones.
+  const std::map<std::string, int> used = RouteAll();
+  EXPECT_EQ(used.size(), 4u);
+}
+
+// One client can fill at most its fair share of the window while others are active.
+TEST_F(RefitTest, AdmissionIsAFairSharePerClient) {
+  absl::Time fake_now = absl::FromUnixSeconds(1000);
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  options.window = absl::Seconds(10);
+  options.max_window_signatures = 400;
+  options.clock = [&] { return fake_now; };
+  MakeRefitter(options);
+  const std::vector<float> signature(16, 0.25f);
+  // Alone, a client may fill the whole window.
+  for (int i = 0; i < 300; ++i) refitter_->Observe(signature, "engine-a");
+  EXPECT_EQ(refitter_->stats().window_signatures, 300);
+  refitter_->ResetWindow();
+  fake_now += absl::Seconds(20);
+  // Two active clients: each gets half, however hard one of them pushes.
+  refitter_->Observe(signature, "engine-a");
+  fake_now += absl::Seconds(1);  // the active clients are recounted once a second
+  for (int i = 0; i < 5000; ++i) refitter_->Observe(signature, "attacker");
+  for (int i = 0; i < 150; ++i) refitter_->Observe(signature, "engine-a");
+  const RefitStats stats = refitter_->stats();
+  EXPECT_LE(stats.window_signatures, 400);
+  EXPECT_GE(stats.signatures_client_limited, 4700u);
+  EXPECT_EQ(stats.window_clients, 2);
+  // engine-a's 151 all fit in its half; the attacker got no more than about half.
+  EXPECT_LE(stats.window_signatures - 151, 201);
+  // A hard cap applies even to a lone client.
+  refitter_.reset();
+  options.max_client_share = 0.25;
+  fake_now += absl::Minutes(5);
+  MakeRefitter(options);
+  for (int i = 0; i < 400; ++i) refitter_->Observe(signature, "only");
+  EXPECT_EQ(refitter_->stats().window_signatures, 100);
+}
+
+// The router announces pool changes; the refitter's own thread reconciles them (no polling).
+TEST_F(RefitTest, BackgroundThreadReconcilesAnnouncedPoolChanges) {
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();  // no periodic refit: only the announcement refits
+  options.pool_change_settle = absl::Milliseconds(20);
+  MakeRefitter(options);
+  refitter_->Start();
+  RouteAll();
+  ASSERT_TRUE(router_->UpsertWorker(Worker("w4")).ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  bool zoned = false;
+  while (!zoned && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+    absl::StatusOr<CentroidArtifact> now = router_->CurrentCentroids();
+    zoned = now.ok() && std::count(now->workers.begin(), now->workers.end(), "w4") == 1;
+  }
+  EXPECT_TRUE(zoned) << refitter_->stats().last_error;
+  ASSERT_TRUE(router_->RemoveWorker("w1").ok());
+  bool absorbed = false;
+  while (!absorbed && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+    absl::StatusOr<CentroidArtifact> now = router_->CurrentCentroids();
+    absorbed = now.ok() && std::count(now->workers.begin(), now->workers.end(), "w1") == 0;
+  }
+  EXPECT_TRUE(absorbed) << refitter_->stats().last_error;
+}
+
+// An install by anyone else (an operator's reload) discards a window of another transform and
+// becomes the anchor the drift bound measures from.
+TEST_F(RefitTest, ExternalInstallOfAnotherTransformEmptiesTheWindow) {
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  MakeRefitter(options);
+  RouteAll();
+  ASSERT_GT(refitter_->stats().window_signatures, 0);
+  // Same transform again (a reload of the same file): the window stays.
+  ASSERT_TRUE(router_->InstallCentroids(*artifact_, CentroidSource::kAdmin).ok());
+  EXPECT_GT(refitter_->stats().window_signatures, 0);
+  CentroidArtifact other = *artifact_;
+  other.spec.layer_mask = {0, 1, 2};
+  other.spec.idf.assign(other.spec.idf.begin(), other.spec.idf.begin() + 3 * kExperts);
+  other.centroids.clear();
+  for (int r = 0; r < other.k; ++r) {
+    std::vector<float> row(static_cast<size_t>(3 * kExperts), 0.f);
+    row[static_cast<size_t>(r)] = 1.f;
+    other.centroids.insert(other.centroids.end(), row.begin(), row.end());
+  }
+  ASSERT_TRUE(router_->InstallCentroids(other, CentroidSource::kAdmin).ok());
+  EXPECT_EQ(refitter_->stats().window_signatures, 0);
 }
 
 TEST(RefitOptionsTest, CreateRejectsBadOptions) {

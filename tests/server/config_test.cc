@@ -54,9 +54,9 @@ TEST(WorkerList, JsonFileInBothShapes) {
 TEST(WorkerList, JsonErrorsNameTheWorkerAndField) {
   EXPECT_THAT(ParseWorkerJson("[{\"id\": \"a\"}]").status().message(), HasSubstr("address must not be empty"));
   EXPECT_THAT(ParseWorkerJson(R"([{"id": "a", "address": "h:1", "capacity": 0}])").status().message(),
-              HasSubstr("worker 'a': capacity must be a finite number > 0"));
+              HasSubstr("worker 'a': capacity must be a finite number in"));
   EXPECT_THAT(ParseWorkerJson(R"([{"id": "a", "address": "h:1", "max_inflight": -1}])").status().message(),
-              HasSubstr("max_inflight must be >= 0"));
+              HasSubstr("worker 'a': max_inflight must be in"));
   EXPECT_THAT(ParseWorkerJson(R"([{"id": "a", "address": "h:1", "capcity": 2}])").status().message(),
               HasSubstr("unknown key 'capcity'"));
   EXPECT_THAT(ParseWorkerJson(R"([{"id": 3, "address": "h:1"}])").status().message(),
@@ -78,18 +78,19 @@ TEST(ConfigJson, SetsEveryKindOfValue) {
                               &o)
                   .ok());
   EXPECT_EQ(o.listen, "127.0.0.1:7000");
-  EXPECT_EQ(o.policy, PolicyKind::kP2c);
-  EXPECT_DOUBLE_EQ(o.tau, 0.25);
-  EXPECT_EQ(o.lease_ttl, absl::Seconds(90));
-  EXPECT_EQ(o.snapshot_staleness, absl::Milliseconds(1500));
-  EXPECT_EQ(o.seed, 123u);
+  EXPECT_EQ(o.router.policy, PolicyKind::kP2c);
+  EXPECT_DOUBLE_EQ(o.router.tau, 0.25);
+  EXPECT_EQ(o.router.load.lease_ttl, absl::Seconds(90));
+  EXPECT_EQ(o.router.load.snapshot_staleness, absl::Milliseconds(1500));
+  EXPECT_EQ(o.router.seed, 123u);
+  EXPECT_EQ(o.refit.seed, 123u);  // one seed for routing and refit
   EXPECT_FALSE(o.keepalive_permit_without_calls);
   EXPECT_EQ(o.max_message_bytes, 65536);
   EXPECT_EQ(o.max_connection_age, absl::InfiniteDuration());
   EXPECT_EQ(o.log_level, LogLevel::kDebug);
   ASSERT_EQ(o.workers.size(), 1u);
   // Settings absent from the file keep their value.
-  EXPECT_EQ(o.metrics_listen, ServerOptions().metrics_listen);
+  EXPECT_EQ(o.metrics_http.listen, ServerOptions().metrics_http.listen);
 }
 
 TEST(ConfigJson, ErrorsNameTheSetting) {
@@ -110,8 +111,8 @@ TEST(ConfigJson, FlagsAppliedAfterTheFileWin) {
   ServerOptions o;
   ASSERT_TRUE(ApplyConfigJson(R"({"tau": 0.3, "policy": "jsq"})", &o).ok());
   ASSERT_TRUE(SetServerOption("tau", "0.2", &o).ok());
-  EXPECT_DOUBLE_EQ(o.tau, 0.2);
-  EXPECT_EQ(o.policy, PolicyKind::kJsq);
+  EXPECT_DOUBLE_EQ(o.router.tau, 0.2);
+  EXPECT_EQ(o.router.policy, PolicyKind::kJsq);
   EXPECT_FALSE(SetServerOption("no_such_flag", "1", &o).ok());
 }
 
@@ -141,9 +142,9 @@ TEST(Validation, DefaultsAreValidAndRangesAreChecked) {
     EXPECT_FALSE(s.ok()) << setting;
     EXPECT_THAT(s.message(), HasSubstr("'" + setting + "'"));
   };
-  check([](ServerOptions& o) { o.tau = 1.5; }, "tau");
-  check([](ServerOptions& o) { o.tau = -0.1; }, "tau");
-  check([](ServerOptions& o) { o.lease_ttl = absl::ZeroDuration(); }, "lease_ttl");
+  check([](ServerOptions& o) { o.router.tau = 1.5; }, "tau");
+  check([](ServerOptions& o) { o.router.tau = -0.1; }, "tau");
+  check([](ServerOptions& o) { o.router.load.lease_ttl = absl::ZeroDuration(); }, "lease_ttl");
   check([](ServerOptions& o) { o.tls_cert = "c.pem"; }, "tls_key");
   check([](ServerOptions& o) { o.tls_key = "k.pem"; }, "tls_cert");
   check([](ServerOptions& o) { o.tls_client_ca = "ca.pem"; }, "tls_client_ca");
@@ -163,24 +164,121 @@ TEST(Validation, DefaultsAreValidAndRangesAreChecked) {
 
 TEST(RefitSettings, ParsedCheckedAndDecideWhetherRefitRuns) {
   ServerOptions o;
-  EXPECT_EQ(o.refit_window_s, 60);
-  EXPECT_EQ(o.refit_interval_s, 10);
+  EXPECT_EQ(o.refit.window, absl::Seconds(60));
+  EXPECT_EQ(o.refit.interval, absl::Seconds(10));
   EXPECT_TRUE(RefitEnabled(o));
+  // The older spellings with a unit in the name still work, in that unit.
   ASSERT_TRUE(ApplyConfigJson(R"({"refit_window_s": 5, "refit_interval_s": 0})", &o).ok());
-  EXPECT_EQ(o.refit_window_s, 5);
-  EXPECT_EQ(o.refit_interval_s, 0);
+  EXPECT_EQ(o.refit.window, absl::Seconds(5));
+  EXPECT_EQ(o.refit.interval, absl::ZeroDuration());
   EXPECT_FALSE(RefitEnabled(o));  // no periodic refit and nothing to persist: no refitter at all
   ASSERT_TRUE(SetServerOption("state_dir", "/var/lib/eldr", &o).ok());
-  EXPECT_EQ(o.state_dir, "/var/lib/eldr");
+  EXPECT_EQ(o.refit.state_dir, "/var/lib/eldr");
   EXPECT_TRUE(RefitEnabled(o));  // pool changes still refit, and learnt centroids persist
+  ASSERT_TRUE(SetServerOption("refit_interval", "1500ms", &o).ok());
+  EXPECT_EQ(o.refit.interval, absl::Milliseconds(1500));
+  ASSERT_TRUE(SetServerOption("scrape_interval_ms", "250", &o).ok());
+  EXPECT_EQ(o.scrape.interval, absl::Milliseconds(250));
 
   ServerOptions bad;
-  bad.refit_window_s = 0;
-  EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_window_s'"));
+  bad.refit.window = absl::ZeroDuration();
+  EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_window'"));
   bad = ServerOptions();
-  bad.refit_interval_s = -1;
-  EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_interval_s'"));
+  bad.refit.interval = -absl::Seconds(1);
+  EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_interval'"));
   EXPECT_THAT(SetServerOption("refit_interval_s", "soon", &bad).message(), HasSubstr("'refit_interval_s'"));
+  bad = ServerOptions();
+  bad.refit.max_step_distance = 0;
+  EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_max_step'"));
+  bad = ServerOptions();
+  bad.refit.max_client_share = 1.5;
+  EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_max_client_share'"));
+}
+
+std::vector<const char*> Argv(std::initializer_list<const char*> args) {
+  std::vector<const char*> argv = {"eldr-router"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+TEST(CommandLine, FlagsComeFromTheOneTable) {
+  const std::string config = TempPath("cli-config.json");
+  ASSERT_TRUE(WriteFileAtomically(config, R"({"tau": 0.3, "policy": "jsq", "lease_ttl": "1m"})").ok());
+  ServerOptions o;
+  const std::string config_flag = "--config=" + config;
+  // The file applies first wherever it stands; flags override it in order.
+  auto argv = Argv({"--tau=0.2", config_flag.c_str(), "--nokeepalive_permit_without_calls", "--seed", "0x10",
+                    "-lease_ttl=2m", "--refit_interval_s=3"});
+  absl::StatusOr<CommandLine> parsed = ParseCommandLine(static_cast<int>(argv.size()), argv.data(), &o);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_FALSE(parsed->help);
+  EXPECT_DOUBLE_EQ(o.router.tau, 0.2);
+  EXPECT_EQ(o.router.policy, PolicyKind::kJsq);
+  EXPECT_EQ(o.router.load.lease_ttl, absl::Minutes(2));
+  EXPECT_FALSE(o.keepalive_permit_without_calls);
+  EXPECT_EQ(o.router.seed, 16u);
+  EXPECT_EQ(o.refit.interval, absl::Seconds(3));
+
+  auto help = Argv({"--help"});
+  EXPECT_TRUE(ParseCommandLine(2, help.data(), &o)->help);
+  for (const auto& [args, expected] : std::vector<std::pair<std::vector<const char*>, std::string>>{
+           {{"--no_such_flag=1"}, "unknown flag --no_such_flag"},
+           {{"stray"}, "unexpected argument 'stray'"},
+           {{"--tau"}, "--tau needs a value"},
+           {{"--tau=wide"}, "'tau'"},
+           {{"--nolisten"}, "unknown flag --nolisten"}}) {
+    std::vector<const char*> argv2 = {"eldr-router"};
+    argv2.insert(argv2.end(), args.begin(), args.end());
+    ServerOptions fresh;
+    const absl::StatusOr<CommandLine> bad = ParseCommandLine(static_cast<int>(argv2.size()), argv2.data(), &fresh);
+    EXPECT_FALSE(bad.ok()) << args[0];
+    EXPECT_THAT(bad.status().message(), HasSubstr(expected)) << args[0];
+  }
+  // --help documents every setting with its default.
+  const std::string usage = UsageText();
+  for (const std::string& key : ServerOptionKeys()) EXPECT_THAT(usage, HasSubstr("--" + key + "=")) << key;
+  EXPECT_THAT(usage, HasSubstr("(default: 0.1)"));
+}
+
+TEST(Validation, AdminIsNotReachableFromTheNetworkWithoutCredentials) {
+  ServerOptions o;
+  EXPECT_TRUE(IsLoopbackAddress(o.admin_listen)) << o.admin_listen;
+  EXPECT_TRUE(ValidateServerOptions(o).ok());
+  for (const char* address : {"0.0.0.0:50052", "10.1.2.3:50052", "[::]:50052", "admin.example.com:1"}) {
+    ServerOptions exposed;
+    exposed.admin_listen = address;
+    const absl::Status s = ValidateServerOptions(exposed);
+    EXPECT_FALSE(s.ok()) << address;
+    EXPECT_THAT(s.message(), HasSubstr("without credentials")) << address;
+    exposed.admin_token_file = "/etc/eldr/admin-token";
+    EXPECT_TRUE(ValidateServerOptions(exposed).ok()) << address;
+    exposed.admin_token_file.clear();
+    exposed.allow_insecure_admin = true;
+    EXPECT_TRUE(ValidateServerOptions(exposed).ok()) << address;
+  }
+  // Admin on the data plane (admin_listen empty) follows the data plane's address.
+  ServerOptions on_data_plane;
+  on_data_plane.admin_listen.clear();
+  EXPECT_FALSE(ValidateServerOptions(on_data_plane).ok());  // listen defaults to 0.0.0.0
+  on_data_plane.listen = "127.0.0.1:50051";
+  EXPECT_TRUE(ValidateServerOptions(on_data_plane).ok());
+  for (const char* loopback : {"127.0.0.1:1", "127.5.6.7:1", "localhost:1", "[::1]:1", "unix:/run/eldr.sock"}) {
+    EXPECT_TRUE(IsLoopbackAddress(loopback)) << loopback;
+  }
+  for (const char* remote : {"0.0.0.0:1", "128.0.0.1:1", "127.0.0.1.example.com:1", "[::]:1", ":1"}) {
+    EXPECT_FALSE(IsLoopbackAddress(remote)) << remote;
+  }
+}
+
+TEST(Validation, WorkerAddressesAndCapacitiesAreChecked) {
+  EXPECT_THAT(ParseWorkerList("a=attacker:6666\nHost: x").status().message(), HasSubstr("address"));
+  EXPECT_THAT(ParseWorkerJson(R"([{"id": "a", "address": "h:1\nX-Evil: 1"}])").status().message(),
+              HasSubstr("address"));
+  EXPECT_THAT(ParseWorkerJson(R"([{"id": "a", "address": "h:1", "capacity": 1e-300}])").status().message(),
+              HasSubstr("capacity"));
+  EXPECT_THAT(ParseWorkerJson(R"([{"id": "a", "address": "h:99999"}])").status().message(), HasSubstr("port"));
+  EXPECT_THAT(ParseWorkerJson(R"([{"id": "a b", "address": "h:1"}])").status().message(), HasSubstr("id"));
+  EXPECT_TRUE(ParseWorkerJson(R"([{"id": "decode-0", "address": "[fd00::1]:8000"}])").ok());
 }
 
 }  // namespace

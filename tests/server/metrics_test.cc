@@ -1,5 +1,7 @@
 #include "server/metrics.h"
 
+#include <limits>
+
 #include <memory>
 #include <string>
 
@@ -8,6 +10,7 @@
 #include "eldr/core/router.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/prometheus_util.h"
 
 namespace eldr::server {
 namespace {
@@ -18,7 +21,7 @@ using ::testing::Not;
 std::unique_ptr<Router> TwoWorkerRouter() {
   RouterOptions options;
   options.policy = PolicyKind::kJsq;
-  auto router = Router::Create(options, {WorkerSpec{"w0", "h:0"}, WorkerSpec{"w1", "h:1"}});
+  auto router = Router::Create(options, {WorkerSpec{"w0", "h:1"}, WorkerSpec{"w1", "h:2"}});
   EXPECT_TRUE(router.ok()) << router.status();
   return *std::move(router);
 }
@@ -37,7 +40,10 @@ TEST(ServerMetrics, RouteOutcomesFallbacksAndRejectionsAreCounted) {
   metrics.RecordRouteFailure(PolicyKind::kEldr, InvalidInput(RejectReason::kGeometry, "bad"), 1e-6);
   metrics.RecordRouteFailure(PolicyKind::kEldr, absl::UnavailableError("no worker"), 1e-6);
   metrics.RecordComplete(false);
-  metrics.RecordAdminRefused(true);
+  metrics.RecordAuthRefused(AuthPlane::kAdmin, true);
+  metrics.RecordAuthRefused(AuthPlane::kData, false);
+  metrics.RecordCentroidInstall(CentroidSource::kRefit, true);
+  metrics.RecordCentroidInstall(CentroidSource::kAdmin, false);
 
   const std::string text = metrics.RenderText();
   EXPECT_THAT(text, HasSubstr("eldr_route_requests_total{outcome=\"ok\",policy=\"eldr\"} 1"));
@@ -53,6 +59,10 @@ TEST(ServerMetrics, RouteOutcomesFallbacksAndRejectionsAreCounted) {
   EXPECT_THAT(text, HasSubstr("eldr_route_similarity_sum 0.5"));
   EXPECT_THAT(text, HasSubstr("eldr_complete_requests_total{outcome=\"not_found\"} 1"));
   EXPECT_THAT(text, HasSubstr("eldr_admin_refused_total{code=\"unauthenticated\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_data_plane_refused_total{code=\"permission_denied\",plane=\"data\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_centroid_reloads_total{outcome=\"ok\",source=\"refit\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_centroid_reloads_total{outcome=\"error\",source=\"admin\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_rejected_total{reason=\"out_of_range\"} 0"));
 }
 
 TEST(ServerMetrics, DurationBucketsSpanOneMicrosecondToTenMilliseconds) {
@@ -73,7 +83,7 @@ TEST(ServerMetrics, WorkerStateIsReadFromTheRouterAtScrapeTime) {
   snapshot.running = 4;
   snapshot.waiting = 1;
   snapshot.taken_at = absl::Now();
-  ASSERT_TRUE(router->ReportLoad("w1", snapshot).ok());
+  ASSERT_TRUE(router->ReportLoad("w1", snapshot, absl::Now()).ok());
 
   std::string text = metrics.RenderText();
   EXPECT_THAT(text, HasSubstr("eldr_worker_inflight{worker=\"" + routed->worker_id + "\"} 1"));
@@ -83,6 +93,7 @@ TEST(ServerMetrics, WorkerStateIsReadFromTheRouterAtScrapeTime) {
   EXPECT_THAT(text, HasSubstr("eldr_centroid_generation 0"));
   EXPECT_THAT(text, HasSubstr("eldr_live_leases 1"));
   EXPECT_THAT(text, HasSubstr("eldr_leases_expired_total 0"));
+  EXPECT_THAT(text, HasSubstr("eldr_leases_evicted_total 0"));
   EXPECT_THAT(text, HasSubstr("process_resident_memory_bytes"));
   EXPECT_THAT(text, HasSubstr("process_open_fds"));
 
@@ -92,16 +103,14 @@ TEST(ServerMetrics, WorkerStateIsReadFromTheRouterAtScrapeTime) {
   EXPECT_THAT(text, Not(HasSubstr("worker=\"w1\"")));
 }
 
-TEST(ServerMetrics, ExposerBindsOnceAndReportsItsPort) {
-  ServerMetrics metrics;
-  auto port = metrics.StartExposer("127.0.0.1:0");
-  ASSERT_TRUE(port.ok()) << port.status();
-  EXPECT_GT(*port, 0);
-  EXPECT_FALSE(metrics.StartExposer("127.0.0.1:0").ok());
-  ServerMetrics other;
-  const auto busy = other.StartExposer("127.0.0.1:" + std::to_string(*port));
-  EXPECT_FALSE(busy.ok());
-  EXPECT_THAT(busy.status().message(), HasSubstr("metrics_listen"));
+// The prometheus helpers never export a non-finite value (a sample is dropped instead).
+TEST(ServerMetrics, NonFiniteValuesNeverReachTheExposition) {
+  prometheus::MetricFamily family = MetricFamily("x", "help", prometheus::MetricType::Gauge);
+  AddSample(&family, std::numeric_limits<double>::infinity());
+  AddSample(&family, std::numeric_limits<double>::quiet_NaN());
+  AddSample(&family, 2.5);
+  ASSERT_EQ(family.metric.size(), 1u);
+  EXPECT_DOUBLE_EQ(family.metric[0].gauge.value, 2.5);
 }
 
 }  // namespace

@@ -55,9 +55,11 @@ eldr::v1::RouteRequest ExpertRequest(int expert) {
 ServerOptions Options(int workers) {
   ServerOptions o;
   o.listen = "127.0.0.1:0";
-  o.metrics_listen = "";
+  o.admin_listen = "127.0.0.1:0";
+  o.metrics_http.listen = "";
   o.log_level = LogLevel::kWarning;
   for (int i = 0; i < workers; ++i) o.workers.push_back(WorkerSpec{absl::StrCat("w", i), absl::StrCat("h", i, ":1")});
+  o.refit.interval = absl::ZeroDuration();
   return o;
 }
 
@@ -123,16 +125,18 @@ TEST(ConstantTimeEquals, ComparesWholeStrings) {
   EXPECT_TRUE(ConstantTimeEquals("", ""));
 }
 
-TEST(AdminAuthorizer, NeedsAReadableNonEmptyTokenAndKeepsTheOldOneOnABadReload) {
-  EXPECT_FALSE(AdminAuthorizer::Create(absl::StrCat(::testing::TempDir(), "/no-token")).ok());
+TEST(BearerTokenFile, NeedsAReadableNonEmptyTokenAndKeepsTheOldOneOnABadReload) {
+  EXPECT_FALSE(BearerTokenFile::Create("admin_token_file", absl::StrCat(::testing::TempDir(), "/no-token")).ok());
+  EXPECT_THAT(BearerTokenFile::Create("admin_token_file", "/dev/zero").status().message(),
+              HasSubstr("admin_token_file"));
   const std::string path = absl::StrCat(::testing::TempDir(), "/token");
   ASSERT_TRUE(WriteFileAtomically(path, "  abc \n").ok());
-  auto auth = AdminAuthorizer::Create(path);
+  auto auth = BearerTokenFile::Create("admin_token_file", path);
   ASSERT_TRUE(auth.ok()) << auth.status();
   EXPECT_TRUE((*auth)->enabled());
   ASSERT_TRUE(WriteFileAtomically(path, "\n").ok());
   EXPECT_THAT((*auth)->Reload().message(), HasSubstr("empty"));
-  auto disabled = AdminAuthorizer::Create("");
+  auto disabled = BearerTokenFile::Create("admin_token_file", "");
   ASSERT_TRUE(disabled.ok());
   EXPECT_FALSE((*disabled)->enabled());
 }
@@ -185,13 +189,26 @@ TEST(RouterServer, ServesRoutesAndTracksHealthInProcess) {
   }
   EXPECT_EQ(response.fallback_reason(), "no_centroids");
 
-  auto installed = (*server)->ReloadCentroids("", nullptr);
-  EXPECT_EQ(installed.status().code(), absl::StatusCode::kFailedPrecondition) << "no --centroids configured";
-  const std::string json = SerializeCentroidArtifact(Artifact(3));
-  auto reloaded = (*server)->ReloadCentroids("", &json);
-  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
-  EXPECT_EQ(reloaded->first, 1u);
-  EXPECT_EQ(reloaded->second, 3);
+  auto admin = eldr::v1::RouterAdmin::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*server)->admin_port()), grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext ctx;
+    eldr::v1::ReloadCentroidsRequest reload;
+    reload.set_path("");
+    eldr::v1::ReloadCentroidsResponse reloaded;
+    EXPECT_EQ(admin->ReloadCentroids(&ctx, reload, &reloaded).error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+        << "no --centroids configured";
+  }
+  {
+    grpc::ClientContext ctx;
+    eldr::v1::ReloadCentroidsRequest reload;
+    reload.set_artifact_json(SerializeCentroidArtifact(Artifact(3)));
+    eldr::v1::ReloadCentroidsResponse reloaded;
+    const grpc::Status status = admin->ReloadCentroids(&ctx, reload, &reloaded);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(reloaded.centroid_generation(), 1u);
+    EXPECT_EQ(reloaded.rows(), 3);
+  }
   EXPECT_TRUE((*server)->serving());
   {
     grpc::ClientContext ctx;
@@ -232,15 +249,17 @@ TEST(RouterServer, AFailingComponentAbortsStartAndStopsTheOthers) {
   EXPECT_THAT(journal.events, ElementsAre("start a", "start broken", "stop a"));
 }
 
-TEST(RouterServer, ComponentsInstallCentroidsAndObserveSignatures) {
-  std::atomic<int> observed{0};
-  std::atomic<int> observed_dim{0};
+TEST(RouterServer, ComponentsInstallCentroidsAndObserveTheRouter) {
+  struct SignatureCounter : RouterObserver {
+    std::atomic<int> observed{0};
+    std::atomic<int> observed_dim{0};
+    void OnSignatureRouted(const RoutedSignature& routed) override {
+      observed_dim = static_cast<int>(routed.signature.size());
+      if (routed.worker_id == "w1") ++observed;
+    }
+  } counter;
   ComponentContext captured;
   ServerExtensions extensions;
-  extensions.on_signature = [&](absl::Span<const float> signature, const std::string& worker) {
-    observed_dim = static_cast<int>(signature.size());
-    if (worker == "w1") ++observed;
-  };
   extensions.components.push_back(
       [&captured](const ComponentContext& context) -> absl::StatusOr<std::unique_ptr<BackgroundComponent>> {
         captured = context;
@@ -251,7 +270,10 @@ TEST(RouterServer, ComponentsInstallCentroidsAndObserveSignatures) {
   ASSERT_NE(captured.router, nullptr);
   ASSERT_NE(captured.metrics, nullptr);
   ASSERT_NE(captured.options, nullptr);
-  auto generation = captured.install_centroids(Artifact(2));
+  ASSERT_NE(captured.loader, nullptr);
+  captured.router->AddObserver(&counter);
+  // Components install through the one door; the server logs, counts and re-evaluates health.
+  auto generation = captured.router->InstallCentroids(Artifact(2), CentroidSource::kApi);
   ASSERT_TRUE(generation.ok()) << generation.status();
   EXPECT_EQ(*generation, 1u);
   ASSERT_TRUE((*server)->Start().ok());
@@ -263,16 +285,18 @@ TEST(RouterServer, ComponentsInstallCentroidsAndObserveSignatures) {
   grpc::ClientContext ctx;
   ASSERT_TRUE(stub->Route(&ctx, ExpertRequest(1), &response).ok());
   EXPECT_EQ(response.worker_id(), "w1");
-  EXPECT_EQ(observed.load(), 1);
-  EXPECT_EQ(observed_dim.load(), kLayers * kExperts);
+  EXPECT_EQ(counter.observed.load(), 1);
+  EXPECT_EQ(counter.observed_dim.load(), kLayers * kExperts);
   // Components register metrics on the shared registry.
-  EXPECT_THAT(captured.metrics->RenderText(), HasSubstr("eldr_centroid_reloads_total{outcome=\"ok\"} 1"));
+  EXPECT_THAT(captured.metrics->RenderText(),
+              HasSubstr("eldr_centroid_reloads_total{outcome=\"ok\",source=\"api\"} 1"));
   (*server)->Shutdown();
+  captured.router->RemoveObserver(&counter);
 }
 
 TEST(RouterServer, CreateReportsConfigurationErrors) {
   ServerOptions bad_tau = Options(1);
-  bad_tau.tau = 2;
+  bad_tau.router.tau = 2;
   EXPECT_THAT(RouterServer::Create(bad_tau).status().message(), HasSubstr("'tau'"));
 
   ServerOptions mismatch = Options(2);

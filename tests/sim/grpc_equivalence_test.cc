@@ -10,7 +10,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "sim/experiment.h"
-#include "sim/process_util.h"
+#include "testing/process.h"
 #include "sim/workload.h"
 
 namespace eldr::sim {
@@ -57,7 +57,8 @@ TEST(GrpcEquivalenceTest, DaemonMakesTheSameDecisionsAsTheLibrary) {
   absl::StatusOr<ExperimentResult> local = RunExperiment(*workload, Options());
   ASSERT_TRUE(local.ok()) << local.status();
 
-  const std::string dir = testing::MakeTempDir();
+  const ::eldr::testing::TempDir temp;
+  const std::string dir = temp.path();
   nlohmann::json workers;
   for (int i = 0; i < kDecoders; ++i) {
     workers["workers"].push_back({{"id", "sim-" + std::to_string(i)},
@@ -65,14 +66,15 @@ TEST(GrpcEquivalenceTest, DaemonMakesTheSameDecisionsAsTheLibrary) {
                                   {"max_inflight", kMaxInflight}});
   }
   std::ofstream(dir + "/workers.json") << workers.dump();
-  absl::StatusOr<std::unique_ptr<testing::RouterDaemon>> daemon = testing::RouterDaemon::Start(
-      dir, {"--workers=" + dir + "/workers.json", "--policy=eldr", "--tau=0.1"});
+  absl::StatusOr<::eldr::testing::RouterChild> daemon =
+      ::eldr::testing::StartRouter(temp, {"--workers=" + dir + "/workers.json", "--policy=eldr", "--tau=0.1"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
 
   ExperimentOptions remote_options = Options();
-  remote_options.grpc_target = (*daemon)->target();
+  remote_options.grpc_target = "127.0.0.1:" + std::to_string(daemon->ports.grpc);
+  remote_options.grpc_admin_target = "127.0.0.1:" + std::to_string(daemon->ports.admin);
   absl::StatusOr<ExperimentResult> remote = RunExperiment(*workload, remote_options);
-  ASSERT_TRUE(remote.ok()) << remote.status() << "\n" << (*daemon)->Log();
+  ASSERT_TRUE(remote.ok()) << remote.status() << "\n" << daemon->process->Log();
 
   ASSERT_EQ(local->cells.size(), remote->cells.size());
   int eldr_cells = 0, guarded_routes = 0;

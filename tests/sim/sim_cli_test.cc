@@ -8,15 +8,20 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "sim/process_util.h"
+#include "testing/process.h"
 
 namespace eldr::sim {
 namespace {
 
 using ::testing::HasSubstr;
-using testing::BinaryPath;
-using testing::CommandResult;
-using testing::RunCommand;
+using ::eldr::testing::BinaryPath;
+using ::eldr::testing::ProcessResult;
+
+// The test harness runs a binary by path; argv[0] is the binary here.
+ProcessResult RunCommand(const std::vector<std::string>& argv, double timeout_s) {
+  return ::eldr::testing::RunProcess(argv[0], std::vector<std::string>(argv.begin() + 1, argv.end()),
+                                     absl::Seconds(timeout_s));
+}
 
 std::string TraceDir() {
   const char* data = std::getenv("ELDR_DATA_DIR");
@@ -30,22 +35,22 @@ std::vector<std::string> SmallSynthetic(const std::string& seed) {
           "--prompt_tokens_mean=64", "--output_tokens_mean=32", "--seed=" + seed, "--quiet"};
 }
 
-CommandResult Sim(std::vector<std::string> argv, std::vector<std::string> extra = {}) {
+ProcessResult Sim(std::vector<std::string> argv, std::vector<std::string> extra = {}) {
   argv.insert(argv.end(), extra.begin(), extra.end());
   return RunCommand(argv, 240);
 }
 
 TEST(SimCliTest, SameSeedSameJsonOtherSeedOtherJson) {
-  const CommandResult first = Sim(SmallSynthetic("7"), {"--json"});
-  const CommandResult second = Sim(SmallSynthetic("7"), {"--json"});
-  const CommandResult other = Sim(SmallSynthetic("8"), {"--json"});
-  ASSERT_EQ(first.exit_code, 0) << first.err;
-  ASSERT_EQ(second.exit_code, 0) << second.err;
-  ASSERT_EQ(other.exit_code, 0) << other.err;
-  EXPECT_EQ(first.out, second.out);
-  EXPECT_NE(first.out, other.out);
+  const ProcessResult first = Sim(SmallSynthetic("7"), {"--json"});
+  const ProcessResult second = Sim(SmallSynthetic("7"), {"--json"});
+  const ProcessResult other = Sim(SmallSynthetic("8"), {"--json"});
+  ASSERT_EQ(first.exit_code, 0) << first.stderr_text;
+  ASSERT_EQ(second.exit_code, 0) << second.stderr_text;
+  ASSERT_EQ(other.exit_code, 0) << other.stderr_text;
+  EXPECT_EQ(first.stdout_text, second.stdout_text);
+  EXPECT_NE(first.stdout_text, other.stdout_text);
 
-  const nlohmann::json json = nlohmann::json::parse(first.out);
+  const nlohmann::json json = nlohmann::json::parse(first.stdout_text);
   ASSERT_TRUE(json["results"].is_array());
   // 2 rates x 6 default policies, each with the documented keys.
   ASSERT_EQ(json["results"].size(), 12u);
@@ -62,17 +67,18 @@ TEST(SimCliTest, SameSeedSameJsonOtherSeedOtherJson) {
 }
 
 TEST(SimCliTest, RealTracesTableCsvAndFigure) {
-  const std::string dir = testing::MakeTempDir();
+  const ::eldr::testing::TempDir temp;
+  const std::string dir = temp.path();
   const std::string png = dir + "/figure.png", csv = dir + "/out.csv";
-  const CommandResult run =
+  const ProcessResult run =
       Sim({BinaryPath("eldr-sim"), "--trace=" + TraceDir(), "--prefill_fraction=0.5",
            "--decoders=4", "--requests=400", "--rates=40,100", "--policies=jsq,eldr", "--quiet",
            "--plot=" + png, "--csv_out=" + csv});
-  ASSERT_EQ(run.exit_code, 0) << run.err;
-  EXPECT_THAT(run.out, HasSubstr("rate 40 req/s"));
-  EXPECT_THAT(run.out, HasSubstr("rate 100 req/s"));
-  EXPECT_THAT(run.out, HasSubstr("eldr"));
-  EXPECT_THAT(run.out, HasSubstr("figure written to " + png));
+  ASSERT_EQ(run.exit_code, 0) << run.stderr_text;
+  EXPECT_THAT(run.stdout_text, HasSubstr("rate 40 req/s"));
+  EXPECT_THAT(run.stdout_text, HasSubstr("rate 100 req/s"));
+  EXPECT_THAT(run.stdout_text, HasSubstr("eldr"));
+  EXPECT_THAT(run.stdout_text, HasSubstr("figure written to " + png));
 
   std::ifstream figure(png, std::ios::binary);
   std::string magic(8, '\0');
@@ -101,9 +107,9 @@ class SimCliBadInputTest : public ::testing::TestWithParam<BadInvocation> {};
 TEST_P(SimCliBadInputTest, FailsWithAClearMessage) {
   std::vector<std::string> argv = {BinaryPath("eldr-sim"), "--quiet"};
   argv.insert(argv.end(), GetParam().flags.begin(), GetParam().flags.end());
-  const CommandResult run = RunCommand(argv, 60);
+  const ProcessResult run = RunCommand(argv, 60);
   EXPECT_NE(run.exit_code, 0);
-  EXPECT_THAT(run.err, HasSubstr(GetParam().message)) << run.err;
+  EXPECT_THAT(run.stderr_text, HasSubstr(GetParam().message)) << run.stderr_text;
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -1,11 +1,11 @@
-// Offline calibration (DESIGN.md, algorithm steps 1 and 2) and the pieces online refit reuses:
+// Offline calibration (docs/calibration.md) and the pieces online refit reuses:
 // IDF weights, greedy layer mask, balanced spherical k-means with an exact capacity-constrained
 // assignment solved as min-cost flow. docs/calibration.md describes the method and the formats.
 //
 // Thread-safety: every function is a pure computation over its arguments (no global state), safe
 // to call from several threads at once. Results are deterministic for a given input and seed.
-#ifndef ELDR_CALIBRATION_H_
-#define ELDR_CALIBRATION_H_
+#ifndef ELDR_CALIB_CALIBRATION_H_
+#define ELDR_CALIB_CALIBRATION_H_
 
 #include <cstdint>
 #include <string>
@@ -281,4 +281,4 @@ std::string CalibrationReportJson(const CalibrationResult& result, const Calibra
 
 }  // namespace eldr
 
-#endif  // ELDR_CALIBRATION_H_
+#endif  // ELDR_CALIB_CALIBRATION_H_

@@ -4,8 +4,8 @@
 // `k`, `variant`, `layer_mask`, `sig_idf`, `centroids` (k unit rows), `model`, `seed`, and the
 // optional `workers` (the worker id of each row). Other keys of the reference (`algo`, `m`, `n_fit`,
 // `sig_dtype`, `layer_select`, hashes, ...) are accepted and ignored.
-#ifndef ELDR_CENTROID_ARTIFACT_H_
-#define ELDR_CENTROID_ARTIFACT_H_
+#ifndef ELDR_CORE_CENTROID_ARTIFACT_H_
+#define ELDR_CORE_CENTROID_ARTIFACT_H_
 
 #include <cstdint>
 #include <string>
@@ -57,4 +57,4 @@ absl::Status SaveCentroidArtifact(const CentroidArtifact& artifact, const std::s
 
 }  // namespace eldr
 
-#endif  // ELDR_CENTROID_ARTIFACT_H_
+#endif  // ELDR_CORE_CENTROID_ARTIFACT_H_

@@ -9,8 +9,8 @@
 //    reduced space for the top candidates, which are then re-scored exactly at full dimension.
 // Batches of many signatures (simulator, refit, calibration) go through ScoreBatch (sgemm).
 // Measurements behind every default: docs/benchmarks.md, "Routing core microbenchmarks".
-#ifndef ELDR_CENTROID_INDEX_H_
-#define ELDR_CENTROID_INDEX_H_
+#ifndef ELDR_CORE_CENTROID_INDEX_H_
+#define ELDR_CORE_CENTROID_INDEX_H_
 
 #include <memory>
 #include <string>
@@ -118,4 +118,4 @@ void ScoreAllPairs(absl::Span<const float> a, int n, absl::Span<const float> b, 
 
 }  // namespace eldr
 
-#endif  // ELDR_CENTROID_INDEX_H_
+#endif  // ELDR_CORE_CENTROID_INDEX_H_

@@ -1,12 +1,13 @@
 // Input rejections carry a machine-readable reason next to the human message, so every front end
 // (gRPC server, tools, simulator) can count rejections by reason without parsing messages.
-#ifndef ELDR_ERRORS_H_
-#define ELDR_ERRORS_H_
+#ifndef ELDR_CORE_ERRORS_H_
+#define ELDR_CORE_ERRORS_H_
 
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace eldr {
 
@@ -21,10 +22,14 @@ enum class RejectReason {
   kMalformed,       // unparsable artifact, worker file, config or payload
   kUnknownWorker,   // a worker id that is not in the pool
   kOversized,       // larger than the configured limit
+  kOutOfRange,      // a number outside its documented range (capacity, load, port, ...)
   kOther,
 };
 
 absl::string_view RejectReasonLabel(RejectReason reason);
+
+// Every reason, in declaration order (for metric series created up front).
+absl::Span<const RejectReason> AllRejectReasons();
 
 // An absl::Status with `code` and `message` that carries `reason` as a payload.
 absl::Status MakeInputError(absl::StatusCode code, RejectReason reason, absl::string_view message);
@@ -37,4 +42,4 @@ RejectReason RejectReasonOf(const absl::Status& status);
 
 }  // namespace eldr
 
-#endif  // ELDR_ERRORS_H_
+#endif  // ELDR_CORE_ERRORS_H_

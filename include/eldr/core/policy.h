@@ -3,8 +3,8 @@
 // All policies share one interface and are selectable by name. They are pure decision functions
 // over a snapshot (PolicyInput); the Router owns the state. Not thread-safe by themselves: the
 // Router serialises Pick calls (rr counters and the seeded generator live in the policy).
-#ifndef ELDR_POLICY_H_
-#define ELDR_POLICY_H_
+#ifndef ELDR_CORE_POLICY_H_
+#define ELDR_CORE_POLICY_H_
 
 #include <cstdint>
 #include <memory>
@@ -14,7 +14,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "eldr/core/centroid_index.h"
 
 namespace eldr {
 
@@ -44,13 +43,19 @@ struct WorkerLoadView {
   bool eligible = true;      // routable (not draining, healthy, or fail-open)
 };
 
+// A locality candidate: a worker (index into PolicyInput::workers) and its centroid's exact score.
+struct WorkerScore {
+  int worker = 0;
+  float score = 0.f;
+};
+
 struct PolicyInput {
   absl::Span<const WorkerLoadView> workers;
-  // Locality candidates for eldr: worker index (into `workers`) and exact score. Workers without a
-  // centroid are absent. Empty when there is no usable signature.
-  absl::Span<const ScoredRow> scores;
+  // Locality candidates for eldr. Workers without a centroid are absent. Empty when there is no
+  // usable signature.
+  absl::Span<const WorkerScore> candidates;
   double tau = 0.1;
-  // Why `scores` is empty, reported by eldr as its fallback (it then decides as jsq): the caller
+  // Why `candidates` is empty, reported by eldr as its fallback (it then decides as jsq): the caller
   // knows whether the request had no signature, a zero one, or no centroids were loaded.
   FallbackReason no_scores_reason = FallbackReason::kNoSignature;
 };
@@ -58,7 +63,7 @@ struct PolicyInput {
 // eldr: the band is every eligible candidate whose score >= best - tau (best = the highest score
 // among eligible candidates; band_size counts them); members at their in-flight limit cannot be
 // picked; the least load/capacity member wins, ties at random. If every band member is at its limit, the request spills to the
-// least loaded eligible worker overall (fallback kOverload, used = jsq). If `scores` is empty,
+// least loaded eligible worker overall (fallback kOverload, used = jsq). If `candidates` is empty,
 // fallback = no_scores_reason; if no candidate is eligible, fallback = kNoEligibleCentroid; both
 // decide as jsq.
 // rr: next eligible worker in index order. random: uniform over eligible workers. jsq: least
@@ -86,4 +91,4 @@ std::unique_ptr<RoutingPolicy> MakePolicy(PolicyKind kind, uint64_t seed);
 
 }  // namespace eldr
 
-#endif  // ELDR_POLICY_H_
+#endif  // ELDR_CORE_POLICY_H_

@@ -3,58 +3,107 @@
 // Route: transform the signature, score it against the current centroid set, read the workers'
 // effective loads, let the policy pick, take a lease. Complete: release the lease.
 //
+// Every change of state goes through one method that says what it did (UpsertWorker: created or
+// updated; RemoveWorker: the leases dropped; InstallCentroids: the new generation) and is announced
+// to the registered RouterObservers, so components react to changes instead of polling for them.
+// InstallCentroids is the one door for centroids: startup files, reloads, refits and every later
+// source install through it, and observers see each install and each refusal with its source.
+//
 // Thread-safety: every method is safe to call from many threads at once. The centroid set
 // (transform + index + row -> worker mapping) is immutable and swapped atomically by
 // InstallCentroids: a Route that started before the swap finishes on the old set, later ones use
 // the new set, and no Route ever waits for a set to be built. Worker table and loads are guarded
 // by a mutex that is held only for the short decision itself, never for transform or scoring.
-#ifndef ELDR_ROUTER_H_
-#define ELDR_ROUTER_H_
+// Mutations (workers, centroids, health) are serialised among themselves, and their observer
+// notifications are delivered in the order the mutations happened (see RouterObserver).
+#ifndef ELDR_CORE_ROUTER_H_
+#define ELDR_CORE_ROUTER_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "eldr/core/centroid_artifact.h"
 #include "eldr/core/centroid_index.h"
-#include "eldr/core/load_tracker.h"
 #include "eldr/core/policy.h"
 #include "eldr/core/signature.h"
+#include "eldr/core/worker_load.h"
 
 namespace eldr {
 
 struct WorkerSpec {
-  std::string id;           // unique, non-empty
-  std::string address;      // host:port the caller sends the KV handoff to (opaque to the router)
-  double capacity = 1.0;    // capacity weight (> 0): load is divided by it, clusters scale with it
+  std::string id;           // unique; see ValidateWorkerSpec
+  std::string address;      // host:port the caller sends the KV handoff to
+  double capacity = 1.0;    // capacity weight: load is divided by it, clusters scale with it
   int64_t max_inflight = 0; // 0: no limit; at the limit a worker leaves the band (overload guard)
-  std::string metrics_url;  // the worker's Prometheus page for load scraping; empty: none (opaque to the router)
+  std::string metrics_url;  // the worker's Prometheus page for load scraping; empty: none
 };
+
+// Limits of ValidateWorkerSpec.
+inline constexpr size_t kMaxWorkerIdBytes = 253;       // a DNS name / Kubernetes pod name
+inline constexpr size_t kMaxWorkerAddressBytes = 270;  // a DNS name, ':' and a port
+inline constexpr size_t kMaxMetricsUrlBytes = 2048;
+inline constexpr double kMinWorkerCapacity = 1e-3;
+inline constexpr double kMaxWorkerCapacity = 1e6;
+inline constexpr int64_t kMaxWorkerInflightLimit = 1'000'000'000;
+
+// The one set of rules for a worker, used by the router, the config parser and every front end:
+//  - id: 1 to kMaxWorkerIdBytes of letters, digits and . _ - : @ / +
+//  - address: host:port, host a DNS name (letters, digits, '-', '_', '.'), a dotted IPv4 address
+//    or a bracketed IPv6 address; port 1-65535. No spaces, control characters or schemes;
+//  - capacity: finite, in [kMinWorkerCapacity, kMaxWorkerCapacity];
+//  - max_inflight: in [0, kMaxWorkerInflightLimit];
+//  - metrics_url: empty, or at most kMaxMetricsUrlBytes of printable ASCII without spaces
+//    (the load scraper checks its scheme and form).
+// INVALID_ARGUMENT (RejectReason kMalformed, or kOutOfRange for numbers) naming the worker and field.
+absl::Status ValidateWorkerSpec(const WorkerSpec& spec);
 
 enum class WorkerState { kActive, kDraining };
 
 struct RouterOptions {
   PolicyKind policy = PolicyKind::kEldr;
-  double tau = 0.1;                       // locality band width, in [0, 1]
-  uint64_t seed = 0x5eed;                 // tie-breaking and sampling generator seed
-  LoadTrackerOptions load;                // lease TTL, snapshot staleness
-  CentroidIndexOptions index;             // exact vs FAISS crossover and its parameters
-  // Called (outside any router lock, on the routing thread) with every accepted, transformed
-  // signature and the worker it was routed to; used by online refit to keep its rolling window.
-  // The span is valid only during the call (copy it to keep it). May be empty.
-  std::function<void(absl::Span<const float> signature, const std::string& worker)> on_signature;
+  double tau = 0.1;          // locality band width, in [0, 1]
+  uint64_t seed = 0x5eed;    // tie-breaking and sampling generator seed
+  LoadOptions load;          // lease TTL, snapshot staleness
+  CentroidIndexOptions index;  // exact vs FAISS crossover and its parameters
+  // Live leases at most (>= 1). At the limit a new route first releases the oldest live lease of
+  // the pool (counted in RouterState::leases_evicted_total), so a caller that never completes
+  // cannot grow the router's memory without bound and routing goes on.
+  int64_t max_live_leases = 1'000'000;
+};
+
+// Where a centroid set came from: a closed set, used as a log field and a metric label.
+enum class CentroidSource {
+  kApi,        // an in-process caller (tools, simulator, tests)
+  kStartup,    // the configured artifact at start
+  kStateDir,   // the persisted refit state at start
+  kSignal,     // SIGHUP
+  kAdmin,      // the ReloadCentroids admin RPC
+  kFileWatch,  // the watched artifact file changed
+  kRefit,      // online refit
+};
+absl::string_view CentroidSourceLabel(CentroidSource source);  // "api", "startup", ...
+absl::Span<const CentroidSource> AllCentroidSources();
+
+// What Route is asked.
+struct RouteInput {
+  const SignatureInput* signature = nullptr;  // null: no signature (eldr falls back to jsq)
+  absl::Time now;
+  // Who asked (a peer address or an authenticated identity), passed to observers for per-client
+  // accounting; may be empty. Not used by the decision.
+  absl::string_view client;
 };
 
 struct RouteResult {
   std::string worker_id;
   std::string address;
-  uint64_t lease_id = 0;
+  uint64_t lease_id = 0;  // random, unguessable, never 0
   float similarity = 0;   // best cosine score among eligible candidates (0 without locality)
   int band_size = 0;      // eligible workers within tau of the best (0 without locality)
   PolicyKind policy = PolicyKind::kEldr;  // the policy that decided (jsq on fallback)
@@ -79,6 +128,60 @@ struct RouterState {
   std::vector<WorkerStatus> workers;  // in insertion order
   int64_t live_leases = 0;
   int64_t leases_expired_total = 0;
+  int64_t leases_evicted_total = 0;   // released at the max_live_leases limit
+};
+
+// What a mutation did, as returned to its caller and announced to observers.
+enum class PoolChangeKind { kAdded, kUpdated, kDraining, kRemoved, kHealthChanged };
+absl::string_view PoolChangeKindLabel(PoolChangeKind kind);  // "added", "updated", ...
+
+struct PoolChange {
+  PoolChangeKind kind = PoolChangeKind::kAdded;
+  WorkerSpec spec;                       // after the change (kRemoved: as it was)
+  WorkerState state = WorkerState::kActive;  // after the change (kRemoved: as it was)
+  bool healthy = true;
+  int64_t inflight = 0;                  // live leases after the change (kRemoved: dropped)
+};
+
+struct CentroidInstall {
+  uint64_t generation = 0;
+  CentroidSource source = CentroidSource::kApi;
+  int rows = 0;
+  int dim = 0;
+  std::string model;
+  std::vector<std::string> workers;  // row owners, in row order
+  // False when the set has the same transform (SameTransform) as the one it replaced.
+  bool transform_changed = true;
+};
+
+// A routed request whose signature the transform accepted.
+struct RoutedSignature {
+  absl::Span<const float> signature;  // transformed, unit norm; valid during the call only
+  absl::string_view worker_id;
+  uint64_t lease_id = 0;
+  uint64_t centroid_generation = 0;
+  absl::string_view client;           // RouteInput::client
+  absl::Time at;
+};
+
+// Subscribers to the router's changes. Every method has an empty default.
+//
+// Pool and centroid notifications arrive after the change took effect, in the order the changes
+// happened, with no router lock held, on the thread that made the change (or on a thread that is
+// delivering earlier changes at that moment, which then delivers this one too). A callback may
+// read the router and may even mutate it; the change it makes is delivered after the current one.
+// It must not add or remove observers, and should hand slow work (a refit) to a thread of its own.
+// OnSignatureRouted runs on the routing threads, concurrently, and must neither block nor mutate.
+class RouterObserver {
+ public:
+  virtual ~RouterObserver() = default;
+  virtual void OnPoolChanged(const PoolChange& /*change*/) {}
+  virtual void OnCentroidsInstalled(const CentroidInstall& /*install*/) {}
+  // An artifact InstallCentroids refused (the set in service stays). Front ends that refuse an
+  // artifact before it reaches the router (unreadable file, parse error) report it the same way
+  // through NotifyCentroidsRejected, so one observer sees every refusal.
+  virtual void OnCentroidsRejected(CentroidSource /*source*/, const absl::Status& /*status*/) {}
+  virtual void OnSignatureRouted(const RoutedSignature& /*routed*/) {}
 };
 
 class Router {
@@ -87,49 +190,69 @@ class Router {
                                                         std::vector<WorkerSpec> workers);
   virtual ~Router() = default;
 
-  // Routes one request. `signature` may be null (no signature: eldr falls back to jsq).
-  // Errors: INVALID_ARGUMENT (with a RejectReason) for a malformed signature; UNAVAILABLE when no
-  // worker can take the request (empty pool, or every worker draining). A zero signature is not
-  // an error: the result says fallback = kZeroSignature.
+  // Routes one request. Errors: INVALID_ARGUMENT (with a RejectReason) for a malformed signature;
+  // UNAVAILABLE when no worker can take the request (empty pool, or every worker draining).
   // A zero signature, or one sent before any centroids are installed, takes the load-balancing
   // fallback (kZeroSignature / kNoCentroids). With every worker unhealthy the route fails open and
   // reports kAllUnhealthy (overriding the policy's own fallback reason).
-  virtual absl::StatusOr<RouteResult> Route(const SignatureInput* signature, absl::Time now) = 0;
+  virtual absl::StatusOr<RouteResult> Route(const RouteInput& input) = 0;
+  absl::StatusOr<RouteResult> Route(const SignatureInput* signature, absl::Time now) {
+    return Route(RouteInput{signature, now, {}});
+  }
   absl::StatusOr<RouteResult> Route(const SignatureInput* signature) { return Route(signature, absl::Now()); }
 
-  // Releases a lease. NOT_FOUND when unknown, already completed or expired.
-  virtual absl::Status Complete(uint64_t lease_id) = 0;
-  // Complete that also returns the id of the worker whose lease was released (the API's
-  // CompleteResponse.worker_id). Same errors.
-  virtual absl::StatusOr<std::string> CompleteLease(uint64_t lease_id) = 0;
+  // Releases a lease and returns the id of the worker it was on. NOT_FOUND when unknown, already
+  // completed, expired or evicted.
+  virtual absl::StatusOr<std::string> Complete(uint64_t lease_id) = 0;
 
-  // Validates the artifact, maps its rows to workers (by its `workers` names when present,
-  // otherwise row i -> i-th worker in insertion order; a count mismatch is FAILED_PRECONDITION
-  // saying so), builds the index and swaps it in. On error the current set stays in service.
-  virtual absl::Status InstallCentroids(const CentroidArtifact& artifact) = 0;
+  // The one door for centroids. Validates the artifact, maps its rows to workers (by its `workers`
+  // names when present, otherwise row i -> i-th worker in insertion order), builds the index and
+  // swaps it in; returns the new generation. The cheap checks (artifact, transform, row names
+  // against the pool) run before the index is built. Errors: those of ValidateCentroidArtifact and
+  // SignatureSpec (INVALID_ARGUMENT with a reason); FAILED_PRECONDITION (kUnknownWorker, or a count
+  // mismatch) when the rows do not fit the pool. On error the current set stays in service and
+  // observers get OnCentroidsRejected.
+  virtual absl::StatusOr<uint64_t> InstallCentroids(const CentroidArtifact& artifact,
+                                                    CentroidSource source = CentroidSource::kApi) = 0;
   // The artifact currently in service (with `workers` filled in), or NOT_FOUND.
   virtual absl::StatusOr<CentroidArtifact> CurrentCentroids() const = 0;
+  // Tells observers that `source` produced an artifact that never reached InstallCentroids
+  // (unreadable, unparsable); see RouterObserver::OnCentroidsRejected.
+  virtual void NotifyCentroidsRejected(CentroidSource source, const absl::Status& status) = 0;
 
-  // Adds a worker or updates address/capacity/limit of an existing one (a draining worker that is
-  // upserted becomes active again). INVALID_ARGUMENT for an empty id or capacity <= 0.
-  virtual absl::Status UpsertWorker(const WorkerSpec& spec) = 0;
+  // Adds a worker (kAdded) or updates address/capacity/limit of an existing one (kUpdated; a
+  // draining worker that is upserted becomes active again). Errors: those of ValidateWorkerSpec.
+  virtual absl::StatusOr<PoolChange> UpsertWorker(const WorkerSpec& spec) = 0;
   // No new routes to the worker; its leases finish normally. NOT_FOUND if unknown.
-  virtual absl::Status DrainWorker(const std::string& id) = 0;
-  // Removes the worker and its leases. NOT_FOUND if unknown.
-  virtual absl::Status RemoveWorker(const std::string& id) = 0;
+  virtual absl::StatusOr<PoolChange> DrainWorker(const std::string& id) = 0;
+  // Removes the worker and drops its leases (PoolChange::inflight = how many). NOT_FOUND if unknown.
+  virtual absl::StatusOr<PoolChange> RemoveWorker(const std::string& id) = 0;
   // Health as seen by a load source (scrape failures); unhealthy workers get no new routes unless
-  // every worker is unhealthy (fail open). NOT_FOUND if unknown.
+  // every worker is unhealthy (fail open). Observers hear of actual changes only. NOT_FOUND if
+  // unknown.
   virtual absl::Status SetWorkerHealthy(const std::string& id, bool healthy) = 0;
 
-  // A worker's load snapshot (see LoadTracker::Report).
-  virtual absl::Status ReportLoad(const std::string& id, const LoadSnapshot& snapshot) = 0;
-  // Expires old leases; returns how many. Call periodically (the server does it every second).
+  // A worker's load snapshot, received at `now`: ValidateLoadSnapshot's rules; a snapshot dated
+  // after `now` (clock skew between hosts) is taken as measured at `now`, so it cannot stay fresh
+  // too long and hide the leases acquired after it. An older snapshot than the stored one is
+  // ignored (reports can reorder). Errors: INVALID_ARGUMENT with a reason naming the worker;
+  // NOT_FOUND (kUnknownWorker) for a worker not in the pool.
+  virtual absl::Status ReportLoad(const std::string& id, const LoadSnapshot& snapshot, absl::Time now) = 0;
+
+  // Releases the leases acquired before now - lease_ttl, oldest first, in batches that hold the
+  // routing mutex briefly each (routes go on in between); returns how many. The server calls it
+  // every second.
   virtual int64_t ExpireLeases(absl::Time now) = 0;
 
   virtual RouterState GetState(absl::Time now) const = 0;
   virtual const RouterOptions& options() const = 0;
+
+  // Observers (not owned) must outlive their registration. RemoveObserver returns once no callback
+  // of `observer` runs any more. Neither may be called from inside a callback.
+  virtual void AddObserver(RouterObserver* observer) = 0;
+  virtual void RemoveObserver(RouterObserver* observer) = 0;
 };
 
 }  // namespace eldr
 
-#endif  // ELDR_ROUTER_H_
+#endif  // ELDR_CORE_ROUTER_H_

@@ -1,10 +1,10 @@
 // Expert signatures: from a request's per-layer expert counts (captured during prefill) to the unit
 // vector that is compared with worker centroids.
 //
-// Transform (DESIGN.md, algorithm step 1): keep the layers of the layer mask, multiply element-wise
+// Transform (docs/architecture.md, "Data flow"): keep the layers of the layer mask, multiply element-wise
 // by the IDF weights (variant count_idf), flatten row-major [masked layer][expert], L2-normalise.
-#ifndef ELDR_SIGNATURE_H_
-#define ELDR_SIGNATURE_H_
+#ifndef ELDR_CORE_SIGNATURE_H_
+#define ELDR_CORE_SIGNATURE_H_
 
 #include <cstdint>
 #include <string>
@@ -50,6 +50,12 @@ struct SignatureSpec {
 
 // Checks the invariants above; the message names the failed check.
 absl::Status ValidateSignatureSpec(const SignatureSpec& spec);
+
+// Whether signatures made under `a` are comparable with those made under `b`: same geometry,
+// variant and effective layer mask, and IDF weights equal within a relative 1e-6 (they round-trip
+// through JSON). A refit window, a persisted state or a replica's centroids are only meaningful
+// within one transform.
+bool SameTransform(const SignatureSpec& a, const SignatureSpec& b);
 
 // Raw inputs, as they arrive on the wire. Views: the caller keeps the data alive during the call.
 struct CountsInt16Le {  // int16 little-endian, row-major [layers][experts] (the reference engine's bytes)
@@ -116,4 +122,4 @@ std::vector<float> ComputeIdf(absl::Span<const int32_t> counts, int n, int layer
 
 }  // namespace eldr
 
-#endif  // ELDR_SIGNATURE_H_
+#endif  // ELDR_CORE_SIGNATURE_H_

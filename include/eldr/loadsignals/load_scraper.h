@@ -21,8 +21,8 @@
 // scraper's lock held, which orders them against target removal (a removed target's last
 // in-flight scrape can never mark it unhealthy again); the Router must not call back into the
 // scraper.
-#ifndef ELDR_LOAD_SCRAPER_H_
-#define ELDR_LOAD_SCRAPER_H_
+#ifndef ELDR_LOADSIGNALS_LOAD_SCRAPER_H_
+#define ELDR_LOADSIGNALS_LOAD_SCRAPER_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -129,4 +129,4 @@ class LoadScraper {
 
 }  // namespace eldr
 
-#endif  // ELDR_LOAD_SCRAPER_H_
+#endif  // ELDR_LOADSIGNALS_LOAD_SCRAPER_H_

@@ -10,8 +10,8 @@
 // and what is wrong there, e.g. "line 12: label value: unterminated quoted string".
 //
 // Everything here is a pure function of its arguments: thread-safe, no global state.
-#ifndef ELDR_PROM_TEXT_H_
-#define ELDR_PROM_TEXT_H_
+#ifndef ELDR_LOADSIGNALS_PROM_TEXT_H_
+#define ELDR_LOADSIGNALS_PROM_TEXT_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -114,4 +114,4 @@ absl::StatusOr<EngineLoad> ParseEngineLoad(absl::string_view text, const EngineL
 
 }  // namespace eldr
 
-#endif  // ELDR_PROM_TEXT_H_
+#endif  // ELDR_LOADSIGNALS_PROM_TEXT_H_

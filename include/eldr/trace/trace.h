@@ -2,8 +2,8 @@
 // uint8 array of chosen expert ids and an int64 offsets array splitting it into sequences.
 //
 // Also the minimal .npy reader (format 1.0/2.0, little-endian, C order) used for them.
-#ifndef ELDR_TRACE_H_
-#define ELDR_TRACE_H_
+#ifndef ELDR_TRACE_TRACE_H_
+#define ELDR_TRACE_TRACE_H_
 
 #include <cstdint>
 #include <string>
@@ -57,4 +57,4 @@ int PrefillTokens(int tokens, double prefill_fraction);
 
 }  // namespace eldr
 
-#endif  // ELDR_TRACE_H_
+#endif  // ELDR_TRACE_TRACE_H_

@@ -1,4 +1,4 @@
-#include "soak/process.h"
+#include "testing/process.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -16,7 +16,9 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <atomic>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -24,7 +26,7 @@
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
 
-namespace eldr::soak {
+namespace eldr::testing {
 namespace {
 
 std::string ReadWholeFile(const std::string& path) {
@@ -35,6 +37,11 @@ std::string ReadWholeFile(const std::string& path) {
 }
 
 }  // namespace
+
+std::string BinaryPath(const std::string& name) {
+  const char* dir = std::getenv("ELDR_BIN_DIR");
+  return absl::StrCat(dir != nullptr ? dir : ".", "/", name);
+}
 
 TempDir::TempDir() {
   std::string pattern = (std::filesystem::temp_directory_path() / "eldr-test-XXXXXX").string();
@@ -167,7 +174,7 @@ absl::StatusOr<DaemonPorts> WaitForPortFile(const std::string& port_file, ChildP
                                                   absl::FormatDuration(timeout), "; daemon log:\n", process.Log()));
 }
 
-absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Duration timeout) {
+absl::StatusOr<std::string> HttpExchange(int port, const std::string& request, absl::Duration timeout) {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
   sockaddr_in address{};
@@ -179,8 +186,7 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Dur
     close(fd);
     return absl::UnavailableError(absl::StrCat("connect 127.0.0.1:", port, ": ", std::strerror(error)));
   }
-  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
+  if (!request.empty() && send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
     close(fd);
     return absl::UnavailableError("send failed");
   }
@@ -192,19 +198,83 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Dur
     pollfd entry{fd, POLLIN, 0};
     if (left_ms <= 0 || poll(&entry, 1, static_cast<int>(left_ms)) <= 0) {
       close(fd);
-      return absl::DeadlineExceededError(absl::StrCat("GET ", path, " on port ", port, " timed out"));
+      if (!response.empty()) return response;
+      return absl::DeadlineExceededError(absl::StrCat("no answer on port ", port, " within ", absl::FormatDuration(timeout)));
     }
     const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
+    if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     response.append(buffer, static_cast<size_t>(n));
   }
   close(fd);
-  const size_t header_end = response.find("\r\n\r\n");
+  return response;
+}
+
+int HttpStatusOf(const std::string& response) {
+  if (response.size() < 12 || response.compare(0, 5, "HTTP/") != 0) return -1;
+  int status = -1;
+  if (!absl::SimpleAtoi(response.substr(9, 3), &status)) return -1;
+  return status;
+}
+
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Duration timeout) {
+  absl::StatusOr<std::string> response =
+      HttpExchange(port, absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"), timeout);
+  if (!response.ok()) return response.status();
+  const size_t header_end = response->find("\r\n\r\n");
   if (header_end == std::string::npos) return absl::DataLossError("no HTTP header in the answer");
-  if (response.compare(0, 12, "HTTP/1.1 200") != 0 && response.compare(0, 12, "HTTP/1.0 200") != 0) {
-    return absl::UnavailableError(absl::StrCat("HTTP answer: ", response.substr(0, response.find('\r'))));
+  if (HttpStatusOf(*response) != 200) {
+    return absl::UnavailableError(absl::StrCat("HTTP answer: ", response->substr(0, response->find('\r'))));
   }
-  return response.substr(header_end + 4);
+  return response->substr(header_end + 4);
+}
+
+bool HasFlag(const std::vector<std::string>& args, const std::string& name) {
+  for (const std::string& a : args) {
+    if (a == "--" + name || absl::StartsWith(a, "--" + name + "=")) return true;
+  }
+  return false;
+}
+
+ProcessResult RunProcess(const std::string& binary, const std::vector<std::string>& args, absl::Duration timeout) {
+  ProcessResult result;
+  TempDir dir;
+  std::vector<std::string> argv = {binary};
+  argv.insert(argv.end(), args.begin(), args.end());
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(argv, dir.File("stderr"), dir.File("stdout"));
+  if (!child.ok()) {
+    result.stderr_text = std::string(child.status().message());
+    return result;
+  }
+  absl::StatusOr<int> code = (*child)->Wait(timeout);
+  if (!code.ok()) {
+    result.timed_out = true;
+    (*child)->Signal(SIGKILL);
+    code = (*child)->Wait(absl::Seconds(10));
+  }
+  result.exit_code = code.value_or(-1);
+  result.stdout_text = ReadWholeFile(dir.File("stdout"));
+  result.stderr_text = ReadWholeFile(dir.File("stderr"));
+  return result;
+}
+
+absl::StatusOr<RouterChild> StartRouter(const TempDir& dir, std::vector<std::string> args, absl::Duration timeout) {
+  static std::atomic<int> counter{0};
+  const int id = ++counter;
+  const std::string port_file = dir.File(absl::StrCat("ports-", id, ".json"));
+  for (const char* flag : {"listen", "admin_listen", "metrics_listen"}) {
+    if (!HasFlag(args, flag)) args.push_back(absl::StrCat("--", flag, "=127.0.0.1:0"));
+  }
+  args.push_back("--port_file=" + port_file);
+  args.insert(args.begin(), BinaryPath("eldr-router"));
+  RouterChild router;
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(args, dir.File(absl::StrCat("router-", id, ".log")));
+  if (!child.ok()) return child.status();
+  router.process = *std::move(child);
+  absl::StatusOr<DaemonPorts> ports = WaitForPortFile(port_file, *router.process, timeout);
+  if (!ports.ok()) return ports.status();
+  router.ports = *ports;
+  return router;
 }
 
 std::optional<double> SampleValue(const std::string& page, const std::string& series) {
@@ -217,4 +287,4 @@ std::optional<double> SampleValue(const std::string& page, const std::string& se
   return std::nullopt;
 }
 
-}  // namespace eldr::soak
+}  // namespace eldr::testing

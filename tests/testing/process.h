@@ -1,7 +1,10 @@
-// Soak support: run the real eldr-router (or any built tool) as a child process, find the ports it
-// bound, read its Prometheus page and its memory use, and never leave it behind.
-#ifndef ELDR_TESTS_SOAK_PROCESS_H_
-#define ELDR_TESTS_SOAK_PROCESS_H_
+// The test harness for real processes, shared by every test that runs a built binary (integration,
+// simulator, soak, deploy helpers): temporary folders, child processes that never outlive the test
+// (PR_SET_PDEATHSIG, kill on destruction), eldr-router started on kernel-chosen loopback ports,
+// and a minimal HTTP client for its operations endpoint. No GoogleTest dependency: the soak driver
+// uses it too. Every wait is bounded.
+#ifndef ELDR_TESTS_TESTING_PROCESS_H_
+#define ELDR_TESTS_TESTING_PROCESS_H_
 
 #include <sys/types.h>
 
@@ -15,7 +18,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
-namespace eldr::soak {
+namespace eldr::testing {
+
+// <ELDR_BIN_DIR>/<name> (ELDR_BIN_DIR is set by CTest; "." without it).
+std::string BinaryPath(const std::string& name);
 
 // A fresh, empty temporary folder removed (recursively) on destruction.
 class TempDir {
@@ -78,6 +84,34 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Dur
 // `eldr_scrape_errors_total{worker="w0",kind="transport"}`) on a Prometheus page, or nullopt.
 std::optional<double> SampleValue(const std::string& page, const std::string& series);
 
-}  // namespace eldr::soak
+// Runs a binary to completion (bounded; killed with SIGKILL past `timeout`, exit_code 137).
+struct ProcessResult {
+  int exit_code = -1;  // 128 + signal when killed
+  std::string stdout_text;
+  std::string stderr_text;
+  bool timed_out = false;
+};
+ProcessResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
+                         absl::Duration timeout = absl::Seconds(60));
 
-#endif  // ELDR_TESTS_SOAK_PROCESS_H_
+// eldr-router as a child of the test: `args` plus --listen, --admin_listen and --metrics_listen on
+// 127.0.0.1:0 (unless `args` sets them) and a --port_file in `dir`; returns once it listens.
+struct RouterChild {
+  std::unique_ptr<ChildProcess> process;
+  DaemonPorts ports;
+};
+absl::StatusOr<RouterChild> StartRouter(const TempDir& dir, std::vector<std::string> args,
+                                        absl::Duration timeout = absl::Seconds(20));
+// Whether `args` sets flag `name` (--name or --name=...).
+bool HasFlag(const std::vector<std::string>& args, const std::string& name);
+
+// One HTTP exchange on 127.0.0.1:<port>: sends `request` as given (raw bytes; for hostile-client
+// tests) and reads until the server closes or `timeout`. Returns what the server sent.
+absl::StatusOr<std::string> HttpExchange(int port, const std::string& request,
+                                         absl::Duration timeout = absl::Seconds(5));
+// The status code of an HTTP response text, or -1 when it is not one.
+int HttpStatusOf(const std::string& response);
+
+}  // namespace eldr::testing
+
+#endif  // ELDR_TESTS_TESTING_PROCESS_H_
