@@ -558,7 +558,7 @@ absl::StatusOr<OnlineRefitter::RefitPlan> OnlineRefitter::PlanRefit(absl::Time n
   return plan;
 }
 
-absl::StatusOr<std::vector<float>> OnlineRefitter::FitAligned(const RefitPlan& plan) {
+absl::StatusOr<std::vector<float>> OnlineRefitter::FitAligned(const RefitPlan& plan, RefitOutcome* outcome) {
   const int k = static_cast<int>(plan.target.size());
   const int dim = plan.current.dim();
   BalancedKMeansOptions fit_options;
@@ -576,6 +576,8 @@ absl::StatusOr<std::vector<float>> OnlineRefitter::FitAligned(const RefitPlan& p
   }
   absl::StatusOr<BalancedKMeansResult> fit = FitBalancedKMeans(plan.points, plan.m, dim, fit_options);
   if (!fit.ok()) return absl::Status(fit.status().code(), absl::StrCat("refit: ", fit.status().message()));
+  outcome->iterations = fit->iterations;
+  outcome->converged = fit->converged;
   if (plan.kept_k == 0) return std::move(fit->centroids);
   // Align the fitted rows to the warm start's identities (kept workers' old rows and the new
   // workers' seeds), so each worker keeps the zone nearest its old one.
@@ -645,7 +647,7 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
     next.workers.resize(plan.kept_k);
     next.centroids = plan.kept_rows;
   } else {
-    absl::StatusOr<std::vector<float>> rows = FitAligned(plan);
+    absl::StatusOr<std::vector<float>> rows = FitAligned(plan, &outcome);
     if (!rows.ok()) return RecordFailure(rows.status(), outcome);
     next.centroids = *std::move(rows);
     BoundMovement(plan, &next.centroids, &outcome);

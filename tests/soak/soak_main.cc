@@ -62,6 +62,10 @@ ABSL_FLAG(int, chaos_every_ms, 600, "Milliseconds between two changes of a worke
 ABSL_FLAG(int, malformed_per_s, 20, "Malformed requests per second.");
 ABSL_FLAG(double, drop_complete_fraction, 0.3, "Fraction of the soak client's Routes whose Complete is dropped.");
 ABSL_FLAG(double, max_rss_growth_mib, 64, "Largest tolerated RSS growth between warm-up and the end.");
+ABSL_FLAG(bool, hostile, true,
+          "Add the hostile mix: stray HTTP and idle connections on the metrics port, admin calls without "
+          "credentials, SIGHUP storms, lease floods without Complete, idle ReportLoad streams, reload paths "
+          "outside the artifact folder.");
 ABSL_FLAG(bool, json, false, "Print the figures as one JSON object.");
 ABSL_FLAG(bool, keep_dir, false, "Keep the scratch folder (logs, artifacts) for inspection.");
 
@@ -167,6 +171,14 @@ grpc::Status WithDeadline(const std::function<grpc::Status(grpc::ClientContext*)
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   return call(&context);
+}
+
+// An admin RPC with the soak's bearer token.
+grpc::Status AsAdmin(const std::function<grpc::Status(grpc::ClientContext*)>& call) {
+  return WithDeadline([&](grpc::ClientContext* context) {
+    context->AddMetadata("authorization", "Bearer soak-admin-token");
+    return call(context);
+  });
 }
 
 // Sends one malformed input of kind `kind`; checks the documented answer.
@@ -353,6 +365,8 @@ int Run() {
 
   // ---- The daemon ----
   const std::string port_file = dir.File("ports.json");
+  const std::string admin_token_file = dir.File("admin.token");
+  if (!eldr::WriteFileAtomically(admin_token_file, "soak-admin-token\n").ok()) return 1;
   std::vector<std::string> router_args = {
       bin_dir + "/eldr-router",
       "--listen=127.0.0.1:0",
@@ -370,6 +384,9 @@ int Run() {
       "--scrape_interval=50ms",
       "--scrape_timeout=250ms",
       "--unhealthy_after_failures=3",
+      "--admin_token_file=" + admin_token_file,
+      "--report_stream_idle_timeout=2s",
+      "--max_report_streams_per_peer=16",
       "--log_level=warning",
   };
   auto router = ChildProcess::Spawn(router_args, dir.File("router.log"));
@@ -444,7 +461,7 @@ int Run() {
           request.set_artifact_json(next);
           v1::ReloadCentroidsResponse response;
           const grpc::Status status =
-              WithDeadline([&](grpc::ClientContext* c) { return admin->ReloadCentroids(c, request, &response); });
+              AsAdmin([&](grpc::ClientContext* c) { return admin->ReloadCentroids(c, request, &response); });
           // The reload queue holds one running and one waiting load; a third is refused at once.
           if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
             tally.Count("reload.busy_refused");
@@ -459,7 +476,7 @@ int Run() {
           bad.set_artifact_json(R"({"L": 26, "e": 64, "centroids": [[1, 2]]})");
           v1::ReloadCentroidsResponse response;
           grpc::Status status =
-              WithDeadline([&](grpc::ClientContext* c) { return admin->ReloadCentroids(c, bad, &response); });
+              AsAdmin([&](grpc::ClientContext* c) { return admin->ReloadCentroids(c, bad, &response); });
           tally.Count("reload.bad_refused");
           if (status.error_code() != grpc::StatusCode::INVALID_ARGUMENT &&
               status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
@@ -467,7 +484,7 @@ int Run() {
           }
           v1::ReloadCentroidsRequest missing;
           missing.set_path(dir.File("no-such-artifact.json"));
-          status = WithDeadline([&](grpc::ClientContext* c) { return admin->ReloadCentroids(c, missing, &response); });
+          status = AsAdmin([&](grpc::ClientContext* c) { return admin->ReloadCentroids(c, missing, &response); });
           // A path that does not resolve inside the artifact folder: one answer whatever the cause.
           if (status.error_code() != grpc::StatusCode::PERMISSION_DENIED &&
               status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
@@ -537,6 +554,114 @@ int Run() {
     }
   });
 
+  // The hostile mix: what a port scan, a careless operator or an attacker does to a daemon.
+  if (absl::GetFlag(FLAGS_hostile)) {
+    threads.emplace_back([&] {
+      std::mt19937_64 local(17);
+      const char* methods[] = {"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "TRACE", "CONNECT", "BREW"};
+      const char* paths[] = {"/", "/metrics", "/healthz", "/readyz", "/favicon.ico", "/../../etc/passwd", "*",
+                             "/%00", "http://evil/", "/metrics?x=1"};
+      std::vector<int> idle_http;
+      struct IdleStream {
+        std::unique_ptr<grpc::ClientContext> context;
+        v1::ReportLoadResponse response;
+        std::unique_ptr<grpc::ClientWriter<v1::LoadReport>> writer;
+      };
+      std::vector<std::unique_ptr<IdleStream>> idle_streams;
+      int round = 0;
+      while (!stop.load()) {
+        ++round;
+        // Stray HTTP: every request answered with a status, the daemon alive.
+        const std::string request = absl::StrCat(methods[local() % std::size(methods)], " ",
+                                                 paths[local() % std::size(paths)],
+                                                 " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        absl::StatusOr<std::string> answer = eldr::testing::HttpExchange(ports->metrics, request, absl::Seconds(5));
+        const int code = answer.ok() ? eldr::testing::HttpStatusOf(*answer) : -1;
+        tally.Count("hostile.stray_http");
+        if (code < 200 || code >= 600) tally.Fail(absl::StrCat("stray HTTP '", request.substr(0, 40), "' got no status"));
+        // Idle HTTP connections, up to 20 at a time, replaced now and then.
+        if (idle_http.size() < 20) {
+          const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+          sockaddr_in address{};
+          address.sin_family = AF_INET;
+          address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+          address.sin_port = htons(static_cast<uint16_t>(ports->metrics));
+          if (fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) {
+            idle_http.push_back(fd);
+            tally.Count("hostile.idle_http");
+          } else if (fd >= 0) {
+            close(fd);
+          }
+        } else {
+          close(idle_http.front());
+          idle_http.erase(idle_http.begin());
+        }
+        // Admin calls without credentials or with a wrong token.
+        {
+          v1::UpsertWorkerRequest upsert;
+          upsert.mutable_worker()->set_id("w0");
+          upsert.mutable_worker()->set_address("attacker:6666");
+          v1::UpsertWorkerResponse response;
+          const bool with_wrong_token = local() % 2 == 0;
+          const grpc::Status status = WithDeadline([&](grpc::ClientContext* c) {
+            if (with_wrong_token) c->AddMetadata("authorization", "Bearer guessed");
+            return admin->UpsertWorker(c, upsert, &response);
+          });
+          tally.Count("hostile.admin_without_credentials");
+          const grpc::StatusCode expected =
+              with_wrong_token ? grpc::StatusCode::PERMISSION_DENIED : grpc::StatusCode::UNAUTHENTICATED;
+          if (status.error_code() != expected) tally.Unexpected("admin call without credentials", status);
+        }
+        // Reload paths outside the artifact folder.
+        if (round % 5 == 0) {
+          v1::ReloadCentroidsRequest outside;
+          outside.set_path(round % 10 == 0 ? "/dev/zero" : "/etc/shadow");
+          v1::ReloadCentroidsResponse response;
+          const grpc::Status status =
+              AsAdmin([&](grpc::ClientContext* c) { return admin->ReloadCentroids(c, outside, &response); });
+          tally.Count("hostile.reload_outside");
+          if (status.error_code() != grpc::StatusCode::PERMISSION_DENIED &&
+              status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
+            tally.Unexpected("reload of a path outside the folder", status);
+          }
+        }
+        // A SIGHUP storm now and then.
+        if (round % 40 == 0) {
+          for (int i = 0; i < 2000; ++i) (*router)->Signal(SIGHUP);
+          tally.Count("hostile.sighup", 2000);
+        }
+        // A lease flood without Complete (expires after --lease_ttl).
+        if (round % 20 == 0) {
+          for (int i = 0; i < 200; ++i) {
+            v1::RouteResponse response;
+            const v1::RouteRequest flood = ValidRequest(local, -2);
+            if (WithDeadline([&](grpc::ClientContext* c) { return stub->Route(c, flood, &response); }).ok()) {
+              tally.Count("hostile.flood_routes");
+            }
+          }
+        }
+        // Idle ReportLoad streams: ended by the daemon after --report_stream_idle_timeout.
+        if (idle_streams.size() < 8) {
+          auto stream = std::make_unique<IdleStream>();
+          stream->context = std::make_unique<grpc::ClientContext>();
+          stream->context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+          stream->writer = stub->ReportLoad(stream->context.get(), &stream->response);
+          idle_streams.push_back(std::move(stream));
+          tally.Count("hostile.idle_streams");
+        } else {
+          const grpc::Status status = idle_streams.front()->writer->Finish();
+          tally.Count(status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ? "hostile.idle_streams_ended"
+                                                                                 : "hostile.idle_streams_other");
+          idle_streams.erase(idle_streams.begin());
+        }
+        absl::SleepFor(absl::Milliseconds(50));
+      }
+      for (int fd : idle_http) close(fd);
+      for (auto& stream : idle_streams) stream->context->TryCancel();
+      for (auto& stream : idle_streams) (void)stream->writer->Finish();
+    });
+  }
+
   // Memory, sampled every second; the warm figure is taken once the load runs.
   const absl::Time load_start = absl::Now();
   bool warm_taken = false;
@@ -594,7 +719,7 @@ int Run() {
   v1::GetStateResponse state;
   while (true) {
     v1::GetStateRequest request;
-    const grpc::Status status = WithDeadline([&](grpc::ClientContext* c) { return admin->GetState(c, request, &state); });
+    const grpc::Status status = AsAdmin([&](grpc::ClientContext* c) { return admin->GetState(c, request, &state); });
     if (status.ok()) {
       drained = state.live_leases() == 0 &&
                 std::all_of(state.workers().begin(), state.workers().end(),

@@ -65,6 +65,8 @@ struct RefitOutcome {
   uint64_t generation = 0;       // kInstalled: the router's new generation
   int rows = 0;                  // kInstalled: centroid rows now in service
   int window_signatures = 0;     // signatures the fit used
+  int iterations = 0;            // k-means iterations of the fit (0 when there was none)
+  bool converged = false;        // the fit stopped at its tolerance
   int rows_step_bounded = 0;     // rows the per-refit bound held back
   int rows_drift_bounded = 0;    // rows the total-drift bound held back
   double seconds = 0;            // wall time of the refit
@@ -220,7 +222,8 @@ class OnlineRefitter final : public RouterObserver {
   absl::Status RefitLocked(bool pool_change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
   absl::StatusOr<RefitPlan> PlanRefit(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
   // k-means on the plan's points, warm-started and aligned to the plan's targets.
-  absl::StatusOr<std::vector<float>> FitAligned(const RefitPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
+  absl::StatusOr<std::vector<float>> FitAligned(const RefitPlan& plan, RefitOutcome* outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
   // Applies max_step_distance / max_drift_distance to `rows` (the plan's targets, in order).
   void BoundMovement(const RefitPlan& plan, std::vector<float>* rows, RefitOutcome* outcome)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
