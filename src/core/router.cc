@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -30,9 +31,15 @@
 namespace eldr {
 namespace {
 
-// Leases released per hold of the routing mutex by ExpireLeases: at about 100 ns each, a hold
-// stays in the tens of microseconds, so routes interleave with a large expiry.
-constexpr int64_t kExpiryBatch = 512;
+// Leases released per hold of the routing mutex by ExpireLeases: at about 250 ns each, a hold
+// stays near 16 us, so a route that arrives during one waits little.
+constexpr int64_t kExpiryBatch = 64;
+// absl::Mutex lets a running thread take the lock back before a sleeping waiter wakes, so a loop
+// of short holds can starve a route for its whole length (measured: 25-90 ms while a million
+// leases expired; docs/benchmarks.md, "Lease expiry"). Between batches ExpireLeases therefore
+// keeps off the lock while data-plane calls wait for it, at most this long, so it still
+// progresses under a continuous stream of routes.
+constexpr absl::Duration kExpiryYieldLimit = absl::Milliseconds(1);
 
 constexpr CentroidSource kAllCentroidSources[] = {
     CentroidSource::kApi,    CentroidSource::kStartup,   CentroidSource::kStateDir, CentroidSource::kSignal,
@@ -291,8 +298,27 @@ class RouterImpl final : public Router {
   std::vector<RouterObserver*> observers_ ABSL_GUARDED_BY(observers_mu_);
   std::atomic<bool> has_observers_{false};
 
+  // Holds mu_ for a data-plane call (Route, Complete), counted in data_plane_waiting_ from before
+  // it asks for the lock until it has it, so ExpireLeases can let it go first.
+  class DataPlaneLock {
+   public:
+    explicit DataPlaneLock(RouterImpl* router) ABSL_EXCLUSIVE_LOCK_FUNCTION(router->mu_) : router_(router) {
+      router_->data_plane_waiting_.fetch_add(1, std::memory_order_relaxed);
+      router_->mu_.Lock();
+      router_->data_plane_waiting_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    ~DataPlaneLock() ABSL_UNLOCK_FUNCTION() { router_->mu_.Unlock(); }
+    DataPlaneLock(const DataPlaneLock&) = delete;
+    DataPlaneLock& operator=(const DataPlaneLock&) = delete;
+
+   private:
+    RouterImpl* const router_;
+  };
+
   // Worker table, leases and the policy. Held for the decision itself only.
   mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(set_mu_);
+  // Data-plane calls waiting for mu_ (DataPlaneLock); read by ExpireLeases between batches.
+  std::atomic<int> data_plane_waiting_{0};
   std::unique_ptr<RoutingPolicy> policy_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<WorkerEntry>> workers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, WorkerEntry*> by_id_ ABSL_GUARDED_BY(mu_);
@@ -346,7 +372,7 @@ absl::StatusOr<RouteResult> RouterImpl::Route(const RouteInput& input) {
   ELDR_ASSIGN_OR_RETURN(const Scoring scoring, ScoreSignature(input.signature, set.get(), scratch));
   absl::StatusOr<RouteResult> result;
   {
-    absl::MutexLock lock(&mu_);
+    DataPlaneLock lock(this);
     result = DecideLocked(input, set.get(), scoring, scratch);
   }
   if (result.ok() && scoring.accepted_signature && has_observers_.load(std::memory_order_acquire)) {
@@ -470,7 +496,7 @@ void RouterImpl::MapRows(const CentroidSet* set) {
 }
 
 absl::StatusOr<std::string> RouterImpl::Complete(uint64_t lease_id) {
-  absl::MutexLock lock(&mu_);
+  DataPlaneLock lock(this);
   auto it = leases_.find(lease_id);
   if (it == leases_.end()) {
     return absl::NotFoundError(absl::StrCat("lease ", lease_id, " is unknown, already completed or expired"));
@@ -722,20 +748,27 @@ int64_t RouterImpl::ExpireLeases(absl::Time now) {
   const absl::Time cutoff = now - options_.load.lease_ttl;
   int64_t total = 0;
   while (true) {
-    int64_t batch = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      for (const auto& worker : workers_) {
-        while (batch < kExpiryBatch && worker->load.leases() > 0 && worker->load.Oldest()->first < cutoff) {
-          auto lease = leases_.find(worker->load.Oldest()->second);
-          if (lease == leases_.end()) break;
-          ReleaseLeaseLocked(lease);
-          ++batch;
-        }
-        if (batch == kExpiryBatch) break;
+    if (total > 0) {
+      // Let the data-plane calls that wait for mu_ take it first; absl::Mutex wakes one on
+      // Unlock, and this thread keeps off the lock until the count drops (or the limit passes).
+      const absl::Time limit = absl::Now() + kExpiryYieldLimit;
+      while (data_plane_waiting_.load(std::memory_order_relaxed) > 0 && absl::Now() < limit) {
+        std::this_thread::yield();
       }
-      expired_total_ += batch;
     }
+    mu_.Lock();
+    int64_t batch = 0;
+    for (const auto& worker : workers_) {
+      while (batch < kExpiryBatch && worker->load.leases() > 0 && worker->load.Oldest()->first < cutoff) {
+        auto lease = leases_.find(worker->load.Oldest()->second);
+        if (lease == leases_.end()) break;
+        ReleaseLeaseLocked(lease);
+        ++batch;
+      }
+      if (batch == kExpiryBatch) break;
+    }
+    expired_total_ += batch;
+    mu_.Unlock();
     total += batch;
     if (batch < kExpiryBatch) return total;
   }
