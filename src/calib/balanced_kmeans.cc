@@ -109,10 +109,10 @@ std::vector<float> SeedKMeansPlusPlus(absl::Span<const float> points, int n, int
   return centroids;
 }
 
-}  // namespace
-
-absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> points, int n, int dim,
-                                                       const BalancedKMeansOptions& options) {
+// Checks FitBalancedKMeans's sizes and options: clusters and dim >= 1, n >= clusters, n * dim
+// values, a finite tolerance >= 0, max_iterations >= 1.
+absl::Status ValidateKMeansArguments(absl::Span<const float> points, int n, int dim,
+                                     const BalancedKMeansOptions& options) {
   const int k = options.clusters;
   if (k < 1) return absl::InvalidArgumentError(absl::StrCat("balanced k-means: clusters = ", k, ", need >= 1"));
   if (dim < 1) return absl::InvalidArgumentError(absl::StrCat("balanced k-means: dim = ", dim, ", need >= 1"));
@@ -133,45 +133,119 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> p
     return absl::InvalidArgumentError(
         absl::StrCat("balanced k-means: max_iterations = ", options.max_iterations, ", need >= 1"));
   }
-  const std::vector<int> capacity = ClusterCapacities(n, k, options.capacity_weights);
+  return absl::OkStatus();
+}
+
+// Validates the arguments, then the points, and returns the capacity of each cluster
+// (ClusterCapacities).
+absl::StatusOr<std::vector<int>> ValidatedCapacities(absl::Span<const float> points, int n, int dim,
+                                                     const BalancedKMeansOptions& options) {
+  if (absl::Status status = ValidateKMeansArguments(points, n, dim, options); !status.ok()) return status;
+  const int k = options.clusters;
+  std::vector<int> capacity = ClusterCapacities(n, k, options.capacity_weights);
   if (capacity.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "balanced k-means: capacity weights must be empty or ", k, " finite positive values (got ",
         options.capacity_weights.size(), ")"));
   }
   if (absl::Status status = ValidatePoints(points, n, dim); !status.ok()) return status;
+  return capacity;
+}
+
+// The warm-start centroids (clusters * dim values), each row normalised; fails on a wrong size
+// or a zero or non-finite row.
+absl::StatusOr<std::vector<float>> WarmStartCentroids(const std::vector<float>& initial, int k,
+                                                      int dim) {
+  if (initial.size() != static_cast<size_t>(k) * dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "balanced k-means: warm start has ", initial.size(),
+        " values, expected clusters * dim = ", static_cast<int64_t>(k) * dim));
+  }
+  std::vector<float> centroids = initial;
+  for (int c = 0; c < k; ++c) {
+    if (!NormaliseRow(centroids.data() + static_cast<size_t>(c) * dim, dim)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "balanced k-means: warm-start centroid ", c, " is zero or not finite"));
+    }
+  }
+  return centroids;
+}
+
+// The starting centroids: the normalised warm start when one is given, else k-means++ seeds.
+absl::StatusOr<std::vector<float>> InitialCentroids(absl::Span<const float> points, int n, int dim,
+                                                    const BalancedKMeansOptions& options) {
+  if (!options.initial_centroids.empty()) {
+    return WarmStartCentroids(options.initial_centroids, options.clusters, dim);
+  }
+  return SeedKMeansPlusPlus(points, n, dim, options.clusters, options.seeding_sample, options.seed);
+}
+
+// Total cost (cosine distance) of assigning the n points to `assignment` under the
+// [point][cluster] costs.
+double AssignmentObjective(const std::vector<double>& cost, const std::vector<int>& assignment,
+                           int n, int k) {
+  double objective = 0;
+  for (int i = 0; i < n; ++i) objective += cost[static_cast<size_t>(i) * k + assignment[i]];
+  return objective;
+}
+
+// Moves each centroid to the renormalised mean of its assigned points; an empty cluster (or one
+// whose points cancel out) restarts at the next worst-served point.
+void MoveCentroidsToMeans(absl::Span<const float> points, int n, int dim, int k,
+                          const std::vector<int>& assignment, const std::vector<double>& cost,
+                          std::vector<float>* centroids) {
+  std::vector<float> sums(static_cast<size_t>(k) * dim, 0.0f);
+  std::vector<int> sizes(k, 0);
+  for (int i = 0; i < n; ++i) {
+    const float* x = points.data() + static_cast<size_t>(i) * dim;
+    float* sum = sums.data() + static_cast<size_t>(assignment[i]) * dim;
+    for (int d = 0; d < dim; ++d) sum[d] += x[d];
+    ++sizes[assignment[i]];
+  }
+  std::vector<int> worst_served;  // lazily: points by decreasing cost of their assignment
+  size_t next_reseed = 0;
+  for (int c = 0; c < k; ++c) {
+    float* centre = sums.data() + static_cast<size_t>(c) * dim;
+    if (sizes[c] > 0 && NormaliseRow(centre, dim)) {
+      std::copy_n(centre, dim, centroids->data() + static_cast<size_t>(c) * dim);
+      continue;
+    }
+    if (worst_served.empty()) {
+      worst_served.resize(n);
+      std::iota(worst_served.begin(), worst_served.end(), 0);
+      std::stable_sort(worst_served.begin(), worst_served.end(), [&](int a, int b) {
+        return cost[static_cast<size_t>(a) * k + assignment[a]] >
+               cost[static_cast<size_t>(b) * k + assignment[b]];
+      });
+    }
+    const int point = worst_served[next_reseed++ % worst_served.size()];
+    std::copy_n(points.data() + static_cast<size_t>(point) * dim, dim,
+                centroids->data() + static_cast<size_t>(c) * dim);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> points, int n, int dim,
+                                                       const BalancedKMeansOptions& options) {
+  absl::StatusOr<std::vector<int>> validated = ValidatedCapacities(points, n, dim, options);
+  if (!validated.ok()) return validated.status();
+  const std::vector<int> capacity = *std::move(validated);
+  const int k = options.clusters;
 
   BalancedKMeansResult result;
   result.capacities = capacity;
 
-  // ---- Seeding ----
   Clock::time_point phase = Clock::now();
-  std::vector<float> centroids;
-  if (!options.initial_centroids.empty()) {
-    if (options.initial_centroids.size() != static_cast<size_t>(k) * dim) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "balanced k-means: warm start has ", options.initial_centroids.size(),
-          " values, expected clusters * dim = ", static_cast<int64_t>(k) * dim));
-    }
-    centroids = options.initial_centroids;
-    for (int c = 0; c < k; ++c) {
-      if (!NormaliseRow(centroids.data() + static_cast<size_t>(c) * dim, dim)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "balanced k-means: warm-start centroid ", c, " is zero or not finite"));
-      }
-    }
-  } else {
-    centroids = SeedKMeansPlusPlus(points, n, dim, k, options.seeding_sample, options.seed);
-  }
+  absl::StatusOr<std::vector<float>> seeded = InitialCentroids(points, n, dim, options);
+  if (!seeded.ok()) return seeded.status();
+  std::vector<float> centroids = *std::move(seeded);
   result.seconds_seeding = SecondsSince(phase);
 
   std::vector<float> scores(static_cast<size_t>(n) * k);
   std::vector<double> cost(static_cast<size_t>(n) * k);
   std::vector<int> assignment, previous;
-  std::vector<float> sums(static_cast<size_t>(k) * dim);
-  std::vector<int> sizes(k);
   double previous_objective = 0;
-
   for (int iteration = 0; iteration < options.max_iterations; ++iteration) {
     phase = Clock::now();
     ScoreAllPairs(points, n, centroids, k, dim, absl::MakeSpan(scores));
@@ -185,8 +259,7 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> p
     assignment = *std::move(solved);
     result.seconds_assignment += SecondsSince(phase);
 
-    double objective = 0;
-    for (int i = 0; i < n; ++i) objective += cost[static_cast<size_t>(i) * k + assignment[i]];
+    const double objective = AssignmentObjective(cost, assignment, n, k);
     result.objective = objective;
     result.objective_per_iteration.push_back(objective);
     result.iterations = iteration + 1;
@@ -201,37 +274,8 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> p
     if (iteration + 1 == options.max_iterations) break;  // keep centroids consistent with the assignment
     previous_objective = objective;
 
-    // ---- Renormalised means ----
     phase = Clock::now();
-    std::fill(sums.begin(), sums.end(), 0.0f);
-    std::fill(sizes.begin(), sizes.end(), 0);
-    for (int i = 0; i < n; ++i) {
-      const float* x = points.data() + static_cast<size_t>(i) * dim;
-      float* sum = sums.data() + static_cast<size_t>(assignment[i]) * dim;
-      for (int d = 0; d < dim; ++d) sum[d] += x[d];
-      ++sizes[assignment[i]];
-    }
-    std::vector<int> worst_served;  // lazily: points by decreasing cost of their assignment
-    size_t next_reseed = 0;
-    for (int c = 0; c < k; ++c) {
-      float* centre = sums.data() + static_cast<size_t>(c) * dim;
-      if (sizes[c] > 0 && NormaliseRow(centre, dim)) {
-        std::copy_n(centre, dim, centroids.data() + static_cast<size_t>(c) * dim);
-        continue;
-      }
-      // An empty cluster (or one whose points cancel out) restarts at the worst-served point.
-      if (worst_served.empty()) {
-        worst_served.resize(n);
-        std::iota(worst_served.begin(), worst_served.end(), 0);
-        std::stable_sort(worst_served.begin(), worst_served.end(), [&](int a, int b) {
-          return cost[static_cast<size_t>(a) * k + assignment[a]] >
-                 cost[static_cast<size_t>(b) * k + assignment[b]];
-        });
-      }
-      const int point = worst_served[next_reseed++ % worst_served.size()];
-      std::copy_n(points.data() + static_cast<size_t>(point) * dim, dim,
-                  centroids.data() + static_cast<size_t>(c) * dim);
-    }
+    MoveCentroidsToMeans(points, n, dim, k, assignment, cost, &centroids);
     previous = assignment;
     result.seconds_update += SecondsSince(phase);
   }

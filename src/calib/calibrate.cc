@@ -63,9 +63,11 @@ absl::StatusOr<std::vector<float>> TransformRequests(const CalibrationData& data
   return out;
 }
 
-absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data,
-                                            const CalibrationOptions& options) {
-  const auto start = std::chrono::steady_clock::now();
+namespace {
+
+// Checks the data (ValidateCalibrationData) and the options Calibrate needs: clusters, capacity
+// weights, worker ids, gate sums for gate_prob.
+absl::Status ValidateCalibrateInputs(const CalibrationData& data, const CalibrationOptions& options) {
   if (absl::Status s = ValidateCalibrationData(data); !s.ok()) return s;
   const int k = options.clusters;
   if (k < 1) return absl::InvalidArgumentError(absl::StrCat("clusters = ", k, ", need >= 1"));
@@ -99,22 +101,27 @@ absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data,
     return absl::InvalidArgumentError(
         "variant gate_prob needs gate-probability sums, and the data carries none");
   }
+  return absl::OkStatus();
+}
 
-  CalibrationResult result;
-  CalibrationReport& report = result.report;
+// The signature spec to calibrate: for count_idf, IDF weights and (when asked and decode counts
+// exist) the greedy layer mask; count and gate_prob keep every layer, unweighted. Fills the IDF
+// and mask parts of `report`.
+absl::StatusOr<SignatureSpec> ChooseSignatureSpec(const CalibrationData& data,
+                                                  const CalibrationOptions& options,
+                                                  CalibrationReport* report) {
   SignatureSpec spec;
   spec.layers = data.layers;
   spec.experts = data.experts;
   spec.variant = options.variant;
 
-  // ---- IDF and layer mask (count_idf only: count and gate_prob keep every layer, unweighted) ----
   auto phase = std::chrono::steady_clock::now();
   std::vector<float> idf;
   if (options.variant == SignatureVariant::kCountIdf) {
     idf = ComputeIdf(data.prefill_counts, data.n, data.layers, data.experts);
     if (idf.empty()) return absl::InternalError("IDF weights could not be computed");
   }
-  report.seconds_idf = SecondsSince(phase);
+  report->seconds_idf = SecondsSince(phase);
 
   phase = std::chrono::steady_clock::now();
   if (options.variant == SignatureVariant::kCountIdf && options.select_layers &&
@@ -123,73 +130,118 @@ absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data,
         SearchLayerMask(data, idf, options.mask_pairs, options.seed);
     if (!mask.ok()) return mask.status();
     spec.layer_mask = mask->layer_mask;
-    report.mask_steps = mask->steps;
-    report.mask_correlation = mask->correlation;
-    report.all_layers_correlation = mask->all_layers_correlation;
-    report.mask_pairs = mask->pairs;
+    report->mask_steps = mask->steps;
+    report->mask_correlation = mask->correlation;
+    report->all_layers_correlation = mask->all_layers_correlation;
+    report->mask_pairs = mask->pairs;
   }
-  report.seconds_mask = SecondsSince(phase);
+  report->seconds_mask = SecondsSince(phase);
   if (options.variant == SignatureVariant::kCountIdf) {
     for (int l : spec.EffectiveMask()) {
       spec.idf.insert(spec.idf.end(), idf.begin() + static_cast<size_t>(l) * data.experts,
                       idf.begin() + static_cast<size_t>(l + 1) * data.experts);
     }
   }
-  report.layer_mask = spec.EffectiveMask();
+  report->layer_mask = spec.EffectiveMask();
+  return spec;
+}
 
-  // ---- Signatures ----
-  phase = std::chrono::steady_clock::now();
+// The unit signatures of the requests that have one, in request order.
+struct CalibrationPoints {
+  std::vector<float> values;  // usable.size() rows of dim floats
+  std::vector<int> usable;    // the request of each row
+  int dim = 0;
+};
+
+// Transforms every request with `spec`; records the all-zero ones in report->excluded_requests
+// and fails when fewer than `clusters` remain.
+absl::StatusOr<CalibrationPoints> TransformUsableRequests(const CalibrationData& data,
+                                                          const SignatureSpec& spec, int clusters,
+                                                          CalibrationReport* report) {
+  const auto phase = std::chrono::steady_clock::now();
   absl::StatusOr<SignatureTransform> transform = SignatureTransform::Create(spec);
   if (!transform.ok()) return transform.status();
-  std::vector<int> usable;
-  absl::StatusOr<std::vector<float>> points = TransformRequests(data, *transform, &usable);
-  if (!points.ok()) return points.status();
-  report.seconds_signatures = SecondsSince(phase);
-  {
-    size_t next = 0;
-    for (int r = 0; r < data.n; ++r) {
-      if (next < usable.size() && usable[next] == r) {
-        ++next;
-      } else {
-        report.excluded_requests.push_back(r);
-      }
+  CalibrationPoints points;
+  absl::StatusOr<std::vector<float>> values = TransformRequests(data, *transform, &points.usable);
+  if (!values.ok()) return values.status();
+  points.values = *std::move(values);
+  points.dim = transform->dim();
+  report->seconds_signatures = SecondsSince(phase);
+  size_t next = 0;
+  for (int r = 0; r < data.n; ++r) {
+    if (next < points.usable.size() && points.usable[next] == r) {
+      ++next;
+    } else {
+      report->excluded_requests.push_back(r);
     }
   }
-  const int usable_n = static_cast<int>(usable.size());
-  if (usable_n < k) {
+  const int usable_n = static_cast<int>(points.usable.size());
+  if (usable_n < clusters) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "too few requests with a non-zero signature: ", usable_n, " of ", data.n, " for ", k,
-        " clusters (", report.excluded_requests.size(), " are all zero on the chosen layers)"));
+        "too few requests with a non-zero signature: ", usable_n, " of ", data.n, " for ", clusters,
+        " clusters (", report->excluded_requests.size(), " are all zero on the chosen layers)"));
   }
+  return points;
+}
 
-  // ---- Balanced spherical k-means ----
-  phase = std::chrono::steady_clock::now();
+// Balanced spherical k-means of the points with the options' clusters, weights, seed and limits;
+// records its time in report->seconds_kmeans.
+absl::StatusOr<BalancedKMeansResult> FitCentroids(const CalibrationPoints& points,
+                                                  const CalibrationOptions& options,
+                                                  CalibrationReport* report) {
+  const auto phase = std::chrono::steady_clock::now();
   BalancedKMeansOptions kmeans;
-  kmeans.clusters = k;
+  kmeans.clusters = options.clusters;
   kmeans.capacity_weights = options.capacity_weights;
   kmeans.seed = options.seed;
   kmeans.max_iterations = options.max_iterations;
   kmeans.tolerance = options.tolerance;
   kmeans.seeding_sample = options.seeding_sample;
-  absl::StatusOr<BalancedKMeansResult> fit = FitBalancedKMeans(*points, usable_n, transform->dim(), kmeans);
+  absl::StatusOr<BalancedKMeansResult> fit =
+      FitBalancedKMeans(points.values, static_cast<int>(points.usable.size()), points.dim, kmeans);
   if (!fit.ok()) return fit.status();
-  report.seconds_kmeans = SecondsSince(phase);
+  report->seconds_kmeans = SecondsSince(phase);
+  return fit;
+}
 
-  report.objective = fit->objective;
-  report.cluster_sizes = fit->sizes;
-  report.cluster_capacities = fit->capacities;
-  report.iterations = fit->iterations;
-  report.converged = fit->converged;
-  report.objective_per_iteration = fit->objective_per_iteration;
-  report.seconds_seeding = fit->seconds_seeding;
-  report.seconds_scoring = fit->seconds_scoring;
-  report.seconds_assignment = fit->seconds_assignment;
-  report.seconds_update = fit->seconds_update;
-  report.assignment.assign(data.n, -1);
-  for (int i = 0; i < usable_n; ++i) report.assignment[usable[i]] = fit->assignment[i];
+// Copies the fit's objective, sizes, iterations and phase times into `report`, and its assignment
+// back onto the n calibration requests (-1 for the excluded ones).
+void RecordFit(const BalancedKMeansResult& fit, const std::vector<int>& usable, int n,
+               CalibrationReport* report) {
+  report->objective = fit.objective;
+  report->cluster_sizes = fit.sizes;
+  report->cluster_capacities = fit.capacities;
+  report->iterations = fit.iterations;
+  report->converged = fit.converged;
+  report->objective_per_iteration = fit.objective_per_iteration;
+  report->seconds_seeding = fit.seconds_seeding;
+  report->seconds_scoring = fit.seconds_scoring;
+  report->seconds_assignment = fit.seconds_assignment;
+  report->seconds_update = fit.seconds_update;
+  report->assignment.assign(n, -1);
+  for (size_t i = 0; i < usable.size(); ++i) report->assignment[usable[i]] = fit.assignment[i];
+}
+
+}  // namespace
+
+absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data,
+                                            const CalibrationOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  if (absl::Status s = ValidateCalibrateInputs(data, options); !s.ok()) return s;
+  const int k = options.clusters;
+
+  CalibrationResult result;
+  CalibrationReport& report = result.report;
+  absl::StatusOr<SignatureSpec> spec = ChooseSignatureSpec(data, options, &report);
+  if (!spec.ok()) return spec.status();
+  absl::StatusOr<CalibrationPoints> points = TransformUsableRequests(data, *spec, k, &report);
+  if (!points.ok()) return points.status();
+  absl::StatusOr<BalancedKMeansResult> fit = FitCentroids(*points, options, &report);
+  if (!fit.ok()) return fit.status();
+  RecordFit(*fit, points->usable, data.n, &report);
 
   CentroidArtifact& artifact = result.artifact;
-  artifact.spec = std::move(spec);
+  artifact.spec = *std::move(spec);
   artifact.k = k;
   artifact.centroids = std::move(fit->centroids);
   artifact.workers = options.worker_ids;

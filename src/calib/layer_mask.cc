@@ -64,20 +64,10 @@ double CorrelationWithReference(absl::Span<const double> values, const std::vect
   return dot / (norm * reference_norm);
 }
 
-}  // namespace
-
-double SpearmanCorrelation(absl::Span<const double> x, absl::Span<const double> y) {
-  if (x.size() != y.size() || x.size() < 2) return 0;
-  std::vector<std::pair<double, int>> order;
-  std::vector<double> reference, ranks;
-  AverageRanks(y, order, reference);
-  const double reference_norm = CentreAndNorm(reference);
-  return CorrelationWithReference(x, reference, reference_norm, order, ranks);
-}
-
-absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data,
-                                                      absl::Span<const float> idf, int max_pairs,
-                                                      uint64_t seed) {
+// Checks SearchLayerMask's arguments: geometry, counts of every request, at least 3 requests,
+// one IDF weight per cell, max_pairs >= 2.
+absl::Status ValidateSearchInputs(const CalibrationData& data, absl::Span<const float> idf,
+                                  int max_pairs) {
   const int n = data.n, layers = data.layers, experts = data.experts;
   const size_t per_request = static_cast<size_t>(layers) * experts;
   if (layers < 1 || experts < 1) {
@@ -98,8 +88,12 @@ absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& dat
   if (max_pairs < 2) {
     return absl::InvalidArgumentError(absl::StrCat("layer mask: max_pairs = ", max_pairs, ", need >= 2"));
   }
+  return absl::OkStatus();
+}
 
-  // ---- Request pairs ----
+// The request pairs to rank: every pair (a < b) when there are at most `max_pairs`, else
+// `max_pairs` seeded random pairs of distinct requests.
+std::vector<std::pair<int, int>> SampleRequestPairs(int n, int max_pairs, uint64_t seed) {
   std::vector<std::pair<int, int>> pairs;
   const int64_t all_pairs = static_cast<int64_t>(n) * (n - 1) / 2;
   if (all_pairs <= max_pairs) {
@@ -117,12 +111,26 @@ absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& dat
       pairs.emplace_back(a, b);
     }
   }
-  const int num_pairs = static_cast<int>(pairs.size());
+  return pairs;
+}
 
-  // ---- Per-layer pieces of the weighted signature: squared norms per request, dots per pair ----
+// Per-layer pieces of the IDF-weighted prefill signatures: the cosine distance of a pair over any
+// set of layers follows from sums of them.
+struct LayerPieces {
+  std::vector<double> norm;  // [request][layer]: squared norm of the request's layer
+  std::vector<double> dot;   // [pair][layer]: dot product of the pair's layers
+};
+
+// Computes the squared norms of every request's layers and the dot products of every pair's.
+LayerPieces ComputeLayerPieces(const CalibrationData& data, absl::Span<const float> idf,
+                               const std::vector<std::pair<int, int>>& pairs) {
+  const int n = data.n, layers = data.layers, experts = data.experts;
+  const size_t per_request = static_cast<size_t>(layers) * experts;
+  const int num_pairs = static_cast<int>(pairs.size());
   std::vector<double> idf_squared(per_request);
   for (size_t i = 0; i < per_request; ++i) idf_squared[i] = static_cast<double>(idf[i]) * idf[i];
-  std::vector<double> layer_norm(static_cast<size_t>(n) * layers, 0.0);  // [request][layer]
+  LayerPieces pieces;
+  pieces.norm.assign(static_cast<size_t>(n) * layers, 0.0);
   for (int r = 0; r < n; ++r) {
     const int32_t* counts = data.prefill_counts.data() + r * per_request;
     for (int l = 0; l < layers; ++l) {
@@ -131,11 +139,10 @@ absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& dat
         const size_t at = static_cast<size_t>(l) * experts + e;
         sum += static_cast<double>(counts[at]) * counts[at] * idf_squared[at];
       }
-      layer_norm[static_cast<size_t>(r) * layers + l] = sum;
+      pieces.norm[static_cast<size_t>(r) * layers + l] = sum;
     }
   }
-  std::vector<double> layer_dot(static_cast<size_t>(num_pairs) * layers);  // [pair][layer]
-  std::vector<double> decode_distance(num_pairs);
+  pieces.dot.resize(static_cast<size_t>(num_pairs) * layers);
   for (int p = 0; p < num_pairs; ++p) {
     const int32_t* pa = data.prefill_counts.data() + pairs[p].first * per_request;
     const int32_t* pb = data.prefill_counts.data() + pairs[p].second * per_request;
@@ -145,8 +152,19 @@ absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& dat
         const size_t at = static_cast<size_t>(l) * experts + e;
         sum += static_cast<double>(pa[at]) * pb[at] * idf_squared[at];
       }
-      layer_dot[static_cast<size_t>(p) * layers + l] = sum;
+      pieces.dot[static_cast<size_t>(p) * layers + l] = sum;
     }
+  }
+  return pieces;
+}
+
+// Cosine distance of every pair's decode usage over all layers (1 when either is all zero).
+std::vector<double> DecodeDistances(const CalibrationData& data,
+                                    const std::vector<std::pair<int, int>>& pairs) {
+  const size_t per_request = static_cast<size_t>(data.layers) * data.experts;
+  const int num_pairs = static_cast<int>(pairs.size());
+  std::vector<double> decode_distance(num_pairs);
+  for (int p = 0; p < num_pairs; ++p) {
     const int32_t* da = data.decode_counts.data() + pairs[p].first * per_request;
     const int32_t* db = data.decode_counts.data() + pairs[p].second * per_request;
     double dot = 0, na = 0, nb = 0;
@@ -157,54 +175,94 @@ absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& dat
     }
     decode_distance[p] = (na > 0 && nb > 0) ? 1.0 - dot / std::sqrt(na * nb) : 1.0;
   }
+  return decode_distance;
+}
 
-  std::vector<std::pair<double, int>> order;
-  std::vector<double> reference, ranks;
-  AverageRanks(decode_distance, order, reference);
-  const double reference_norm = CentreAndNorm(reference);
+// Spearman correlation of signature distances over a set of layers (the chosen ones, plus one
+// candidate) with the decode distances, whose centred ranks are `reference`.
+class LayerSetScorer {
+ public:
+  LayerSetScorer(const std::vector<std::pair<int, int>>& pairs, const LayerPieces& pieces,
+                 int layers, const std::vector<double>& reference, double reference_norm)
+      : pairs_(pairs),
+        pieces_(pieces),
+        layers_(layers),
+        num_pairs_(static_cast<int>(pairs.size())),
+        reference_(reference),
+        reference_norm_(reference_norm),
+        threads_(std::max(1, std::min<int>(layers, std::min(4u, std::thread::hardware_concurrency())))),
+        chosen_dot_(num_pairs_, 0.0),
+        chosen_norm_a_(num_pairs_, 0.0),
+        chosen_norm_b_(num_pairs_, 0.0) {}
 
-  // Accumulated dot / norms of the layers chosen so far; a candidate adds its own layer on top.
-  std::vector<double> chosen_dot(num_pairs, 0.0), chosen_norm_a(num_pairs, 0.0), chosen_norm_b(num_pairs, 0.0);
-  // Signature distances of every pair with `layer` added to the chosen ones (layer < 0: none).
-  auto signature_distances = [&](int layer, std::vector<double>& distance) {
-    distance.resize(num_pairs);
-    for (int p = 0; p < num_pairs; ++p) {
-      double dot = chosen_dot[p], na = chosen_norm_a[p], nb = chosen_norm_b[p];
-      if (layer >= 0) {
-        dot += layer_dot[static_cast<size_t>(p) * layers + layer];
-        na += layer_norm[static_cast<size_t>(pairs[p].first) * layers + layer];
-        nb += layer_norm[static_cast<size_t>(pairs[p].second) * layers + layer];
-      }
-      distance[p] = (na > 0 && nb > 0) ? 1.0 - dot / std::sqrt(na * nb) : 1.0;
+  // Adds `layer` to the chosen layers.
+  void AddLayer(int layer) {
+    for (int p = 0; p < num_pairs_; ++p) {
+      chosen_dot_[p] += pieces_.dot[static_cast<size_t>(p) * layers_ + layer];
+      chosen_norm_a_[p] += pieces_.norm[static_cast<size_t>(pairs_[p].first) * layers_ + layer];
+      chosen_norm_b_[p] += pieces_.norm[static_cast<size_t>(pairs_[p].second) * layers_ + layer];
     }
-  };
-  auto add_layer = [&](int layer) {
-    for (int p = 0; p < num_pairs; ++p) {
-      chosen_dot[p] += layer_dot[static_cast<size_t>(p) * layers + layer];
-      chosen_norm_a[p] += layer_norm[static_cast<size_t>(pairs[p].first) * layers + layer];
-      chosen_norm_b[p] += layer_norm[static_cast<size_t>(pairs[p].second) * layers + layer];
-    }
-  };
-  // Candidates of one step are independent: score them on a few threads.
-  const int threads = std::max(1, std::min<int>(layers, std::min(4u, std::thread::hardware_concurrency())));
-  auto score_candidates = [&](const std::vector<int>& candidates, std::vector<double>& correlation) {
+  }
+
+  // correlation[c]: the correlation with candidates[c] added to the chosen layers. Candidates are
+  // independent: scored on a few threads.
+  void ScoreCandidates(const std::vector<int>& candidates, std::vector<double>& correlation) const {
     correlation.assign(candidates.size(), 0.0);
     auto work = [&](int first) {
       std::vector<double> distance, thread_ranks;
       std::vector<std::pair<double, int>> thread_order;
-      for (size_t c = first; c < candidates.size(); c += threads) {
-        signature_distances(candidates[c], distance);
-        correlation[c] = CorrelationWithReference(distance, reference, reference_norm, thread_order, thread_ranks);
+      for (size_t c = first; c < candidates.size(); c += threads_) {
+        SignatureDistances(candidates[c], distance);
+        correlation[c] = CorrelationWithReference(distance, reference_, reference_norm_, thread_order, thread_ranks);
       }
     };
     std::vector<std::thread> pool;
-    for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
+    for (int t = 1; t < threads_; ++t) pool.emplace_back(work, t);
     work(0);
     for (std::thread& thread : pool) thread.join();
-  };
+  }
 
-  LayerMaskSearchResult result;
-  result.pairs = num_pairs;
+  // The correlation with every layer (for comparison in the report); chooses every layer.
+  double AllLayersCorrelation() {
+    std::fill(chosen_dot_.begin(), chosen_dot_.end(), 0.0);
+    std::fill(chosen_norm_a_.begin(), chosen_norm_a_.end(), 0.0);
+    std::fill(chosen_norm_b_.begin(), chosen_norm_b_.end(), 0.0);
+    for (int l = 0; l < layers_; ++l) AddLayer(l);
+    std::vector<double> distance, ranks;
+    std::vector<std::pair<double, int>> order;
+    SignatureDistances(-1, distance);
+    return CorrelationWithReference(distance, reference_, reference_norm_, order, ranks);
+  }
+
+ private:
+  // Signature distances of every pair with `layer` added to the chosen ones (layer < 0: none).
+  void SignatureDistances(int layer, std::vector<double>& distance) const {
+    distance.resize(num_pairs_);
+    for (int p = 0; p < num_pairs_; ++p) {
+      double dot = chosen_dot_[p], na = chosen_norm_a_[p], nb = chosen_norm_b_[p];
+      if (layer >= 0) {
+        dot += pieces_.dot[static_cast<size_t>(p) * layers_ + layer];
+        na += pieces_.norm[static_cast<size_t>(pairs_[p].first) * layers_ + layer];
+        nb += pieces_.norm[static_cast<size_t>(pairs_[p].second) * layers_ + layer];
+      }
+      distance[p] = (na > 0 && nb > 0) ? 1.0 - dot / std::sqrt(na * nb) : 1.0;
+    }
+  }
+
+  const std::vector<std::pair<int, int>>& pairs_;
+  const LayerPieces& pieces_;
+  const int layers_;
+  const int num_pairs_;
+  const std::vector<double>& reference_;
+  const double reference_norm_;
+  const int threads_;
+  // Accumulated dot / norms of the layers chosen so far; a candidate adds its own layer on top.
+  std::vector<double> chosen_dot_, chosen_norm_a_, chosen_norm_b_;
+};
+
+// Greedy forward selection: adds the layer that most raises the correlation until none does;
+// fills result->steps, layer_mask (ascending) and correlation.
+void SelectLayersGreedily(LayerSetScorer& scorer, int layers, LayerMaskSearchResult* result) {
   std::vector<char> chosen(layers, 0);
   double best_so_far = -std::numeric_limits<double>::infinity();
   std::vector<int> candidates;
@@ -214,7 +272,7 @@ absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& dat
     for (int l = 0; l < layers; ++l) {
       if (!chosen[l]) candidates.push_back(l);
     }
-    score_candidates(candidates, correlation);
+    scorer.ScoreCandidates(candidates, correlation);
     int best = -1;  // the lowest layer among equal correlations, so the result is deterministic
     for (size_t c = 0; c < candidates.size(); ++c) {
       if (best < 0 || correlation[c] > correlation[best]) best = static_cast<int>(c);
@@ -222,23 +280,44 @@ absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& dat
     // Stop at the peak: the best addition must raise the correlation.
     if (best < 0 || !(correlation[best] > best_so_far + 1e-12)) break;
     chosen[candidates[best]] = 1;
-    add_layer(candidates[best]);
+    scorer.AddLayer(candidates[best]);
     best_so_far = correlation[best];
-    result.steps.push_back(LayerMaskStep{candidates[best], correlation[best]});
+    result->steps.push_back(LayerMaskStep{candidates[best], correlation[best]});
   }
   for (int l = 0; l < layers; ++l) {
-    if (chosen[l]) result.layer_mask.push_back(l);
+    if (chosen[l]) result->layer_mask.push_back(l);
   }
-  result.correlation = result.steps.empty() ? 0 : result.steps.back().correlation;
+  result->correlation = result->steps.empty() ? 0 : result->steps.back().correlation;
+}
 
-  // The same correlation with every layer, for comparison in the report.
-  std::fill(chosen_dot.begin(), chosen_dot.end(), 0.0);
-  std::fill(chosen_norm_a.begin(), chosen_norm_a.end(), 0.0);
-  std::fill(chosen_norm_b.begin(), chosen_norm_b.end(), 0.0);
-  for (int l = 0; l < layers; ++l) add_layer(l);
-  std::vector<double> distance;
-  signature_distances(-1, distance);
-  result.all_layers_correlation = CorrelationWithReference(distance, reference, reference_norm, order, ranks);
+}  // namespace
+
+double SpearmanCorrelation(absl::Span<const double> x, absl::Span<const double> y) {
+  if (x.size() != y.size() || x.size() < 2) return 0;
+  std::vector<std::pair<double, int>> order;
+  std::vector<double> reference, ranks;
+  AverageRanks(y, order, reference);
+  const double reference_norm = CentreAndNorm(reference);
+  return CorrelationWithReference(x, reference, reference_norm, order, ranks);
+}
+
+absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data,
+                                                      absl::Span<const float> idf, int max_pairs,
+                                                      uint64_t seed) {
+  if (absl::Status s = ValidateSearchInputs(data, idf, max_pairs); !s.ok()) return s;
+  const std::vector<std::pair<int, int>> pairs = SampleRequestPairs(data.n, max_pairs, seed);
+  const LayerPieces pieces = ComputeLayerPieces(data, idf, pairs);
+
+  std::vector<std::pair<double, int>> order;
+  std::vector<double> reference;
+  AverageRanks(DecodeDistances(data, pairs), order, reference);
+  const double reference_norm = CentreAndNorm(reference);
+
+  LayerSetScorer scorer(pairs, pieces, data.layers, reference, reference_norm);
+  LayerMaskSearchResult result;
+  result.pairs = static_cast<int>(pairs.size());
+  SelectLayersGreedily(scorer, data.layers, &result);
+  result.all_layers_correlation = scorer.AllLayersCorrelation();
   return result;
 }
 

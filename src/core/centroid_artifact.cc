@@ -89,6 +89,180 @@ absl::string_view ReferenceVariantName(SignatureVariant variant) {
   return variant == SignatureVariant::kGateProb ? "gate_prob_all" : SignatureVariantName(variant);
 }
 
+
+// ---- ParseCentroidArtifact, one helper per key group, in the order the keys are checked ----
+
+// Parses `json_text` into a JSON object; errors name only the byte position, never the text.
+absl::StatusOr<Json> ParseJsonObject(absl::string_view json_text) {
+  Json doc;
+  try {
+    doc = Json::parse(json_text.begin(), json_text.end());
+  } catch (const Json::parse_error& e) {
+    // Only the position: nlohmann's message quotes the bytes it read ("last read: ..."), and the
+    // text may be a file that was never meant to be shown (a wrong path, a secret).
+    return Malformed(absl::StrCat("invalid JSON at byte ", e.byte));
+  } catch (const Json::exception& e) {
+    return Malformed(absl::StrCat("invalid JSON (error ", e.id, ")"));
+  }
+  if (!doc.is_object()) {
+    return Malformed(absl::StrCat("top level must be a JSON object, got ", doc.type_name()));
+  }
+  return doc;
+}
+
+// Reads the required `L` and `e` (each >= 1 and within int) into spec->layers and experts.
+absl::Status ReadGeometryKeys(const Json& doc, SignatureSpec* spec) {
+  ELDR_ASSIGN_OR_RETURN(const int64_t layers, IntegerKey(doc, "L", /*required=*/true, 0));
+  ELDR_ASSIGN_OR_RETURN(const int64_t experts, IntegerKey(doc, "e", /*required=*/true, 0));
+  if (layers < 1 || layers > INT32_MAX) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrCat("centroid artifact: `L` must be >= 1, got ", layers));
+  }
+  if (experts < 1 || experts > INT32_MAX) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrCat("centroid artifact: `e` must be >= 1, got ", experts));
+  }
+  spec->layers = static_cast<int>(layers);
+  spec->experts = static_cast<int>(experts);
+  return absl::OkStatus();
+}
+
+// Reads the optional `variant` into spec->variant; the reference treats a missing one as "count".
+absl::Status ReadVariantKey(const Json& doc, SignatureSpec* spec) {
+  spec->variant = SignatureVariant::kCount;
+  if (auto it = doc.find("variant"); it != doc.end() && !it->is_null()) {
+    if (!it->is_string()) {
+      return Malformed(absl::StrCat("`variant` must be a string, got ", it->type_name()));
+    }
+    absl::StatusOr<SignatureVariant> variant = ParseSignatureVariant(it->get<std::string>());
+    if (!variant.ok()) return Malformed(variant.status().message());
+    spec->variant = *variant;
+  }
+  return absl::OkStatus();
+}
+
+// Reads the optional, non-empty `layer_mask` (indices in [0, L)) into spec->layer_mask; a mask of
+// every layer in order is stored as none.
+absl::Status ReadLayerMaskKey(const Json& doc, SignatureSpec* spec) {
+  auto it = doc.find("layer_mask");
+  if (it == doc.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_array()) {
+    return Malformed(absl::StrCat("`layer_mask` must be a list of layer indices, got ",
+                                  it->type_name()));
+  }
+  if (it->empty()) return Malformed("`layer_mask` is empty; omit it to keep every layer");
+  const int64_t layers = spec->layers;
+  for (size_t i = 0; i < it->size(); ++i) {
+    const Json& layer = (*it)[i];
+    if (!layer.is_number_integer()) {
+      return Malformed(absl::StrFormat("`layer_mask`[%d] must be an integer, got %s", i,
+                                       layer.type_name()));
+    }
+    const int64_t value = layer.get<int64_t>();
+    if (value < 0 || value >= layers) {
+      return InvalidInput(RejectReason::kGeometry,
+                          absl::StrFormat("centroid artifact: layer_mask[%d] = %d is outside "
+                                          "[0, %d)",
+                                          i, value, layers));
+    }
+    spec->layer_mask.push_back(static_cast<int>(value));
+  }
+  // An explicit mask of every layer is the same transform as no mask: store it canonically.
+  if (static_cast<int64_t>(spec->layer_mask.size()) == layers) {
+    bool identity = true;
+    for (int l = 0; l < layers; ++l) identity = identity && spec->layer_mask[l] == l;
+    if (identity) spec->layer_mask.clear();
+  }
+  return absl::OkStatus();
+}
+
+// Reads `sig_idf` into spec->idf: required for count_idf, rejected for the other variants.
+absl::Status ReadIdfKey(const Json& doc, SignatureSpec* spec) {
+  if (auto it = doc.find("sig_idf"); it != doc.end() && !it->is_null()) {
+    if (spec->variant != SignatureVariant::kCountIdf) {
+      return Malformed(absl::StrCat("`sig_idf` is only valid for variant count_idf, not ",
+                                    SignatureVariantName(spec->variant)));
+    }
+    ELDR_RETURN_IF_ERROR(FloatList(*it, "sig_idf", &spec->idf));
+  } else if (spec->variant == SignatureVariant::kCountIdf) {
+    return Malformed("variant count_idf requires `sig_idf` (|layer_mask| * e IDF weights)");
+  }
+  return absl::OkStatus();
+}
+
+// Reads the required `centroids` (or the older `micro_centroids`) rows of spec.dim() numbers into
+// artifact->centroids, and `k`, which must match the row count when given.
+absl::Status ReadCentroidRows(const Json& doc, CentroidArtifact* artifact) {
+  // `micro_centroids` is an older reference key for the same matrix.
+  auto rows = doc.find("centroids");
+  if (rows == doc.end() || rows->is_null()) rows = doc.find("micro_centroids");
+  if (rows == doc.end() || rows->is_null()) return Malformed("missing required key `centroids`");
+  if (!rows->is_array()) {
+    return Malformed(absl::StrCat("`centroids` must be a list of rows, got ", rows->type_name()));
+  }
+  const int64_t dim = artifact->spec.dim();
+  for (size_t r = 0; r < rows->size(); ++r) {
+    const Json& row = (*rows)[r];
+    if (!row.is_array()) {
+      return Malformed(absl::StrFormat("`centroids`[%d] must be a list of numbers, got %s", r,
+                                       row.type_name()));
+    }
+    if (static_cast<int64_t>(row.size()) != dim) {
+      return InvalidInput(RejectReason::kGeometry,
+                          absl::StrFormat("centroid artifact: centroids row %d has %d values, "
+                                          "expected dimension |layer_mask| * e = %d * %d = %d",
+                                          r, row.size(), artifact->spec.masked_layers(),
+                                          int64_t{artifact->spec.experts}, dim));
+    }
+    ELDR_RETURN_IF_ERROR(FloatList(row, absl::StrCat("centroids[", r, "]"), &artifact->centroids));
+  }
+  const int64_t row_count = static_cast<int64_t>(rows->size());
+  ELDR_ASSIGN_OR_RETURN(const int64_t k, IntegerKey(doc, "k", /*required=*/false, row_count));
+  if (k != row_count) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("centroid artifact: k = %d but `centroids` has %d rows", k,
+                                        row_count));
+  }
+  artifact->k = static_cast<int>(k);
+  return absl::OkStatus();
+}
+
+// Reads the optional `workers` (a list of strings) into artifact->workers.
+absl::Status ReadWorkersKey(const Json& doc, CentroidArtifact* artifact) {
+  auto it = doc.find("workers");
+  if (it == doc.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_array()) {
+    return Malformed(absl::StrCat("`workers` must be a list of worker ids, got ",
+                                  it->type_name()));
+  }
+  for (size_t i = 0; i < it->size(); ++i) {
+    if (!(*it)[i].is_string()) {
+      return Malformed(absl::StrFormat("`workers`[%d] must be a string, got %s", i,
+                                       (*it)[i].type_name()));
+    }
+    artifact->workers.push_back((*it)[i].get<std::string>());
+  }
+  return absl::OkStatus();
+}
+
+// Reads the optional `model` (a string) and `seed` (a non-negative integer).
+absl::Status ReadModelAndSeedKeys(const Json& doc, CentroidArtifact* artifact) {
+  if (auto it = doc.find("model"); it != doc.end() && !it->is_null()) {
+    if (!it->is_string()) {
+      return Malformed(absl::StrCat("`model` must be a string, got ", it->type_name()));
+    }
+    artifact->model = it->get<std::string>();
+  }
+  if (auto it = doc.find("seed"); it != doc.end() && !it->is_null()) {
+    if (!it->is_number_integer() || (it->is_number_integer() && !it->is_number_unsigned() &&
+                                     it->get<int64_t>() < 0)) {
+      return Malformed(absl::StrCat("`seed` must be a non-negative integer, got ", it->dump()));
+    }
+    artifact->seed = it->get<uint64_t>();
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ValidateCentroidArtifact(const CentroidArtifact& artifact) {
@@ -155,143 +329,15 @@ absl::Status ValidateCentroidArtifact(const CentroidArtifact& artifact) {
 }
 
 absl::StatusOr<CentroidArtifact> ParseCentroidArtifact(absl::string_view json_text) {
-  Json doc;
-  try {
-    doc = Json::parse(json_text.begin(), json_text.end());
-  } catch (const Json::parse_error& e) {
-    // Only the position: nlohmann's message quotes the bytes it read ("last read: ..."), and the
-    // text may be a file that was never meant to be shown (a wrong path, a secret).
-    return Malformed(absl::StrCat("invalid JSON at byte ", e.byte));
-  } catch (const Json::exception& e) {
-    return Malformed(absl::StrCat("invalid JSON (error ", e.id, ")"));
-  }
-  if (!doc.is_object()) {
-    return Malformed(absl::StrCat("top level must be a JSON object, got ", doc.type_name()));
-  }
-
+  ELDR_ASSIGN_OR_RETURN(const Json doc, ParseJsonObject(json_text));
   CentroidArtifact artifact;
-  ELDR_ASSIGN_OR_RETURN(const int64_t layers, IntegerKey(doc, "L", /*required=*/true, 0));
-  ELDR_ASSIGN_OR_RETURN(const int64_t experts, IntegerKey(doc, "e", /*required=*/true, 0));
-  if (layers < 1 || layers > INT32_MAX) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrCat("centroid artifact: `L` must be >= 1, got ", layers));
-  }
-  if (experts < 1 || experts > INT32_MAX) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrCat("centroid artifact: `e` must be >= 1, got ", experts));
-  }
-  artifact.spec.layers = static_cast<int>(layers);
-  artifact.spec.experts = static_cast<int>(experts);
-
-  // The reference treats a missing variant as "count".
-  artifact.spec.variant = SignatureVariant::kCount;
-  if (auto it = doc.find("variant"); it != doc.end() && !it->is_null()) {
-    if (!it->is_string()) {
-      return Malformed(absl::StrCat("`variant` must be a string, got ", it->type_name()));
-    }
-    absl::StatusOr<SignatureVariant> variant = ParseSignatureVariant(it->get<std::string>());
-    if (!variant.ok()) return Malformed(variant.status().message());
-    artifact.spec.variant = *variant;
-  }
-
-  if (auto it = doc.find("layer_mask"); it != doc.end() && !it->is_null()) {
-    if (!it->is_array()) {
-      return Malformed(absl::StrCat("`layer_mask` must be a list of layer indices, got ",
-                                    it->type_name()));
-    }
-    if (it->empty()) return Malformed("`layer_mask` is empty; omit it to keep every layer");
-    for (size_t i = 0; i < it->size(); ++i) {
-      const Json& layer = (*it)[i];
-      if (!layer.is_number_integer()) {
-        return Malformed(absl::StrFormat("`layer_mask`[%d] must be an integer, got %s", i,
-                                         layer.type_name()));
-      }
-      const int64_t value = layer.get<int64_t>();
-      if (value < 0 || value >= layers) {
-        return InvalidInput(RejectReason::kGeometry,
-                            absl::StrFormat("centroid artifact: layer_mask[%d] = %d is outside "
-                                            "[0, %d)",
-                                            i, value, layers));
-      }
-      artifact.spec.layer_mask.push_back(static_cast<int>(value));
-    }
-    // An explicit mask of every layer is the same transform as no mask: store it canonically.
-    if (static_cast<int64_t>(artifact.spec.layer_mask.size()) == layers) {
-      bool identity = true;
-      for (int l = 0; l < layers; ++l) identity = identity && artifact.spec.layer_mask[l] == l;
-      if (identity) artifact.spec.layer_mask.clear();
-    }
-  }
-
-  if (auto it = doc.find("sig_idf"); it != doc.end() && !it->is_null()) {
-    if (artifact.spec.variant != SignatureVariant::kCountIdf) {
-      return Malformed(absl::StrCat("`sig_idf` is only valid for variant count_idf, not ",
-                                    SignatureVariantName(artifact.spec.variant)));
-    }
-    ELDR_RETURN_IF_ERROR(FloatList(*it, "sig_idf", &artifact.spec.idf));
-  } else if (artifact.spec.variant == SignatureVariant::kCountIdf) {
-    return Malformed("variant count_idf requires `sig_idf` (|layer_mask| * e IDF weights)");
-  }
-
-  // `micro_centroids` is an older reference key for the same matrix.
-  auto rows = doc.find("centroids");
-  if (rows == doc.end() || rows->is_null()) rows = doc.find("micro_centroids");
-  if (rows == doc.end() || rows->is_null()) return Malformed("missing required key `centroids`");
-  if (!rows->is_array()) {
-    return Malformed(absl::StrCat("`centroids` must be a list of rows, got ", rows->type_name()));
-  }
-  const int64_t dim = artifact.spec.dim();
-  for (size_t r = 0; r < rows->size(); ++r) {
-    const Json& row = (*rows)[r];
-    if (!row.is_array()) {
-      return Malformed(absl::StrFormat("`centroids`[%d] must be a list of numbers, got %s", r,
-                                       row.type_name()));
-    }
-    if (static_cast<int64_t>(row.size()) != dim) {
-      return InvalidInput(RejectReason::kGeometry,
-                          absl::StrFormat("centroid artifact: centroids row %d has %d values, "
-                                          "expected dimension |layer_mask| * e = %d * %d = %d",
-                                          r, row.size(), artifact.spec.masked_layers(), experts,
-                                          dim));
-    }
-    ELDR_RETURN_IF_ERROR(FloatList(row, absl::StrCat("centroids[", r, "]"), &artifact.centroids));
-  }
-  const int64_t row_count = static_cast<int64_t>(rows->size());
-  ELDR_ASSIGN_OR_RETURN(const int64_t k, IntegerKey(doc, "k", /*required=*/false, row_count));
-  if (k != row_count) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrFormat("centroid artifact: k = %d but `centroids` has %d rows", k,
-                                        row_count));
-  }
-  artifact.k = static_cast<int>(k);
-
-  if (auto it = doc.find("workers"); it != doc.end() && !it->is_null()) {
-    if (!it->is_array()) {
-      return Malformed(absl::StrCat("`workers` must be a list of worker ids, got ",
-                                    it->type_name()));
-    }
-    for (size_t i = 0; i < it->size(); ++i) {
-      if (!(*it)[i].is_string()) {
-        return Malformed(absl::StrFormat("`workers`[%d] must be a string, got %s", i,
-                                         (*it)[i].type_name()));
-      }
-      artifact.workers.push_back((*it)[i].get<std::string>());
-    }
-  }
-  if (auto it = doc.find("model"); it != doc.end() && !it->is_null()) {
-    if (!it->is_string()) {
-      return Malformed(absl::StrCat("`model` must be a string, got ", it->type_name()));
-    }
-    artifact.model = it->get<std::string>();
-  }
-  if (auto it = doc.find("seed"); it != doc.end() && !it->is_null()) {
-    if (!it->is_number_integer() || (it->is_number_integer() && !it->is_number_unsigned() &&
-                                     it->get<int64_t>() < 0)) {
-      return Malformed(absl::StrCat("`seed` must be a non-negative integer, got ", it->dump()));
-    }
-    artifact.seed = it->get<uint64_t>();
-  }
-
+  ELDR_RETURN_IF_ERROR(ReadGeometryKeys(doc, &artifact.spec));
+  ELDR_RETURN_IF_ERROR(ReadVariantKey(doc, &artifact.spec));
+  ELDR_RETURN_IF_ERROR(ReadLayerMaskKey(doc, &artifact.spec));
+  ELDR_RETURN_IF_ERROR(ReadIdfKey(doc, &artifact.spec));
+  ELDR_RETURN_IF_ERROR(ReadCentroidRows(doc, &artifact));
+  ELDR_RETURN_IF_ERROR(ReadWorkersKey(doc, &artifact));
+  ELDR_RETURN_IF_ERROR(ReadModelAndSeedKeys(doc, &artifact));
   ELDR_RETURN_IF_ERROR(ValidateCentroidArtifact(artifact));
   return artifact;
 }

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -50,6 +51,207 @@ absl::Status GeometryError(absl::string_view what, int layers, int experts, cons
 absl::Status ZeroSignatureError() {
   return MakeInputError(absl::StatusCode::kFailedPrecondition, RejectReason::kZeroSignature,
                         "signature is all zeros on the layers of the layer mask");
+}
+
+// ---- SignatureTransform::Convert, one helper per input encoding ------------------------------
+//
+// On the routing path: each helper is called once, from Convert, and inlines into it. Every helper
+// validates its input, writes the weighted (unnormalised) vector into `out` (dim() floats, already
+// checked) and sets *sum_of_squares only on success.
+
+// What the converters read of a SignatureTransform (borrowed from it, nothing copied).
+struct TransformLayout {
+  const SignatureSpec& spec;
+  const internal::SignatureKernels& kernels;
+  const float* weights;              // the IDF weights for count_idf, else nullptr
+  bool wants_counts;                 // count variants take integer counts, gate_prob float sums
+  const std::vector<int>& mask;      // the kept layers, ascending
+  const std::vector<int>& unmasked;  // the other layers (still checked for bad values)
+  bool all_layers;                   // mask keeps every layer: one contiguous pass
+};
+
+// The rejection of integer counts sent to a gate_prob transform.
+absl::Status IntegerCountsForGateProbError() {
+  return InvalidInput(RejectReason::kWrongEncoding,
+                      "integer counts sent to a gate_prob transform, which needs float "
+                      "gate-probability sums");
+}
+
+// Squared L2 norm of `values` accumulated in double (when the float kernels overflow).
+double SumOfSquaresInDouble(absl::Span<const float> values) {
+  double sum = 0;
+  for (size_t i = 0; i < values.size(); ++i) sum += static_cast<double>(values[i]) * values[i];
+  return sum;
+}
+
+// Little-endian int16 counts: checks encoding, geometry and byte length, converts the masked
+// layers and rejects a negative count on any layer.
+absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16Le& counts,
+                                absl::Span<float> out, double* sum_of_squares) {
+  const SignatureSpec& spec = layout.spec;
+  const size_t experts = static_cast<size_t>(spec.experts);
+  if (!layout.wants_counts) return IntegerCountsForGateProbError();
+  if (counts.layers != spec.layers || counts.experts != spec.experts) {
+    return GeometryError("int16 counts", counts.layers, counts.experts, spec);
+  }
+  if (counts.bytes.size() % 2 != 0) {
+    return InvalidInput(RejectReason::kWrongEncoding,
+                        absl::StrFormat("int16 counts must have an even byte length, got %d bytes",
+                                        counts.bytes.size()));
+  }
+  const size_t cells = static_cast<size_t>(spec.layers) * experts;
+  if (counts.bytes.size() != 2 * cells) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("int16 counts for %d layers x %d experts need %d bytes, "
+                                        "got %d",
+                                        spec.layers, spec.experts, 2 * cells, counts.bytes.size()));
+  }
+  const internal::SignatureKernels& kernels = layout.kernels;
+  const float* weights = layout.weights;
+  const char* base = counts.bytes.data();
+  int32_t bits = 0;
+  double sum = 0;
+  if (layout.all_layers) {
+    sum = kernels.convert_int16(base, weights, out.data(), cells, &bits);
+  } else {
+    for (size_t j = 0; j < layout.mask.size(); ++j) {
+      sum += kernels.convert_int16(base + 2 * experts * layout.mask[j],
+                                   weights ? weights + j * experts : nullptr,
+                                   out.data() + j * experts, experts, &bits);
+    }
+    for (int layer : layout.unmasked) bits |= kernels.or_int16(base + 2 * experts * layer, experts);
+  }
+  if (bits < 0) {
+    return InvalidInput(RejectReason::kNegativeCount, "int16 counts contain a negative count");
+  }
+  *sum_of_squares = sum;
+  return absl::OkStatus();
+}
+
+// int32 counts: checks encoding, geometry and length, converts the masked layers and rejects a
+// negative count on any layer.
+absl::Status ConvertInt32Counts(const TransformLayout& layout, const CountsInt32& counts,
+                                absl::Span<float> out, double* sum_of_squares) {
+  const SignatureSpec& spec = layout.spec;
+  const size_t experts = static_cast<size_t>(spec.experts);
+  if (!layout.wants_counts) return IntegerCountsForGateProbError();
+  if (counts.layers != spec.layers || counts.experts != spec.experts) {
+    return GeometryError("int32 counts", counts.layers, counts.experts, spec);
+  }
+  const size_t cells = static_cast<size_t>(spec.layers) * experts;
+  if (counts.values.size() != cells) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("int32 counts for %d layers x %d experts need %d values, "
+                                        "got %d",
+                                        spec.layers, spec.experts, cells, counts.values.size()));
+  }
+  const internal::SignatureKernels& kernels = layout.kernels;
+  const float* weights = layout.weights;
+  const int32_t* base = counts.values.data();
+  int32_t bits = 0;
+  double sum = 0;
+  if (layout.all_layers) {
+    sum = kernels.convert_int32(base, weights, out.data(), cells, &bits);
+  } else {
+    for (size_t j = 0; j < layout.mask.size(); ++j) {
+      sum += kernels.convert_int32(base + experts * layout.mask[j],
+                                   weights ? weights + j * experts : nullptr,
+                                   out.data() + j * experts, experts, &bits);
+    }
+    for (int layer : layout.unmasked) {
+      const int32_t* row = base + experts * layer;
+      for (size_t e = 0; e < experts; ++e) bits |= row[e];
+    }
+  }
+  if (bits < 0) {
+    return InvalidInput(RejectReason::kNegativeCount, "int32 counts contain a negative count");
+  }
+  *sum_of_squares = sum;
+  return absl::OkStatus();
+}
+
+// Float gate-probability sums: checks encoding, geometry and length, converts the masked layers
+// and rejects a non-finite value (first) or a negative one on any layer, naming its position.
+absl::Status ConvertGateProbSums(const TransformLayout& layout, const GateProbSums& sums,
+                                 absl::Span<float> out, double* sum_of_squares) {
+  const SignatureSpec& spec = layout.spec;
+  const size_t experts = static_cast<size_t>(spec.experts);
+  if (layout.wants_counts) {
+    return InvalidInput(RejectReason::kWrongEncoding,
+                        absl::StrCat("float gate-probability sums sent to a ",
+                                     SignatureVariantName(spec.variant),
+                                     " transform, which needs integer counts"));
+  }
+  if (sums.layers != spec.layers || sums.experts != spec.experts) {
+    return GeometryError("gate-probability sums", sums.layers, sums.experts, spec);
+  }
+  const size_t cells = static_cast<size_t>(spec.layers) * experts;
+  if (sums.values.size() != cells) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("gate-probability sums for %d layers x %d experts need %d "
+                                        "values, got %d",
+                                        spec.layers, spec.experts, cells, sums.values.size()));
+  }
+  const float* base = sums.values.data();
+  int32_t negatives = 0;
+  double sum = 0;
+  if (layout.all_layers) {
+    sum = layout.kernels.convert_float(base, out.data(), cells, &negatives);
+  } else {
+    for (size_t j = 0; j < layout.mask.size(); ++j) {
+      sum += layout.kernels.convert_float(base + experts * layout.mask[j], out.data() + j * experts,
+                                          experts, &negatives);
+    }
+  }
+  bool finite = std::isfinite(sum);
+  for (int layer : layout.unmasked) finite = finite && AllFinite(base + experts * layer, experts);
+  if (!finite) {
+    const int64_t bad = FirstNonFinite(base, cells);
+    if (bad >= 0) {
+      return InvalidInput(RejectReason::kNonFinite,
+                          absl::StrFormat("gate-probability sums: value at layer %d expert %d is "
+                                          "%g",
+                                          bad / spec.experts, bad % spec.experts, base[bad]));
+    }
+    // Finite values whose squares overflow float: take the norm in double.
+    sum = SumOfSquaresInDouble(out);
+  }
+  for (int layer : layout.unmasked) {
+    if (FirstNegative(base + experts * layer, experts) >= 0) ++negatives;
+  }
+  if (negatives > 0) {
+    const int64_t bad = FirstNegative(base, cells);
+    return InvalidInput(RejectReason::kNegativeCount,
+                        absl::StrFormat("gate-probability sums: value at layer %d expert %d is "
+                                        "negative (%g)",
+                                        bad / spec.experts, bad % spec.experts, base[bad]));
+  }
+  *sum_of_squares = sum;
+  return absl::OkStatus();
+}
+
+// An already transformed vector (any sign): checks its length and rejects a non-finite value.
+absl::Status ConvertTransformedVector(const TransformLayout& layout, const TransformedVector& vector,
+                                      int dim, absl::Span<float> out, double* sum_of_squares) {
+  if (static_cast<int64_t>(vector.values.size()) != dim) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("transformed signature has %d values, the calibrated "
+                                        "transform has dimension %d",
+                                        vector.values.size(), dim));
+  }
+  int32_t negatives = 0;  // a transformed vector may have any sign
+  double sum = layout.kernels.convert_float(vector.values.data(), out.data(), out.size(), &negatives);
+  if (!std::isfinite(sum)) {
+    const int64_t bad = FirstNonFinite(vector.values.data(), vector.values.size());
+    if (bad >= 0) {
+      return InvalidInput(RejectReason::kNonFinite,
+                          absl::StrFormat("transformed signature: value %d is %g", bad,
+                                          vector.values[bad]));
+    }
+    sum = SumOfSquaresInDouble(out);
+  }
+  *sum_of_squares = sum;
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -217,170 +419,21 @@ absl::Status SignatureTransform::Convert(const SignatureInput& input, absl::Span
                         absl::StrFormat("output buffer holds %d floats, the transform produces %d",
                                         out.size(), dim_));
   }
-  const internal::SignatureKernels& kernels = internal::BestSignatureKernels();
-  const size_t experts = static_cast<size_t>(spec_.experts);
-  const float* weights = spec_.variant == SignatureVariant::kCountIdf ? spec_.idf.data() : nullptr;
-  const bool wants_counts = spec_.variant != SignatureVariant::kGateProb;
-
+  const TransformLayout layout{
+      spec_, internal::BestSignatureKernels(),
+      spec_.variant == SignatureVariant::kCountIdf ? spec_.idf.data() : nullptr,
+      spec_.variant != SignatureVariant::kGateProb, mask_, unmasked_, all_layers_};
   if (const auto* counts = std::get_if<CountsInt16Le>(&input)) {
-    if (!wants_counts) {
-      return InvalidInput(RejectReason::kWrongEncoding,
-                          "integer counts sent to a gate_prob transform, which needs float "
-                          "gate-probability sums");
-    }
-    if (counts->layers != spec_.layers || counts->experts != spec_.experts) {
-      return GeometryError("int16 counts", counts->layers, counts->experts, spec_);
-    }
-    if (counts->bytes.size() % 2 != 0) {
-      return InvalidInput(RejectReason::kWrongEncoding,
-                          absl::StrFormat("int16 counts must have an even byte length, got %d bytes",
-                                          counts->bytes.size()));
-    }
-    const size_t cells = static_cast<size_t>(spec_.layers) * experts;
-    if (counts->bytes.size() != 2 * cells) {
-      return InvalidInput(RejectReason::kGeometry,
-                          absl::StrFormat("int16 counts for %d layers x %d experts need %d bytes, "
-                                          "got %d",
-                                          spec_.layers, spec_.experts, 2 * cells,
-                                          counts->bytes.size()));
-    }
-    const char* base = counts->bytes.data();
-    int32_t bits = 0;
-    double sum = 0;
-    if (all_layers_) {
-      sum = kernels.convert_int16(base, weights, out.data(), cells, &bits);
-    } else {
-      for (size_t j = 0; j < mask_.size(); ++j) {
-        sum += kernels.convert_int16(base + 2 * experts * mask_[j], weights ? weights + j * experts : nullptr,
-                            out.data() + j * experts, experts, &bits);
-      }
-      for (int layer : unmasked_) bits |= kernels.or_int16(base + 2 * experts * layer, experts);
-    }
-    if (bits < 0) {
-      return InvalidInput(RejectReason::kNegativeCount, "int16 counts contain a negative count");
-    }
-    *sum_of_squares = sum;
-    return absl::OkStatus();
+    return ConvertInt16Counts(layout, *counts, out, sum_of_squares);
   }
-
   if (const auto* counts = std::get_if<CountsInt32>(&input)) {
-    if (!wants_counts) {
-      return InvalidInput(RejectReason::kWrongEncoding,
-                          "integer counts sent to a gate_prob transform, which needs float "
-                          "gate-probability sums");
-    }
-    if (counts->layers != spec_.layers || counts->experts != spec_.experts) {
-      return GeometryError("int32 counts", counts->layers, counts->experts, spec_);
-    }
-    const size_t cells = static_cast<size_t>(spec_.layers) * experts;
-    if (counts->values.size() != cells) {
-      return InvalidInput(RejectReason::kGeometry,
-                          absl::StrFormat("int32 counts for %d layers x %d experts need %d values, "
-                                          "got %d",
-                                          spec_.layers, spec_.experts, cells,
-                                          counts->values.size()));
-    }
-    const int32_t* base = counts->values.data();
-    int32_t bits = 0;
-    double sum = 0;
-    if (all_layers_) {
-      sum = kernels.convert_int32(base, weights, out.data(), cells, &bits);
-    } else {
-      for (size_t j = 0; j < mask_.size(); ++j) {
-        sum += kernels.convert_int32(base + experts * mask_[j], weights ? weights + j * experts : nullptr,
-                            out.data() + j * experts, experts, &bits);
-      }
-      for (int layer : unmasked_) {
-        const int32_t* row = base + experts * layer;
-        for (size_t e = 0; e < experts; ++e) bits |= row[e];
-      }
-    }
-    if (bits < 0) {
-      return InvalidInput(RejectReason::kNegativeCount, "int32 counts contain a negative count");
-    }
-    *sum_of_squares = sum;
-    return absl::OkStatus();
+    return ConvertInt32Counts(layout, *counts, out, sum_of_squares);
   }
-
   if (const auto* sums = std::get_if<GateProbSums>(&input)) {
-    if (wants_counts) {
-      return InvalidInput(RejectReason::kWrongEncoding,
-                          absl::StrCat("float gate-probability sums sent to a ",
-                                       SignatureVariantName(spec_.variant),
-                                       " transform, which needs integer counts"));
-    }
-    if (sums->layers != spec_.layers || sums->experts != spec_.experts) {
-      return GeometryError("gate-probability sums", sums->layers, sums->experts, spec_);
-    }
-    const size_t cells = static_cast<size_t>(spec_.layers) * experts;
-    if (sums->values.size() != cells) {
-      return InvalidInput(RejectReason::kGeometry,
-                          absl::StrFormat("gate-probability sums for %d layers x %d experts need %d "
-                                          "values, got %d",
-                                          spec_.layers, spec_.experts, cells, sums->values.size()));
-    }
-    const float* base = sums->values.data();
-    int32_t negatives = 0;
-    double sum = 0;
-    if (all_layers_) {
-      sum = kernels.convert_float(base, out.data(), cells, &negatives);
-    } else {
-      for (size_t j = 0; j < mask_.size(); ++j) {
-        sum += kernels.convert_float(base + experts * mask_[j], out.data() + j * experts, experts,
-                            &negatives);
-      }
-    }
-    bool finite = std::isfinite(sum);
-    for (int layer : unmasked_) {
-      finite = finite && AllFinite(base + experts * layer, experts);
-    }
-    if (!finite) {
-      const int64_t bad = FirstNonFinite(base, cells);
-      if (bad >= 0) {
-        return InvalidInput(RejectReason::kNonFinite,
-                            absl::StrFormat("gate-probability sums: value at layer %d expert %d is "
-                                            "%g",
-                                            bad / spec_.experts, bad % spec_.experts, base[bad]));
-      }
-      // Finite values whose squares overflow float: take the norm in double.
-      sum = 0;
-      for (size_t i = 0; i < out.size(); ++i) sum += static_cast<double>(out[i]) * out[i];
-    }
-    for (int layer : unmasked_) {
-      if (FirstNegative(base + experts * layer, experts) >= 0) ++negatives;
-    }
-    if (negatives > 0) {
-      const int64_t bad = FirstNegative(base, cells);
-      return InvalidInput(RejectReason::kNegativeCount,
-                          absl::StrFormat("gate-probability sums: value at layer %d expert %d is "
-                                          "negative (%g)",
-                                          bad / spec_.experts, bad % spec_.experts, base[bad]));
-    }
-    *sum_of_squares = sum;
-    return absl::OkStatus();
+    return ConvertGateProbSums(layout, *sums, out, sum_of_squares);
   }
-
-  const auto& vector = std::get<TransformedVector>(input);
-  if (static_cast<int64_t>(vector.values.size()) != dim_) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrFormat("transformed signature has %d values, the calibrated "
-                                        "transform has dimension %d",
-                                        vector.values.size(), dim_));
-  }
-  int32_t negatives = 0;  // a transformed vector may have any sign
-  double sum = kernels.convert_float(vector.values.data(), out.data(), out.size(), &negatives);
-  if (!std::isfinite(sum)) {
-    const int64_t bad = FirstNonFinite(vector.values.data(), vector.values.size());
-    if (bad >= 0) {
-      return InvalidInput(RejectReason::kNonFinite,
-                          absl::StrFormat("transformed signature: value %d is %g", bad,
-                                          vector.values[bad]));
-    }
-    sum = 0;
-    for (size_t i = 0; i < out.size(); ++i) sum += static_cast<double>(out[i]) * out[i];
-  }
-  *sum_of_squares = sum;
-  return absl::OkStatus();
+  return ConvertTransformedVector(layout, std::get<TransformedVector>(input), dim_, out,
+                                  sum_of_squares);
 }
 
 // ---- IDF ---------------------------------------------------------------------------------------

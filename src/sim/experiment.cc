@@ -35,6 +35,187 @@ CentroidArtifact WithWorkers(const CentroidArtifact& artifact, const std::vector
   return named;
 }
 
+// Passes `line` to options.log when one is set.
+void Log(const ExperimentOptions& options, const std::string& line) {
+  if (options.log) options.log(line);
+}
+
+// Checks the cluster, policies, request count and tau of `options` against `workload`.
+absl::Status ValidateExperiment(const Workload& workload, const ExperimentOptions& options) {
+  ELDR_RETURN_IF_ERROR(ValidateClusterOptions(options.cluster));
+  if (options.policies.empty()) return absl::InvalidArgumentError("--policies: no policy given");
+  if (options.requests < 20) return absl::InvalidArgumentError("--requests must be >= 20");
+  if (!(options.tau >= 0 && options.tau <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("--tau must be in [0, 1], got ", options.tau));
+  }
+  if (workload.pool.empty()) return absl::InvalidArgumentError("the workload has no request");
+  if (!workload.sample_with_replacement && static_cast<int>(workload.pool.size()) < options.requests) {
+    return absl::InvalidArgumentError("the synthetic pool is smaller than --requests");
+  }
+  return absl::OkStatus();
+}
+
+// Fills result->locality, capacity and rates (options.rates, else DefaultRates) and logs them.
+void MeasureWorkloadAndCapacity(const Workload& workload, const ExperimentOptions& options,
+                                ExperimentResult* result) {
+  result->locality = MeasureWorkloadLocality(workload, kLocalityBatch, 400, 20000, options.seed);
+  Log(options, absl::StrFormat(
+      "workload structure: a batch of %d decode tokens of one domain touches %.1f distinct experts "
+      "per layer, of mixed domains %.1f (%.1f%% fewer); prompt/decode correlation %.2f (Spearman, %d pairs)",
+      kLocalityBatch, result->locality.same_domain_distinct, result->locality.mixed_distinct,
+      100 * result->locality.same_domain_reduction, result->locality.prompt_decode_correlation,
+      result->locality.pairs));
+  result->capacity = EstimateCapacity(workload, options.cluster, options.seed);
+  result->rates = options.rates.empty() ? DefaultRates(result->capacity) : options.rates;
+  Log(options, absl::StrFormat(
+      "estimated decode capacity %.1f req/s (%d workers x batch %d, step %.1f ms at %.1f distinct "
+      "experts/layer, %.0f decode tokens per request)",
+      result->capacity.requests_per_s, options.cluster.decoders, result->capacity.batch,
+      result->capacity.step_ms, result->capacity.mixed_distinct, result->capacity.mean_decode_steps));
+}
+
+// The routers of one invocation: the daemon (when options.grpc_target names one) and in-process
+// routers, one per policy kind, created on first use.
+class RouterPool {
+ public:
+  explicit RouterPool(const ExperimentOptions& options) : options_(options) {}
+
+  // Connects to the daemon (its worker count must match; differences are logged) or, without a
+  // target, stays in-process; records the router's description and tau in `result`.
+  absl::Status ConnectDaemon(ExperimentResult* result) {
+    if (options_.grpc_target.empty()) {
+      result->router = absl::StrFormat("in-process eldr::Router (tau %g)", options_.tau);
+      result->tau = options_.tau;
+      return absl::OkStatus();
+    }
+    ELDR_ASSIGN_OR_RETURN(DaemonInfo info, QueryDaemon(options_.grpc_target,
+                                                      options_.grpc_admin_target.empty() ? options_.grpc_target
+                                                                                         : options_.grpc_admin_target,
+                                                      options_.rpc_timeout_s));
+    if (static_cast<int>(info.worker_ids.size()) != options_.cluster.decoders) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "eldr-router at %s has %d active decode workers but the simulation has %d: pass "
+          "--decoders %d or start the router with %d workers",
+          info.target, info.worker_ids.size(), options_.cluster.decoders, info.worker_ids.size(),
+          options_.cluster.decoders));
+    }
+    for (size_t i = 0; i < info.max_inflight.size(); ++i) {
+      if (info.max_inflight[i] != options_.max_inflight) {
+        Log(options_, absl::StrFormat(
+            "note: eldr-router's worker %s has max_inflight %d, the in-process routers %d: decisions "
+            "differ once a worker reaches the smaller limit",
+            info.worker_ids[i], info.max_inflight[i], options_.max_inflight));
+        break;
+      }
+    }
+    if (info.live_leases > 0) {
+      Log(options_, absl::StrFormat("warning: eldr-router at %s already holds %d leases; they count as load",
+                                    info.target, info.live_leases));
+    }
+    ELDR_ASSIGN_OR_RETURN(daemon_, MakeGrpcBackend(info, options_.rpc_timeout_s));
+    result->router = daemon_->Describe();
+    result->tau = daemon_->tau();
+    for (const PolicySpec& policy : options_.policies) {
+      if (policy.kind != daemon_->policy()) {
+        Log(options_, absl::StrFormat("note: %s runs in-process: the daemon serves policy %s only",
+                                      policy.name, PolicyKindName(daemon_->policy())));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The daemon when it serves `kind`, else the in-process router of `kind`.
+  absl::StatusOr<RoutingBackend*> For(PolicyKind kind) {
+    if (daemon_ != nullptr && daemon_->policy() == kind) return daemon_.get();
+    auto it = in_process_.find(kind);
+    if (it == in_process_.end()) {
+      ELDR_ASSIGN_OR_RETURN(std::unique_ptr<RoutingBackend> created,
+                            MakeInProcessBackend(kind, options_.tau, options_.router_seed,
+                                                 options_.cluster.decoders, options_.max_inflight));
+      it = in_process_.emplace(kind, std::move(created)).first;
+    }
+    return it->second.get();
+  }
+
+ private:
+  const ExperimentOptions& options_;
+  std::unique_ptr<RoutingBackend> daemon_;
+  std::map<PolicyKind, std::unique_ptr<RoutingBackend>> in_process_;
+};
+
+// Calibrates eldr's centroids on the calibration split (weighted by decode tokens when asked),
+// records the report and sizes in `result` and logs them.
+absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload,
+                                                    const ExperimentOptions& options,
+                                                    ExperimentResult* result) {
+  CalibrationOptions calibration;
+  calibration.clusters = options.cluster.decoders;
+  calibration.variant = options.variant;
+  calibration.seed = options.seed;
+  calibration.select_layers = options.select_layers;
+  calibration.model = workload.description;
+  const auto start = std::chrono::steady_clock::now();
+  const CalibrationData data = options.weight_by_decode_tokens
+                                   ? WeightByDecodeTokens(workload.calibration)
+                                   : workload.calibration;
+  absl::StatusOr<CalibrationResult> calibrated = Calibrate(data, calibration);
+  if (!calibrated.ok()) {
+    return absl::Status(calibrated.status().code(),
+                        absl::StrCat("calibrating eldr's centroids on ", workload.calibration.n,
+                                     " requests: ", calibrated.status().message()));
+  }
+  CentroidArtifact centroids = calibrated->artifact;
+  result->calibration = calibrated->report;
+  result->calibration_requests = workload.calibration.n;
+  result->calibration_points = data.n;
+  result->signature_dim = centroids.dim();
+  Log(options, absl::StrFormat(
+      "calibrated %d centroids on %d requests disjoint from the evaluated ones%s: %d of %d layers "
+      "kept (correlation %.3f), dimension %d, %.1f s",
+      centroids.k, workload.calibration.n,
+      options.weight_by_decode_tokens
+          ? absl::StrFormat(" (weighted by decode tokens: %d copies)", data.n)
+          : "",
+      centroids.spec.masked_layers(), workload.layers, calibrated->report.mask_correlation,
+      centroids.dim(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+  return centroids;
+}
+
+// Simulates `arrivals` at `rate` under `policy` on `backend` (for eldr: installs the centroids
+// named after its workers, plus a refit driver for eldr_refit) and logs the TPOT.
+absl::StatusOr<ExperimentCell> RunCell(const Workload& workload, const std::vector<Arrival>& arrivals,
+                                       const ExperimentOptions& options, double rate,
+                                       const PolicySpec& policy, const CentroidArtifact& centroids,
+                                       RoutingBackend* backend) {
+  std::unique_ptr<SimRefitDriver> refit;
+  if (policy.kind == PolicyKind::kEldr) {
+    const CentroidArtifact named = WithWorkers(centroids, backend->worker_ids());
+    ELDR_RETURN_IF_ERROR(backend->InstallCentroids(named));
+    if (policy.refit) {
+      SimRefitOptions refit_options = options.refit;
+      refit_options.seed = options.seed;
+      ELDR_ASSIGN_OR_RETURN(refit, SimRefitDriver::Create(named, refit_options));
+    }
+  }
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<RunResult> run = SimulateRun(workload, arrivals, options.cluster, backend,
+                                              refit.get());
+  if (!run.ok()) {
+    return absl::Status(run.status().code(),
+                        absl::StrFormat("rate %g, policy %s: %s", rate, policy.name,
+                                        run.status().message()));
+  }
+  Log(options, absl::StrFormat("rate %g req/s, %-10s TPOT p50 %.2f ms  (%.1f s)", rate, policy.name,
+                               run->metrics.tpot_p50_ms,
+                               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+  ExperimentCell cell;
+  cell.rate = rate;
+  cell.policy = policy;
+  cell.backend = backend->Describe();
+  cell.run = *std::move(run);
+  return cell;
+}
+
 }  // namespace
 
 CalibrationData WeightByDecodeTokens(const CalibrationData& data) {
@@ -158,90 +339,15 @@ std::vector<double> DefaultRates(const CapacityEstimate& capacity) {
 
 absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
                                                const ExperimentOptions& options) {
-  auto log = [&](const std::string& line) {
-    if (options.log) options.log(line);
-  };
-  ELDR_RETURN_IF_ERROR(ValidateClusterOptions(options.cluster));
-  if (options.policies.empty()) return absl::InvalidArgumentError("--policies: no policy given");
-  if (options.requests < 20) return absl::InvalidArgumentError("--requests must be >= 20");
-  if (!(options.tau >= 0 && options.tau <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat("--tau must be in [0, 1], got ", options.tau));
-  }
-  if (workload.pool.empty()) return absl::InvalidArgumentError("the workload has no request");
-  if (!workload.sample_with_replacement && static_cast<int>(workload.pool.size()) < options.requests) {
-    return absl::InvalidArgumentError("the synthetic pool is smaller than --requests");
-  }
-
+  ELDR_RETURN_IF_ERROR(ValidateExperiment(workload, options));
   ExperimentResult result;
   result.workload = workload.description;
-  result.locality = MeasureWorkloadLocality(workload, kLocalityBatch, 400, 20000, options.seed);
-  log(absl::StrFormat(
-      "workload structure: a batch of %d decode tokens of one domain touches %.1f distinct experts "
-      "per layer, of mixed domains %.1f (%.1f%% fewer); prompt/decode correlation %.2f (Spearman, %d pairs)",
-      kLocalityBatch, result.locality.same_domain_distinct, result.locality.mixed_distinct,
-      100 * result.locality.same_domain_reduction, result.locality.prompt_decode_correlation,
-      result.locality.pairs));
-  result.capacity = EstimateCapacity(workload, options.cluster, options.seed);
-  result.rates = options.rates.empty() ? DefaultRates(result.capacity) : options.rates;
-  log(absl::StrFormat(
-      "estimated decode capacity %.1f req/s (%d workers x batch %d, step %.1f ms at %.1f distinct "
-      "experts/layer, %.0f decode tokens per request)",
-      result.capacity.requests_per_s, options.cluster.decoders, result.capacity.batch,
-      result.capacity.step_ms, result.capacity.mixed_distinct, result.capacity.mean_decode_steps));
+  MeasureWorkloadAndCapacity(workload, options, &result);
 
   // Routers. In-process ones are created per policy kind and kept for the whole invocation, in
   // the order the runs use them, exactly as one long-running daemon would see the calls.
-  std::unique_ptr<RoutingBackend> daemon;
-  if (!options.grpc_target.empty()) {
-    ELDR_ASSIGN_OR_RETURN(DaemonInfo info, QueryDaemon(options.grpc_target,
-                                                      options.grpc_admin_target.empty() ? options.grpc_target
-                                                                                        : options.grpc_admin_target,
-                                                      options.rpc_timeout_s));
-    if (static_cast<int>(info.worker_ids.size()) != options.cluster.decoders) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "eldr-router at %s has %d active decode workers but the simulation has %d: pass "
-          "--decoders %d or start the router with %d workers",
-          info.target, info.worker_ids.size(), options.cluster.decoders, info.worker_ids.size(),
-          options.cluster.decoders));
-    }
-    for (size_t i = 0; i < info.max_inflight.size(); ++i) {
-      if (info.max_inflight[i] != options.max_inflight) {
-        log(absl::StrFormat(
-            "note: eldr-router's worker %s has max_inflight %d, the in-process routers %d: decisions "
-            "differ once a worker reaches the smaller limit",
-            info.worker_ids[i], info.max_inflight[i], options.max_inflight));
-        break;
-      }
-    }
-    if (info.live_leases > 0) {
-      log(absl::StrFormat("warning: eldr-router at %s already holds %d leases; they count as load",
-                          info.target, info.live_leases));
-    }
-    ELDR_ASSIGN_OR_RETURN(daemon, MakeGrpcBackend(info, options.rpc_timeout_s));
-    result.router = daemon->Describe();
-    result.tau = daemon->tau();
-    for (const PolicySpec& policy : options.policies) {
-      if (policy.kind != daemon->policy()) {
-        log(absl::StrFormat("note: %s runs in-process: the daemon serves policy %s only",
-                            policy.name, PolicyKindName(daemon->policy())));
-      }
-    }
-  } else {
-    result.router = absl::StrFormat("in-process eldr::Router (tau %g)", options.tau);
-    result.tau = options.tau;
-  }
-  std::map<PolicyKind, std::unique_ptr<RoutingBackend>> in_process;
-  auto backend_for = [&](PolicyKind kind) -> absl::StatusOr<RoutingBackend*> {
-    if (daemon != nullptr && daemon->policy() == kind) return daemon.get();
-    auto it = in_process.find(kind);
-    if (it == in_process.end()) {
-      ELDR_ASSIGN_OR_RETURN(std::unique_ptr<RoutingBackend> created,
-                            MakeInProcessBackend(kind, options.tau, options.router_seed,
-                                                 options.cluster.decoders, options.max_inflight));
-      it = in_process.emplace(kind, std::move(created)).first;
-    }
-    return it->second.get();
-  };
+  RouterPool routers(options);
+  ELDR_RETURN_IF_ERROR(routers.ConnectDaemon(&result));
 
   // Centroids, calibrated on the calibration split only.
   CentroidArtifact centroids;
@@ -249,69 +355,16 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
       std::any_of(options.policies.begin(), options.policies.end(),
                   [](const PolicySpec& p) { return p.kind == PolicyKind::kEldr; });
   if (needs_centroids) {
-    CalibrationOptions calibration;
-    calibration.clusters = options.cluster.decoders;
-    calibration.variant = options.variant;
-    calibration.seed = options.seed;
-    calibration.select_layers = options.select_layers;
-    calibration.model = workload.description;
-    const auto start = std::chrono::steady_clock::now();
-    const CalibrationData data = options.weight_by_decode_tokens
-                                     ? WeightByDecodeTokens(workload.calibration)
-                                     : workload.calibration;
-    absl::StatusOr<CalibrationResult> calibrated = Calibrate(data, calibration);
-    if (!calibrated.ok()) {
-      return absl::Status(calibrated.status().code(),
-                          absl::StrCat("calibrating eldr's centroids on ", workload.calibration.n,
-                                       " requests: ", calibrated.status().message()));
-    }
-    centroids = calibrated->artifact;
-    result.calibration = calibrated->report;
-    result.calibration_requests = workload.calibration.n;
-    result.calibration_points = data.n;
-    result.signature_dim = centroids.dim();
-    log(absl::StrFormat(
-        "calibrated %d centroids on %d requests disjoint from the evaluated ones%s: %d of %d layers "
-        "kept (correlation %.3f), dimension %d, %.1f s",
-        centroids.k, workload.calibration.n,
-        options.weight_by_decode_tokens
-            ? absl::StrFormat(" (weighted by decode tokens: %d copies)", data.n)
-            : "",
-        centroids.spec.masked_layers(), workload.layers, calibrated->report.mask_correlation,
-        centroids.dim(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+    ELDR_ASSIGN_OR_RETURN(centroids, CalibrateCentroids(workload, options, &result));
   }
 
   for (double rate : result.rates) {
     const std::vector<Arrival> arrivals =
         MakeArrivals(workload, rate, options.requests, options.seed);
     for (const PolicySpec& policy : options.policies) {
-      ELDR_ASSIGN_OR_RETURN(RoutingBackend * backend, backend_for(policy.kind));
-      std::unique_ptr<SimRefitDriver> refit;
-      if (policy.kind == PolicyKind::kEldr) {
-        const CentroidArtifact named = WithWorkers(centroids, backend->worker_ids());
-        ELDR_RETURN_IF_ERROR(backend->InstallCentroids(named));
-        if (policy.refit) {
-          SimRefitOptions refit_options = options.refit;
-          refit_options.seed = options.seed;
-          ELDR_ASSIGN_OR_RETURN(refit, SimRefitDriver::Create(named, refit_options));
-        }
-      }
-      const auto start = std::chrono::steady_clock::now();
-      absl::StatusOr<RunResult> run = SimulateRun(workload, arrivals, options.cluster, backend,
-                                                  refit.get());
-      if (!run.ok()) {
-        return absl::Status(run.status().code(),
-                            absl::StrFormat("rate %g, policy %s: %s", rate, policy.name,
-                                            run.status().message()));
-      }
-      log(absl::StrFormat("rate %g req/s, %-10s TPOT p50 %.2f ms  (%.1f s)", rate, policy.name,
-                          run->metrics.tpot_p50_ms,
-                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
-      ExperimentCell cell;
-      cell.rate = rate;
-      cell.policy = policy;
-      cell.backend = backend->Describe();
-      cell.run = *std::move(run);
+      ELDR_ASSIGN_OR_RETURN(RoutingBackend * backend, routers.For(policy.kind));
+      ELDR_ASSIGN_OR_RETURN(ExperimentCell cell, RunCell(workload, arrivals, options, rate, policy,
+                                                         centroids, backend));
       result.cells.push_back(std::move(cell));
     }
   }
