@@ -1,8 +1,10 @@
 #include "eldr/common/file.h"
 #include "server/config.h"
 
+#include <cstdlib>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "eldr/core/centroid_artifact.h"
 #include "gmock/gmock.h"
@@ -279,6 +281,24 @@ TEST(Validation, WorkerAddressesAndCapacitiesAreChecked) {
   EXPECT_THAT(ParseWorkerJson(R"([{"id": "a", "address": "h:99999"}])").status().message(), HasSubstr("port"));
   EXPECT_THAT(ParseWorkerJson(R"([{"id": "a b", "address": "h:1"}])").status().message(), HasSubstr("id"));
   EXPECT_TRUE(ParseWorkerJson(R"([{"id": "decode-0", "address": "[fd00::1]:8000"}])").ok());
+}
+
+}  // namespace
+}  // namespace eldr::server
+
+namespace eldr::server {
+namespace {
+
+// docs/api.md documents every setting of the one table (the table is where flags come from, the
+// page is where operators look).
+TEST(Docs, ApiPageDocumentsEverySetting) {
+  const char* source = std::getenv("ELDR_SOURCE_DIR");
+  ASSERT_NE(source, nullptr);
+  absl::StatusOr<std::string> page = ReadFile(std::string(source) + "/docs/api.md");
+  ASSERT_TRUE(page.ok()) << page.status();
+  for (const std::string& key : ServerOptionKeys()) {
+    EXPECT_TRUE(absl::StrContains(*page, "`--" + key + "`")) << "docs/api.md does not document --" << key;
+  }
 }
 
 }  // namespace
