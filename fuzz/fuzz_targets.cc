@@ -31,13 +31,12 @@ namespace eldr::fuzz {
 namespace {
 
 // A broken invariant: report it and abort, which libFuzzer (and the replay test) treat as a crash.
-#define ELDR_FUZZ_CHECK(condition, message)                                                  \
-  do {                                                                                       \
-    if (!(condition)) {                                                                      \
-      std::fprintf(stderr, "fuzz invariant failed at %s:%d: %s (%s)\n", __FILE__, __LINE__, \
-                   #condition, message);                                                     \
-      std::abort();                                                                          \
-    }                                                                                        \
+#define ELDR_FUZZ_CHECK(condition, message)                                                                       \
+  do {                                                                                                            \
+    if (!(condition)) {                                                                                           \
+      std::fprintf(stderr, "fuzz invariant failed at %s:%d: %s (%s)\n", __FILE__, __LINE__, #condition, message); \
+      std::abort();                                                                                               \
+    }                                                                                                             \
   } while (0)
 
 // Consumes the fuzzer's bytes front to back; past the end it yields zeros.
@@ -84,8 +83,7 @@ void CheckAppliedSignature(const std::vector<float>& out) {
 bool SameDouble(double a, double b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
 
 bool SameSample(const PromSample& a, const PromSample& b) {
-  return a.name == b.name && a.labels == b.labels && SameDouble(a.value, b.value) &&
-         a.timestamp_ms == b.timestamp_ms;
+  return a.name == b.name && a.labels == b.labels && SameDouble(a.value, b.value) && a.timestamp_ms == b.timestamp_ms;
 }
 
 bool IsHttpToken(absl::string_view text) {
@@ -103,9 +101,9 @@ bool IsFramingHeader(absl::string_view name) {
 // A refusal: INVALID_ARGUMENT or RESOURCE_EXHAUSTED with a short fixed reason (letters, digits,
 // spaces and '-' only, which an echo of arbitrary input would hardly keep to).
 void CheckHttpRefusal(const absl::Status& status) {
-  ELDR_FUZZ_CHECK(status.code() == absl::StatusCode::kInvalidArgument ||
-                      status.code() == absl::StatusCode::kResourceExhausted,
-                  "a refusal with an unexpected code");
+  ELDR_FUZZ_CHECK(
+      status.code() == absl::StatusCode::kInvalidArgument || status.code() == absl::StatusCode::kResourceExhausted,
+      "a refusal with an unexpected code");
   ELDR_FUZZ_CHECK(!status.message().empty() && status.message().size() <= 64, "a refusal reason of odd length");
   for (char c : status.message()) {
     ELDR_FUZZ_CHECK(absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == ' ' || c == '-',
@@ -137,9 +135,9 @@ void CheckHttpRequest(const http::HttpRequest& request, const http::HttpServerOp
     for (char c : value) {
       ELDR_FUZZ_CHECK(c != '\r' && c != '\n' && c != '\0', "a header value with CR, LF or NUL");
     }
-    ELDR_FUZZ_CHECK(value.empty() || (value.front() != ' ' && value.front() != '\t' && value.back() != ' ' &&
-                                      value.back() != '\t'),
-                    "a header value with surrounding whitespace");
+    ELDR_FUZZ_CHECK(
+        value.empty() || (value.front() != ' ' && value.front() != '\t' && value.back() != ' ' && value.back() != '\t'),
+        "a header value with surrounding whitespace");
     if (absl::EqualsIgnoreCase(name, "Host")) ++hosts;
     const std::optional<absl::string_view> found = request.Header(absl::AsciiStrToUpper(name));
     ELDR_FUZZ_CHECK(found.has_value(), "Header() misses a header");
@@ -208,10 +206,18 @@ int FuzzSignature(const uint8_t* data, size_t size) {
   const std::vector<float> floats = Reinterpret<float>(payload);
   SignatureInput input;
   switch (encoding) {
-    case 0: input = CountsInt16Le{layers, experts, payload}; break;
-    case 1: input = CountsInt32{layers, experts, ints}; break;
-    case 2: input = GateProbSums{layers, experts, floats}; break;
-    default: input = TransformedVector{floats}; break;
+    case 0:
+      input = CountsInt16Le{layers, experts, payload};
+      break;
+    case 1:
+      input = CountsInt32{layers, experts, ints};
+      break;
+    case 2:
+      input = GateProbSums{layers, experts, floats};
+      break;
+    default:
+      input = TransformedVector{floats};
+      break;
   }
   std::vector<float> out(static_cast<size_t>(transform->dim()), -1.0f);
   const absl::Status applied = transform->Apply(input, absl::MakeSpan(out));
@@ -236,15 +242,14 @@ int FuzzCentroidArtifact(const uint8_t* data, size_t size) {
   absl::StatusOr<CentroidArtifact> again = ParseCentroidArtifact(serialized);
   ELDR_FUZZ_CHECK(again.ok(), "a serialized artifact does not parse back");
   ELDR_FUZZ_CHECK(again->k == artifact->k && again->spec.layers == artifact->spec.layers &&
-                      again->spec.experts == artifact->spec.experts &&
-                      again->spec.variant == artifact->spec.variant &&
+                      again->spec.experts == artifact->spec.experts && again->spec.variant == artifact->spec.variant &&
                       again->spec.EffectiveMask() == artifact->spec.EffectiveMask() &&
                       again->workers == artifact->workers && again->model == artifact->model &&
                       again->seed == artifact->seed,
                   "round trip changed the artifact's header");
-  ELDR_FUZZ_CHECK(again->centroids.size() == artifact->centroids.size() &&
-                      again->spec.idf.size() == artifact->spec.idf.size(),
-                  "round trip changed the artifact's sizes");
+  ELDR_FUZZ_CHECK(
+      again->centroids.size() == artifact->centroids.size() && again->spec.idf.size() == artifact->spec.idf.size(),
+      "round trip changed the artifact's sizes");
   for (size_t i = 0; i < artifact->centroids.size(); ++i) {
     ELDR_FUZZ_CHECK(again->centroids[i] == artifact->centroids[i], "round trip changed a centroid value");
   }
@@ -380,8 +385,8 @@ int FuzzHttpRequest(const uint8_t* data, size_t size) {
   const absl::StatusOr<http::HttpRequest> parsed = http::ParseHttpRequest(bytes, defaults);
   const absl::StatusOr<http::HttpRequest> again = http::ParseHttpRequest(bytes, defaults);
   const absl::StatusOr<http::HttpRequest> tight_parsed = http::ParseHttpRequest(bytes, tight);
-  ELDR_FUZZ_CHECK(parsed.ok() == again.ok() && (parsed.ok() ? SameHttpRequest(*parsed, *again, false)
-                                                            : parsed.status() == again.status()),
+  ELDR_FUZZ_CHECK(parsed.ok() == again.ok() &&
+                      (parsed.ok() ? SameHttpRequest(*parsed, *again, false) : parsed.status() == again.status()),
                   "the parse is not deterministic");
   if (!parsed.ok()) {
     CheckHttpRefusal(parsed.status());
@@ -408,14 +413,11 @@ int FuzzHttpRequest(const uint8_t* data, size_t size) {
 
 const std::vector<FuzzTarget>& AllFuzzTargets() {
   static const auto* targets = new std::vector<FuzzTarget>{
-      {"signature", &FuzzSignature},
-      {"centroid_artifact", &FuzzCentroidArtifact},
-      {"prom_text", &FuzzPromText},
-      {"npy", &FuzzNpy},
+      {"signature", &FuzzSignature},        {"centroid_artifact", &FuzzCentroidArtifact},
+      {"prom_text", &FuzzPromText},         {"npy", &FuzzNpy},
       {"http_request", &FuzzHttpRequest},
 #ifdef ELDR_FUZZ_HAVE_SERVER_CONFIG
-      {"worker_file", &FuzzWorkerFile},
-      {"config", &FuzzConfig},
+      {"worker_file", &FuzzWorkerFile},     {"config", &FuzzConfig},
       {"route_request", &FuzzRouteRequest},
 #endif
   };

@@ -15,6 +15,8 @@ PACKAGES=(
   nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev libcurl4-openssl-dev
   python3 python3-numpy python3-scipy python3-grpcio python3-matplotlib python3-yaml
   openssl curl
+  # clang-format 14 (pinned: scripts/check-format.sh, CTest format.check).
+  clang-format-14
   # promtool (shipped in the prometheus package): checks the alert rules and dashboard queries
   # and runs the alert unit tests (tests/deploy).
   prometheus

@@ -127,8 +127,8 @@ void Mutex::LockWhen(const Condition& cond) {
 }
 
 bool Mutex::LockWhenWithTimeout(const Condition& cond, Duration timeout) {
-  static const auto real = Real<bool (*)(Mutex*, const Condition&, Duration)>(
-      "5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
+  static const auto real =
+      Real<bool (*)(Mutex*, const Condition&, Duration)>("5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
   AcquiringCondition acquiring(this, cond);
   const bool result = real(this, acquiring.condition(), timeout);
   Acquire(this);  // held on return either way
@@ -136,8 +136,8 @@ bool Mutex::LockWhenWithTimeout(const Condition& cond, Duration timeout) {
 }
 
 bool Mutex::LockWhenWithDeadline(const Condition& cond, Time deadline) {
-  static const auto real = Real<bool (*)(Mutex*, const Condition&, Time)>(
-      "5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
+  static const auto real =
+      Real<bool (*)(Mutex*, const Condition&, Time)>("5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
   AcquiringCondition acquiring(this, cond);
   const bool result = real(this, acquiring.condition(), deadline);
   Acquire(this);
@@ -161,8 +161,8 @@ bool Mutex::ReaderLockWhenWithTimeout(const Condition& cond, Duration timeout) {
 }
 
 bool Mutex::ReaderLockWhenWithDeadline(const Condition& cond, Time deadline) {
-  static const auto real = Real<bool (*)(Mutex*, const Condition&, Time)>(
-      "5Mutex26ReaderLockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
+  static const auto real =
+      Real<bool (*)(Mutex*, const Condition&, Time)>("5Mutex26ReaderLockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
   AcquiringCondition acquiring(this, cond);
   const bool result = real(this, acquiring.condition(), deadline);
   Acquire(this);
@@ -178,8 +178,8 @@ void Mutex::Await(const Condition& cond) {
 }
 
 bool Mutex::AwaitWithTimeout(const Condition& cond, Duration timeout) {
-  static const auto real = Real<bool (*)(Mutex*, const Condition&, Duration)>(
-      "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
+  static const auto real =
+      Real<bool (*)(Mutex*, const Condition&, Duration)>("5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
   Release(this);
   AcquiringCondition acquiring(this, cond);
   const bool result = real(this, acquiring.condition(), timeout);
@@ -188,8 +188,8 @@ bool Mutex::AwaitWithTimeout(const Condition& cond, Duration timeout) {
 }
 
 bool Mutex::AwaitWithDeadline(const Condition& cond, Time deadline) {
-  static const auto real = Real<bool (*)(Mutex*, const Condition&, Time)>(
-      "5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
+  static const auto real =
+      Real<bool (*)(Mutex*, const Condition&, Time)>("5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
   Release(this);
   AcquiringCondition acquiring(this, cond);
   const bool result = real(this, acquiring.condition(), deadline);
@@ -205,8 +205,8 @@ void CondVar::Wait(Mutex* mu) {
 }
 
 bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
-  static const auto real = Real<bool (*)(CondVar*, Mutex*, Duration)>(
-      "7CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE");
+  static const auto real =
+      Real<bool (*)(CondVar*, Mutex*, Duration)>("7CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE");
   Release(mu);
   const bool result = real(this, mu, timeout);
   Acquire(mu);
@@ -214,8 +214,7 @@ bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
 }
 
 bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
-  static const auto real = Real<bool (*)(CondVar*, Mutex*, Time)>(
-      "7CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE");
+  static const auto real = Real<bool (*)(CondVar*, Mutex*, Time)>("7CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE");
   Release(mu);
   const bool result = real(this, mu, deadline);
   Acquire(mu);

@@ -39,12 +39,11 @@ absl::StatusOr<IntegerProblem> MakeIntegerProblem(absl::Span<const double> cost,
   if (k < 1) return absl::InvalidArgumentError(absl::StrCat("balanced assignment: k = ", k, ", need >= 1"));
   if (cost.size() != static_cast<size_t>(n) * static_cast<size_t>(k)) {
     return absl::InvalidArgumentError(absl::StrCat("balanced assignment: cost has ", cost.size(),
-                                                   " values, expected n * k = ",
-                                                   static_cast<int64_t>(n) * k));
+                                                   " values, expected n * k = ", static_cast<int64_t>(n) * k));
   }
   if (capacities.size() != static_cast<size_t>(k)) {
-    return absl::InvalidArgumentError(absl::StrCat("balanced assignment: ", capacities.size(),
-                                                   " capacities for k = ", k, " clusters"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("balanced assignment: ", capacities.size(), " capacities for k = ", k, " clusters"));
   }
   IntegerProblem problem;
   problem.n = n;
@@ -60,8 +59,8 @@ absl::StatusOr<IntegerProblem> MakeIntegerProblem(absl::Span<const double> cost,
     total_capacity += problem.capacity[j];
   }
   if (total_capacity < n) {
-    return absl::InvalidArgumentError(absl::StrCat("balanced assignment: capacities sum to ",
-                                                   total_capacity, ", fewer than the ", n, " points"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("balanced assignment: capacities sum to ", total_capacity, ", fewer than the ", n, " points"));
   }
   // Shift each row to start at 0 and find the widest row.
   std::vector<double> row_min(n);
@@ -71,8 +70,8 @@ absl::StatusOr<IntegerProblem> MakeIntegerProblem(absl::Span<const double> cost,
     double lo = row[0], hi = row[0];
     for (int j = 0; j < k; ++j) {
       if (!std::isfinite(row[j])) {
-        return absl::InvalidArgumentError(absl::StrCat("balanced assignment: cost of point ", i,
-                                                       " for cluster ", j, " is not finite"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("balanced assignment: cost of point ", i, " for cluster ", j, " is not finite"));
       }
       lo = std::min(lo, row[j]);
       hi = std::max(hi, row[j]);
@@ -334,8 +333,7 @@ class ClusterPathSolver {
 }  // namespace
 
 absl::StatusOr<std::vector<int>> SolveBalancedAssignment(absl::Span<const double> cost, int n, int k,
-                                                         absl::Span<const int> capacities,
-                                                         AssignmentMethod method) {
+                                                         absl::Span<const int> capacities, AssignmentMethod method) {
   absl::StatusOr<IntegerProblem> problem = MakeIntegerProblem(cost, n, k, capacities);
   if (!problem.ok()) return problem.status();
   if (method == AssignmentMethod::kNetworkSimplex) return SolveByNetworkSimplex(*problem);
@@ -376,10 +374,9 @@ std::vector<int> ClusterCapacities(int n, int k, absl::Span<const double> weight
   return capacity;
 }
 
-std::vector<int> AlignCentroids(absl::Span<const float> old_centroids, int old_k,
-                                absl::Span<const float> new_centroids, int new_k, int dim) {
-  if (old_k < 1 || old_k > new_k || dim < 1 ||
-      old_centroids.size() != static_cast<size_t>(old_k) * dim ||
+std::vector<int> AlignCentroids(absl::Span<const float> old_centroids, int old_k, absl::Span<const float> new_centroids,
+                                int new_k, int dim) {
+  if (old_k < 1 || old_k > new_k || dim < 1 || old_centroids.size() != static_cast<size_t>(old_k) * dim ||
       new_centroids.size() != static_cast<size_t>(new_k) * dim) {
     return {};
   }
@@ -400,8 +397,8 @@ std::vector<int> AlignCentroids(absl::Span<const float> old_centroids, int old_k
   return *std::move(assignment);
 }
 
-std::vector<int> AlignCentroids(absl::Span<const float> old_centroids,
-                                absl::Span<const float> new_centroids, int k, int dim) {
+std::vector<int> AlignCentroids(absl::Span<const float> old_centroids, absl::Span<const float> new_centroids, int k,
+                                int dim) {
   return AlignCentroids(old_centroids, k, new_centroids, k, dim);
 }
 

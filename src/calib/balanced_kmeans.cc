@@ -43,8 +43,8 @@ absl::Status ValidatePoints(absl::Span<const float> points, int n, int dim) {
       sum += static_cast<double>(row[d]) * row[d];
     }
     if (std::abs(std::sqrt(sum) - 1.0) > 1e-3) {
-      return absl::InvalidArgumentError(absl::StrCat("balanced k-means: point ", i, " has norm ",
-                                                     std::sqrt(sum), "; points must be unit rows"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("balanced k-means: point ", i, " has norm ", std::sqrt(sum), "; points must be unit rows"));
     }
   }
   return absl::OkStatus();
@@ -53,8 +53,8 @@ absl::Status ValidatePoints(absl::Span<const float> points, int n, int dim) {
 // k-means++ for cosine distance: the first centre uniformly, each next one with probability
 // proportional to 1 - (best cosine to the centres so far), i.e. to the squared Euclidean distance
 // between unit vectors. Runs on a seeded sample of the points.
-std::vector<float> SeedKMeansPlusPlus(absl::Span<const float> points, int n, int dim, int clusters,
-                                      int sample_limit, uint64_t seed) {
+std::vector<float> SeedKMeansPlusPlus(absl::Span<const float> points, int n, int dim, int clusters, int sample_limit,
+                                      uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<int> sample(n);
   std::iota(sample.begin(), sample.end(), 0);
@@ -117,13 +117,12 @@ absl::Status ValidateKMeansArguments(absl::Span<const float> points, int n, int 
   if (k < 1) return absl::InvalidArgumentError(absl::StrCat("balanced k-means: clusters = ", k, ", need >= 1"));
   if (dim < 1) return absl::InvalidArgumentError(absl::StrCat("balanced k-means: dim = ", dim, ", need >= 1"));
   if (n < k) {
-    return absl::InvalidArgumentError(absl::StrCat("balanced k-means: ", n, " points for ", k,
-                                                   " clusters; need at least one point per cluster"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("balanced k-means: ", n, " points for ", k, " clusters; need at least one point per cluster"));
   }
   if (points.size() != static_cast<size_t>(n) * dim) {
     return absl::InvalidArgumentError(absl::StrCat("balanced k-means: ", points.size(),
-                                                   " values, expected n * dim = ",
-                                                   static_cast<int64_t>(n) * dim));
+                                                   " values, expected n * dim = ", static_cast<int64_t>(n) * dim));
   }
   if (!(options.tolerance >= 0) || !std::isfinite(options.tolerance)) {
     return absl::InvalidArgumentError(
@@ -144,9 +143,9 @@ absl::StatusOr<std::vector<int>> ValidatedCapacities(absl::Span<const float> poi
   const int k = options.clusters;
   std::vector<int> capacity = ClusterCapacities(n, k, options.capacity_weights);
   if (capacity.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "balanced k-means: capacity weights must be empty or ", k, " finite positive values (got ",
-        options.capacity_weights.size(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("balanced k-means: capacity weights must be empty or ", k,
+                                                   " finite positive values (got ", options.capacity_weights.size(),
+                                                   ")"));
   }
   if (absl::Status status = ValidatePoints(points, n, dim); !status.ok()) return status;
   return capacity;
@@ -154,18 +153,17 @@ absl::StatusOr<std::vector<int>> ValidatedCapacities(absl::Span<const float> poi
 
 // The warm-start centroids (clusters * dim values), each row normalised; fails on a wrong size
 // or a zero or non-finite row.
-absl::StatusOr<std::vector<float>> WarmStartCentroids(const std::vector<float>& initial, int k,
-                                                      int dim) {
+absl::StatusOr<std::vector<float>> WarmStartCentroids(const std::vector<float>& initial, int k, int dim) {
   if (initial.size() != static_cast<size_t>(k) * dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "balanced k-means: warm start has ", initial.size(),
-        " values, expected clusters * dim = ", static_cast<int64_t>(k) * dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("balanced k-means: warm start has ", initial.size(),
+                     " values, expected clusters * dim = ", static_cast<int64_t>(k) * dim));
   }
   std::vector<float> centroids = initial;
   for (int c = 0; c < k; ++c) {
     if (!NormaliseRow(centroids.data() + static_cast<size_t>(c) * dim, dim)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "balanced k-means: warm-start centroid ", c, " is zero or not finite"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("balanced k-means: warm-start centroid ", c, " is zero or not finite"));
     }
   }
   return centroids;
@@ -182,8 +180,7 @@ absl::StatusOr<std::vector<float>> InitialCentroids(absl::Span<const float> poin
 
 // Total cost (cosine distance) of assigning the n points to `assignment` under the
 // [point][cluster] costs.
-double AssignmentObjective(const std::vector<double>& cost, const std::vector<int>& assignment,
-                           int n, int k) {
+double AssignmentObjective(const std::vector<double>& cost, const std::vector<int>& assignment, int n, int k) {
   double objective = 0;
   for (int i = 0; i < n; ++i) objective += cost[static_cast<size_t>(i) * k + assignment[i]];
   return objective;
@@ -191,9 +188,8 @@ double AssignmentObjective(const std::vector<double>& cost, const std::vector<in
 
 // Moves each centroid to the renormalised mean of its assigned points; an empty cluster (or one
 // whose points cancel out) restarts at the next worst-served point.
-void MoveCentroidsToMeans(absl::Span<const float> points, int n, int dim, int k,
-                          const std::vector<int>& assignment, const std::vector<double>& cost,
-                          std::vector<float>* centroids) {
+void MoveCentroidsToMeans(absl::Span<const float> points, int n, int dim, int k, const std::vector<int>& assignment,
+                          const std::vector<double>& cost, std::vector<float>* centroids) {
   std::vector<float> sums(static_cast<size_t>(k) * dim, 0.0f);
   std::vector<int> sizes(k, 0);
   for (int i = 0; i < n; ++i) {
@@ -214,8 +210,7 @@ void MoveCentroidsToMeans(absl::Span<const float> points, int n, int dim, int k,
       worst_served.resize(n);
       std::iota(worst_served.begin(), worst_served.end(), 0);
       std::stable_sort(worst_served.begin(), worst_served.end(), [&](int a, int b) {
-        return cost[static_cast<size_t>(a) * k + assignment[a]] >
-               cost[static_cast<size_t>(b) * k + assignment[b]];
+        return cost[static_cast<size_t>(a) * k + assignment[a]] > cost[static_cast<size_t>(b) * k + assignment[b]];
       });
     }
     const int point = worst_served[next_reseed++ % worst_served.size()];
@@ -253,8 +248,7 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> p
     result.seconds_scoring += SecondsSince(phase);
 
     phase = Clock::now();
-    absl::StatusOr<std::vector<int>> solved =
-        SolveBalancedAssignment(cost, n, k, capacity, options.assignment_method);
+    absl::StatusOr<std::vector<int>> solved = SolveBalancedAssignment(cost, n, k, capacity, options.assignment_method);
     if (!solved.ok()) return solved.status();
     assignment = *std::move(solved);
     result.seconds_assignment += SecondsSince(phase);

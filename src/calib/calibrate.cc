@@ -19,8 +19,7 @@
 
 namespace eldr {
 
-absl::StatusOr<std::vector<float>> TransformRequests(const CalibrationData& data,
-                                                     const SignatureTransform& transform,
+absl::StatusOr<std::vector<float>> TransformRequests(const CalibrationData& data, const SignatureTransform& transform,
                                                      std::vector<int>* usable) {
   const SignatureSpec& spec = transform.spec();
   if (spec.layers != data.layers || spec.experts != data.experts) {
@@ -29,8 +28,7 @@ absl::StatusOr<std::vector<float>> TransformRequests(const CalibrationData& data
                                                    " E=", spec.experts));
   }
   if (spec.variant == SignatureVariant::kGateProb && data.gate_prob_sums.empty()) {
-    return absl::InvalidArgumentError(
-        "variant gate_prob needs gate-probability sums, and the data carries none");
+    return absl::InvalidArgumentError("variant gate_prob needs gate-probability sums, and the data carries none");
   }
   const size_t per_request = static_cast<size_t>(data.layers) * data.experts;
   const int dim = transform.dim();
@@ -41,15 +39,15 @@ absl::StatusOr<std::vector<float>> TransformRequests(const CalibrationData& data
   for (int r = 0; r < data.n; ++r) {
     absl::Status status;
     if (spec.variant == SignatureVariant::kGateProb) {
-      status = transform.Apply(
-          GateProbSums{data.layers, data.experts,
-                       absl::MakeConstSpan(data.gate_prob_sums).subspan(r * per_request, per_request)},
-          absl::MakeSpan(row));
+      status =
+          transform.Apply(GateProbSums{data.layers, data.experts,
+                                       absl::MakeConstSpan(data.gate_prob_sums).subspan(r * per_request, per_request)},
+                          absl::MakeSpan(row));
     } else {
-      status = transform.Apply(
-          CountsInt32{data.layers, data.experts,
-                      absl::MakeConstSpan(data.prefill_counts).subspan(r * per_request, per_request)},
-          absl::MakeSpan(row));
+      status =
+          transform.Apply(CountsInt32{data.layers, data.experts,
+                                      absl::MakeConstSpan(data.prefill_counts).subspan(r * per_request, per_request)},
+                          absl::MakeSpan(row));
     }
     if (!status.ok()) {
       // An all-zero signature has no direction: the router falls back to load balancing for such
@@ -72,12 +70,12 @@ absl::Status ValidateCalibrateInputs(const CalibrationData& data, const Calibrat
   const int k = options.clusters;
   if (k < 1) return absl::InvalidArgumentError(absl::StrCat("clusters = ", k, ", need >= 1"));
   if (data.n < k) {
-    return absl::InvalidArgumentError(absl::StrCat("too few requests: ", data.n, " for ", k,
-                                                   " clusters (need at least one per cluster)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("too few requests: ", data.n, " for ", k, " clusters (need at least one per cluster)"));
   }
   if (!options.capacity_weights.empty() && options.capacity_weights.size() != static_cast<size_t>(k)) {
-    return absl::InvalidArgumentError(absl::StrCat(options.capacity_weights.size(),
-                                                   " capacity weights for ", k, " clusters"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(options.capacity_weights.size(), " capacity weights for ", k, " clusters"));
   }
   for (double w : options.capacity_weights) {
     if (!std::isfinite(w) || w <= 0) {
@@ -86,8 +84,7 @@ absl::Status ValidateCalibrateInputs(const CalibrationData& data, const Calibrat
   }
   if (!options.worker_ids.empty()) {
     if (options.worker_ids.size() != static_cast<size_t>(k)) {
-      return absl::InvalidArgumentError(absl::StrCat(options.worker_ids.size(), " worker ids for ", k,
-                                                     " clusters"));
+      return absl::InvalidArgumentError(absl::StrCat(options.worker_ids.size(), " worker ids for ", k, " clusters"));
     }
     std::set<std::string> distinct;
     for (const std::string& id : options.worker_ids) {
@@ -98,8 +95,7 @@ absl::Status ValidateCalibrateInputs(const CalibrationData& data, const Calibrat
     }
   }
   if (options.variant == SignatureVariant::kGateProb && data.gate_prob_sums.empty()) {
-    return absl::InvalidArgumentError(
-        "variant gate_prob needs gate-probability sums, and the data carries none");
+    return absl::InvalidArgumentError("variant gate_prob needs gate-probability sums, and the data carries none");
   }
   return absl::OkStatus();
 }
@@ -107,8 +103,7 @@ absl::Status ValidateCalibrateInputs(const CalibrationData& data, const Calibrat
 // The signature spec to calibrate: for count_idf, IDF weights and (when asked and decode counts
 // exist) the greedy layer mask; count and gate_prob keep every layer, unweighted. Fills the IDF
 // and mask parts of `report`.
-absl::StatusOr<SignatureSpec> ChooseSignatureSpec(const CalibrationData& data,
-                                                  const CalibrationOptions& options,
+absl::StatusOr<SignatureSpec> ChooseSignatureSpec(const CalibrationData& data, const CalibrationOptions& options,
                                                   CalibrationReport* report) {
   SignatureSpec spec;
   spec.layers = data.layers;
@@ -124,10 +119,9 @@ absl::StatusOr<SignatureSpec> ChooseSignatureSpec(const CalibrationData& data,
   report->seconds_idf = SecondsSince(phase);
 
   phase = std::chrono::steady_clock::now();
-  if (options.variant == SignatureVariant::kCountIdf && options.select_layers &&
-      !data.decode_counts.empty() && data.n >= 3) {
-    absl::StatusOr<LayerMaskSearchResult> mask =
-        SearchLayerMask(data, idf, options.mask_pairs, options.seed);
+  if (options.variant == SignatureVariant::kCountIdf && options.select_layers && !data.decode_counts.empty() &&
+      data.n >= 3) {
+    absl::StatusOr<LayerMaskSearchResult> mask = SearchLayerMask(data, idf, options.mask_pairs, options.seed);
     if (!mask.ok()) return mask.status();
     spec.layer_mask = mask->layer_mask;
     report->mask_steps = mask->steps;
@@ -155,9 +149,8 @@ struct CalibrationPoints {
 
 // Transforms every request with `spec`; records the all-zero ones in report->excluded_requests
 // and fails when fewer than `clusters` remain.
-absl::StatusOr<CalibrationPoints> TransformUsableRequests(const CalibrationData& data,
-                                                          const SignatureSpec& spec, int clusters,
-                                                          CalibrationReport* report) {
+absl::StatusOr<CalibrationPoints> TransformUsableRequests(const CalibrationData& data, const SignatureSpec& spec,
+                                                          int clusters, CalibrationReport* report) {
   const auto phase = std::chrono::steady_clock::now();
   absl::StatusOr<SignatureTransform> transform = SignatureTransform::Create(spec);
   if (!transform.ok()) return transform.status();
@@ -177,17 +170,16 @@ absl::StatusOr<CalibrationPoints> TransformUsableRequests(const CalibrationData&
   }
   const int usable_n = static_cast<int>(points.usable.size());
   if (usable_n < clusters) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "too few requests with a non-zero signature: ", usable_n, " of ", data.n, " for ", clusters,
-        " clusters (", report->excluded_requests.size(), " are all zero on the chosen layers)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("too few requests with a non-zero signature: ", usable_n, " of ", data.n, " for ", clusters,
+                     " clusters (", report->excluded_requests.size(), " are all zero on the chosen layers)"));
   }
   return points;
 }
 
 // Balanced spherical k-means of the points with the options' clusters, weights, seed and limits;
 // records its time in report->seconds_kmeans.
-absl::StatusOr<BalancedKMeansResult> FitCentroids(const CalibrationPoints& points,
-                                                  const CalibrationOptions& options,
+absl::StatusOr<BalancedKMeansResult> FitCentroids(const CalibrationPoints& points, const CalibrationOptions& options,
                                                   CalibrationReport* report) {
   const auto phase = std::chrono::steady_clock::now();
   BalancedKMeansOptions kmeans;
@@ -206,8 +198,7 @@ absl::StatusOr<BalancedKMeansResult> FitCentroids(const CalibrationPoints& point
 
 // Copies the fit's objective, sizes, iterations and phase times into `report`, and its assignment
 // back onto the n calibration requests (-1 for the excluded ones).
-void RecordFit(const BalancedKMeansResult& fit, const std::vector<int>& usable, int n,
-               CalibrationReport* report) {
+void RecordFit(const BalancedKMeansResult& fit, const std::vector<int>& usable, int n, CalibrationReport* report) {
   report->objective = fit.objective;
   report->cluster_sizes = fit.sizes;
   report->cluster_capacities = fit.capacities;
@@ -224,8 +215,7 @@ void RecordFit(const BalancedKMeansResult& fit, const std::vector<int>& usable, 
 
 }  // namespace
 
-absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data,
-                                            const CalibrationOptions& options) {
+absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data, const CalibrationOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   if (absl::Status s = ValidateCalibrateInputs(data, options); !s.ok()) return s;
   const int k = options.clusters;

@@ -138,15 +138,14 @@ int RunCalibration(const std::vector<std::string>& extra_captures) {
     }
     options.capacity_weights.push_back(weight);
   }
-  if (!options.capacity_weights.empty() &&
-      options.capacity_weights.size() != static_cast<size_t>(options.clusters)) {
+  if (!options.capacity_weights.empty() && options.capacity_weights.size() != static_cast<size_t>(options.clusters)) {
     return UsageError(absl::StrCat("--capacities has ", options.capacity_weights.size(),
                                    " weights for --clusters=", options.clusters));
   }
   options.worker_ids = absl::GetFlag(FLAGS_workers);
   if (!options.worker_ids.empty() && options.worker_ids.size() != static_cast<size_t>(options.clusters)) {
-    return UsageError(absl::StrCat("--workers has ", options.worker_ids.size(), " ids for --clusters=",
-                                   options.clusters));
+    return UsageError(
+        absl::StrCat("--workers has ", options.worker_ids.size(), " ids for --clusters=", options.clusters));
   }
   options.seed = absl::GetFlag(FLAGS_seed);
   options.max_iterations = absl::GetFlag(FLAGS_max_iterations);
@@ -175,8 +174,8 @@ int RunCalibration(const std::vector<std::string>& extra_captures) {
   if (!data.ok()) return Fail(kExitBadInput, data.status());
   if (absl::Status valid = ValidateCalibrationData(*data); !valid.ok()) return Fail(kExitBadInput, valid);
   const double load_seconds = SecondsSince(load_start);
-  std::cout << absl::StrFormat("loaded %d requests, L=%d E=%d%s%s in %.2f s\n", data->n, data->layers,
-                               data->experts, data->decode_counts.empty() ? "" : ", with decode counts",
+  std::cout << absl::StrFormat("loaded %d requests, L=%d E=%d%s%s in %.2f s\n", data->n, data->layers, data->experts,
+                               data->decode_counts.empty() ? "" : ", with decode counts",
                                data->labels.empty() ? "" : ", labelled", load_seconds);
 
   if (const std::string path = absl::GetFlag(FLAGS_write_captures); !path.empty()) {
@@ -190,8 +189,8 @@ int RunCalibration(const std::vector<std::string>& extra_captures) {
   if (!split.ok()) return Fail(kExitBadInput, split.status());
   absl::StatusOr<CalibrationResult> result = Calibrate(split->calibration, options);
   if (!result.ok()) return Fail(kExitBadInput, result.status());
-  absl::StatusOr<CalibrationEvaluation> evaluation = EvaluateCalibration(
-      *result, split->calibration, split->holdout.n > 0 ? &split->holdout : nullptr, options);
+  absl::StatusOr<CalibrationEvaluation> evaluation =
+      EvaluateCalibration(*result, split->calibration, split->holdout.n > 0 ? &split->holdout : nullptr, options);
   if (!evaluation.ok()) return Fail(kExitBadInput, evaluation.status());
 
   // ---- Outputs: the report first, the artifact last, so a failure leaves no artifact ----
@@ -212,8 +211,8 @@ int RunCalibration(const std::vector<std::string>& extra_captures) {
 
   const CalibrationReport& report = result->report;
   std::cout << absl::StrFormat(
-      "calibrated K=%d on %d requests (%d held out): objective %.4f, %d iterations%s, %.2f s\n",
-      options.clusters, split->calibration.n, split->holdout.n, report.objective, report.iterations,
+      "calibrated K=%d on %d requests (%d held out): objective %.4f, %d iterations%s, %.2f s\n", options.clusters,
+      split->calibration.n, split->holdout.n, report.objective, report.iterations,
       report.converged ? " (converged)" : "", report.seconds_total);
   std::cout << "cluster sizes: " << absl::StrJoin(report.cluster_sizes, ",") << "\n";
   if (!report.mask_steps.empty()) {
@@ -225,8 +224,7 @@ int RunCalibration(const std::vector<std::string>& extra_captures) {
     std::cout << absl::StrFormat("purity %.4f", evaluation->purity);
     if (evaluation->holdout_requests > 0) {
       std::cout << absl::StrFormat("; held-out agreement: assignment %.4f, label %.4f",
-                                   evaluation->holdout_assignment_agreement,
-                                   evaluation->holdout_label_agreement);
+                                   evaluation->holdout_assignment_agreement, evaluation->holdout_label_agreement);
     }
     std::cout << "\n";
   }
@@ -288,13 +286,23 @@ int RunBenchmark() {
             r.seconds_kmeans, r.seconds_seeding, r.seconds_scoring, r.seconds_assignment, r.seconds_update,
             r.iterations, r.converged ? " (converged)" : "", r.objective / n, generate_seconds);
         std::cout.flush();
-        results.push_back({{"kind", "calibrate"}, {"n", n}, {"k", k}, {"layers", layers}, {"experts", experts},
-                           {"dim", layers * experts}, {"seconds_total", r.seconds_total},
-                           {"seconds_idf", r.seconds_idf}, {"seconds_signatures", r.seconds_signatures},
-                           {"seconds_kmeans", r.seconds_kmeans}, {"seconds_seeding", r.seconds_seeding},
-                           {"seconds_scoring", r.seconds_scoring}, {"seconds_assignment", r.seconds_assignment},
-                           {"seconds_update", r.seconds_update}, {"iterations", r.iterations},
-                           {"converged", r.converged}, {"objective", r.objective},
+        results.push_back({{"kind", "calibrate"},
+                           {"n", n},
+                           {"k", k},
+                           {"layers", layers},
+                           {"experts", experts},
+                           {"dim", layers * experts},
+                           {"seconds_total", r.seconds_total},
+                           {"seconds_idf", r.seconds_idf},
+                           {"seconds_signatures", r.seconds_signatures},
+                           {"seconds_kmeans", r.seconds_kmeans},
+                           {"seconds_seeding", r.seconds_seeding},
+                           {"seconds_scoring", r.seconds_scoring},
+                           {"seconds_assignment", r.seconds_assignment},
+                           {"seconds_update", r.seconds_update},
+                           {"iterations", r.iterations},
+                           {"converged", r.converged},
+                           {"objective", r.objective},
                            {"objective_per_iteration", r.objective_per_iteration}});
       }
     }
@@ -318,11 +326,14 @@ int RunBenchmark() {
         options.clusters = k;
         options.seed = seed;
         options.select_layers = false;
-        absl::StatusOr<CalibrationResult> initial = Calibrate(SelectRequests(data, [&] {
-          std::vector<int> first(window);
-          for (int i = 0; i < window; ++i) first[i] = i;
-          return first;
-        }()), options);
+        absl::StatusOr<CalibrationResult> initial = Calibrate(SelectRequests(data,
+                                                                             [&] {
+                                                                               std::vector<int> first(window);
+                                                                               for (int i = 0; i < window; ++i)
+                                                                                 first[i] = i;
+                                                                               return first;
+                                                                             }()),
+                                                              options);
         if (!initial.ok()) return Fail(kExitBadInput, initial.status());
         absl::StatusOr<SignatureTransform> transform = SignatureTransform::Create(initial->artifact.spec);
         if (!transform.ok()) return Fail(kExitBadInput, transform.status());
@@ -357,15 +368,21 @@ int RunBenchmark() {
         if (absl::Status refit = (*refitter)->RefitNow(); !refit.ok()) return Fail(kExitBadInput, refit);
         const double seconds = SecondsSince(start);
         if (outcome.kind != RefitOutcome::Kind::kInstalled) {
-          return Fail(kExitBadInput, absl::InternalError(absl::StrCat("benchmark refit did not install: ", outcome.reason)));
+          return Fail(kExitBadInput,
+                      absl::InternalError(absl::StrCat("benchmark refit did not install: ", outcome.reason)));
         }
         std::cout << absl::StrFormat(
             "window=%d K=%-3d dim=%-5d: refit %6.1f ms (%d iterations%s; %d rows held back by the movement bounds)\n",
             window, k, dim, seconds * 1e3, outcome.iterations, outcome.converged ? ", converged" : "",
             outcome.rows_step_bounded + outcome.rows_drift_bounded);
         std::cout.flush();
-        results.push_back({{"kind", "refit"}, {"window", window}, {"k", k}, {"dim", dim},
-                           {"seconds", seconds}, {"iterations", outcome.iterations}, {"converged", outcome.converged}});
+        results.push_back({{"kind", "refit"},
+                           {"window", window},
+                           {"k", k},
+                           {"dim", dim},
+                           {"seconds", seconds},
+                           {"iterations", outcome.iterations},
+                           {"converged", outcome.converged}});
       }
     }
   }
@@ -390,16 +407,16 @@ void RestartWithMatchingBlasKernels(char** argv) {
   if (core != "Prescott" && core != "Core2" && core != "Penryn" && core != "Dunnington" && core != "Nehalem") return;
   const char* better = nullptr;
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl")) {
     better = "SKYLAKEX";
   } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     better = "HASWELL";
   }
   if (better == nullptr) return;
   std::cerr << "eldr-calibrate: OpenBLAS chose its generic " << core << " kernels on a CPU with "
-            << (std::string(better) == "SKYLAKEX" ? "AVX-512" : "AVX2") << "; restarting with OPENBLAS_CORETYPE="
-            << better << " (--nofix_blas_kernels to keep them)\n";
+            << (std::string(better) == "SKYLAKEX" ? "AVX-512" : "AVX2")
+            << "; restarting with OPENBLAS_CORETYPE=" << better << " (--nofix_blas_kernels to keep them)\n";
   setenv("OPENBLAS_CORETYPE", better, 1);
   execv("/proc/self/exe", argv);
   unsetenv("OPENBLAS_CORETYPE");  // exec failed: carry on with the slow kernels

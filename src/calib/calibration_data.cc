@@ -25,9 +25,9 @@ absl::Status CheckCounts(const std::vector<int32_t>& counts, const char* what, i
   for (size_t i = 0; i < counts.size(); ++i) {
     if (counts[i] < 0) {
       const size_t within = i % per_request;
-      return absl::InvalidArgumentError(absl::StrCat("request ", i / per_request, ": negative ", what,
-                                                     " count ", counts[i], " at layer ",
-                                                     within / experts, ", expert ", within % experts));
+      return absl::InvalidArgumentError(absl::StrCat("request ", i / per_request, ": negative ", what, " count ",
+                                                     counts[i], " at layer ", within / experts, ", expert ",
+                                                     within % experts));
     }
   }
   return absl::OkStatus();
@@ -37,27 +37,27 @@ absl::Status CheckCounts(const std::vector<int32_t>& counts, const char* what, i
 
 absl::Status ValidateCalibrationData(const CalibrationData& data) {
   if (data.layers < 1 || data.experts < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("calibration data: bad geometry L=", data.layers,
-                                                   " E=", data.experts, " (both must be >= 1)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibration data: bad geometry L=", data.layers, " E=", data.experts, " (both must be >= 1)"));
   }
   if (data.n < 0) return absl::InvalidArgumentError(absl::StrCat("calibration data: n = ", data.n));
   const size_t expected = static_cast<size_t>(data.n) * data.layers * data.experts;
   if (data.prefill_counts.size() != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "calibration data: ", data.prefill_counts.size(), " prefill counts, expected n * L * E = ",
-        expected, " (n=", data.n, ", L=", data.layers, ", E=", data.experts, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("calibration data: ", data.prefill_counts.size(),
+                                                   " prefill counts, expected n * L * E = ", expected, " (n=", data.n,
+                                                   ", L=", data.layers, ", E=", data.experts, ")"));
   }
   if (!data.decode_counts.empty() && data.decode_counts.size() != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("calibration data: ", data.decode_counts.size(),
-                                                   " decode counts, expected 0 or ", expected));
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibration data: ", data.decode_counts.size(), " decode counts, expected 0 or ", expected));
   }
   if (!data.gate_prob_sums.empty() && data.gate_prob_sums.size() != expected) {
     return absl::InvalidArgumentError(absl::StrCat("calibration data: ", data.gate_prob_sums.size(),
                                                    " gate-probability sums, expected 0 or ", expected));
   }
   if (!data.labels.empty() && data.labels.size() != static_cast<size_t>(data.n)) {
-    return absl::InvalidArgumentError(absl::StrCat("calibration data: ", data.labels.size(),
-                                                   " labels for ", data.n, " requests"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibration data: ", data.labels.size(), " labels for ", data.n, " requests"));
   }
   if (absl::Status s = CheckCounts(data.prefill_counts, "prefill", data.layers, data.experts); !s.ok()) return s;
   if (absl::Status s = CheckCounts(data.decode_counts, "decode", data.layers, data.experts); !s.ok()) return s;
@@ -66,9 +66,9 @@ absl::Status ValidateCalibrationData(const CalibrationData& data) {
     const float v = data.gate_prob_sums[i];
     if (!std::isfinite(v) || v < 0) {
       const size_t within = i % per_request;
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request ", i / per_request, ": gate-probability sum ", v, " at layer ", within / data.experts,
-          ", expert ", within % data.experts, " is ", std::isfinite(v) ? "negative" : "not finite"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", i / per_request, ": gate-probability sum ", v, " at layer ", within / data.experts,
+                       ", expert ", within % data.experts, " is ", std::isfinite(v) ? "negative" : "not finite"));
     }
   }
   for (size_t i = 0; i < data.labels.size(); ++i) {
@@ -103,11 +103,10 @@ CalibrationData SelectRequests(const CalibrationData& data, absl::Span<const int
   return out;
 }
 
-absl::StatusOr<CalibrationSplit> SplitCalibrationData(const CalibrationData& data,
-                                                      double holdout_fraction, uint64_t seed) {
+absl::StatusOr<CalibrationSplit> SplitCalibrationData(const CalibrationData& data, double holdout_fraction,
+                                                      uint64_t seed) {
   if (!(holdout_fraction >= 0 && holdout_fraction < 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("holdout fraction ", holdout_fraction, " must be in [0, 1)"));
+    return absl::InvalidArgumentError(absl::StrCat("holdout fraction ", holdout_fraction, " must be in [0, 1)"));
   }
   if (absl::Status s = ValidateCalibrationData(data); !s.ok()) return s;
   // Group requests by label (one group without labels), in label order.
@@ -133,16 +132,13 @@ absl::StatusOr<CalibrationSplit> SplitCalibrationData(const CalibrationData& dat
   return split;
 }
 
-absl::StatusOr<CalibrationData> CalibrationDataFromTrace(const ExpertTrace& trace,
-                                                         double prefill_fraction,
+absl::StatusOr<CalibrationData> CalibrationDataFromTrace(const ExpertTrace& trace, double prefill_fraction,
                                                          absl::Span<const int> sequences) {
   if (!(prefill_fraction > 0 && prefill_fraction < 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prefill fraction ", prefill_fraction, " must be in (0, 1)"));
+    return absl::InvalidArgumentError(absl::StrCat("prefill fraction ", prefill_fraction, " must be in (0, 1)"));
   }
   if (trace.layers < 1 || trace.experts < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("trace: bad geometry L=", trace.layers,
-                                                   " E=", trace.experts));
+    return absl::InvalidArgumentError(absl::StrCat("trace: bad geometry L=", trace.layers, " E=", trace.experts));
   }
   std::vector<int> selected(sequences.begin(), sequences.end());
   if (selected.empty()) {
@@ -161,13 +157,12 @@ absl::StatusOr<CalibrationData> CalibrationDataFromTrace(const ExpertTrace& trac
   for (int r = 0; r < data.n; ++r) {
     const int s = selected[r];
     if (s < 0 || s >= static_cast<int>(trace.sequences.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("trace: sequence index ", s, " out of range [0, ",
-                                                     trace.sequences.size(), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("trace: sequence index ", s, " out of range [0, ", trace.sequences.size(), ")"));
     }
     const TraceSequence& seq = trace.sequences[s];
     const int prompt = PrefillTokens(seq.tokens, prefill_fraction);
-    AccumulateCounts(trace, seq, 0, prompt,
-                     absl::MakeSpan(data.prefill_counts).subspan(r * per_request, per_request));
+    AccumulateCounts(trace, seq, 0, prompt, absl::MakeSpan(data.prefill_counts).subspan(r * per_request, per_request));
     AccumulateCounts(trace, seq, prompt, seq.tokens,
                      absl::MakeSpan(data.decode_counts).subspan(r * per_request, per_request));
     data.labels.push_back(seq.domain);

@@ -54,19 +54,19 @@ struct Layout {
 };
 
 // Appends one record's counts (int16 or int32 little-endian) to `out`, failing on negatives.
-absl::Status DecodeCounts(const char* p, const Layout& layout, int experts, const char* what,
-                          std::vector<int32_t>& out, const std::string& where) {
+absl::Status DecodeCounts(const char* p, const Layout& layout, int experts, const char* what, std::vector<int32_t>& out,
+                          const std::string& where) {
   for (size_t c = 0; c < layout.cells; ++c) {
     int32_t v;
     if (layout.count_bytes() == 2) {
-      v = static_cast<int16_t>(static_cast<uint16_t>(static_cast<uint8_t>(p[2 * c]) |
-                                                     (static_cast<uint8_t>(p[2 * c + 1]) << 8)));
+      v = static_cast<int16_t>(
+          static_cast<uint16_t>(static_cast<uint8_t>(p[2 * c]) | (static_cast<uint8_t>(p[2 * c + 1]) << 8)));
     } else {
       v = static_cast<int32_t>(LoadU32(p + 4 * c));
     }
     if (v < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": negative ", what, " count ", v,
-                                                     " at layer ", c / experts, ", expert ", c % experts));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": negative ", what, " count ", v, " at layer ", c / experts, ", expert ", c % experts));
     }
     out.push_back(v);
   }
@@ -80,30 +80,29 @@ struct FileContents {
   bool has_header = false;
 };
 
-absl::Status ParseOne(const std::string& path, absl::string_view bytes, int expected_layers,
-                      int expected_experts, FileContents* info, CalibrationData* data) {
+absl::Status ParseOne(const std::string& path, absl::string_view bytes, int expected_layers, int expected_experts,
+                      FileContents* info, CalibrationData* data) {
   size_t offset = 0;
   Layout layout;
   if (bytes.size() >= sizeof(kMagic) && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0) {
     if (bytes.size() < kHeaderBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": truncated header (", bytes.size(),
-                                                     " bytes, need ", kHeaderBytes, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": truncated header (", bytes.size(), " bytes, need ", kHeaderBytes, ")"));
     }
     const uint32_t version = LoadU32(bytes.data() + 8);
     const uint32_t layers = LoadU32(bytes.data() + 12);
     const uint32_t experts = LoadU32(bytes.data() + 16);
     const uint32_t flags = LoadU32(bytes.data() + 20);
     if (version != kVersion) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": unsupported capture format version ",
-                                                     version, " (this build reads version ", kVersion, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(path, ": unsupported capture format version ", version,
+                                                     " (this build reads version ", kVersion, ")"));
     }
     if (flags & ~kKnownFlags) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": unknown flag bits 0x",
-                                                     absl::Hex(flags & ~kKnownFlags), " in the header"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": unknown flag bits 0x", absl::Hex(flags & ~kKnownFlags), " in the header"));
     }
     if (layers < 1 || experts < 1 || static_cast<uint64_t>(layers) * experts > kMaxCellsPerRequest) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": bad geometry in the header: L=", layers,
-                                                     " E=", experts));
+      return absl::InvalidArgumentError(absl::StrCat(path, ": bad geometry in the header: L=", layers, " E=", experts));
     }
     if ((expected_layers > 0 && static_cast<int>(layers) != expected_layers) ||
         (expected_experts > 0 && static_cast<int>(experts) != expected_experts)) {
@@ -119,9 +118,10 @@ absl::Status ParseOne(const std::string& path, absl::string_view bytes, int expe
     offset = kHeaderBytes;
   } else {
     if (expected_layers < 1 || expected_experts < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": no ELDR capture header (magic \"ELDRCAPT\"); reading it as the reference's plain "
-                "frames needs the geometry: pass --layers and --experts"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path,
+                       ": no ELDR capture header (magic \"ELDRCAPT\"); reading it as the reference's plain "
+                       "frames needs the geometry: pass --layers and --experts"));
     }
     info->layers = expected_layers;
     info->experts = expected_experts;
@@ -134,19 +134,18 @@ absl::Status ParseOne(const std::string& path, absl::string_view bytes, int expe
   for (int record = 0; offset < bytes.size(); ++record) {
     const std::string where = absl::StrCat(path, ": record ", record, " (byte offset ", offset, ")");
     if (bytes.size() - offset < 4) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": truncated frame length (",
-                                                     bytes.size() - offset, " bytes left)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": truncated frame length (", bytes.size() - offset, " bytes left)"));
     }
     const uint32_t frame = LoadU32(bytes.data() + offset);
     if (frame != record_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ": frame of ", frame, " bytes does not match the geometry L=", info->layers, " E=",
-          info->experts, " (expected ", record_bytes, " bytes", info->has_header ? "" : " = L * E * 2",
-          ")"));
+          where, ": frame of ", frame, " bytes does not match the geometry L=", info->layers, " E=", info->experts,
+          " (expected ", record_bytes, " bytes", info->has_header ? "" : " = L * E * 2", ")"));
     }
     if (bytes.size() - offset - 4 < record_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": truncated: the frame says ", frame,
-                                                     " bytes, ", bytes.size() - offset - 4, " remain"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": truncated: the frame says ", frame, " bytes, ", bytes.size() - offset - 4, " remain"));
     }
     const char* p = bytes.data() + offset + 4;
     absl::Status status = DecodeCounts(p, layout, info->experts, "prefill", data->prefill_counts, where);
@@ -163,9 +162,9 @@ absl::Status ParseOne(const std::string& path, absl::string_view bytes, int expe
         float v;
         std::memcpy(&v, &raw, sizeof(v));
         if (!std::isfinite(v) || v < 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              where, ": gate-probability sum ", v, " at layer ", c / info->experts, ", expert ",
-              c % info->experts, " is ", std::isfinite(v) ? "negative" : "not finite"));
+          return absl::InvalidArgumentError(absl::StrCat(where, ": gate-probability sum ", v, " at layer ",
+                                                         c / info->experts, ", expert ", c % info->experts, " is ",
+                                                         std::isfinite(v) ? "negative" : "not finite"));
         }
         data->gate_prob_sums.push_back(v);
       }
@@ -184,8 +183,7 @@ absl::Status ParseOne(const std::string& path, absl::string_view bytes, int expe
 
 }  // namespace
 
-absl::StatusOr<CalibrationData> ReadCaptureFiles(const std::vector<std::string>& paths, int layers,
-                                                 int experts) {
+absl::StatusOr<CalibrationData> ReadCaptureFiles(const std::vector<std::string>& paths, int layers, int experts) {
   if (paths.empty()) return absl::InvalidArgumentError("no capture files given");
   if (layers < 0 || experts < 0) {
     return absl::InvalidArgumentError(absl::StrCat("bad expected geometry L=", layers, " E=", experts));
@@ -208,20 +206,19 @@ absl::StatusOr<CalibrationData> ReadCaptureFiles(const std::vector<std::string>&
       data.layers = info.layers;
       data.experts = info.experts;
     } else if ((info.flags & ~kInt32Counts) != (first.flags & ~kInt32Counts)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": its records carry different parts (flags 0x", absl::Hex(info.flags), ") than ",
-          first_path, " (flags 0x", absl::Hex(first.flags), "); all capture files must agree"));
+      return absl::InvalidArgumentError(absl::StrCat(path, ": its records carry different parts (flags 0x",
+                                                     absl::Hex(info.flags), ") than ", first_path, " (flags 0x",
+                                                     absl::Hex(first.flags), "); all capture files must agree"));
     }
   }
   if (data.n == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("capture files hold no records (", paths.size(),
-                                                   " file(s), first: ", paths.front(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("capture files hold no records (", paths.size(), " file(s), first: ", paths.front(), ")"));
   }
   return data;
 }
 
-absl::StatusOr<std::string> SerializeCaptureFile(const CalibrationData& data,
-                                                 const CaptureWriteOptions& options) {
+absl::StatusOr<std::string> SerializeCaptureFile(const CalibrationData& data, const CaptureWriteOptions& options) {
   if (absl::Status s = ValidateCalibrationData(data); !s.ok()) return s;
   const size_t cells = static_cast<size_t>(data.layers) * data.experts;
   if (cells > kMaxCellsPerRequest) return absl::InvalidArgumentError("capture file: geometry too large");

@@ -142,8 +142,7 @@ absl::StatusOr<CalibrationEvaluation> EvaluateCalibration(const CalibrationResul
 }
 
 std::string CalibrationReportJson(const CalibrationResult& result, const CalibrationOptions& options,
-                                  const CalibrationEvaluation* evaluation,
-                                  const CalibrationData& calibration) {
+                                  const CalibrationEvaluation* evaluation, const CalibrationData& calibration) {
   const CalibrationReport& report = result.report;
   nlohmann::ordered_json json;
   json["objective"] = report.objective;

@@ -66,8 +66,7 @@ double CorrelationWithReference(absl::Span<const double> values, const std::vect
 
 // Checks SearchLayerMask's arguments: geometry, counts of every request, at least 3 requests,
 // one IDF weight per cell, max_pairs >= 2.
-absl::Status ValidateSearchInputs(const CalibrationData& data, absl::Span<const float> idf,
-                                  int max_pairs) {
+absl::Status ValidateSearchInputs(const CalibrationData& data, absl::Span<const float> idf, int max_pairs) {
   const int n = data.n, layers = data.layers, experts = data.experts;
   const size_t per_request = static_cast<size_t>(layers) * experts;
   if (layers < 1 || experts < 1) {
@@ -82,8 +81,8 @@ absl::Status ValidateSearchInputs(const CalibrationData& data, absl::Span<const 
         absl::StrCat("layer mask: ", n, " requests; need at least 3 to rank request pairs"));
   }
   if (idf.size() != per_request) {
-    return absl::InvalidArgumentError(absl::StrCat("layer mask: ", idf.size(),
-                                                   " IDF weights, expected layers * experts = ", per_request));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer mask: ", idf.size(), " IDF weights, expected layers * experts = ", per_request));
   }
   if (max_pairs < 2) {
     return absl::InvalidArgumentError(absl::StrCat("layer mask: max_pairs = ", max_pairs, ", need >= 2"));
@@ -159,8 +158,7 @@ LayerPieces ComputeLayerPieces(const CalibrationData& data, absl::Span<const flo
 }
 
 // Cosine distance of every pair's decode usage over all layers (1 when either is all zero).
-std::vector<double> DecodeDistances(const CalibrationData& data,
-                                    const std::vector<std::pair<int, int>>& pairs) {
+std::vector<double> DecodeDistances(const CalibrationData& data, const std::vector<std::pair<int, int>>& pairs) {
   const size_t per_request = static_cast<size_t>(data.layers) * data.experts;
   const int num_pairs = static_cast<int>(pairs.size());
   std::vector<double> decode_distance(num_pairs);
@@ -182,8 +180,8 @@ std::vector<double> DecodeDistances(const CalibrationData& data,
 // candidate) with the decode distances, whose centred ranks are `reference`.
 class LayerSetScorer {
  public:
-  LayerSetScorer(const std::vector<std::pair<int, int>>& pairs, const LayerPieces& pieces,
-                 int layers, const std::vector<double>& reference, double reference_norm)
+  LayerSetScorer(const std::vector<std::pair<int, int>>& pairs, const LayerPieces& pieces, int layers,
+                 const std::vector<double>& reference, double reference_norm)
       : pairs_(pairs),
         pieces_(pieces),
         layers_(layers),
@@ -301,9 +299,8 @@ double SpearmanCorrelation(absl::Span<const double> x, absl::Span<const double> 
   return CorrelationWithReference(x, reference, reference_norm, order, ranks);
 }
 
-absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data,
-                                                      absl::Span<const float> idf, int max_pairs,
-                                                      uint64_t seed) {
+absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data, absl::Span<const float> idf,
+                                                      int max_pairs, uint64_t seed) {
   if (absl::Status s = ValidateSearchInputs(data, idf, max_pairs); !s.ok()) return s;
   const std::vector<std::pair<int, int>> pairs = SampleRequestPairs(data.n, max_pairs, seed);
   const LayerPieces pieces = ComputeLayerPieces(data, idf, pairs);

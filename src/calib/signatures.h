@@ -14,8 +14,7 @@ namespace eldr {
 // Unit signatures of data's requests under `transform`, row-major [usable][dim]. Requests whose
 // signature is all zero on the transform's layers are skipped; `usable` receives the indices of
 // the rows returned. Errors name the request.
-absl::StatusOr<std::vector<float>> TransformRequests(const CalibrationData& data,
-                                                     const SignatureTransform& transform,
+absl::StatusOr<std::vector<float>> TransformRequests(const CalibrationData& data, const SignatureTransform& transform,
                                                      std::vector<int>* usable);
 
 }  // namespace eldr

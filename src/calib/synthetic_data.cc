@@ -54,8 +54,7 @@ CalibrationData MakeSyntheticCalibrationData(const SyntheticDataOptions& options
     for (int l = 0; l < options.layers; ++l) {
       std::iota(experts.begin(), experts.end(), 0);
       for (int h = 0; h < hot; ++h) {
-        const int j = h + std::min(static_cast<int>(UniformUnit(rng) * (options.experts - h)),
-                                   options.experts - h - 1);
+        const int j = h + std::min(static_cast<int>(UniformUnit(rng) * (options.experts - h)), options.experts - h - 1);
         std::swap(experts[h], experts[j]);
         profile[static_cast<size_t>(l) * options.experts + experts[h]] = 4 + static_cast<int32_t>(rng() % 4);
       }

@@ -12,8 +12,8 @@ struct SyntheticDataOptions {
   int requests = 1000;
   int layers = 26;
   int experts = 64;
-  int domains = 16;          // latent clusters; labels are the domain of each request
-  int hot_experts = 8;       // per domain and layer, experts with a high base count
+  int domains = 16;            // latent clusters; labels are the domain of each request
+  int hot_experts = 8;         // per domain and layer, experts with a high base count
   bool decode_counts = false;  // also draw decode counts from the same domain profile
   uint64_t seed = 1;
 };

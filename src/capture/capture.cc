@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/strings/cord.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -47,9 +47,7 @@ absl::Status DeviceError(absl::string_view message) {
   return status;
 }
 
-bool IsDeviceError(const absl::Status& status) {
-  return status.GetPayload(kDeviceErrorPayload).has_value();
-}
+bool IsDeviceError(const absl::Status& status) { return status.GetPayload(kDeviceErrorPayload).has_value(); }
 
 absl::StatusOr<Geometry> ResolveGeometry(const Options& options) {
   auto invalid = [](auto&&... parts) {
@@ -59,8 +57,7 @@ absl::StatusOr<Geometry> ResolveGeometry(const Options& options) {
     return invalid("device must be cpu (0) or cuda (1), got ", static_cast<int>(options.device));
   }
   if (options.num_layers <= 0 || options.num_experts <= 0) {
-    return invalid("num_layers and num_experts must be > 0, got ", options.num_layers, " and ",
-                   options.num_experts);
+    return invalid("num_layers and num_experts must be > 0, got ", options.num_layers, " and ", options.num_experts);
   }
   constexpr int64_t kMaxCells = int64_t{1} << 24;
   const int64_t cells = int64_t{options.num_layers} * options.num_experts;
@@ -72,8 +69,9 @@ absl::StatusOr<Geometry> ResolveGeometry(const Options& options) {
   }
   if (options.num_blocks < 0) return invalid("num_blocks must be >= 0, got ", options.num_blocks);
   if (options.num_blocks == 0 && options.max_direct_requests <= 0) {
-    return invalid("num_blocks = 0 and max_direct_requests = 0: neither the block mode nor the "
-                   "direct mode is enabled");
+    return invalid(
+        "num_blocks = 0 and max_direct_requests = 0: neither the block mode nor the "
+        "direct mode is enabled");
   }
   if (options.max_direct_requests < 0 || options.max_direct_requests > (1 << 20)) {
     return invalid("max_direct_requests must be in [0, 2^20], got ", options.max_direct_requests);
@@ -123,8 +121,8 @@ absl::StatusOr<Geometry> ResolveGeometry(const Options& options) {
     } else if (bits != 8 && bits != 16 && bits != 32) {
       return invalid("counter_bits must be 0, 8, 16 or 32, got ", bits);
     } else if (bits < needed_bits) {
-      return invalid("counter_bits = ", bits, " cannot hold block_size * max_top_k = ", bound,
-                     " (needs ", needed_bits, ")");
+      return invalid("counter_bits = ", bits, " cannot hold block_size * max_top_k = ", bound, " (needs ", needed_bits,
+                     ")");
     }
     g.counter_bytes = bits / 8;
     g.counter_max = bits == 32 ? 0xffffffffu : (1u << bits) - 1;
@@ -152,13 +150,9 @@ std::string IndexTypeError(const char* what, IndexType type) {
   return absl::StrCat(what, " type must be int32 (0) or int64 (1), got ", static_cast<int>(type));
 }
 
-bool ValidIndexType(IndexType type) {
-  return type == IndexType::kInt32 || type == IndexType::kInt64;
-}
+bool ValidIndexType(IndexType type) { return type == IndexType::kInt32 || type == IndexType::kInt64; }
 
-bool ValidOutputType(OutputType type) {
-  return type == OutputType::kInt16 || type == OutputType::kInt32;
-}
+bool ValidOutputType(OutputType type) { return type == OutputType::kInt16 || type == OutputType::kInt32; }
 
 // State shared by a context and the results it produced: results keep the backend (and its memory)
 // alive until they are released.
@@ -177,12 +171,8 @@ struct SharedState {
 
 class FinishResultImpl final : public FinishResult {
  public:
-  FinishResultImpl(std::shared_ptr<SharedState> shared, int slot, int num_requests,
-                   OutputType output_type)
-      : shared_(std::move(shared)),
-        slot_(slot),
-        num_requests_(num_requests),
-        output_type_(output_type) {}
+  FinishResultImpl(std::shared_ptr<SharedState> shared, int slot, int num_requests, OutputType output_type)
+      : shared_(std::move(shared)), slot_(slot), num_requests_(num_requests), output_type_(output_type) {}
 
   ~FinishResultImpl() override {
     absl::MutexLock lock(&shared_->mu);
@@ -232,14 +222,12 @@ class FinishResultImpl final : public FinishResult {
 
 class CaptureImpl final : public Capture {
  public:
-  CaptureImpl(std::shared_ptr<SharedState> shared, Info info)
-      : shared_(std::move(shared)), info_(info) {}
+  CaptureImpl(std::shared_ptr<SharedState> shared, Info info) : shared_(std::move(shared)), info_(info) {}
 
   const Info& info() const override { return info_; }
 
-  absl::Status Record(int layer, const void* topk_ids, IndexType id_type, int top_k,
-                      const void* slot_mapping, IndexType slot_type, int64_t num_tokens,
-                      uint32_t flags, void* stream) override {
+  absl::Status Record(int layer, const void* topk_ids, IndexType id_type, int top_k, const void* slot_mapping,
+                      IndexType slot_type, int64_t num_tokens, uint32_t flags, void* stream) override {
     const Geometry& g = shared_->geometry;
     if (!g.block_mode()) {
       return absl::FailedPreconditionError("record: the block mode is off (num_blocks = 0)");
@@ -247,11 +235,11 @@ class CaptureImpl final : public Capture {
     if ((flags & ~kRecordSkipReset) != 0) {
       return absl::InvalidArgumentError(absl::StrFormat("record: unknown flags 0x%x", flags));
     }
-    absl::Status status = CheckRecordArgs("record", layer, topk_ids, id_type, top_k, slot_mapping,
-                                          slot_type, "slot_mapping", num_tokens);
+    absl::Status status =
+        CheckRecordArgs("record", layer, topk_ids, id_type, top_k, slot_mapping, slot_type, "slot_mapping", num_tokens);
     if (!status.ok() || num_tokens == 0) return status;
-    internal::RecordCall call{layer,      topk_ids, id_type, top_k, slot_mapping,
-                              slot_type,  num_tokens, (flags & kRecordSkipReset) == 0, stream};
+    internal::RecordCall call{
+        layer, topk_ids, id_type, top_k, slot_mapping, slot_type, num_tokens, (flags & kRecordSkipReset) == 0, stream};
     absl::MutexLock lock(&shared_->mu);
     return shared_->backend->Record(call);
   }
@@ -260,8 +248,7 @@ class CaptureImpl final : public Capture {
                                 void* stream) override {
     const Geometry& g = shared_->geometry;
     if (!g.block_mode()) {
-      return absl::FailedPreconditionError(
-          "reset_batch_blocks: the block mode is off (num_blocks = 0)");
+      return absl::FailedPreconditionError("reset_batch_blocks: the block mode is off (num_blocks = 0)");
     }
     if (!ValidIndexType(slot_type)) {
       return absl::InvalidArgumentError(IndexTypeError("reset_batch_blocks: slot_mapping", slot_type));
@@ -278,10 +265,8 @@ class CaptureImpl final : public Capture {
     return shared_->backend->ResetBatchBlocks(slot_mapping, slot_type, num_tokens, stream);
   }
 
-  absl::StatusOr<std::unique_ptr<FinishResult>> Finish(const int32_t* block_tables,
-                                                       int64_t block_table_stride,
-                                                       const int64_t* lengths, int num_requests,
-                                                       OutputType output_type,
+  absl::StatusOr<std::unique_ptr<FinishResult>> Finish(const int32_t* block_tables, int64_t block_table_stride,
+                                                       const int64_t* lengths, int num_requests, OutputType output_type,
                                                        void* stream) override {
     const Geometry& g = shared_->geometry;
     if (!g.block_mode()) {
@@ -297,8 +282,7 @@ class CaptureImpl final : public Capture {
     int64_t max_blocks = 0;
     for (int r = 0; r < num_requests; ++r) {
       if (lengths[r] < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("finish: lengths[", r, "] = ", lengths[r], " is negative"));
+        return absl::InvalidArgumentError(absl::StrCat("finish: lengths[", r, "] = ", lengths[r], " is negative"));
       }
       // Kernels index a request's blocks with 32-bit ints and split them over at most 2^15
       // thread blocks of 4096 blocks each.
@@ -310,14 +294,13 @@ class CaptureImpl final : public Capture {
       }
       const int64_t blocks = (lengths[r] + g.block_size - 1) / g.block_size;
       if (blocks > kMaxRequestBlocks) {
-        return absl::InvalidArgumentError(absl::StrCat("finish: request ", r, " has ", blocks,
-                                                       " blocks, more than 2^27"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("finish: request ", r, " has ", blocks, " blocks, more than 2^27"));
       }
       if (blocks > block_table_stride) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "finish: request ", r, " has ", lengths[r], " tokens = ", blocks,
-            " blocks of ", g.block_size, ", more than its block table holds (stride ",
-            block_table_stride, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("finish: request ", r, " has ", lengths[r], " tokens = ", blocks, " blocks of ", g.block_size,
+                         ", more than its block table holds (stride ", block_table_stride, ")"));
       }
       request_blocks[r] = static_cast<int32_t>(blocks);
       max_blocks = std::max(max_blocks, blocks);
@@ -328,41 +311,33 @@ class CaptureImpl final : public Capture {
     absl::MutexLock lock(&shared_->mu);
     absl::StatusOr<int> slot = AcquireSlot();
     if (!slot.ok()) return slot.status();
-    absl::Status status = shared_->backend->FinishBlocks(*slot, block_tables, block_table_stride,
-                                                         request_blocks, output_type, stream);
+    absl::Status status =
+        shared_->backend->FinishBlocks(*slot, block_tables, block_table_stride, request_blocks, output_type, stream);
     if (!status.ok()) {
       shared_->held[*slot] = false;
       return status;
     }
-    return std::unique_ptr<FinishResult>(
-        new FinishResultImpl(shared_, *slot, num_requests, output_type));
+    return std::unique_ptr<FinishResult>(new FinishResultImpl(shared_, *slot, num_requests, output_type));
   }
 
-  absl::Status RecordDirect(int layer, const void* topk_ids, IndexType id_type, int top_k,
-                            const void* token_request, IndexType request_type,
-                            int64_t num_tokens, void* stream) override {
+  absl::Status RecordDirect(int layer, const void* topk_ids, IndexType id_type, int top_k, const void* token_request,
+                            IndexType request_type, int64_t num_tokens, void* stream) override {
     if (shared_->geometry.max_direct_requests == 0) {
-      return absl::FailedPreconditionError(
-          "record_direct: the direct mode is off (max_direct_requests = 0)");
+      return absl::FailedPreconditionError("record_direct: the direct mode is off (max_direct_requests = 0)");
     }
-    absl::Status status = CheckRecordArgs("record_direct", layer, topk_ids, id_type, top_k,
-                                          token_request, request_type, "token_request",
-                                          num_tokens);
+    absl::Status status = CheckRecordArgs("record_direct", layer, topk_ids, id_type, top_k, token_request, request_type,
+                                          "token_request", num_tokens);
     if (!status.ok() || num_tokens == 0) return status;
-    internal::RecordCall call{layer,        topk_ids,   id_type, top_k, token_request,
-                              request_type, num_tokens, false,   stream};
+    internal::RecordCall call{layer, topk_ids, id_type, top_k, token_request, request_type, num_tokens, false, stream};
     absl::MutexLock lock(&shared_->mu);
     return shared_->backend->RecordDirect(call);
   }
 
-  absl::StatusOr<std::unique_ptr<FinishResult>> FinishDirect(const int32_t* request_slots,
-                                                             int num_requests,
-                                                             OutputType output_type,
-                                                             void* stream) override {
+  absl::StatusOr<std::unique_ptr<FinishResult>> FinishDirect(const int32_t* request_slots, int num_requests,
+                                                             OutputType output_type, void* stream) override {
     const Geometry& g = shared_->geometry;
     if (g.max_direct_requests == 0) {
-      return absl::FailedPreconditionError(
-          "finish_direct: the direct mode is off (max_direct_requests = 0)");
+      return absl::FailedPreconditionError("finish_direct: the direct mode is off (max_direct_requests = 0)");
     }
     if (absl::Status s = CheckFinishCommon("finish_direct", num_requests, output_type); !s.ok()) {
       return s;
@@ -375,13 +350,11 @@ class CaptureImpl final : public Capture {
     std::sort(sorted.begin(), sorted.end());
     for (int r = 0; r < num_requests; ++r) {
       if (slots[r] < 0 || slots[r] >= g.max_direct_requests) {
-        return absl::InvalidArgumentError(absl::StrCat("finish_direct: request_slots[", r, "] = ",
-                                                       slots[r], " is outside [0, ",
-                                                       g.max_direct_requests, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("finish_direct: request_slots[", r, "] = ", slots[r],
+                                                       " is outside [0, ", g.max_direct_requests, ")"));
       }
       if (r > 0 && sorted[r] == sorted[r - 1]) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("finish_direct: request slot ", sorted[r], " appears twice"));
+        return absl::InvalidArgumentError(absl::StrCat("finish_direct: request slot ", sorted[r], " appears twice"));
       }
     }
     absl::MutexLock lock(&shared_->mu);
@@ -392,8 +365,7 @@ class CaptureImpl final : public Capture {
       shared_->held[*slot] = false;
       return status;
     }
-    return std::unique_ptr<FinishResult>(
-        new FinishResultImpl(shared_, *slot, num_requests, output_type));
+    return std::unique_ptr<FinishResult>(new FinishResultImpl(shared_, *slot, num_requests, output_type));
   }
 
   absl::Status Clear(void* stream) override {
@@ -411,13 +383,12 @@ class CaptureImpl final : public Capture {
     return shared_->backend->ResetStats(stream);
   }
 
-  absl::Status ReadBlockCounts(int64_t first_block, int64_t num_blocks, int32_t* out,
-                               void* stream) override {
+  absl::Status ReadBlockCounts(int64_t first_block, int64_t num_blocks, int32_t* out, void* stream) override {
     const Geometry& g = shared_->geometry;
     if (first_block < 0 || num_blocks < 0 || first_block > g.num_blocks - num_blocks) {
-      return absl::InvalidArgumentError(absl::StrCat("read_block_counts: blocks [", first_block,
-                                                     ", ", first_block + num_blocks,
-                                                     ") are outside [0, ", g.num_blocks, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("read_block_counts: blocks [", first_block, ", ",
+                                                     first_block + num_blocks, ") are outside [0, ", g.num_blocks,
+                                                     ")"));
     }
     if (num_blocks == 0) return absl::OkStatus();
     if (out == nullptr) return absl::InvalidArgumentError("read_block_counts: out is null");
@@ -425,13 +396,11 @@ class CaptureImpl final : public Capture {
     return shared_->backend->ReadBlockCounts(first_block, num_blocks, out, stream);
   }
 
-  absl::Status ReadDirectCounts(int first_slot, int num_slots, int32_t* out,
-                                void* stream) override {
+  absl::Status ReadDirectCounts(int first_slot, int num_slots, int32_t* out, void* stream) override {
     const Geometry& g = shared_->geometry;
     if (first_slot < 0 || num_slots < 0 || first_slot > g.max_direct_requests - num_slots) {
-      return absl::InvalidArgumentError(absl::StrCat("read_direct_counts: slots [", first_slot,
-                                                     ", ", first_slot + num_slots,
-                                                     ") are outside [0, ",
+      return absl::InvalidArgumentError(absl::StrCat("read_direct_counts: slots [", first_slot, ", ",
+                                                     first_slot + num_slots, ") are outside [0, ",
                                                      g.max_direct_requests, ")"));
     }
     if (num_slots == 0) return absl::OkStatus();
@@ -441,33 +410,30 @@ class CaptureImpl final : public Capture {
   }
 
  private:
-  absl::Status CheckRecordArgs(const char* op, int layer, const void* topk_ids, IndexType id_type,
-                               int top_k, const void* index, IndexType index_type,
-                               const char* index_name, int64_t num_tokens) const {
+  absl::Status CheckRecordArgs(const char* op, int layer, const void* topk_ids, IndexType id_type, int top_k,
+                               const void* index, IndexType index_type, const char* index_name,
+                               int64_t num_tokens) const {
     const Geometry& g = shared_->geometry;
     if (layer < 0 || layer >= g.layers) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(op, ": layer ", layer, " is outside [0, ", g.layers, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(op, ": layer ", layer, " is outside [0, ", g.layers, ")"));
     }
     if (top_k < 1 || top_k > g.max_top_k) {
-      return absl::InvalidArgumentError(absl::StrCat(op, ": top_k ", top_k, " is outside [1, ",
-                                                     g.max_top_k, "] (options.max_top_k)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": top_k ", top_k, " is outside [1, ", g.max_top_k, "] (options.max_top_k)"));
     }
     if (!ValidIndexType(id_type)) {
-      return absl::InvalidArgumentError(IndexTypeError(absl::StrCat(op, ": topk_ids").c_str(),
-                                                       id_type));
+      return absl::InvalidArgumentError(IndexTypeError(absl::StrCat(op, ": topk_ids").c_str(), id_type));
     }
     if (!ValidIndexType(index_type)) {
-      return absl::InvalidArgumentError(
-          IndexTypeError(absl::StrCat(op, ": ", index_name).c_str(), index_type));
+      return absl::InvalidArgumentError(IndexTypeError(absl::StrCat(op, ": ", index_name).c_str(), index_type));
     }
     if (num_tokens < 0 || num_tokens > std::numeric_limits<int32_t>::max() / top_k) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, ": num_tokens must be in [0, 2^31 / top_k), got ", num_tokens));
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": num_tokens must be in [0, 2^31 / top_k), got ", num_tokens));
     }
     if (num_tokens > 0 && (topk_ids == nullptr || index == nullptr)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, ": ", topk_ids == nullptr ? "topk_ids" : index_name, " is null"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": ", topk_ids == nullptr ? "topk_ids" : index_name, " is null"));
     }
     return absl::OkStatus();
   }
@@ -475,13 +441,12 @@ class CaptureImpl final : public Capture {
   absl::Status CheckFinishCommon(const char* op, int num_requests, OutputType output_type) const {
     const Geometry& g = shared_->geometry;
     if (num_requests < 1 || num_requests > g.max_finish_requests) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(op, ": num_requests must be in [1, ", g.max_finish_requests,
-                       "] (options.max_finish_requests), got ", num_requests));
+      return absl::InvalidArgumentError(absl::StrCat(op, ": num_requests must be in [1, ", g.max_finish_requests,
+                                                     "] (options.max_finish_requests), got ", num_requests));
     }
     if (!ValidOutputType(output_type)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, ": output_type must be int16 (0) or int32 (1), got ", static_cast<int>(output_type)));
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": output_type must be int16 (0) or int32 (1), got ", static_cast<int>(output_type)));
     }
     return absl::OkStatus();
   }
@@ -501,10 +466,10 @@ class CaptureImpl final : public Capture {
       if (pending < 0) pending = i;
     }
     if (pending < 0) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "all ", shared_->geometry.result_slots,
-          " result slots are held by unreleased results (options.result_slots): release results "
-          "once their counts are read"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("all ", shared_->geometry.result_slots,
+                       " result slots are held by unreleased results (options.result_slots): release results "
+                       "once their counts are read"));
     }
     if (absl::Status status = shared_->backend->WaitSlot(pending); !status.ok()) return status;
     shared_->held[pending] = true;
@@ -520,18 +485,17 @@ class CaptureImpl final : public Capture {
 std::string StatsToString(const Stats& s) {
   return absl::StrCat("recorded_choices=", s.recorded_choices, " padding_tokens=", s.padding_tokens,
                       " bad_slots=", s.bad_slots, " bad_expert_ids=", s.bad_expert_ids,
-                      " bad_request_indices=", s.bad_request_indices,
-                      " bad_block_ids=", s.bad_block_ids, " duplicate_slots=", s.duplicate_slots,
-                      " saturated_adds=", s.saturated_adds,
+                      " bad_request_indices=", s.bad_request_indices, " bad_block_ids=", s.bad_block_ids,
+                      " duplicate_slots=", s.duplicate_slots, " saturated_adds=", s.saturated_adds,
                       " saturated_outputs=", s.saturated_outputs, " block_resets=", s.block_resets);
 }
 
 absl::StatusOr<std::unique_ptr<Capture>> Capture::Create(const Options& options) {
   absl::StatusOr<Geometry> geometry = internal::ResolveGeometry(options);
   if (!geometry.ok()) return geometry.status();
-  absl::StatusOr<std::unique_ptr<Backend>> backend =
-      options.device == Device::kCpu ? internal::MakeCpuBackend(*geometry)
-                                     : internal::MakeCudaBackend(*geometry, options.cuda_device);
+  absl::StatusOr<std::unique_ptr<Backend>> backend = options.device == Device::kCpu
+                                                         ? internal::MakeCpuBackend(*geometry)
+                                                         : internal::MakeCudaBackend(*geometry, options.cuda_device);
   if (!backend.ok()) return backend.status();
   Info info;
   info.device = options.device;

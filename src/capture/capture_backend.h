@@ -74,18 +74,17 @@ class Backend {
   virtual ~Backend() = default;
 
   virtual absl::Status Record(const RecordCall& call) = 0;
-  virtual absl::Status ResetBatchBlocks(const void* slots, IndexType slot_type, int64_t num_tokens,
-                                        void* stream) = 0;
+  virtual absl::Status ResetBatchBlocks(const void* slots, IndexType slot_type, int64_t num_tokens, void* stream) = 0;
   virtual absl::Status RecordDirect(const RecordCall& call) = 0;
 
   // Enqueues a finish into result slot `slot` (held by the caller). `num_blocks_per_request[r]` is
   // ceil(length / block_size) <= stride, already checked. `block_tables` may be device or host memory.
   virtual absl::Status FinishBlocks(int slot, const int32_t* block_tables, int64_t stride,
-                                    absl::Span<const int32_t> num_blocks_per_request,
-                                    OutputType output_type, void* stream) = 0;
+                                    absl::Span<const int32_t> num_blocks_per_request, OutputType output_type,
+                                    void* stream) = 0;
   // `request_slots` are distinct and in range, already checked.
-  virtual absl::Status FinishDirect(int slot, absl::Span<const int32_t> request_slots,
-                                    OutputType output_type, void* stream) = 0;
+  virtual absl::Status FinishDirect(int slot, absl::Span<const int32_t> request_slots, OutputType output_type,
+                                    void* stream) = 0;
 
   // Whether the last finish enqueued into `slot` completed (true for a never used slot).
   virtual absl::StatusOr<bool> SlotReady(int slot) const = 0;
@@ -97,10 +96,8 @@ class Backend {
   virtual absl::Status Clear(void* stream) = 0;
   virtual absl::StatusOr<Stats> ReadStats(void* stream) = 0;
   virtual absl::Status ResetStats(void* stream) = 0;
-  virtual absl::Status ReadBlockCounts(int64_t first_block, int64_t num_blocks, int32_t* out,
-                                       void* stream) = 0;
-  virtual absl::Status ReadDirectCounts(int first_slot, int num_slots, int32_t* out,
-                                        void* stream) = 0;
+  virtual absl::Status ReadBlockCounts(int64_t first_block, int64_t num_blocks, int32_t* out, void* stream) = 0;
+  virtual absl::Status ReadDirectCounts(int first_slot, int num_slots, int32_t* out, void* stream) = 0;
 
   virtual uint64_t device_bytes() const = 0;
   virtual uint64_t host_bytes() const = 0;
@@ -124,8 +121,8 @@ inline uint32_t LoadCounter(const uint8_t* block, int counter_bytes, int64_t cel
     case 2:
       return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8);
     default:
-      return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
-             (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+      return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
+             (static_cast<uint32_t>(p[3]) << 24);
   }
 }
 

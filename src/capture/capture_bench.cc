@@ -94,9 +94,8 @@ void BM_CpuRecordLayer(benchmark::State& state) {
   if (capture == nullptr) return;
   int layer = 0;
   for (auto _ : state) {
-    absl::Status status = capture->Record(layer, batch.ids.data(), IndexType::kInt32, kTopK,
-                                          batch.slots.data(), IndexType::kInt64, tokens, 0,
-                                          nullptr);
+    absl::Status status = capture->Record(layer, batch.ids.data(), IndexType::kInt32, kTopK, batch.slots.data(),
+                                          IndexType::kInt64, tokens, 0, nullptr);
     if (!status.ok()) state.SkipWithError(std::string(status.message()).c_str());
     layer = (layer + 1) % kLayers;
   }
@@ -112,9 +111,8 @@ void BM_CpuRecordDirectLayer(benchmark::State& state) {
   if (capture == nullptr) return;
   int layer = 0;
   for (auto _ : state) {
-    absl::Status status =
-        capture->RecordDirect(layer, batch.ids.data(), IndexType::kInt32, kTopK,
-                              batch.token_request.data(), IndexType::kInt32, tokens, nullptr);
+    absl::Status status = capture->RecordDirect(layer, batch.ids.data(), IndexType::kInt32, kTopK,
+                                                batch.token_request.data(), IndexType::kInt32, tokens, nullptr);
     if (!status.ok()) state.SkipWithError(std::string(status.message()).c_str());
     layer = (layer + 1) % kLayers;
   }
@@ -130,8 +128,7 @@ void BM_CpuFinish(benchmark::State& state) {
   auto capture = MustCreate(options, state);
   if (capture == nullptr) return;
   for (auto _ : state) {
-    auto result = capture->Finish(tables.data(), stride, lengths.data(), kFinishRequests,
-                                  OutputType::kInt16, nullptr);
+    auto result = capture->Finish(tables.data(), stride, lengths.data(), kFinishRequests, OutputType::kInt16, nullptr);
     if (!result.ok()) {
       state.SkipWithError(std::string(result.status().message()).c_str());
       break;
@@ -182,13 +179,11 @@ void BM_GpuRecordLayer(benchmark::State& state, bool integration_path) {
       if (!status.ok()) state.SkipWithError(std::string(status.message()).c_str());
     }
     for (int layer = 0; layer < kLayers; ++layer) {
-      absl::Status status = capture->Record(layer, ids, IndexType::kInt32, kTopK, slots,
-                                            IndexType::kInt64, tokens, flags, stream);
+      absl::Status status =
+          capture->Record(layer, ids, IndexType::kInt32, kTopK, slots, IndexType::kInt64, tokens, flags, stream);
       if (!status.ok()) state.SkipWithError(std::string(status.message()).c_str());
     }
-    enqueue_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() -
-                                                            host_start)
-                      .count();
+    enqueue_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - host_start).count();
     cudaEventRecord(stop, stream);
     cudaEventSynchronize(stop);
     float ms = 0;
@@ -217,16 +212,14 @@ void BM_GpuFinish(benchmark::State& state) {
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   for (auto _ : state) {
     const auto start = std::chrono::steady_clock::now();
-    auto result = capture->Finish(device_tables, stride, lengths.data(), kFinishRequests,
-                                  OutputType::kInt16, stream);
+    auto result = capture->Finish(device_tables, stride, lengths.data(), kFinishRequests, OutputType::kInt16, stream);
     if (!result.ok()) {
       state.SkipWithError(std::string(result.status().message()).c_str());
       break;
     }
     absl::Status waited = (*result)->Wait();
     if (!waited.ok()) state.SkipWithError(std::string(waited.message()).c_str());
-    state.SetIterationTime(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   state.SetItemsProcessed(state.iterations() * kFinishRequests);
   state.counters["blocks_per_request"] = static_cast<double>(stride);
@@ -248,9 +241,7 @@ void RegisterGpuBenchmarks() {
       ->Arg(8192)
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);
-  benchmark::RegisterBenchmark("BM_GpuFinish", BM_GpuFinish)
-      ->UseManualTime()
-      ->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("BM_GpuFinish", BM_GpuFinish)->UseManualTime()->Unit(benchmark::kMicrosecond);
 }
 
 #else

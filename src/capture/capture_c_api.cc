@@ -189,11 +189,10 @@ int eldr_capture_create(const eldr_capture_options* options, eldr_capture_ctx** 
     *out = nullptr;
     if (options == nullptr) return NullHandle("eldr_capture_create", "options");
     if (StructTooSmall(options)) {
-      return Fail(ELDR_CAPTURE_INVALID_ARGUMENT,
-                  absl::StrCat("eldr_capture_create: options->struct_size is ",
-                               options->struct_size, ", expected at least ",
-                               sizeof(eldr_capture_options),
-                               ": initialise options with eldr_capture_options_init"));
+      return Fail(
+          ELDR_CAPTURE_INVALID_ARGUMENT,
+          absl::StrCat("eldr_capture_create: options->struct_size is ", options->struct_size, ", expected at least ",
+                       sizeof(eldr_capture_options), ": initialise options with eldr_capture_options_init"));
     }
     eldr::capture::Options o;
     o.device = static_cast<Device>(options->device);
@@ -239,23 +238,20 @@ int eldr_capture_get_info(const eldr_capture_ctx* ctx, eldr_capture_info* info) 
   return ELDR_CAPTURE_OK;
 }
 
-int eldr_capture_record(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids,
-                        int32_t id_type, int32_t top_k, const void* slot_mapping,
-                        int32_t slot_type, int64_t num_tokens, uint32_t flags, void* stream) {
+int eldr_capture_record(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids, int32_t id_type, int32_t top_k,
+                        const void* slot_mapping, int32_t slot_type, int64_t num_tokens, uint32_t flags, void* stream) {
   if (ctx == nullptr) return NullHandle("eldr_capture_record", "ctx");
   return Guarded("eldr_capture_record", [&] {
-    return Report(ctx->impl->Record(layer, topk_ids, static_cast<IndexType>(id_type), top_k,
-                                    slot_mapping, static_cast<IndexType>(slot_type), num_tokens,
-                                    flags, stream));
+    return Report(ctx->impl->Record(layer, topk_ids, static_cast<IndexType>(id_type), top_k, slot_mapping,
+                                    static_cast<IndexType>(slot_type), num_tokens, flags, stream));
   });
 }
 
-int eldr_capture_reset_batch_blocks(eldr_capture_ctx* ctx, const void* slot_mapping,
-                                    int32_t slot_type, int64_t num_tokens, void* stream) {
+int eldr_capture_reset_batch_blocks(eldr_capture_ctx* ctx, const void* slot_mapping, int32_t slot_type,
+                                    int64_t num_tokens, void* stream) {
   if (ctx == nullptr) return NullHandle("eldr_capture_reset_batch_blocks", "ctx");
   return Guarded("eldr_capture_reset_batch_blocks", [&] {
-    return Report(ctx->impl->ResetBatchBlocks(slot_mapping, static_cast<IndexType>(slot_type),
-                                              num_tokens, stream));
+    return Report(ctx->impl->ResetBatchBlocks(slot_mapping, static_cast<IndexType>(slot_type), num_tokens, stream));
   });
 }
 
@@ -264,62 +260,57 @@ int eldr_capture_clear(eldr_capture_ctx* ctx, void* stream) {
   return Guarded("eldr_capture_clear", [&] { return Report(ctx->impl->Clear(stream)); });
 }
 
-int eldr_capture_finish(eldr_capture_ctx* ctx, const int32_t* block_tables,
-                        int64_t block_table_stride, const int64_t* lengths, int32_t num_requests,
-                        int32_t output_type, void* stream, eldr_capture_result** out) {
+int eldr_capture_finish(eldr_capture_ctx* ctx, const int32_t* block_tables, int64_t block_table_stride,
+                        const int64_t* lengths, int32_t num_requests, int32_t output_type, void* stream,
+                        eldr_capture_result** out) {
   if (out == nullptr) return NullHandle("eldr_capture_finish", "out");
   *out = nullptr;
   if (ctx == nullptr) return NullHandle("eldr_capture_finish", "ctx");
   return Guarded("eldr_capture_finish", [&] {
-    absl::StatusOr<std::unique_ptr<FinishResult>> result =
-        ctx->impl->Finish(block_tables, block_table_stride, lengths, num_requests,
-                          static_cast<OutputType>(output_type), stream);
+    absl::StatusOr<std::unique_ptr<FinishResult>> result = ctx->impl->Finish(
+        block_tables, block_table_stride, lengths, num_requests, static_cast<OutputType>(output_type), stream);
     if (!result.ok()) return Report(result.status());
     *out = new eldr_capture_result{*std::move(result)};
     return static_cast<int>(ELDR_CAPTURE_OK);
   });
 }
 
-int eldr_capture_read_block_counts(eldr_capture_ctx* ctx, int64_t first_block, int64_t num_blocks,
-                                   int32_t* out, void* stream) {
+int eldr_capture_read_block_counts(eldr_capture_ctx* ctx, int64_t first_block, int64_t num_blocks, int32_t* out,
+                                   void* stream) {
   if (ctx == nullptr) return NullHandle("eldr_capture_read_block_counts", "ctx");
-  return Guarded("eldr_capture_read_block_counts", [&] {
-    return Report(ctx->impl->ReadBlockCounts(first_block, num_blocks, out, stream));
-  });
+  return Guarded("eldr_capture_read_block_counts",
+                 [&] { return Report(ctx->impl->ReadBlockCounts(first_block, num_blocks, out, stream)); });
 }
 
-int eldr_capture_record_direct(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids,
-                               int32_t id_type, int32_t top_k, const void* token_request,
-                               int32_t request_type, int64_t num_tokens, void* stream) {
+int eldr_capture_record_direct(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids, int32_t id_type,
+                               int32_t top_k, const void* token_request, int32_t request_type, int64_t num_tokens,
+                               void* stream) {
   if (ctx == nullptr) return NullHandle("eldr_capture_record_direct", "ctx");
   return Guarded("eldr_capture_record_direct", [&] {
-    return Report(ctx->impl->RecordDirect(layer, topk_ids, static_cast<IndexType>(id_type), top_k,
-                                          token_request, static_cast<IndexType>(request_type),
-                                          num_tokens, stream));
+    return Report(ctx->impl->RecordDirect(layer, topk_ids, static_cast<IndexType>(id_type), top_k, token_request,
+                                          static_cast<IndexType>(request_type), num_tokens, stream));
   });
 }
 
-int eldr_capture_finish_direct(eldr_capture_ctx* ctx, const int32_t* request_slots,
-                               int32_t num_requests, int32_t output_type, void* stream,
-                               eldr_capture_result** out) {
+int eldr_capture_finish_direct(eldr_capture_ctx* ctx, const int32_t* request_slots, int32_t num_requests,
+                               int32_t output_type, void* stream, eldr_capture_result** out) {
   if (out == nullptr) return NullHandle("eldr_capture_finish_direct", "out");
   *out = nullptr;
   if (ctx == nullptr) return NullHandle("eldr_capture_finish_direct", "ctx");
   return Guarded("eldr_capture_finish_direct", [&] {
-    absl::StatusOr<std::unique_ptr<FinishResult>> result = ctx->impl->FinishDirect(
-        request_slots, num_requests, static_cast<OutputType>(output_type), stream);
+    absl::StatusOr<std::unique_ptr<FinishResult>> result =
+        ctx->impl->FinishDirect(request_slots, num_requests, static_cast<OutputType>(output_type), stream);
     if (!result.ok()) return Report(result.status());
     *out = new eldr_capture_result{*std::move(result)};
     return static_cast<int>(ELDR_CAPTURE_OK);
   });
 }
 
-int eldr_capture_read_direct_counts(eldr_capture_ctx* ctx, int32_t first_slot, int32_t num_slots,
-                                    int32_t* out, void* stream) {
+int eldr_capture_read_direct_counts(eldr_capture_ctx* ctx, int32_t first_slot, int32_t num_slots, int32_t* out,
+                                    void* stream) {
   if (ctx == nullptr) return NullHandle("eldr_capture_read_direct_counts", "ctx");
-  return Guarded("eldr_capture_read_direct_counts", [&] {
-    return Report(ctx->impl->ReadDirectCounts(first_slot, num_slots, out, stream));
-  });
+  return Guarded("eldr_capture_read_direct_counts",
+                 [&] { return Report(ctx->impl->ReadDirectCounts(first_slot, num_slots, out, stream)); });
 }
 
 int eldr_capture_result_query(const eldr_capture_result* result) {
@@ -378,8 +369,7 @@ int eldr_capture_result_stats(const eldr_capture_result* result, eldr_capture_st
     absl::StatusOr<bool> ready = result->impl->Query();
     if (!ready.ok()) return Report(ready.status());
     if (!*ready) {
-      return Fail(ELDR_CAPTURE_NOT_READY,
-                  "eldr_capture_result_stats: the result is not ready (wait for it first)");
+      return Fail(ELDR_CAPTURE_NOT_READY, "eldr_capture_result_stats: the result is not ready (wait for it first)");
     }
     FillStats(result->impl->stats(), stats);
     return static_cast<int>(ELDR_CAPTURE_OK);
@@ -432,11 +422,10 @@ int eldr_capture_client_create(const char* target, const eldr_capture_client_opt
 
 void eldr_capture_client_destroy(eldr_capture_client* client) { delete client; }
 
-int eldr_capture_client_route(eldr_capture_client* client, const char* request_id,
-                              int64_t prompt_tokens, const void* counts, int32_t counts_type,
-                              int32_t layers, int32_t experts, char* worker_id,
-                              size_t worker_id_capacity, char* address, size_t address_capacity,
-                              uint64_t* lease_id, eldr_capture_route_details* details) {
+int eldr_capture_client_route(eldr_capture_client* client, const char* request_id, int64_t prompt_tokens,
+                              const void* counts, int32_t counts_type, int32_t layers, int32_t experts, char* worker_id,
+                              size_t worker_id_capacity, char* address, size_t address_capacity, uint64_t* lease_id,
+                              eldr_capture_route_details* details) {
   static constexpr char kFunction[] = "eldr_capture_client_route";
   if (client == nullptr) return NullHandle(kFunction, "client");
   if (lease_id == nullptr) return NullHandle(kFunction, "lease_id");
@@ -458,22 +447,18 @@ int eldr_capture_client_route(eldr_capture_client* client, const char* request_i
       decision = client->impl->RouteWithoutSignature(id, prompt_tokens);
     } else if (layers <= 0 || experts <= 0) {
       return Fail(ELDR_CAPTURE_INVALID_ARGUMENT,
-                  absl::StrCat(kFunction, ": layers and experts must be > 0, got ", layers,
-                               " and ", experts));
+                  absl::StrCat(kFunction, ": layers and experts must be > 0, got ", layers, " and ", experts));
     } else if (counts_type == ELDR_CAPTURE_OUTPUT_INT16) {
       decision = client->impl->RouteInt16(
-          id, prompt_tokens,
-          absl::MakeConstSpan(static_cast<const int16_t*>(counts), size_t(layers) * experts),
-          layers, experts);
+          id, prompt_tokens, absl::MakeConstSpan(static_cast<const int16_t*>(counts), size_t(layers) * experts), layers,
+          experts);
     } else if (counts_type == ELDR_CAPTURE_OUTPUT_INT32) {
       decision = client->impl->RouteInt32(
-          id, prompt_tokens,
-          absl::MakeConstSpan(static_cast<const int32_t*>(counts), size_t(layers) * experts),
-          layers, experts);
+          id, prompt_tokens, absl::MakeConstSpan(static_cast<const int32_t*>(counts), size_t(layers) * experts), layers,
+          experts);
     } else {
       return Fail(ELDR_CAPTURE_INVALID_ARGUMENT,
-                  absl::StrCat(kFunction, ": counts_type must be int16 (0) or int32 (1), got ",
-                               counts_type));
+                  absl::StrCat(kFunction, ": counts_type must be int16 (0) or int32 (1), got ", counts_type));
     }
     if (!decision.ok()) return Report(decision.status());
     *lease_id = decision->lease_id;
@@ -483,27 +468,24 @@ int eldr_capture_client_route(eldr_capture_client* client, const char* request_i
       details->reserved = 0;
       details->centroid_generation = decision->centroid_generation;
       CopyTruncated(decision->policy, details->policy, sizeof(details->policy));
-      CopyTruncated(decision->fallback_reason, details->fallback_reason,
-                    sizeof(details->fallback_reason));
+      CopyTruncated(decision->fallback_reason, details->fallback_reason, sizeof(details->fallback_reason));
     }
     const bool worker_fits = CopyString(decision->worker_id, worker_id, worker_id_capacity);
     const bool address_fits = CopyString(decision->address, address, address_capacity);
     if (!worker_fits || !address_fits) {
       if (!worker_fits) worker_id[0] = '\0';
       if (!address_fits) address[0] = '\0';
-      return Fail(ELDR_CAPTURE_BUFFER_TOO_SMALL,
-                  absl::StrCat(kFunction, ": the route was made (lease ", decision->lease_id,
-                               ") but worker_id needs ", decision->worker_id.size() + 1,
-                               " bytes (have ", worker_id_capacity, ") and address needs ",
-                               decision->address.size() + 1, " bytes (have ", address_capacity,
-                               ")"));
+      return Fail(
+          ELDR_CAPTURE_BUFFER_TOO_SMALL,
+          absl::StrCat(kFunction, ": the route was made (lease ", decision->lease_id, ") but worker_id needs ",
+                       decision->worker_id.size() + 1, " bytes (have ", worker_id_capacity, ") and address needs ",
+                       decision->address.size() + 1, " bytes (have ", address_capacity, ")"));
     }
     return static_cast<int>(ELDR_CAPTURE_OK);
   });
 }
 
-int eldr_capture_client_complete(eldr_capture_client* client, uint64_t lease_id,
-                                 int64_t output_tokens) {
+int eldr_capture_client_complete(eldr_capture_client* client, uint64_t lease_id, int64_t output_tokens) {
   if (client == nullptr) return NullHandle("eldr_capture_client_complete", "client");
   return Guarded("eldr_capture_client_complete", [&] {
     absl::StatusOr<std::string> worker = client->impl->Complete(lease_id, output_tokens);

@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <cstring>
 #include <iterator>
-#include <new>
 #include <memory>
+#include <new>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -48,8 +48,7 @@ class CpuBackend final : public Backend {
     return slots64 ? RecordTyped<int32_t, int64_t>(call) : RecordTyped<int32_t, int32_t>(call);
   }
 
-  absl::Status ResetBatchBlocks(const void* slots, IndexType slot_type, int64_t num_tokens,
-                                void* /*stream*/) override {
+  absl::Status ResetBatchBlocks(const void* slots, IndexType slot_type, int64_t num_tokens, void* /*stream*/) override {
     for (int64_t t = 0; t < num_tokens; ++t) {
       const int64_t slot = LoadIndex(slots, slot_type, t);
       if (slot < 0 || slot >= g_.num_slots || slot % g_.block_size != 0) continue;
@@ -90,8 +89,8 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status FinishBlocks(int slot, const int32_t* block_tables, int64_t stride,
-                            absl::Span<const int32_t> num_blocks_per_request,
-                            OutputType output_type, void* /*stream*/) override {
+                            absl::Span<const int32_t> num_blocks_per_request, OutputType output_type,
+                            void* /*stream*/) override {
     if (absl::Status s = CheckHostTables(num_blocks_per_request); !s.ok()) return s;
     std::vector<uint64_t> sums(static_cast<size_t>(g_.cells));
     const int num_requests = static_cast<int>(num_blocks_per_request.size());
@@ -111,8 +110,8 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status FinishDirect(int slot, absl::Span<const int32_t> request_slots,
-                            OutputType output_type, void* /*stream*/) override {
+  absl::Status FinishDirect(int slot, absl::Span<const int32_t> request_slots, OutputType output_type,
+                            void* /*stream*/) override {
     std::vector<uint64_t> values(static_cast<size_t>(g_.cells));
     for (size_t r = 0; r < request_slots.size(); ++r) {
       uint32_t* row = &direct_[request_slots[r] * g_.cells];
@@ -143,8 +142,7 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status ReadBlockCounts(int64_t first_block, int64_t num_blocks, int32_t* out,
-                               void* /*stream*/) override {
+  absl::Status ReadBlockCounts(int64_t first_block, int64_t num_blocks, int32_t* out, void* /*stream*/) override {
     for (int64_t b = 0; b < num_blocks; ++b) {
       const uint8_t* counters = &counts_[(first_block + b) * g_.block_stride_bytes];
       for (int64_t c = 0; c < g_.cells; ++c) {
@@ -154,18 +152,15 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status ReadDirectCounts(int first_slot, int num_slots, int32_t* out,
-                                void* /*stream*/) override {
+  absl::Status ReadDirectCounts(int first_slot, int num_slots, int32_t* out, void* /*stream*/) override {
     const uint32_t* begin = &direct_[first_slot * g_.cells];
-    std::transform(begin, begin + num_slots * g_.cells, out,
-                   [](uint32_t v) { return static_cast<int32_t>(v); });
+    std::transform(begin, begin + num_slots * g_.cells, out, [](uint32_t v) { return static_cast<int32_t>(v); });
     return absl::OkStatus();
   }
 
   uint64_t device_bytes() const override { return 0; }
   uint64_t host_bytes() const override {
-    uint64_t bytes = counts_.size() + bitmap_.size() * sizeof(uint32_t) +
-                     direct_.size() * sizeof(uint32_t);
+    uint64_t bytes = counts_.size() + bitmap_.size() * sizeof(uint32_t) + direct_.size() * sizeof(uint32_t);
     for (const Slot& slot : slots_) bytes += slot.counts.size();
     return bytes;
   }
@@ -181,10 +176,10 @@ class CpuBackend final : public Backend {
   absl::Status CheckHostTables(absl::Span<const int32_t> num_blocks_per_request) const {
     for (size_t r = 0; r < num_blocks_per_request.size(); ++r) {
       if (num_blocks_per_request[r] > g_.max_blocks_per_request) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "finish: request ", r, " has ", num_blocks_per_request[r],
-            " blocks, more than options.max_blocks_per_request = ", g_.max_blocks_per_request,
-            " allows for block tables in host memory"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("finish: request ", r, " has ", num_blocks_per_request[r],
+                         " blocks, more than options.max_blocks_per_request = ", g_.max_blocks_per_request,
+                         " allows for block tables in host memory"));
       }
     }
     return absl::OkStatus();
@@ -222,9 +217,7 @@ class CpuBackend final : public Backend {
     const SlotIndex* slots = Typed<SlotIndex>(call.index);
     const int64_t row_offset = int64_t{call.layer} * g_.experts * g_.counter_bytes;
     const int words = g_.bitmap_words_per_row;
-    auto bitmap_row = [&](int64_t block) {
-      return &bitmap_[(block * g_.layers + call.layer) * words];
-    };
+    auto bitmap_row = [&](int64_t block) { return &bitmap_[(block * g_.layers + call.layer) * words]; };
     // Resets first, so that every add of the batch lands after them whatever the token order.
     if (call.reset) {
       for (int64_t t = 0; t < call.num_tokens; ++t) {
@@ -295,8 +288,7 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void WriteOutput(int slot, int request, const std::vector<uint64_t>& values,
-                   OutputType output_type) {
+  void WriteOutput(int slot, int request, const std::vector<uint64_t>& values, OutputType output_type) {
     uint8_t* base = slots_[slot].counts.data();
     if (output_type == OutputType::kInt16) {
       int16_t* out = reinterpret_cast<int16_t*>(base) + request * g_.cells;
@@ -327,8 +319,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const Geometry& geometry
   try {
     return std::unique_ptr<Backend>(new CpuBackend(geometry));
   } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        "capture: cannot allocate the CPU context's counters (host memory)");
+    return absl::ResourceExhaustedError("capture: cannot allocate the CPU context's counters (host memory)");
   }
 }
 

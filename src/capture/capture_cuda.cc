@@ -22,9 +22,8 @@ namespace internal {
 namespace {
 
 absl::Status FromCuda(cudaError_t error, absl::string_view what) {
-  const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
-                                           static_cast<int>(error), "): ",
-                                           cudaGetErrorString(error));
+  const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(error), " (", static_cast<int>(error),
+                                           "): ", cudaGetErrorString(error));
   switch (error) {
     case cudaErrorMemoryAllocation:
       return absl::ResourceExhaustedError(message);
@@ -40,12 +39,12 @@ absl::Status FromCuda(cudaError_t error, absl::string_view what) {
   }
 }
 
-#define ELDR_CUDA_RETURN_IF_ERROR(expr, what)                   \
-  do {                                                          \
-    const cudaError_t eldr_cuda_error_ = (expr);                \
-    if (eldr_cuda_error_ != cudaSuccess) {                      \
-      return FromCuda(eldr_cuda_error_, what);                  \
-    }                                                           \
+#define ELDR_CUDA_RETURN_IF_ERROR(expr, what)    \
+  do {                                           \
+    const cudaError_t eldr_cuda_error_ = (expr); \
+    if (eldr_cuda_error_ != cudaSuccess) {       \
+      return FromCuda(eldr_cuda_error_, what);   \
+    }                                            \
   } while (false)
 
 cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); }
@@ -84,8 +83,7 @@ absl::StatusOr<DeviceMemory> AllocateDevice(size_t bytes, absl::string_view what
   ELDR_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(bytes, 16)),
                             absl::StrCat("cudaMalloc of ", bytes, " bytes for ", what));
   DeviceMemory memory(p);
-  ELDR_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0, std::max<size_t>(bytes, 16)),
-                            absl::StrCat("cudaMemset of ", what));
+  ELDR_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0, std::max<size_t>(bytes, 16)), absl::StrCat("cudaMemset of ", what));
   return memory;
 }
 
@@ -106,19 +104,17 @@ class CudaBackend final : public Backend {
     int count = 0;
     ELDR_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
     if (device < 0 || device >= count) {
-      return absl::InvalidArgumentError(absl::StrCat("capture options: cuda_device ", device,
-                                                     " is outside [0, ", count, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("capture options: cuda_device ", device, " is outside [0, ", count, ")"));
     }
     DeviceGuard guard(device);
     ELDR_CUDA_RETURN_IF_ERROR(guard.status(), "cudaSetDevice");
     int major = 0;
-    ELDR_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-        "cudaDeviceGetAttribute");
+    ELDR_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                              "cudaDeviceGetAttribute");
     if (major < 8) {
-      return absl::UnavailableError(absl::StrCat(
-          "capture: GPU ", device, " has compute capability ", major,
-          ".x; the kernels need 8.0 or newer (built for sm_80 and sm_90)"));
+      return absl::UnavailableError(absl::StrCat("capture: GPU ", device, " has compute capability ", major,
+                                                 ".x; the kernels need 8.0 or newer (built for sm_80 and sm_90)"));
     }
     std::unique_ptr<CudaBackend> backend(new CudaBackend(g, device));
     if (absl::Status status = backend->Allocate(); !status.ok()) return status;
@@ -152,33 +148,28 @@ class CudaBackend final : public Backend {
     const bool slots64 = call.index_type == IndexType::kInt64;
     const int n = static_cast<int>(call.num_tokens);
     if (call.reset) {
-      ELDR_CUDA_RETURN_IF_ERROR(
-          static_cast<cudaError_t>(kernels::LaunchResetLayerRows(
-              layout_, call.layer, call.index, slots64, n, stats_, call.stream)),
-          "record: reset kernel launch");
+      ELDR_CUDA_RETURN_IF_ERROR(static_cast<cudaError_t>(kernels::LaunchResetLayerRows(
+                                    layout_, call.layer, call.index, slots64, n, stats_, call.stream)),
+                                "record: reset kernel launch");
     }
-    ELDR_CUDA_RETURN_IF_ERROR(
-        static_cast<cudaError_t>(kernels::LaunchRecordBlocks(
-            layout_, call.layer, call.topk_ids, call.id_type == IndexType::kInt64, call.top_k,
-            call.index, slots64, n, stats_, call.stream)),
-        "record: kernel launch");
+    ELDR_CUDA_RETURN_IF_ERROR(static_cast<cudaError_t>(kernels::LaunchRecordBlocks(
+                                  layout_, call.layer, call.topk_ids, call.id_type == IndexType::kInt64, call.top_k,
+                                  call.index, slots64, n, stats_, call.stream)),
+                              "record: kernel launch");
     return absl::OkStatus();
   }
 
-  absl::Status ResetBatchBlocks(const void* slots, IndexType slot_type, int64_t num_tokens,
-                                void* stream) override {
+  absl::Status ResetBatchBlocks(const void* slots, IndexType slot_type, int64_t num_tokens, void* stream) override {
     DeviceGuard guard(device_);
     ELDR_CUDA_RETURN_IF_ERROR(guard.status(), "reset_batch_blocks: cudaSetDevice");
     if (g_.validate_pointers) {
-      if (absl::Status s = RequireDeviceAccess(slots, "reset_batch_blocks: slot_mapping");
-          !s.ok()) {
+      if (absl::Status s = RequireDeviceAccess(slots, "reset_batch_blocks: slot_mapping"); !s.ok()) {
         return s;
       }
     }
     ELDR_CUDA_RETURN_IF_ERROR(
-        static_cast<cudaError_t>(kernels::LaunchResetBlocks(
-            layout_, slots, slot_type == IndexType::kInt64, static_cast<int>(num_tokens), stats_,
-            stream)),
+        static_cast<cudaError_t>(kernels::LaunchResetBlocks(layout_, slots, slot_type == IndexType::kInt64,
+                                                            static_cast<int>(num_tokens), stats_, stream)),
         "reset_batch_blocks: kernel launch");
     return absl::OkStatus();
   }
@@ -190,37 +181,33 @@ class CudaBackend final : public Backend {
       if (absl::Status s = RequireDeviceAccess(call.topk_ids, "record_direct: topk_ids"); !s.ok()) {
         return s;
       }
-      if (absl::Status s = RequireDeviceAccess(call.index, "record_direct: token_request");
-          !s.ok()) {
+      if (absl::Status s = RequireDeviceAccess(call.index, "record_direct: token_request"); !s.ok()) {
         return s;
       }
     }
     ELDR_CUDA_RETURN_IF_ERROR(
         static_cast<cudaError_t>(kernels::LaunchRecordDirect(
-            static_cast<uint32_t*>(direct_.get()), g_.layers, g_.experts, g_.max_direct_requests,
-            call.layer, call.topk_ids, call.id_type == IndexType::kInt64, call.top_k, call.index,
-            call.index_type == IndexType::kInt64, static_cast<int>(call.num_tokens), stats_,
-            call.stream)),
+            static_cast<uint32_t*>(direct_.get()), g_.layers, g_.experts, g_.max_direct_requests, call.layer,
+            call.topk_ids, call.id_type == IndexType::kInt64, call.top_k, call.index,
+            call.index_type == IndexType::kInt64, static_cast<int>(call.num_tokens), stats_, call.stream)),
         "record_direct: kernel launch");
     return absl::OkStatus();
   }
 
   absl::Status FinishBlocks(int slot_index, const int32_t* block_tables, int64_t stride,
-                            absl::Span<const int32_t> num_blocks_per_request,
-                            OutputType output_type, void* stream) override {
+                            absl::Span<const int32_t> num_blocks_per_request, OutputType output_type,
+                            void* stream) override {
     DeviceGuard guard(device_);
     ELDR_CUDA_RETURN_IF_ERROR(guard.status(), "finish: cudaSetDevice");
     Slot& slot = slots_[slot_index];
     const int num_requests = static_cast<int>(num_blocks_per_request.size());
-    const int max_blocks =
-        *std::max_element(num_blocks_per_request.begin(), num_blocks_per_request.end());
+    const int max_blocks = *std::max_element(num_blocks_per_request.begin(), num_blocks_per_request.end());
     const cudaStream_t s = AsStream(stream);
 
     std::copy(num_blocks_per_request.begin(), num_blocks_per_request.end(), slot.pinned_index());
-    ELDR_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(slot.device_index(), slot.pinned_index(), num_requests * sizeof(int32_t),
-                        cudaMemcpyHostToDevice, s),
-        "finish: copy of block counts");
+    ELDR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.device_index(), slot.pinned_index(), num_requests * sizeof(int32_t),
+                                              cudaMemcpyHostToDevice, s),
+                              "finish: copy of block counts");
 
     const int32_t* tables = block_tables;
     int64_t table_stride = stride;
@@ -230,12 +217,11 @@ class CudaBackend final : public Backend {
       if (*access == Access::kHost) {
         // Pageable (or pinned) host tables: stage the used entries, rows max_blocks apart.
         if (max_blocks > g_.max_blocks_per_request) {
-          const auto it = std::max_element(num_blocks_per_request.begin(),
-                                           num_blocks_per_request.end());
-          return absl::InvalidArgumentError(absl::StrCat(
-              "finish: request ", it - num_blocks_per_request.begin(), " has ", max_blocks,
-              " blocks, more than options.max_blocks_per_request = ", g_.max_blocks_per_request,
-              " allows for block tables in host memory"));
+          const auto it = std::max_element(num_blocks_per_request.begin(), num_blocks_per_request.end());
+          return absl::InvalidArgumentError(
+              absl::StrCat("finish: request ", it - num_blocks_per_request.begin(), " has ", max_blocks,
+                           " blocks, more than options.max_blocks_per_request = ", g_.max_blocks_per_request,
+                           " allows for block tables in host memory"));
         }
         int32_t* staged = slot.pinned_tables();
         for (int r = 0; r < num_requests; ++r) {
@@ -243,40 +229,36 @@ class CudaBackend final : public Backend {
                       num_blocks_per_request[r] * sizeof(int32_t));
         }
         ELDR_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(slot.device_tables(), staged,
-                            int64_t{num_requests} * max_blocks * sizeof(int32_t),
+            cudaMemcpyAsync(slot.device_tables(), staged, int64_t{num_requests} * max_blocks * sizeof(int32_t),
                             cudaMemcpyHostToDevice, s),
             "finish: copy of host block tables");
         tables = slot.device_tables();
         table_stride = max_blocks;
       }
     }
-    ELDR_CUDA_RETURN_IF_ERROR(
-        static_cast<cudaError_t>(kernels::LaunchSumBlocks(
-            layout_, tables, table_stride, slot.device_index(), num_requests, max_blocks,
-            output_type == OutputType::kInt16, slot.device_out.get(),
-            static_cast<unsigned long long*>(slot.staging.get()), sm_count_, stats_, stream)),
-        "finish: kernel launch");
+    ELDR_CUDA_RETURN_IF_ERROR(static_cast<cudaError_t>(kernels::LaunchSumBlocks(
+                                  layout_, tables, table_stride, slot.device_index(), num_requests, max_blocks,
+                                  output_type == OutputType::kInt16, slot.device_out.get(),
+                                  static_cast<unsigned long long*>(slot.staging.get()), sm_count_, stats_, stream)),
+                              "finish: kernel launch");
     return CopyOut(slot, num_requests, output_type, s);
   }
 
-  absl::Status FinishDirect(int slot_index, absl::Span<const int32_t> request_slots,
-                            OutputType output_type, void* stream) override {
+  absl::Status FinishDirect(int slot_index, absl::Span<const int32_t> request_slots, OutputType output_type,
+                            void* stream) override {
     DeviceGuard guard(device_);
     ELDR_CUDA_RETURN_IF_ERROR(guard.status(), "finish_direct: cudaSetDevice");
     Slot& slot = slots_[slot_index];
     const int num_requests = static_cast<int>(request_slots.size());
     const cudaStream_t s = AsStream(stream);
     std::copy(request_slots.begin(), request_slots.end(), slot.pinned_index());
-    ELDR_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(slot.device_index(), slot.pinned_index(), num_requests * sizeof(int32_t),
-                        cudaMemcpyHostToDevice, s),
-        "finish_direct: copy of request slots");
-    ELDR_CUDA_RETURN_IF_ERROR(
-        static_cast<cudaError_t>(kernels::LaunchFinishDirect(
-            static_cast<uint32_t*>(direct_.get()), g_.cells, slot.device_index(), num_requests,
-            output_type == OutputType::kInt16, slot.device_out.get(), stats_, stream)),
-        "finish_direct: kernel launch");
+    ELDR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.device_index(), slot.pinned_index(), num_requests * sizeof(int32_t),
+                                              cudaMemcpyHostToDevice, s),
+                              "finish_direct: copy of request slots");
+    ELDR_CUDA_RETURN_IF_ERROR(static_cast<cudaError_t>(kernels::LaunchFinishDirect(
+                                  static_cast<uint32_t*>(direct_.get()), g_.cells, slot.device_index(), num_requests,
+                                  output_type == OutputType::kInt16, slot.device_out.get(), stats_, stream)),
+                              "finish_direct: kernel launch");
     return CopyOut(slot, num_requests, output_type, s);
   }
 
@@ -288,8 +270,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status WaitSlot(int slot) override {
-    ELDR_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slots_[slot].event),
-                              "result: cudaEventSynchronize");
+    ELDR_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slots_[slot].event), "result: cudaEventSynchronize");
     return absl::OkStatus();
   }
 
@@ -308,13 +289,11 @@ class CudaBackend final : public Backend {
     if (g_.block_mode()) {
       ELDR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(counts_.get(), 0, g_.block_counts_bytes(), s),
                                 "clear: cudaMemsetAsync");
-      ELDR_CUDA_RETURN_IF_ERROR(
-          cudaMemsetAsync(bitmap_.get(), 0, g_.bitmap_words() * sizeof(uint32_t), s),
-          "clear: cudaMemsetAsync");
+      ELDR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(bitmap_.get(), 0, g_.bitmap_words() * sizeof(uint32_t), s),
+                                "clear: cudaMemsetAsync");
     }
     if (g_.max_direct_requests > 0) {
-      ELDR_CUDA_RETURN_IF_ERROR(
-          cudaMemsetAsync(direct_.get(), 0, DirectBytes(), s), "clear: cudaMemsetAsync");
+      ELDR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(direct_.get(), 0, DirectBytes(), s), "clear: cudaMemsetAsync");
     }
     return absl::OkStatus();
   }
@@ -323,8 +302,7 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(device_);
     ELDR_CUDA_RETURN_IF_ERROR(guard.status(), "stats: cudaSetDevice");
     const cudaStream_t s = AsStream(stream);
-    ELDR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stats_host_.get(), stats_, kStatsBytes,
-                                              cudaMemcpyDeviceToHost, s),
+    ELDR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stats_host_.get(), stats_, kStatsBytes, cudaMemcpyDeviceToHost, s),
                               "stats: cudaMemcpyAsync");
     ELDR_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s), "stats: cudaStreamSynchronize");
     uint64_t values[kNumStats];
@@ -340,16 +318,13 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status ReadBlockCounts(int64_t first_block, int64_t num_blocks, int32_t* out,
-                               void* stream) override {
+  absl::Status ReadBlockCounts(int64_t first_block, int64_t num_blocks, int32_t* out, void* stream) override {
     DeviceGuard guard(device_);
     ELDR_CUDA_RETURN_IF_ERROR(guard.status(), "read_block_counts: cudaSetDevice");
     const cudaStream_t s = AsStream(stream);
     std::vector<uint8_t> raw(static_cast<size_t>(num_blocks * g_.block_stride_bytes));
     ELDR_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(raw.data(),
-                        static_cast<const uint8_t*>(counts_.get()) +
-                            first_block * g_.block_stride_bytes,
+        cudaMemcpyAsync(raw.data(), static_cast<const uint8_t*>(counts_.get()) + first_block * g_.block_stride_bytes,
                         raw.size(), cudaMemcpyDeviceToHost, s),
         "read_block_counts: cudaMemcpyAsync");
     ELDR_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s), "read_block_counts: cudaStreamSynchronize");
@@ -362,15 +337,13 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status ReadDirectCounts(int first_slot, int num_slots, int32_t* out,
-                                void* stream) override {
+  absl::Status ReadDirectCounts(int first_slot, int num_slots, int32_t* out, void* stream) override {
     DeviceGuard guard(device_);
     ELDR_CUDA_RETURN_IF_ERROR(guard.status(), "read_direct_counts: cudaSetDevice");
     const cudaStream_t s = AsStream(stream);
     ELDR_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(out, static_cast<const uint32_t*>(direct_.get()) + first_slot * g_.cells,
-                        int64_t{num_slots} * g_.cells * sizeof(uint32_t), cudaMemcpyDeviceToHost,
-                        s),
+                        int64_t{num_slots} * g_.cells * sizeof(uint32_t), cudaMemcpyDeviceToHost, s),
         "read_direct_counts: cudaMemcpyAsync");
     ELDR_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s), "read_direct_counts: cudaStreamSynchronize");
     return absl::OkStatus();
@@ -402,23 +375,18 @@ class CudaBackend final : public Backend {
 
   CudaBackend(const Geometry& g, int device) : g_(g), device_(device) {}
 
-  size_t DirectBytes() const {
-    return static_cast<size_t>(g_.max_direct_requests) * g_.cells * sizeof(uint32_t);
-  }
+  size_t DirectBytes() const { return static_cast<size_t>(g_.max_direct_requests) * g_.cells * sizeof(uint32_t); }
 
   absl::Status Allocate() {
-    ELDR_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_),
-        "cudaDeviceGetAttribute");
-    auto track = [this](absl::StatusOr<DeviceMemory> memory, size_t bytes,
-                        DeviceMemory& into) -> absl::Status {
+    ELDR_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_),
+                              "cudaDeviceGetAttribute");
+    auto track = [this](absl::StatusOr<DeviceMemory> memory, size_t bytes, DeviceMemory& into) -> absl::Status {
       if (!memory.ok()) return memory.status();
       into = *std::move(memory);
       device_bytes_ += bytes;
       return absl::OkStatus();
     };
-    auto track_pinned = [this](absl::StatusOr<PinnedMemory> memory, size_t bytes,
-                               PinnedMemory& into) -> absl::Status {
+    auto track_pinned = [this](absl::StatusOr<PinnedMemory> memory, size_t bytes, PinnedMemory& into) -> absl::Status {
       if (!memory.ok()) return memory.status();
       into = *std::move(memory);
       host_bytes_ += bytes;
@@ -426,66 +394,53 @@ class CudaBackend final : public Backend {
     };
     if (g_.block_mode()) {
       const size_t count_bytes = static_cast<size_t>(g_.block_counts_bytes());
-      if (auto s = track(AllocateDevice(count_bytes, "per-block counts"), count_bytes, counts_);
-          !s.ok()) {
+      if (auto s = track(AllocateDevice(count_bytes, "per-block counts"), count_bytes, counts_); !s.ok()) {
         return s;
       }
       const size_t bitmap_bytes = static_cast<size_t>(g_.bitmap_words()) * sizeof(uint32_t);
-      if (auto s = track(AllocateDevice(bitmap_bytes, "slot bitmap"), bitmap_bytes, bitmap_);
-          !s.ok()) {
+      if (auto s = track(AllocateDevice(bitmap_bytes, "slot bitmap"), bitmap_bytes, bitmap_); !s.ok()) {
         return s;
       }
     }
     if (g_.max_direct_requests > 0) {
-      if (auto s = track(AllocateDevice(DirectBytes(), "direct-mode counts"), DirectBytes(),
-                         direct_);
-          !s.ok()) {
+      if (auto s = track(AllocateDevice(DirectBytes(), "direct-mode counts"), DirectBytes(), direct_); !s.ok()) {
         return s;
       }
     }
-    if (auto s = track(AllocateDevice(kStatsBytes, "statistics"), kStatsBytes, stats_memory_);
-        !s.ok()) {
+    if (auto s = track(AllocateDevice(kStatsBytes, "statistics"), kStatsBytes, stats_memory_); !s.ok()) {
       return s;
     }
     stats_ = static_cast<unsigned long long*>(stats_memory_.get());
-    if (auto s = track_pinned(AllocatePinned(kStatsBytes, "statistics"), kStatsBytes, stats_host_);
-        !s.ok()) {
+    if (auto s = track_pinned(AllocatePinned(kStatsBytes, "statistics"), kStatsBytes, stats_host_); !s.ok()) {
       return s;
     }
 
     const size_t max_requests = static_cast<size_t>(g_.max_finish_requests);
     const size_t out_bytes = max_requests * g_.cells * sizeof(int32_t);
     const size_t staging_bytes = max_requests * g_.cells * sizeof(uint64_t);
-    const size_t table_entries =
-        g_.block_mode() ? max_requests * static_cast<size_t>(g_.max_blocks_per_request) : 0;
+    const size_t table_entries = g_.block_mode() ? max_requests * static_cast<size_t>(g_.max_blocks_per_request) : 0;
     const size_t scratch_bytes = (max_requests + table_entries) * sizeof(int32_t);
     slots_.resize(g_.result_slots);
     for (Slot& slot : slots_) {
       slot.max_requests = g_.max_finish_requests;
-      if (auto s = track(AllocateDevice(out_bytes, "result counts"), out_bytes, slot.device_out);
-          !s.ok()) {
+      if (auto s = track(AllocateDevice(out_bytes, "result counts"), out_bytes, slot.device_out); !s.ok()) {
         return s;
       }
       if (g_.block_mode()) {
-        if (auto s = track(AllocateDevice(staging_bytes, "finish staging"), staging_bytes,
-                           slot.staging);
-            !s.ok()) {
+        if (auto s = track(AllocateDevice(staging_bytes, "finish staging"), staging_bytes, slot.staging); !s.ok()) {
           return s;
         }
       }
-      if (auto s = track(AllocateDevice(scratch_bytes, "finish scratch"), scratch_bytes,
-                         slot.device_scratch);
+      if (auto s = track(AllocateDevice(scratch_bytes, "finish scratch"), scratch_bytes, slot.device_scratch);
           !s.ok()) {
         return s;
       }
-      if (auto s = track_pinned(AllocatePinned(out_bytes, "result counts"), out_bytes,
-                                slot.pinned_out);
-          !s.ok()) {
+      if (auto s = track_pinned(AllocatePinned(out_bytes, "result counts"), out_bytes, slot.pinned_out); !s.ok()) {
         return s;
       }
       const size_t pinned_scratch_bytes = kStatsBytes + scratch_bytes;
-      if (auto s = track_pinned(AllocatePinned(pinned_scratch_bytes, "finish scratch"),
-                                pinned_scratch_bytes, slot.pinned_scratch);
+      if (auto s = track_pinned(AllocatePinned(pinned_scratch_bytes, "finish scratch"), pinned_scratch_bytes,
+                                slot.pinned_scratch);
           !s.ok()) {
         return s;
       }
@@ -517,9 +472,8 @@ class CudaBackend final : public Backend {
     switch (attributes.type) {
       case cudaMemoryTypeDevice:
         if (attributes.device != device_) {
-          return absl::InvalidArgumentError(absl::StrCat(what, " is memory of GPU ",
-                                                         attributes.device,
-                                                         ", the context is on GPU ", device_));
+          return absl::InvalidArgumentError(
+              absl::StrCat(what, " is memory of GPU ", attributes.device, ", the context is on GPU ", device_));
         }
         return Access::kDevice;
       case cudaMemoryTypeManaged:
@@ -535,13 +489,14 @@ class CudaBackend final : public Backend {
     const cudaError_t status = cudaPointerGetAttributes(&attributes, p);
     if (status != cudaSuccess) cudaGetLastError();
     if (status != cudaSuccess || attributes.type == cudaMemoryTypeUnregistered) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, " is pageable host memory; the CUDA context needs device memory (or pinned host "
-                "memory)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what,
+                       " is pageable host memory; the CUDA context needs device memory (or pinned host "
+                       "memory)"));
     }
     if (attributes.type == cudaMemoryTypeDevice && attributes.device != device_) {
-      return absl::InvalidArgumentError(absl::StrCat(what, " is memory of GPU ", attributes.device,
-                                                     ", the context is on GPU ", device_));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " is memory of GPU ", attributes.device, ", the context is on GPU ", device_));
     }
     return absl::OkStatus();
   }
@@ -550,11 +505,9 @@ class CudaBackend final : public Backend {
     const size_t element = output_type == OutputType::kInt16 ? sizeof(int16_t) : sizeof(int32_t);
     ELDR_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(slot.pinned_out.get(), slot.device_out.get(),
-                        static_cast<size_t>(num_requests) * g_.cells * element,
-                        cudaMemcpyDeviceToHost, s),
+                        static_cast<size_t>(num_requests) * g_.cells * element, cudaMemcpyDeviceToHost, s),
         "finish: copy of counts");
-    ELDR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.pinned_stats(), stats_, kStatsBytes,
-                                              cudaMemcpyDeviceToHost, s),
+    ELDR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.pinned_stats(), stats_, kStatsBytes, cudaMemcpyDeviceToHost, s),
                               "finish: copy of statistics");
     ELDR_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.event, s), "finish: cudaEventRecord");
     return absl::OkStatus();
@@ -577,8 +530,7 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const Geometry& geometry,
-                                                         int cuda_device) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const Geometry& geometry, int cuda_device) {
   return CudaBackend::Create(geometry, cuda_device);
 }
 
@@ -589,10 +541,8 @@ absl::Status CudaAvailable() {
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess) {
     cudaGetLastError();
-    return absl::UnavailableError(absl::StrCat("no usable GPU: cudaGetDeviceCount returned ",
-                                               cudaGetErrorName(status), " (",
-                                               static_cast<int>(status), "): ",
-                                               cudaGetErrorString(status)));
+    return absl::UnavailableError(absl::StrCat("no usable GPU: cudaGetDeviceCount returned ", cudaGetErrorName(status),
+                                               " (", static_cast<int>(status), "): ", cudaGetErrorString(status)));
   }
   if (count == 0) return absl::UnavailableError("no usable GPU: no CUDA device found");
   return absl::OkStatus();

@@ -84,8 +84,7 @@ __device__ __forceinline__ long long LoadIndex(const Index* array, long long i) 
 
 template <typename Counter, typename Slot>
 __global__ void __launch_bounds__(kThreads)
-    ResetLayerRowsKernel(BlockLayout layout, int layer, const Slot* slots, int num_tokens,
-                         unsigned long long* stats) {
+    ResetLayerRowsKernel(BlockLayout layout, int layer, const Slot* slots, int num_tokens, unsigned long long* stats) {
   const int t = blockIdx.x * kThreads + threadIdx.x;
   int block = -1;
   if (t < num_tokens) {
@@ -103,12 +102,10 @@ __global__ void __launch_bounds__(kThreads)
     const int source = __ffs(pending) - 1;
     pending &= pending - 1;
     const int b = __shfl_sync(kFullMask, block, source);
-    Counter* row = reinterpret_cast<Counter*>(static_cast<uint8_t*>(layout.counts) +
-                                              b * layout.block_stride_bytes) +
+    Counter* row = reinterpret_cast<Counter*>(static_cast<uint8_t*>(layout.counts) + b * layout.block_stride_bytes) +
                    static_cast<long long>(layer) * layout.experts;
     for (int c = lane; c < layout.experts; c += 32) row[c] = 0;
-    uint32_t* bits = layout.bitmap +
-                     (static_cast<long long>(b) * layout.layers + layer) * layout.bitmap_words_per_row;
+    uint32_t* bits = layout.bitmap + (static_cast<long long>(b) * layout.layers + layer) * layout.bitmap_words_per_row;
     for (int w = lane; w < layout.bitmap_words_per_row; w += 32) bits[w] = 0;
   }
   FlushStats(values, stats);
@@ -116,8 +113,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename Slot>
 __global__ void __launch_bounds__(kThreads)
-    ResetBlocksKernel(BlockLayout layout, const Slot* slots, int num_tokens,
-                      unsigned long long* stats) {
+    ResetBlocksKernel(BlockLayout layout, const Slot* slots, int num_tokens, unsigned long long* stats) {
   const int t = blockIdx.x * kThreads + threadIdx.x;
   int block = -1;
   if (t < num_tokens) {
@@ -131,14 +127,12 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31;
   unsigned pending = __ballot_sync(kFullMask, block >= 0);
   const long long chunks = layout.block_stride_bytes / 16;
-  const long long bitmap_words =
-      static_cast<long long>(layout.layers) * layout.bitmap_words_per_row;
+  const long long bitmap_words = static_cast<long long>(layout.layers) * layout.bitmap_words_per_row;
   while (pending != 0) {
     const int source = __ffs(pending) - 1;
     pending &= pending - 1;
     const int b = __shfl_sync(kFullMask, block, source);
-    uint4* region = reinterpret_cast<uint4*>(static_cast<uint8_t*>(layout.counts) +
-                                             b * layout.block_stride_bytes);
+    uint4* region = reinterpret_cast<uint4*>(static_cast<uint8_t*>(layout.counts) + b * layout.block_stride_bytes);
     for (long long c = lane; c < chunks; c += 32) region[c] = make_uint4(0, 0, 0, 0);
     uint32_t* bits = layout.bitmap + b * bitmap_words;
     for (long long w = lane; w < bitmap_words; w += 32) bits[w] = 0;
@@ -148,8 +142,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename Counter, typename Id, typename Slot>
 __global__ void __launch_bounds__(kThreads)
-    RecordBlocksKernel(BlockLayout layout, int layer, const Id* ids, int top_k, const Slot* slots,
-                       int num_tokens, unsigned long long* stats) {
+    RecordBlocksKernel(BlockLayout layout, int layer, const Id* ids, int top_k, const Slot* slots, int num_tokens,
+                       unsigned long long* stats) {
   const int t = blockIdx.x * kThreads + threadIdx.x;
   unsigned values[kNumStats] = {};
   if (t < num_tokens) {
@@ -163,8 +157,7 @@ __global__ void __launch_bounds__(kThreads)
       const int b = s / layout.block_size;
       const int offset = s - b * layout.block_size;
       uint32_t* word = layout.bitmap +
-                       (static_cast<long long>(b) * layout.layers + layer) *
-                           layout.bitmap_words_per_row +
+                       (static_cast<long long>(b) * layout.layers + layer) * layout.bitmap_words_per_row +
                        (offset >> 5);
       const uint32_t bit = 1u << (offset & 31);
       // The first ids are loaded before the atomicOr so that their latency overlaps its round trip.
@@ -201,9 +194,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename Id, typename Request>
 __global__ void __launch_bounds__(kThreads)
-    RecordDirectKernel(uint32_t* acc, int layers, int experts, int max_requests, int layer,
-                       const Id* ids, int top_k, const Request* requests, int num_tokens,
-                       unsigned long long* stats) {
+    RecordDirectKernel(uint32_t* acc, int layers, int experts, int max_requests, int layer, const Id* ids, int top_k,
+                       const Request* requests, int num_tokens, unsigned long long* stats) {
   const int t = blockIdx.x * kThreads + threadIdx.x;
   unsigned values[kNumStats] = {};
   if (t < num_tokens) {
@@ -248,10 +240,10 @@ __device__ __forceinline__ Out Saturate(unsigned long long value, unsigned& clip
 
 template <typename Counter, typename Out>
 __global__ void __launch_bounds__(kThreads)
-    SumBlocksKernel(const uint8_t* counts, long long block_stride_bytes, long long cells,
-                    int chunks, long long num_blocks, const int32_t* tables, long long table_stride,
-                    const int32_t* num_blocks_per_request, int blocks_per_split, Out* out,
-                    unsigned long long* staging, unsigned long long* stats) {
+    SumBlocksKernel(const uint8_t* counts, long long block_stride_bytes, long long cells, int chunks,
+                    long long num_blocks, const int32_t* tables, long long table_stride,
+                    const int32_t* num_blocks_per_request, int blocks_per_split, Out* out, unsigned long long* staging,
+                    unsigned long long* stats) {
   constexpr int kCellsPerChunk = 16 / sizeof(Counter);
   using Acc = std::conditional_t<sizeof(Counter) == 4, unsigned long long, unsigned>;
   const int chunk = blockIdx.x * kThreads + threadIdx.x;
@@ -274,8 +266,8 @@ __global__ void __launch_bounds__(kThreads)
       continue;
     }
     if (has_chunk) {
-      const uint4 packed = *reinterpret_cast<const uint4*>(
-          counts + static_cast<long long>(block) * block_stride_bytes + chunk * 16ll);
+      const uint4 packed =
+          *reinterpret_cast<const uint4*>(counts + static_cast<long long>(block) * block_stride_bytes + chunk * 16ll);
       const Counter* c = reinterpret_cast<const Counter*>(&packed);
 #pragma unroll
       for (int i = 0; i < kCellsPerChunk; ++i) acc[i] += c[i];
@@ -300,8 +292,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename Out>
 __global__ void __launch_bounds__(kThreads)
-    ConvertStagingKernel(const unsigned long long* staging, long long total, Out* out,
-                         unsigned long long* stats) {
+    ConvertStagingKernel(const unsigned long long* staging, long long total, Out* out, unsigned long long* stats) {
   unsigned values[kNumStats] = {};
   for (long long i = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; i < total;
        i += static_cast<long long>(gridDim.x) * kThreads) {
@@ -311,9 +302,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename Out>
-__global__ void __launch_bounds__(kThreads)
-    FinishDirectKernel(uint32_t* acc, long long cells, const int32_t* slots, int num_requests,
-                       Out* out, unsigned long long* stats) {
+__global__ void __launch_bounds__(kThreads) FinishDirectKernel(uint32_t* acc, long long cells, const int32_t* slots,
+                                                               int num_requests, Out* out, unsigned long long* stats) {
   unsigned values[kNumStats] = {};
   const long long total = cells * num_requests;
   for (long long i = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; i < total;
@@ -340,9 +330,8 @@ cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); 
 int LastLaunchError() { return static_cast<int>(cudaGetLastError()); }
 
 template <typename Counter>
-int LaunchResetLayerRowsTyped(const BlockLayout& layout, int layer, const void* slots,
-                              bool slots_int64, int num_tokens, unsigned long long* stats,
-                              cudaStream_t stream) {
+int LaunchResetLayerRowsTyped(const BlockLayout& layout, int layer, const void* slots, bool slots_int64, int num_tokens,
+                              unsigned long long* stats, cudaStream_t stream) {
   if (slots_int64) {
     ResetLayerRowsKernel<Counter, int64_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
         layout, layer, static_cast<const int64_t*>(slots), num_tokens, stats);
@@ -354,37 +343,32 @@ int LaunchResetLayerRowsTyped(const BlockLayout& layout, int layer, const void* 
 }
 
 template <typename Counter, typename Id>
-int LaunchRecordBlocksTyped(const BlockLayout& layout, int layer, const void* ids, int top_k,
-                            const void* slots, bool slots_int64, int num_tokens,
-                            unsigned long long* stats, cudaStream_t stream) {
+int LaunchRecordBlocksTyped(const BlockLayout& layout, int layer, const void* ids, int top_k, const void* slots,
+                            bool slots_int64, int num_tokens, unsigned long long* stats, cudaStream_t stream) {
   if (slots_int64) {
     RecordBlocksKernel<Counter, Id, int64_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
-        layout, layer, static_cast<const Id*>(ids), top_k, static_cast<const int64_t*>(slots),
-        num_tokens, stats);
+        layout, layer, static_cast<const Id*>(ids), top_k, static_cast<const int64_t*>(slots), num_tokens, stats);
   } else {
     RecordBlocksKernel<Counter, Id, int32_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
-        layout, layer, static_cast<const Id*>(ids), top_k, static_cast<const int32_t*>(slots),
-        num_tokens, stats);
+        layout, layer, static_cast<const Id*>(ids), top_k, static_cast<const int32_t*>(slots), num_tokens, stats);
   }
   return LastLaunchError();
 }
 
 template <typename Counter>
-int LaunchRecordBlocksCounter(const BlockLayout& layout, int layer, const void* ids,
-                              bool ids_int64, int top_k, const void* slots, bool slots_int64,
-                              int num_tokens, unsigned long long* stats, cudaStream_t stream) {
-  return ids_int64 ? LaunchRecordBlocksTyped<Counter, int64_t>(layout, layer, ids, top_k, slots,
-                                                               slots_int64, num_tokens, stats,
-                                                               stream)
-                   : LaunchRecordBlocksTyped<Counter, int32_t>(layout, layer, ids, top_k, slots,
-                                                               slots_int64, num_tokens, stats,
-                                                               stream);
+int LaunchRecordBlocksCounter(const BlockLayout& layout, int layer, const void* ids, bool ids_int64, int top_k,
+                              const void* slots, bool slots_int64, int num_tokens, unsigned long long* stats,
+                              cudaStream_t stream) {
+  return ids_int64 ? LaunchRecordBlocksTyped<Counter, int64_t>(layout, layer, ids, top_k, slots, slots_int64,
+                                                               num_tokens, stats, stream)
+                   : LaunchRecordBlocksTyped<Counter, int32_t>(layout, layer, ids, top_k, slots, slots_int64,
+                                                               num_tokens, stats, stream);
 }
 
 template <typename Id>
-int LaunchRecordDirectTyped(uint32_t* acc, int layers, int experts, int max_requests, int layer,
-                            const void* ids, int top_k, const void* requests, bool requests_int64,
-                            int num_tokens, unsigned long long* stats, cudaStream_t stream) {
+int LaunchRecordDirectTyped(uint32_t* acc, int layers, int experts, int max_requests, int layer, const void* ids,
+                            int top_k, const void* requests, bool requests_int64, int num_tokens,
+                            unsigned long long* stats, cudaStream_t stream) {
   if (requests_int64) {
     RecordDirectKernel<Id, int64_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
         acc, layers, experts, max_requests, layer, static_cast<const Id*>(ids), top_k,
@@ -398,9 +382,8 @@ int LaunchRecordDirectTyped(uint32_t* acc, int layers, int experts, int max_requ
 }
 
 template <typename Counter, typename Out>
-int LaunchSumBlocksTyped(const BlockLayout& layout, const int32_t* tables, int64_t stride,
-                         const int32_t* num_blocks, int num_requests, int max_num_blocks,
-                         Out* out, unsigned long long* staging, int sm_count,
+int LaunchSumBlocksTyped(const BlockLayout& layout, const int32_t* tables, int64_t stride, const int32_t* num_blocks,
+                         int num_requests, int max_num_blocks, Out* out, unsigned long long* staging, int sm_count,
                          unsigned long long* stats, cudaStream_t stream) {
   const long long cells = static_cast<long long>(layout.layers) * layout.experts;
   const int chunks = static_cast<int>((cells * layout.counter_bytes + 15) / 16);
@@ -418,65 +401,58 @@ int LaunchSumBlocksTyped(const BlockLayout& layout, const int32_t* tables, int64
     if (splits < least) splits = least;
     if (splits < 1) splits = 1;
   }
-  const int blocks_per_split =
-      max_num_blocks > 0 ? static_cast<int>((max_num_blocks + splits - 1) / splits) : 1;
+  const int blocks_per_split = max_num_blocks > 0 ? static_cast<int>((max_num_blocks + splits - 1) / splits) : 1;
   if (max_num_blocks > 0) splits = (max_num_blocks + blocks_per_split - 1) / blocks_per_split;
   const dim3 grid(grid_x, num_requests, static_cast<unsigned>(splits));
   const auto* counts = static_cast<const uint8_t*>(layout.counts);
   if (splits == 1) {
-    SumBlocksKernel<Counter, Out><<<grid, kThreads, 0, stream>>>(
-        counts, layout.block_stride_bytes, cells, chunks, layout.num_blocks, tables, stride,
-        num_blocks, blocks_per_split, out, nullptr, stats);
+    SumBlocksKernel<Counter, Out><<<grid, kThreads, 0, stream>>>(counts, layout.block_stride_bytes, cells, chunks,
+                                                                 layout.num_blocks, tables, stride, num_blocks,
+                                                                 blocks_per_split, out, nullptr, stats);
     return LastLaunchError();
   }
   const long long total = cells * num_requests;
   cudaError_t status = cudaMemsetAsync(staging, 0, total * sizeof(unsigned long long), stream);
   if (status != cudaSuccess) return static_cast<int>(status);
-  SumBlocksKernel<Counter, Out><<<grid, kThreads, 0, stream>>>(
-      counts, layout.block_stride_bytes, cells, chunks, layout.num_blocks, tables, stride,
-      num_blocks, blocks_per_split, out, staging, stats);
+  SumBlocksKernel<Counter, Out><<<grid, kThreads, 0, stream>>>(counts, layout.block_stride_bytes, cells, chunks,
+                                                               layout.num_blocks, tables, stride, num_blocks,
+                                                               blocks_per_split, out, staging, stats);
   status = cudaGetLastError();
   if (status != cudaSuccess) return static_cast<int>(status);
-  ConvertStagingKernel<Out><<<GridStrideBlocks(total), kThreads, 0, stream>>>(staging, total, out,
-                                                                             stats);
+  ConvertStagingKernel<Out><<<GridStrideBlocks(total), kThreads, 0, stream>>>(staging, total, out, stats);
   return LastLaunchError();
 }
 
 template <typename Counter>
-int LaunchSumBlocksCounter(const BlockLayout& layout, const int32_t* tables, int64_t stride,
-                           const int32_t* num_blocks, int num_requests, int max_num_blocks,
-                           bool out_int16, void* out, unsigned long long* staging, int sm_count,
-                           unsigned long long* stats, cudaStream_t stream) {
+int LaunchSumBlocksCounter(const BlockLayout& layout, const int32_t* tables, int64_t stride, const int32_t* num_blocks,
+                           int num_requests, int max_num_blocks, bool out_int16, void* out, unsigned long long* staging,
+                           int sm_count, unsigned long long* stats, cudaStream_t stream) {
   if (out_int16) {
-    return LaunchSumBlocksTyped<Counter, int16_t>(layout, tables, stride, num_blocks,
-                                                  num_requests, max_num_blocks,
-                                                  static_cast<int16_t*>(out), staging, sm_count,
-                                                  stats, stream);
+    return LaunchSumBlocksTyped<Counter, int16_t>(layout, tables, stride, num_blocks, num_requests, max_num_blocks,
+                                                  static_cast<int16_t*>(out), staging, sm_count, stats, stream);
   }
-  return LaunchSumBlocksTyped<Counter, int32_t>(layout, tables, stride, num_blocks, num_requests,
-                                                max_num_blocks, static_cast<int32_t*>(out),
-                                                staging, sm_count, stats, stream);
+  return LaunchSumBlocksTyped<Counter, int32_t>(layout, tables, stride, num_blocks, num_requests, max_num_blocks,
+                                                static_cast<int32_t*>(out), staging, sm_count, stats, stream);
 }
 
 }  // namespace
 
-int LaunchResetLayerRows(const BlockLayout& layout, int layer, const void* slots, bool slots_int64,
-                         int num_tokens, unsigned long long* stats, void* stream) {
+int LaunchResetLayerRows(const BlockLayout& layout, int layer, const void* slots, bool slots_int64, int num_tokens,
+                         unsigned long long* stats, void* stream) {
   switch (layout.counter_bytes) {
     case 1:
-      return LaunchResetLayerRowsTyped<uint8_t>(layout, layer, slots, slots_int64, num_tokens,
-                                                stats, AsStream(stream));
+      return LaunchResetLayerRowsTyped<uint8_t>(layout, layer, slots, slots_int64, num_tokens, stats, AsStream(stream));
     case 2:
-      return LaunchResetLayerRowsTyped<uint16_t>(layout, layer, slots, slots_int64, num_tokens,
-                                                 stats, AsStream(stream));
+      return LaunchResetLayerRowsTyped<uint16_t>(layout, layer, slots, slots_int64, num_tokens, stats,
+                                                 AsStream(stream));
     default:
-      return LaunchResetLayerRowsTyped<uint32_t>(layout, layer, slots, slots_int64, num_tokens,
-                                                 stats, AsStream(stream));
+      return LaunchResetLayerRowsTyped<uint32_t>(layout, layer, slots, slots_int64, num_tokens, stats,
+                                                 AsStream(stream));
   }
 }
 
-int LaunchResetBlocks(const BlockLayout& layout, const void* slots, bool slots_int64,
-                      int num_tokens, unsigned long long* stats, void* stream) {
+int LaunchResetBlocks(const BlockLayout& layout, const void* slots, bool slots_int64, int num_tokens,
+                      unsigned long long* stats, void* stream) {
   if (slots_int64) {
     ResetBlocksKernel<int64_t><<<Blocks(num_tokens), kThreads, 0, AsStream(stream)>>>(
         layout, static_cast<const int64_t*>(slots), num_tokens, stats);
@@ -487,63 +463,55 @@ int LaunchResetBlocks(const BlockLayout& layout, const void* slots, bool slots_i
   return LastLaunchError();
 }
 
-int LaunchRecordBlocks(const BlockLayout& layout, int layer, const void* ids, bool ids_int64,
-                       int top_k, const void* slots, bool slots_int64, int num_tokens,
+int LaunchRecordBlocks(const BlockLayout& layout, int layer, const void* ids, bool ids_int64, int top_k,
+                       const void* slots, bool slots_int64, int num_tokens, unsigned long long* stats, void* stream) {
+  switch (layout.counter_bytes) {
+    case 1:
+      return LaunchRecordBlocksCounter<uint8_t>(layout, layer, ids, ids_int64, top_k, slots, slots_int64, num_tokens,
+                                                stats, AsStream(stream));
+    case 2:
+      return LaunchRecordBlocksCounter<uint16_t>(layout, layer, ids, ids_int64, top_k, slots, slots_int64, num_tokens,
+                                                 stats, AsStream(stream));
+    default:
+      return LaunchRecordBlocksCounter<uint32_t>(layout, layer, ids, ids_int64, top_k, slots, slots_int64, num_tokens,
+                                                 stats, AsStream(stream));
+  }
+}
+
+int LaunchRecordDirect(uint32_t* acc, int layers, int experts, int max_requests, int layer, const void* ids,
+                       bool ids_int64, int top_k, const void* requests, bool requests_int64, int num_tokens,
                        unsigned long long* stats, void* stream) {
+  return ids_int64 ? LaunchRecordDirectTyped<int64_t>(acc, layers, experts, max_requests, layer, ids, top_k, requests,
+                                                      requests_int64, num_tokens, stats, AsStream(stream))
+                   : LaunchRecordDirectTyped<int32_t>(acc, layers, experts, max_requests, layer, ids, top_k, requests,
+                                                      requests_int64, num_tokens, stats, AsStream(stream));
+}
+
+int LaunchSumBlocks(const BlockLayout& layout, const int32_t* tables, int64_t stride, const int32_t* num_blocks,
+                    int num_requests, int max_num_blocks, bool out_int16, void* out, unsigned long long* staging,
+                    int sm_count, unsigned long long* stats, void* stream) {
   switch (layout.counter_bytes) {
     case 1:
-      return LaunchRecordBlocksCounter<uint8_t>(layout, layer, ids, ids_int64, top_k, slots,
-                                                slots_int64, num_tokens, stats, AsStream(stream));
+      return LaunchSumBlocksCounter<uint8_t>(layout, tables, stride, num_blocks, num_requests, max_num_blocks,
+                                             out_int16, out, staging, sm_count, stats, AsStream(stream));
     case 2:
-      return LaunchRecordBlocksCounter<uint16_t>(layout, layer, ids, ids_int64, top_k, slots,
-                                                 slots_int64, num_tokens, stats, AsStream(stream));
+      return LaunchSumBlocksCounter<uint16_t>(layout, tables, stride, num_blocks, num_requests, max_num_blocks,
+                                              out_int16, out, staging, sm_count, stats, AsStream(stream));
     default:
-      return LaunchRecordBlocksCounter<uint32_t>(layout, layer, ids, ids_int64, top_k, slots,
-                                                 slots_int64, num_tokens, stats, AsStream(stream));
+      return LaunchSumBlocksCounter<uint32_t>(layout, tables, stride, num_blocks, num_requests, max_num_blocks,
+                                              out_int16, out, staging, sm_count, stats, AsStream(stream));
   }
 }
 
-int LaunchRecordDirect(uint32_t* acc, int layers, int experts, int max_requests, int layer,
-                       const void* ids, bool ids_int64, int top_k, const void* requests,
-                       bool requests_int64, int num_tokens, unsigned long long* stats,
-                       void* stream) {
-  return ids_int64 ? LaunchRecordDirectTyped<int64_t>(acc, layers, experts, max_requests, layer,
-                                                      ids, top_k, requests, requests_int64,
-                                                      num_tokens, stats, AsStream(stream))
-                   : LaunchRecordDirectTyped<int32_t>(acc, layers, experts, max_requests, layer,
-                                                      ids, top_k, requests, requests_int64,
-                                                      num_tokens, stats, AsStream(stream));
-}
-
-int LaunchSumBlocks(const BlockLayout& layout, const int32_t* tables, int64_t stride,
-                    const int32_t* num_blocks, int num_requests, int max_num_blocks, bool out_int16,
-                    void* out, unsigned long long* staging, int sm_count,
-                    unsigned long long* stats, void* stream) {
-  switch (layout.counter_bytes) {
-    case 1:
-      return LaunchSumBlocksCounter<uint8_t>(layout, tables, stride, num_blocks, num_requests,
-                                             max_num_blocks, out_int16, out, staging, sm_count,
-                                             stats, AsStream(stream));
-    case 2:
-      return LaunchSumBlocksCounter<uint16_t>(layout, tables, stride, num_blocks, num_requests,
-                                              max_num_blocks, out_int16, out, staging, sm_count,
-                                              stats, AsStream(stream));
-    default:
-      return LaunchSumBlocksCounter<uint32_t>(layout, tables, stride, num_blocks, num_requests,
-                                              max_num_blocks, out_int16, out, staging, sm_count,
-                                              stats, AsStream(stream));
-  }
-}
-
-int LaunchFinishDirect(uint32_t* acc, int64_t cells, const int32_t* slots, int num_requests,
-                       bool out_int16, void* out, unsigned long long* stats, void* stream) {
+int LaunchFinishDirect(uint32_t* acc, int64_t cells, const int32_t* slots, int num_requests, bool out_int16, void* out,
+                       unsigned long long* stats, void* stream) {
   const int grid = GridStrideBlocks(cells * num_requests);
   if (out_int16) {
-    FinishDirectKernel<int16_t><<<grid, kThreads, 0, AsStream(stream)>>>(
-        acc, cells, slots, num_requests, static_cast<int16_t*>(out), stats);
+    FinishDirectKernel<int16_t>
+        <<<grid, kThreads, 0, AsStream(stream)>>>(acc, cells, slots, num_requests, static_cast<int16_t*>(out), stats);
   } else {
-    FinishDirectKernel<int32_t><<<grid, kThreads, 0, AsStream(stream)>>>(
-        acc, cells, slots, num_requests, static_cast<int32_t*>(out), stats);
+    FinishDirectKernel<int32_t>
+        <<<grid, kThreads, 0, AsStream(stream)>>>(acc, cells, slots, num_requests, static_cast<int32_t*>(out), stats);
   }
   return LastLaunchError();
 }

@@ -9,8 +9,7 @@
 namespace eldr::capture {
 namespace internal {
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const Geometry& /*geometry*/,
-                                                         int /*cuda_device*/) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const Geometry& /*geometry*/, int /*cuda_device*/) {
   return CudaAvailable();
 }
 

@@ -18,8 +18,8 @@
 #include "eldr/capture/capture.hpp"
 #include "eldr_capture_wire.pb.h"
 #include "grpcpp/generic/generic_stub.h"
-#include "grpcpp/impl/codegen/proto_utils.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 
 namespace eldr::capture {
 namespace {
@@ -32,8 +32,8 @@ constexpr char kCompleteMethod[] = "/eldr.v1.DecodeRouter/Complete";
 
 // One blocking unary call of `method` through a generic stub typed on the lite messages.
 template <typename Request, typename Response>
-grpc::Status UnaryCall(const std::shared_ptr<grpc::Channel>& channel, const char* method,
-                       grpc::ClientContext& context, const Request& request, Response* response) {
+grpc::Status UnaryCall(const std::shared_ptr<grpc::Channel>& channel, const char* method, grpc::ClientContext& context,
+                       const Request& request, Response* response) {
   grpc::TemplatedGenericStub<Request, Response> stub(channel);
   grpc::CompletionQueue queue;
   std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> call =
@@ -65,8 +65,7 @@ class RouterClientImpl final : public RouterClient {
       : target_(std::move(target)), channel_(std::move(channel)), timeout_ms_(timeout_ms) {}
 
   absl::StatusOr<RouteDecision> RouteInt16(const std::string& request_id, int64_t prompt_tokens,
-                                           absl::Span<const int16_t> counts, int layers,
-                                           int experts) override {
+                                           absl::Span<const int16_t> counts, int layers, int experts) override {
     if (absl::Status s = CheckCounts(counts, layers, experts); !s.ok()) return s;
     v1::RouteRequest request;
     v1::ExpertCounts* wire = request.mutable_counts();
@@ -84,8 +83,7 @@ class RouterClientImpl final : public RouterClient {
   }
 
   absl::StatusOr<RouteDecision> RouteInt32(const std::string& request_id, int64_t prompt_tokens,
-                                           absl::Span<const int32_t> counts, int layers,
-                                           int experts) override {
+                                           absl::Span<const int32_t> counts, int layers, int experts) override {
     if (absl::Status s = CheckCounts(counts, layers, experts); !s.ok()) return s;
     v1::RouteRequest request;
     v1::ExpertCounts* wire = request.mutable_counts();
@@ -95,16 +93,14 @@ class RouterClientImpl final : public RouterClient {
     return Route(request_id, prompt_tokens, request);
   }
 
-  absl::StatusOr<RouteDecision> RouteWithoutSignature(const std::string& request_id,
-                                                      int64_t prompt_tokens) override {
+  absl::StatusOr<RouteDecision> RouteWithoutSignature(const std::string& request_id, int64_t prompt_tokens) override {
     v1::RouteRequest request;
     return Route(request_id, prompt_tokens, request);
   }
 
   absl::StatusOr<std::string> Complete(uint64_t lease_id, int64_t output_tokens) override {
     if (output_tokens < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("complete: output_tokens must be >= 0, got ", output_tokens));
+      return absl::InvalidArgumentError(absl::StrCat("complete: output_tokens must be >= 0, got ", output_tokens));
     }
     v1::CompleteRequest request;
     request.set_lease_id(lease_id);
@@ -121,38 +117,33 @@ class RouterClientImpl final : public RouterClient {
   template <typename T>
   static absl::Status CheckCounts(absl::Span<const T> counts, int layers, int experts) {
     if (layers <= 0 || experts <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "route: layers and experts must be > 0, got ", layers, " and ", experts));
+      return absl::InvalidArgumentError(
+          absl::StrCat("route: layers and experts must be > 0, got ", layers, " and ", experts));
     }
     if (counts.size() != static_cast<size_t>(layers) * static_cast<size_t>(experts)) {
-      return absl::InvalidArgumentError(absl::StrCat("route: ", counts.size(),
-                                                     " counts for layers * experts = ", layers,
-                                                     " * ", experts));
+      return absl::InvalidArgumentError(
+          absl::StrCat("route: ", counts.size(), " counts for layers * experts = ", layers, " * ", experts));
     }
     for (size_t i = 0; i < counts.size(); ++i) {
       if (counts[i] < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("route: count [", i / experts, "][",
-                                                       i % experts, "] = ", counts[i],
-                                                       " is negative"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("route: count [", i / experts, "][", i % experts, "] = ", counts[i], " is negative"));
       }
     }
     return absl::OkStatus();
   }
 
   void SetDeadline(grpc::ClientContext& context) const {
-    context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::milliseconds(timeout_ms_));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms_));
   }
 
-  absl::StatusOr<RouteDecision> Route(const std::string& request_id, int64_t prompt_tokens,
-                                      v1::RouteRequest& request) {
+  absl::StatusOr<RouteDecision> Route(const std::string& request_id, int64_t prompt_tokens, v1::RouteRequest& request) {
     if (request_id.size() > kMaxRequestIdBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("route: request_id has ", request_id.size(),
-                                                     " bytes, at most ", kMaxRequestIdBytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat("route: request_id has ", request_id.size(), " bytes, at most ", kMaxRequestIdBytes));
     }
     if (prompt_tokens < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("route: prompt_tokens must be >= 0, got ", prompt_tokens));
+      return absl::InvalidArgumentError(absl::StrCat("route: prompt_tokens must be >= 0, got ", prompt_tokens));
     }
     request.set_request_id(request_id);
     request.set_prompt_tokens(prompt_tokens);
@@ -180,12 +171,11 @@ class RouterClientImpl final : public RouterClient {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<RouterClient>> RouterClient::Create(
-    const std::string& target, const RouterClientOptions& options) {
+absl::StatusOr<std::unique_ptr<RouterClient>> RouterClient::Create(const std::string& target,
+                                                                   const RouterClientOptions& options) {
   if (target.empty()) return absl::InvalidArgumentError("router client: target is empty");
   if (options.timeout_ms <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("router client: timeout_ms must be > 0, got ", options.timeout_ms));
+    return absl::InvalidArgumentError(absl::StrCat("router client: timeout_ms must be > 0, got ", options.timeout_ms));
   }
   const bool tls = !options.tls_root_certs_pem.empty();
   if (!tls && (!options.tls_client_cert_pem.empty() || !options.tls_client_key_pem.empty() ||
@@ -214,11 +204,9 @@ absl::StatusOr<std::unique_ptr<RouterClient>> RouterClient::Create(
   }
   std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target, credentials, arguments);
   if (channel == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("router client: cannot create a channel to '", target, "'"));
+    return absl::InvalidArgumentError(absl::StrCat("router client: cannot create a channel to '", target, "'"));
   }
-  return std::unique_ptr<RouterClient>(
-      new RouterClientImpl(target, std::move(channel), options.timeout_ms));
+  return std::unique_ptr<RouterClient>(new RouterClientImpl(target, std::move(channel), options.timeout_ms));
 }
 
 }  // namespace eldr::capture

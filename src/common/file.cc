@@ -133,8 +133,7 @@ absl::StatusOr<std::string> ResolvePathInside(const std::string& directory, cons
   if (root.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("directory ", directory, " cannot be resolved"));
   }
-  const std::string refused =
-      absl::StrCat("path is not a file inside the allowed directory ", root);
+  const std::string refused = absl::StrCat("path is not a file inside the allowed directory ", root);
   if (path.empty() || path.find('\0') != std::string::npos) return absl::PermissionDeniedError(refused);
   const std::string joined = path[0] == '/' ? path : absl::StrCat(root, "/", path);
   const std::string resolved = RealPath(joined);

@@ -12,10 +12,10 @@
 #define ELDR_STATUS_CONCAT_(a, b) ELDR_STATUS_CONCAT_INNER_(a, b)
 
 // Returns the status of `expr` from the enclosing function when it is not OK.
-#define ELDR_RETURN_IF_ERROR(expr)                      \
-  do {                                                  \
-    const ::absl::Status eldr_status_ = (expr);         \
-    if (!eldr_status_.ok()) return eldr_status_;        \
+#define ELDR_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    const ::absl::Status eldr_status_ = (expr);  \
+    if (!eldr_status_.ok()) return eldr_status_; \
   } while (0)
 
 // `lhs = value of rexpr` when rexpr (an absl::StatusOr) is OK; otherwise returns its status.

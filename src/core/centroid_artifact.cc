@@ -29,8 +29,7 @@ absl::Status Malformed(absl::string_view message) {
 
 // Reads a required or optional integer key. JSON floats (26.0) and booleans are rejected: the
 // reference writes plain integers and anything else is a sign of a hand-edited or foreign file.
-absl::StatusOr<int64_t> IntegerKey(const Json& doc, const char* key, bool required,
-                                   int64_t default_value) {
+absl::StatusOr<int64_t> IntegerKey(const Json& doc, const char* key, bool required, int64_t default_value) {
   auto it = doc.find(key);
   if (it == doc.end() || it->is_null()) {
     if (required) return Malformed(absl::StrCat("missing required key `", key, "`"));
@@ -59,8 +58,7 @@ absl::Status FloatList(const Json& list, absl::string_view what, std::vector<flo
   for (size_t i = 0; i < list.size(); ++i) {
     const Json& value = list[i];
     if (!value.is_number()) {
-      return Malformed(absl::StrFormat("`%s`[%d] must be a number, got %s", what, i,
-                                       value.type_name()));
+      return Malformed(absl::StrFormat("`%s`[%d] must be a number, got %s", what, i, value.type_name()));
     }
     out->push_back(static_cast<float>(value.get<double>()));
   }
@@ -89,7 +87,6 @@ absl::string_view ReferenceVariantName(SignatureVariant variant) {
   return variant == SignatureVariant::kGateProb ? "gate_prob_all" : SignatureVariantName(variant);
 }
 
-
 // ---- ParseCentroidArtifact, one helper per key group, in the order the keys are checked ----
 
 // Parses `json_text` into a JSON object; errors name only the byte position, never the text.
@@ -115,12 +112,10 @@ absl::Status ReadGeometryKeys(const Json& doc, SignatureSpec* spec) {
   ELDR_ASSIGN_OR_RETURN(const int64_t layers, IntegerKey(doc, "L", /*required=*/true, 0));
   ELDR_ASSIGN_OR_RETURN(const int64_t experts, IntegerKey(doc, "e", /*required=*/true, 0));
   if (layers < 1 || layers > INT32_MAX) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrCat("centroid artifact: `L` must be >= 1, got ", layers));
+    return InvalidInput(RejectReason::kGeometry, absl::StrCat("centroid artifact: `L` must be >= 1, got ", layers));
   }
   if (experts < 1 || experts > INT32_MAX) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrCat("centroid artifact: `e` must be >= 1, got ", experts));
+    return InvalidInput(RejectReason::kGeometry, absl::StrCat("centroid artifact: `e` must be >= 1, got ", experts));
   }
   spec->layers = static_cast<int>(layers);
   spec->experts = static_cast<int>(experts);
@@ -147,23 +142,20 @@ absl::Status ReadLayerMaskKey(const Json& doc, SignatureSpec* spec) {
   auto it = doc.find("layer_mask");
   if (it == doc.end() || it->is_null()) return absl::OkStatus();
   if (!it->is_array()) {
-    return Malformed(absl::StrCat("`layer_mask` must be a list of layer indices, got ",
-                                  it->type_name()));
+    return Malformed(absl::StrCat("`layer_mask` must be a list of layer indices, got ", it->type_name()));
   }
   if (it->empty()) return Malformed("`layer_mask` is empty; omit it to keep every layer");
   const int64_t layers = spec->layers;
   for (size_t i = 0; i < it->size(); ++i) {
     const Json& layer = (*it)[i];
     if (!layer.is_number_integer()) {
-      return Malformed(absl::StrFormat("`layer_mask`[%d] must be an integer, got %s", i,
-                                       layer.type_name()));
+      return Malformed(absl::StrFormat("`layer_mask`[%d] must be an integer, got %s", i, layer.type_name()));
     }
     const int64_t value = layer.get<int64_t>();
     if (value < 0 || value >= layers) {
-      return InvalidInput(RejectReason::kGeometry,
-                          absl::StrFormat("centroid artifact: layer_mask[%d] = %d is outside "
-                                          "[0, %d)",
-                                          i, value, layers));
+      return InvalidInput(RejectReason::kGeometry, absl::StrFormat("centroid artifact: layer_mask[%d] = %d is outside "
+                                                                   "[0, %d)",
+                                                                   i, value, layers));
     }
     spec->layer_mask.push_back(static_cast<int>(value));
   }
@@ -180,8 +172,8 @@ absl::Status ReadLayerMaskKey(const Json& doc, SignatureSpec* spec) {
 absl::Status ReadIdfKey(const Json& doc, SignatureSpec* spec) {
   if (auto it = doc.find("sig_idf"); it != doc.end() && !it->is_null()) {
     if (spec->variant != SignatureVariant::kCountIdf) {
-      return Malformed(absl::StrCat("`sig_idf` is only valid for variant count_idf, not ",
-                                    SignatureVariantName(spec->variant)));
+      return Malformed(
+          absl::StrCat("`sig_idf` is only valid for variant count_idf, not ", SignatureVariantName(spec->variant)));
     }
     ELDR_RETURN_IF_ERROR(FloatList(*it, "sig_idf", &spec->idf));
   } else if (spec->variant == SignatureVariant::kCountIdf) {
@@ -204,15 +196,13 @@ absl::Status ReadCentroidRows(const Json& doc, CentroidArtifact* artifact) {
   for (size_t r = 0; r < rows->size(); ++r) {
     const Json& row = (*rows)[r];
     if (!row.is_array()) {
-      return Malformed(absl::StrFormat("`centroids`[%d] must be a list of numbers, got %s", r,
-                                       row.type_name()));
+      return Malformed(absl::StrFormat("`centroids`[%d] must be a list of numbers, got %s", r, row.type_name()));
     }
     if (static_cast<int64_t>(row.size()) != dim) {
-      return InvalidInput(RejectReason::kGeometry,
-                          absl::StrFormat("centroid artifact: centroids row %d has %d values, "
-                                          "expected dimension |layer_mask| * e = %d * %d = %d",
-                                          r, row.size(), artifact->spec.masked_layers(),
-                                          int64_t{artifact->spec.experts}, dim));
+      return InvalidInput(RejectReason::kGeometry, absl::StrFormat("centroid artifact: centroids row %d has %d values, "
+                                                                   "expected dimension |layer_mask| * e = %d * %d = %d",
+                                                                   r, row.size(), artifact->spec.masked_layers(),
+                                                                   int64_t{artifact->spec.experts}, dim));
     }
     ELDR_RETURN_IF_ERROR(FloatList(row, absl::StrCat("centroids[", r, "]"), &artifact->centroids));
   }
@@ -220,8 +210,7 @@ absl::Status ReadCentroidRows(const Json& doc, CentroidArtifact* artifact) {
   ELDR_ASSIGN_OR_RETURN(const int64_t k, IntegerKey(doc, "k", /*required=*/false, row_count));
   if (k != row_count) {
     return InvalidInput(RejectReason::kGeometry,
-                        absl::StrFormat("centroid artifact: k = %d but `centroids` has %d rows", k,
-                                        row_count));
+                        absl::StrFormat("centroid artifact: k = %d but `centroids` has %d rows", k, row_count));
   }
   artifact->k = static_cast<int>(k);
   return absl::OkStatus();
@@ -232,13 +221,11 @@ absl::Status ReadWorkersKey(const Json& doc, CentroidArtifact* artifact) {
   auto it = doc.find("workers");
   if (it == doc.end() || it->is_null()) return absl::OkStatus();
   if (!it->is_array()) {
-    return Malformed(absl::StrCat("`workers` must be a list of worker ids, got ",
-                                  it->type_name()));
+    return Malformed(absl::StrCat("`workers` must be a list of worker ids, got ", it->type_name()));
   }
   for (size_t i = 0; i < it->size(); ++i) {
     if (!(*it)[i].is_string()) {
-      return Malformed(absl::StrFormat("`workers`[%d] must be a string, got %s", i,
-                                       (*it)[i].type_name()));
+      return Malformed(absl::StrFormat("`workers`[%d] must be a string, got %s", i, (*it)[i].type_name()));
     }
     artifact->workers.push_back((*it)[i].get<std::string>());
   }
@@ -254,8 +241,7 @@ absl::Status ReadModelAndSeedKeys(const Json& doc, CentroidArtifact* artifact) {
     artifact->model = it->get<std::string>();
   }
   if (auto it = doc.find("seed"); it != doc.end() && !it->is_null()) {
-    if (!it->is_number_integer() || (it->is_number_integer() && !it->is_number_unsigned() &&
-                                     it->get<int64_t>() < 0)) {
+    if (!it->is_number_integer() || (it->is_number_integer() && !it->is_number_unsigned() && it->get<int64_t>() < 0)) {
       return Malformed(absl::StrCat("`seed` must be a non-negative integer, got ", it->dump()));
     }
     artifact->seed = it->get<uint64_t>();
@@ -272,16 +258,14 @@ absl::Status ValidateCentroidArtifact(const CentroidArtifact& artifact) {
                           absl::StrCat("centroid artifact: ", spec_status.message()));
   }
   if (artifact.k < 1) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrCat("centroid artifact: k must be >= 1, got ", artifact.k));
+    return InvalidInput(RejectReason::kGeometry, absl::StrCat("centroid artifact: k must be >= 1, got ", artifact.k));
   }
   const int64_t dim = artifact.dim();
   if (static_cast<int64_t>(artifact.centroids.size()) != int64_t{artifact.k} * dim) {
-    return InvalidInput(
-        RejectReason::kGeometry,
-        absl::StrFormat("centroid artifact: expected k = %d rows of dimension |layer_mask| * e = "
-                        "%d (%d values), got %d values",
-                        artifact.k, dim, int64_t{artifact.k} * dim, artifact.centroids.size()));
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("centroid artifact: expected k = %d rows of dimension |layer_mask| * e = "
+                                        "%d (%d values), got %d values",
+                                        artifact.k, dim, int64_t{artifact.k} * dim, artifact.centroids.size()));
   }
   for (int r = 0; r < artifact.k; ++r) {
     absl::Span<const float> row = artifact.row(r);
@@ -305,16 +289,14 @@ absl::Status ValidateCentroidArtifact(const CentroidArtifact& artifact) {
   }
   if (!artifact.workers.empty()) {
     if (static_cast<int>(artifact.workers.size()) != artifact.k) {
-      return InvalidInput(RejectReason::kGeometry,
-                          absl::StrFormat("centroid artifact: workers names %d rows, k = %d",
-                                          artifact.workers.size(), artifact.k));
+      return InvalidInput(RejectReason::kGeometry, absl::StrFormat("centroid artifact: workers names %d rows, k = %d",
+                                                                   artifact.workers.size(), artifact.k));
     }
     absl::flat_hash_map<absl::string_view, size_t> seen;
     for (size_t i = 0; i < artifact.workers.size(); ++i) {
       const std::string& id = artifact.workers[i];
       if (id.empty()) {
-        return InvalidInput(RejectReason::kMalformed,
-                            absl::StrFormat("centroid artifact: workers[%d] is empty", i));
+        return InvalidInput(RejectReason::kMalformed, absl::StrFormat("centroid artifact: workers[%d] is empty", i));
       }
       auto [it, inserted] = seen.emplace(id, i);
       if (!inserted) {
@@ -371,8 +353,7 @@ std::string SerializeCentroidArtifact(const CentroidArtifact& artifact) {
     out += ",\n";
   }
   // The wire dtype the reference expects for the variant.
-  absl::StrAppend(&out, "  \"sig_dtype\": \"",
-                  spec.variant == SignatureVariant::kGateProb ? "<f4" : "<i2", "\",\n");
+  absl::StrAppend(&out, "  \"sig_dtype\": \"", spec.variant == SignatureVariant::kGateProb ? "<f4" : "<i2", "\",\n");
   absl::StrAppend(&out, "  \"seed\": ", artifact.seed, ",\n");
   if (!artifact.workers.empty()) {
     absl::StrAppend(&out, "  \"workers\": ", Json(artifact.workers).dump(), ",\n");

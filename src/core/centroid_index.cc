@@ -148,16 +148,15 @@ class ColumnMap {
     const float* data;
     float norm;
   };
-  Prepared Prepare(const float* query, const ScorerKernels& kernels,
-                   AlignedVector<float>* buffer) const {
+  Prepared Prepare(const float* query, const ScorerKernels& kernels, AlignedVector<float>* buffer) const {
     if (!compact_) {
       float norm2 = 0;
       kernels.dot_rows_f32(&query, 1, query, dim_, &norm2);
       return {query, std::sqrt(std::max(0.f, norm2))};
     }
     if (static_cast<int>(buffer->size()) < kept() + 16) buffer->resize(kept() + 16);
-    const float norm2 = kernels.gather_columns(query, dim_, masks_.data(), offsets_.data(),
-                                               kept_.data(), kept(), buffer->data());
+    const float norm2 =
+        kernels.gather_columns(query, dim_, masks_.data(), offsets_.data(), kept_.data(), kept(), buffer->data());
     return {buffer->data(), std::sqrt(std::max(0.f, norm2))};
   }
 
@@ -176,8 +175,7 @@ class ColumnMap {
 class RowStore {
  public:
   // `half`: also keep a 16-bit copy in `format` (kBfloat16 or kBinary16) for the scan.
-  RowStore(const float* data, int rows, int dim, const ColumnMap& columns, bool half,
-           HalfFormat format)
+  RowStore(const float* data, int rows, int dim, const ColumnMap& columns, bool half, HalfFormat format)
       : rows_(rows), cols_(columns.kept()) {
     const int stride32 = PaddedStride<float>(cols_);
     f32_.assign(static_cast<size_t>(rows) * stride32, 0.f);
@@ -194,8 +192,8 @@ class RowStore {
     }
     if (!half) return;
     format_ = format;
-    const int stride16 = format_ == HalfFormat::kBfloat16 ? internal::PairedBfloat16Elements(cols_)
-                                                          : PaddedStride<uint16_t>(cols_);
+    const int stride16 =
+        format_ == HalfFormat::kBfloat16 ? internal::PairedBfloat16Elements(cols_) : PaddedStride<uint16_t>(cols_);
     h16_.assign(static_cast<size_t>(rows) * stride16, 0);
     h16_rows_.resize(rows);
     error_factor_.resize(rows);
@@ -250,8 +248,7 @@ class RowStore {
   const uint16_t* h16_row(int r) const { return h16_rows_[r]; }
 
   // Scores n rows given by pointers from the 16-bit copy.
-  void ScanHalf(const ScorerKernels& kernels, const uint16_t* const* rows, int n, const float* q,
-                float* scores) const {
+  void ScanHalf(const ScorerKernels& kernels, const uint16_t* const* rows, int n, const float* q, float* scores) const {
     if (format_ == HalfFormat::kBfloat16) {
       kernels.dot_rows_bf16(rows, n, q, cols_, scores);
     } else {
@@ -273,8 +270,8 @@ class RowStore {
 
 // Scans rows `ids` (n of them; null means rows 0..n-1) of `store` against the prepared query `q`:
 // 16-bit scores when the store has a 16-bit copy, fp32 scores otherwise.
-void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* q, const int* ids,
-              int n, Scratch* scratch, float* scores) {
+void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* q, const int* ids, int n,
+              Scratch* scratch, float* scores) {
   const int cols = store.cols();
   if (!store.half()) {
     if (ids == nullptr) {
@@ -307,17 +304,14 @@ void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* 
 //    m - 2B) and every other row's 16-bit score is below the fp32 score of the best, so the best
 //    returned score, and the edge the caller derives from it, are those of fp32 scoring (the extra
 //    B covers the edge moving from e to the fp32 one).
-void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float* q,
-                float query_norm, const int* ids, int n, float band_tau, Scratch* scratch,
-                float* scores) {
+void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float* q, float query_norm, const int* ids,
+                int n, float band_tau, Scratch* scratch, float* scores) {
   if (!store.half() || n == 0) return;
   const float max_bound = query_norm * store.max_error_factor();
   float best = -std::numeric_limits<float>::infinity();
   for (int i = 0; i < n; ++i) best = std::max(best, scores[i]);
   const float edge = best - band_tau;
-  auto row_bound = [&](int i) {
-    return query_norm * store.error_factor(ids == nullptr ? i : ids[i]);
-  };
+  auto row_bound = [&](int i) { return query_norm * store.error_factor(ids == nullptr ? i : ids[i]); };
   // NaN scores (a non-finite query) compare false everywhere: they count as near the edge and
   // are re-scored, harmlessly.
   bool any_near_edge = false;
@@ -347,42 +341,38 @@ void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float
 absl::Status CheckQuery(absl::Span<const float> query, int dim) {
   if (static_cast<int64_t>(query.size()) != dim) {
     return InvalidInput(RejectReason::kGeometry,
-                        absl::StrFormat("query has %d values, the centroid index has dimension %d",
-                                        query.size(), dim));
+                        absl::StrFormat("query has %d values, the centroid index has dimension %d", query.size(), dim));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckBatch(absl::Span<const float> queries, int n, absl::Span<float> scores, int rows,
-                        int dim) {
+absl::Status CheckBatch(absl::Span<const float> queries, int n, absl::Span<float> scores, int rows, int dim) {
   if (n < 0) return InvalidInput(RejectReason::kGeometry, absl::StrCat("negative batch size ", n));
   if (static_cast<int64_t>(queries.size()) != static_cast<int64_t>(n) * dim) {
-    return InvalidInput(
-        RejectReason::kGeometry,
-        absl::StrFormat("batch of %d queries of dimension %d needs %d values, got %d", n, dim,
-                        static_cast<int64_t>(n) * dim, queries.size()));
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("batch of %d queries of dimension %d needs %d values, got %d", n, dim,
+                                        static_cast<int64_t>(n) * dim, queries.size()));
   }
   if (static_cast<int64_t>(scores.size()) != static_cast<int64_t>(n) * rows) {
-    return InvalidInput(
-        RejectReason::kGeometry,
-        absl::StrFormat("batch of %d queries against %d rows needs %d scores, got %d", n, rows,
-                        static_cast<int64_t>(n) * rows, scores.size()));
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("batch of %d queries against %d rows needs %d scores, got %d", n, rows,
+                                        static_cast<int64_t>(n) * rows, scores.size()));
   }
   return absl::OkStatus();
 }
 
 // Batched exact scores through sgemm over the kept columns (queries gathered first when columns
 // were dropped).
-absl::Status ScoreBatchCompacted(const RowStore& store, const ColumnMap& columns,
-                                 absl::Span<const float> queries, int n, absl::Span<float> scores) {
+absl::Status ScoreBatchCompacted(const RowStore& store, const ColumnMap& columns, absl::Span<const float> queries,
+                                 int n, absl::Span<float> scores) {
   ELDR_RETURN_IF_ERROR(CheckBatch(queries, n, scores, store.rows(), columns.dim()));
   if (n == 0) return absl::OkStatus();
   const int cols = store.cols();
   const int stride = PaddedStride<float>(cols);
   const float* b = store.f32_row(0);
   if (!columns.compact()) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, store.rows(), cols, 1.f, queries.data(),
-                cols, b, stride, 0.f, scores.data(), store.rows());
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, store.rows(), cols, 1.f, queries.data(), cols, b, stride,
+                0.f, scores.data(), store.rows());
     return absl::OkStatus();
   }
   std::vector<float> gathered(static_cast<size_t>(n) * cols);
@@ -390,8 +380,8 @@ absl::Status ScoreBatchCompacted(const RowStore& store, const ColumnMap& columns
     columns.Gather(queries.data() + static_cast<int64_t>(i) * columns.dim(),
                    gathered.data() + static_cast<int64_t>(i) * cols);
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, store.rows(), cols, 1.f, gathered.data(),
-              cols, b, stride, 0.f, scores.data(), store.rows());
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, store.rows(), cols, 1.f, gathered.data(), cols, b, stride,
+              0.f, scores.data(), store.rows());
   return absl::OkStatus();
 }
 
@@ -404,8 +394,7 @@ class ExactIndex final : public CentroidIndex {
         band_tau_(static_cast<float>(options.band_tau)),
         columns_(centroids, rows, dim),
         store_(centroids, rows, dim, columns_, ScanInHalf(options, columns_.kept()),
-               options.half_format == HalfFormat::kAuto ? HalfFormat::kBfloat16
-                                                        : options.half_format) {}
+               options.half_format == HalfFormat::kAuto ? HalfFormat::kBfloat16 : options.half_format) {}
 
   // kAuto: rows shorter than this many kept columns (8 KB in fp32) are scanned in fp32. Measured
   // (docs/benchmarks.md): for 26 x 64 signatures (~950 kept columns) the fp32 scan beats both
@@ -431,15 +420,13 @@ class ExactIndex final : public CentroidIndex {
     const int n = store_.rows();
     scratch.scores.resize(n);
     ScanRows(store_, kernels, q.data, nullptr, n, &scratch, scratch.scores.data());
-    RefineRows(store_, kernels, q.data, q.norm, nullptr, n, band_tau_, &scratch,
-               scratch.scores.data());
+    RefineRows(store_, kernels, q.data, q.norm, nullptr, n, band_tau_, &scratch, scratch.scores.data());
     out->resize(n);
     for (int r = 0; r < n; ++r) (*out)[r] = ScoredRow{r, scratch.scores[r]};
     return absl::OkStatus();
   }
 
-  absl::Status ScoreBatch(absl::Span<const float> queries, int n,
-                          absl::Span<float> scores) const override {
+  absl::Status ScoreBatch(absl::Span<const float> queries, int n, absl::Span<float> scores) const override {
     return ScoreBatchCompacted(store_, columns_, queries, n, scores);
   }
 
@@ -490,8 +477,7 @@ class SingleOmpThread {
 // IndexPreTransform would do): centring adds -(A mean) . a_j, a bias that differs per row.
 class ReducedIndex final : public CentroidIndex {
  public:
-  static absl::StatusOr<std::unique_ptr<ReducedIndex>> Create(const float* centroids, int rows,
-                                                              int dim,
+  static absl::StatusOr<std::unique_ptr<ReducedIndex>> Create(const float* centroids, int rows, int dim,
                                                               const CentroidIndexOptions& options) {
     auto index = std::unique_ptr<ReducedIndex>(new ReducedIndex(centroids, rows, dim, options));
     ELDR_RETURN_IF_ERROR(index->Fit());
@@ -539,8 +525,7 @@ class ReducedIndex final : public CentroidIndex {
       for (int r = 0; r < rows; ++r) {
         const float score = scratch.scores[r];
         // NaN (a non-finite query) ranks last.
-        scratch.ranked[r] = {std::isnan(score) ? -std::numeric_limits<float>::infinity() : score,
-                             r};
+        scratch.ranked[r] = {std::isnan(score) ? -std::numeric_limits<float>::infinity() : score, r};
       }
     }
     scratch.ids.clear();
@@ -570,15 +555,13 @@ class ReducedIndex final : public CentroidIndex {
 
     // Exact decisions at full dimension.
     float* exact = scratch.candidate_scores.data();
-    RefineRows(store_, kernels, q, prepared.norm, scratch.ids.data(), fetched, band_tau_, &scratch,
-               exact);
+    RefineRows(store_, kernels, q, prepared.norm, scratch.ids.data(), fetched, band_tau_, &scratch, exact);
     out->resize(fetched);
     for (int k = 0; k < fetched; ++k) (*out)[k] = ScoredRow{scratch.ids[k], exact[k]};
     return absl::OkStatus();
   }
 
-  absl::Status ScoreBatch(absl::Span<const float> queries, int n,
-                          absl::Span<float> scores) const override {
+  absl::Status ScoreBatch(absl::Span<const float> queries, int n, absl::Span<float> scores) const override {
     return ScoreBatchCompacted(store_, columns_, queries, n, scores);
   }
 
@@ -587,18 +570,15 @@ class ReducedIndex final : public CentroidIndex {
       : dim_(dim),
         band_tau_(static_cast<float>(options.band_tau)),
         columns_(centroids, rows, dim),
-        store_(
-            centroids, rows, dim, columns_, options.half_precision,
-            options.half_format == HalfFormat::kAuto ? HalfFormat::kBinary16 : options.half_format),
+        store_(centroids, rows, dim, columns_, options.half_precision,
+               options.half_format == HalfFormat::kAuto ? HalfFormat::kBinary16 : options.half_format),
         options_(options) {}
 
   absl::Status Fit() {
     const int rows = store_.rows();
     const int cols = store_.cols();
-    const int dims =
-        options_.reduced_dims > 0 ? options_.reduced_dims : std::clamp(rows / 16, 32, 64);
-    const int candidates =
-        options_.candidates > 0 ? options_.candidates : std::clamp(rows / 20, 32, 64);
+    const int dims = options_.reduced_dims > 0 ? options_.reduced_dims : std::clamp(rows / 16, 32, 64);
+    const int candidates = options_.candidates > 0 ? options_.candidates : std::clamp(rows / 20, 32, 64);
     reduced_dims_ = std::max(1, std::min({dims, rows, cols}));
     candidates_ = std::max(1, std::min(candidates, rows));
     max_candidates_ = std::max(candidates_, std::min(options_.max_candidates, rows));
@@ -607,8 +587,7 @@ class ReducedIndex final : public CentroidIndex {
     // Dense compacted copy for FAISS.
     std::vector<float> dense(static_cast<size_t>(rows) * cols);
     for (int r = 0; r < rows; ++r) {
-      std::memcpy(dense.data() + static_cast<size_t>(r) * cols, store_.f32_row(r),
-                  sizeof(float) * cols);
+      std::memcpy(dense.data() + static_cast<size_t>(r) * cols, store_.f32_row(r), sizeof(float) * cols);
     }
     std::vector<float> projected(static_cast<size_t>(rows) * reduced_dims_);
     std::vector<float> axes;
@@ -620,8 +599,7 @@ class ReducedIndex final : public CentroidIndex {
     }));
     if (axes.size() != static_cast<size_t>(reduced_dims_) * cols) {
       return absl::InternalError(
-          absl::StrFormat("PCA fit returned a %d-value matrix, expected %d x %d", axes.size(),
-                          reduced_dims_, cols));
+          absl::StrFormat("PCA fit returned a %d-value matrix, expected %d x %d", axes.size(), reduced_dims_, cols));
     }
 
     // Principal axes as rows, in bfloat16 when the centroids have a 16-bit copy: they only choose
@@ -655,8 +633,8 @@ class ReducedIndex final : public CentroidIndex {
 
     if (options_.use_hnsw) {
       ELDR_RETURN_IF_ERROR(CatchFaiss("HNSW build in the reduced space", [&] {
-        auto hnsw = std::make_unique<faiss::IndexHNSWFlat>(reduced_dims_, options_.hnsw_neighbors,
-                                                           faiss::METRIC_INNER_PRODUCT);
+        auto hnsw =
+            std::make_unique<faiss::IndexHNSWFlat>(reduced_dims_, options_.hnsw_neighbors, faiss::METRIC_INNER_PRODUCT);
         hnsw->hnsw.efConstruction = std::max(40, 2 * options_.hnsw_neighbors);
         hnsw->hnsw.efSearch = std::max(options_.hnsw_ef_search, candidates_);
         hnsw->add(rows, projected.data());
@@ -671,9 +649,7 @@ class ReducedIndex final : public CentroidIndex {
     const int n = static_cast<int>(ranked->size());
     end = std::min(end, n);
     if (begin >= end) return;
-    auto better = [](const std::pair<float, int>& a, const std::pair<float, int>& b) {
-      return a.first > b.first;
-    };
+    auto better = [](const std::pair<float, int>& a, const std::pair<float, int>& b) { return a.first > b.first; };
     if (end < n) {
       std::nth_element(ranked->begin() + begin, ranked->begin() + (end - 1), ranked->end(), better);
     }
@@ -724,51 +700,42 @@ class ReducedIndex final : public CentroidIndex {
 absl::Status ValidateBuildInput(absl::Span<const float> centroids, int rows, int dim,
                                 const CentroidIndexOptions& options) {
   if (rows < 1) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrCat("a centroid index needs at least one row, got ", rows));
+    return InvalidInput(RejectReason::kGeometry, absl::StrCat("a centroid index needs at least one row, got ", rows));
   }
   if (dim < 1) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrCat("centroid dimension must be positive, got ", dim));
+    return InvalidInput(RejectReason::kGeometry, absl::StrCat("centroid dimension must be positive, got ", dim));
   }
   if (static_cast<int64_t>(rows) * dim > kMaxCells) {
-    return InvalidInput(
-        RejectReason::kOversized,
-        absl::StrFormat("%d x %d centroids exceed the limit of %d values", rows, dim, kMaxCells));
+    return InvalidInput(RejectReason::kOversized,
+                        absl::StrFormat("%d x %d centroids exceed the limit of %d values", rows, dim, kMaxCells));
   }
   if (static_cast<int64_t>(centroids.size()) != static_cast<int64_t>(rows) * dim) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrFormat("%d x %d centroids need %d values, got %d", rows, dim,
-                                        static_cast<int64_t>(rows) * dim, centroids.size()));
+    return InvalidInput(RejectReason::kGeometry, absl::StrFormat("%d x %d centroids need %d values, got %d", rows, dim,
+                                                                 static_cast<int64_t>(rows) * dim, centroids.size()));
   }
   for (size_t i = 0; i < centroids.size(); ++i) {
     if (!std::isfinite(centroids[i])) {
-      return InvalidInput(
-          RejectReason::kNonFinite,
-          absl::StrFormat("centroid row %d, column %d is not finite", static_cast<int64_t>(i / dim),
-                          static_cast<int64_t>(i % dim)));
+      return InvalidInput(RejectReason::kNonFinite,
+                          absl::StrFormat("centroid row %d, column %d is not finite", static_cast<int64_t>(i / dim),
+                                          static_cast<int64_t>(i % dim)));
     }
   }
   if (std::all_of(centroids.begin(), centroids.end(), [](float v) { return v == 0.f; })) {
-    return InvalidInput(RejectReason::kMalformed,
-                        "every centroid is all zeros (centroids must be unit vectors)");
+    return InvalidInput(RejectReason::kMalformed, "every centroid is all zeros (centroids must be unit vectors)");
   }
   if (options.large_pool_min_rows < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("CentroidIndexOptions.large_pool_min_rows must be >= 1, got ",
-                     options.large_pool_min_rows));
+        absl::StrCat("CentroidIndexOptions.large_pool_min_rows must be >= 1, got ", options.large_pool_min_rows));
   }
   if (options.reduced_dims < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("CentroidIndexOptions.reduced_dims must be >= 0 (0: automatic), got ",
-                     options.reduced_dims));
+        absl::StrCat("CentroidIndexOptions.reduced_dims must be >= 0 (0: automatic), got ", options.reduced_dims));
   }
-  if (options.candidates < 0 || options.max_candidates < 1 ||
-      options.max_candidates < options.candidates) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "CentroidIndexOptions.candidates must be >= 0 (0: automatic) and max_candidates >= "
-        "max(1, candidates), got %d and %d",
-        options.candidates, options.max_candidates));
+  if (options.candidates < 0 || options.max_candidates < 1 || options.max_candidates < options.candidates) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("CentroidIndexOptions.candidates must be >= 0 (0: automatic) and max_candidates >= "
+                        "max(1, candidates), got %d and %d",
+                        options.candidates, options.max_candidates));
   }
   if (!(options.band_tau >= 0 && options.band_tau <= 2)) {
     return absl::InvalidArgumentError(
@@ -787,9 +754,9 @@ absl::Status ValidateBuildInput(absl::Span<const float> centroids, int rows, int
 
 int64_t internal::RefinedRowsOnThisThread() { return ThreadScratch().refined_rows; }
 
-absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(
-    CentroidIndexKind kind, absl::Span<const float> centroids, int rows, int dim,
-    const CentroidIndexOptions& options) {
+absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(CentroidIndexKind kind,
+                                                                        absl::Span<const float> centroids, int rows,
+                                                                        int dim, const CentroidIndexOptions& options) {
   ELDR_RETURN_IF_ERROR(ValidateBuildInput(centroids, rows, dim, options));
   std::unique_ptr<CentroidIndex> index;
   absl::Status status = CatchFaiss("building the centroid index", [&] {
@@ -804,16 +771,14 @@ absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(
   return index;
 }
 
-absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndex(
-    absl::Span<const float> centroids, int rows, int dim, const CentroidIndexOptions& options) {
-  const CentroidIndexKind kind = rows >= options.large_pool_min_rows
-                                     ? CentroidIndexKind::kFaissReduced
-                                     : CentroidIndexKind::kExact;
+absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndex(absl::Span<const float> centroids, int rows, int dim,
+                                                                  const CentroidIndexOptions& options) {
+  const CentroidIndexKind kind =
+      rows >= options.large_pool_min_rows ? CentroidIndexKind::kFaissReduced : CentroidIndexKind::kExact;
   return BuildCentroidIndexOfKind(kind, centroids, rows, dim, options);
 }
 
-void ScoreAllPairs(absl::Span<const float> a, int n, absl::Span<const float> b, int m, int d,
-                   absl::Span<float> c) {
+void ScoreAllPairs(absl::Span<const float> a, int n, absl::Span<const float> b, int m, int d, absl::Span<float> c) {
   ABSL_RAW_CHECK(n >= 0 && m >= 0 && d >= 0, "ScoreAllPairs: negative size");
   ABSL_RAW_CHECK(static_cast<int64_t>(a.size()) >= static_cast<int64_t>(n) * d &&
                      static_cast<int64_t>(b.size()) >= static_cast<int64_t>(m) * d &&
@@ -824,8 +789,7 @@ void ScoreAllPairs(absl::Span<const float> a, int n, absl::Span<const float> b, 
     std::fill(c.begin(), c.begin() + static_cast<int64_t>(n) * m, 0.f);
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, d, 1.f, a.data(), d, b.data(), d, 0.f,
-              c.data(), m);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, d, 1.f, a.data(), d, b.data(), d, 0.f, c.data(), m);
 }
 
 }  // namespace eldr

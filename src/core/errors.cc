@@ -13,7 +13,7 @@ namespace {
 constexpr absl::string_view kRejectReasonPayloadUrl = "type.googleapis.com/eldr.RejectReason";
 
 constexpr RejectReason kAllReasons[] = {
-    RejectReason::kGeometry,     RejectReason::kNegativeCount, RejectReason::kNonFinite,
+    RejectReason::kGeometry,      RejectReason::kNegativeCount, RejectReason::kNonFinite,
     RejectReason::kZeroSignature, RejectReason::kWrongEncoding, RejectReason::kMalformed,
     RejectReason::kUnknownWorker, RejectReason::kOversized,     RejectReason::kOutOfRange,
     RejectReason::kOther,

@@ -14,9 +14,7 @@ namespace {
 // Smallest capacity weight used in a division; WorkerSpec validation keeps real ones > 0.
 constexpr double kMinCapacity = 1e-9;
 
-double NormalisedLoad(const WorkerLoadView& worker) {
-  return worker.load / std::max(worker.capacity, kMinCapacity);
-}
+double NormalisedLoad(const WorkerLoadView& worker) { return worker.load / std::max(worker.capacity, kMinCapacity); }
 
 bool AtLimit(const WorkerLoadView& worker) {
   return worker.max_inflight > 0 && worker.load >= static_cast<double>(worker.max_inflight);
@@ -110,8 +108,7 @@ class EldrPolicy final : public RoutingPolicy {
       best = std::max(best, candidate.score);
     }
     if (!any_candidate) {
-      decision.fallback =
-          input.candidates.empty() ? input.no_scores_reason : FallbackReason::kNoEligibleCentroid;
+      decision.fallback = input.candidates.empty() ? input.no_scores_reason : FallbackReason::kNoEligibleCentroid;
       if (decision.fallback == FallbackReason::kNone) decision.fallback = FallbackReason::kNoSignature;
       decision.used = PolicyKind::kJsq;
       decision.worker = PickJsq(workers, &rng_);
@@ -246,8 +243,7 @@ absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name) {
   if (name == "jsq") return PolicyKind::kJsq;
   if (name == "p2c") return PolicyKind::kP2c;
   return InvalidInput(RejectReason::kMalformed,
-                      absl::StrCat("unknown routing policy '", name,
-                                   "' (expected eldr, rr, random, jsq or p2c)"));
+                      absl::StrCat("unknown routing policy '", name, "' (expected eldr, rr, random, jsq or p2c)"));
 }
 
 absl::string_view PolicyKindName(PolicyKind kind) {

@@ -42,8 +42,8 @@ constexpr int64_t kExpiryBatch = 64;
 constexpr absl::Duration kExpiryYieldLimit = absl::Milliseconds(1);
 
 constexpr CentroidSource kAllCentroidSources[] = {
-    CentroidSource::kApi,    CentroidSource::kStartup,   CentroidSource::kStateDir, CentroidSource::kSignal,
-    CentroidSource::kAdmin,  CentroidSource::kFileWatch, CentroidSource::kRefit,
+    CentroidSource::kApi,   CentroidSource::kStartup,   CentroidSource::kStateDir, CentroidSource::kSignal,
+    CentroidSource::kAdmin, CentroidSource::kFileWatch, CentroidSource::kRefit,
 };
 
 // Everything a route needs from a calibration, built once and never modified: Routes that hold a
@@ -166,8 +166,7 @@ absl::Status CheckAddress(const WorkerSpec& spec) {
   const absl::string_view port_text = absl::string_view(address).substr(colon + 1);
   bool host_ok = false;
   if (host.front() == '[') {
-    host_ok = host.size() > 2 && host.back() == ']' &&
-              std::all_of(host.begin() + 1, host.end() - 1, [](char c) {
+    host_ok = host.size() > 2 && host.back() == ']' && std::all_of(host.begin() + 1, host.end() - 1, [](char c) {
                 return absl::ascii_isxdigit(static_cast<unsigned char>(c)) || c == ':' || c == '.';
               });
   } else {
@@ -243,27 +242,25 @@ class RouterImpl final : public Router {
   absl::StatusOr<Scoring> ScoreSignature(const SignatureInput* signature, const CentroidSet* set,
                                          RouteScratch& scratch) const;
   // The decision and the lease, under mu_.
-  absl::StatusOr<RouteResult> DecideLocked(const RouteInput& input, const CentroidSet* set,
-                                           const Scoring& scoring, const RouteScratch& scratch)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<RouteResult> DecideLocked(const RouteInput& input, const CentroidSet* set, const Scoring& scoring,
+                                           const RouteScratch& scratch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t TakeLeaseLocked(WorkerEntry* worker, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the pool's oldest live lease (the max_live_leases limit).
   void EvictOldestLeaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Row names for `artifact` against the pool: its own `workers`, or the pool's ids in order.
   absl::StatusOr<std::vector<std::string>> RowOwnersLocked(const CentroidArtifact& artifact) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<uint64_t> RejectInstall(CentroidSource source, absl::Status status)
-      ABSL_LOCKS_EXCLUDED(mutation_mu_);
+  absl::StatusOr<uint64_t> RejectInstall(CentroidSource source, absl::Status status) ABSL_LOCKS_EXCLUDED(mutation_mu_);
 
   // Recomputes each worker's centroid row and the row -> worker table for `set` (may be null).
   void MapRows(const CentroidSet* set) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The worker index of `row` of `set`, for a route that scored against `set`. Normally the
   // precomputed table; a route that raced with a swap resolves the row by name.
   int WorkerOfRow(const CentroidSet& set, int row) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  PoolChange DescribeChangeLocked(PoolChangeKind kind, const WorkerEntry& worker) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  PoolChange DescribeChangeLocked(PoolChangeKind kind, const WorkerEntry& worker) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Runs `mutate` under mutation_mu_ and mu_, publishes the change it returns and delivers it.
   absl::StatusOr<PoolChange> MutatePool(const std::function<absl::StatusOr<PoolChange>()>& mutate)
       ABSL_LOCKS_EXCLUDED(mutation_mu_, mu_);
@@ -337,8 +334,7 @@ class RouterImpl final : public Router {
   std::shared_ptr<const CentroidSet> set_ ABSL_GUARDED_BY(set_mu_);
 };
 
-absl::StatusOr<RouterImpl::Scoring> RouterImpl::ScoreSignature(const SignatureInput* signature,
-                                                               const CentroidSet* set,
+absl::StatusOr<RouterImpl::Scoring> RouterImpl::ScoreSignature(const SignatureInput* signature, const CentroidSet* set,
                                                                RouteScratch& scratch) const {
   Scoring scoring;
   if (signature == nullptr) {
@@ -509,10 +505,10 @@ absl::StatusOr<std::string> RouterImpl::Complete(uint64_t lease_id) {
 absl::StatusOr<std::vector<std::string>> RouterImpl::RowOwnersLocked(const CentroidArtifact& artifact) const {
   if (artifact.workers.empty()) {
     if (artifact.k != static_cast<int>(workers_.size())) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "centroid artifact has k = %d unnamed rows but the router has %d workers; name the rows with "
-          "`workers` or make the counts match",
-          artifact.k, workers_.size()));
+      return absl::FailedPreconditionError(
+          absl::StrFormat("centroid artifact has k = %d unnamed rows but the router has %d workers; name the rows with "
+                          "`workers` or make the counts match",
+                          artifact.k, workers_.size()));
     }
     std::vector<std::string> owners;
     owners.reserve(workers_.size());
@@ -601,7 +597,7 @@ absl::StatusOr<uint64_t> RouterImpl::InstallCentroids(const CentroidArtifact& ar
       BuildCentroidIndex(artifact.centroids, artifact.k, artifact.dim(), index_options);
   if (!index.ok()) return RejectInstall(source, index.status());
 
-  CentroidArtifact named = artifact;  // copied before locking: it can be megabytes
+  CentroidArtifact named = artifact;           // copied before locking: it can be megabytes
   std::shared_ptr<const CentroidSet> retired;  // destroyed after the locks are released
   CentroidInstall install;
   absl::Status refused;
@@ -614,23 +610,23 @@ absl::StatusOr<uint64_t> RouterImpl::InstallCentroids(const CentroidArtifact& ar
       refused = owners.status();
       Publish(std::make_pair(source, refused));
     } else {
-    named.workers = *std::move(owners);
-    auto set = std::make_shared<const CentroidSet>(next_generation_++, std::move(named), *std::move(transform),
-                                                   *std::move(index));
-    {
-      absl::MutexLock set_lock(&set_mu_);
-      retired = std::move(set_);
-      set_ = set;
-    }
-    MapRows(set.get());
-    install.generation = set->generation;
-    install.source = source;
-    install.rows = set->artifact.k;
-    install.dim = set->artifact.dim();
-    install.model = set->artifact.model;
-    install.workers = set->artifact.workers;
-    install.transform_changed = retired == nullptr || !SameTransform(retired->artifact.spec, set->artifact.spec);
-    Publish(install);
+      named.workers = *std::move(owners);
+      auto set = std::make_shared<const CentroidSet>(next_generation_++, std::move(named), *std::move(transform),
+                                                     *std::move(index));
+      {
+        absl::MutexLock set_lock(&set_mu_);
+        retired = std::move(set_);
+        set_ = set;
+      }
+      MapRows(set.get());
+      install.generation = set->generation;
+      install.source = source;
+      install.rows = set->artifact.k;
+      install.dim = set->artifact.dim();
+      install.model = set->artifact.model;
+      install.workers = set->artifact.workers;
+      install.transform_changed = retired == nullptr || !SameTransform(retired->artifact.spec, set->artifact.spec);
+      Publish(install);
     }
   }
   DeliverEvents();
@@ -654,8 +650,7 @@ PoolChange RouterImpl::DescribeChangeLocked(PoolChangeKind kind, const WorkerEnt
   return change;
 }
 
-absl::StatusOr<PoolChange> RouterImpl::MutatePool(
-    const std::function<absl::StatusOr<PoolChange>()>& mutate) {
+absl::StatusOr<PoolChange> RouterImpl::MutatePool(const std::function<absl::StatusOr<PoolChange>()>& mutate) {
   absl::StatusOr<PoolChange> change;
   {
     absl::MutexLock mutation_lock(&mutation_mu_);
@@ -818,13 +813,20 @@ void RouterImpl::RemoveObserver(RouterObserver* observer) {
 
 absl::string_view CentroidSourceLabel(CentroidSource source) {
   switch (source) {
-    case CentroidSource::kApi: return "api";
-    case CentroidSource::kStartup: return "startup";
-    case CentroidSource::kStateDir: return "state_dir";
-    case CentroidSource::kSignal: return "sighup";
-    case CentroidSource::kAdmin: return "admin";
-    case CentroidSource::kFileWatch: return "file_watch";
-    case CentroidSource::kRefit: return "refit";
+    case CentroidSource::kApi:
+      return "api";
+    case CentroidSource::kStartup:
+      return "startup";
+    case CentroidSource::kStateDir:
+      return "state_dir";
+    case CentroidSource::kSignal:
+      return "sighup";
+    case CentroidSource::kAdmin:
+      return "admin";
+    case CentroidSource::kFileWatch:
+      return "file_watch";
+    case CentroidSource::kRefit:
+      return "refit";
   }
   return "api";
 }
@@ -833,11 +835,16 @@ absl::Span<const CentroidSource> AllCentroidSources() { return kAllCentroidSourc
 
 absl::string_view PoolChangeKindLabel(PoolChangeKind kind) {
   switch (kind) {
-    case PoolChangeKind::kAdded: return "added";
-    case PoolChangeKind::kUpdated: return "updated";
-    case PoolChangeKind::kDraining: return "draining";
-    case PoolChangeKind::kRemoved: return "removed";
-    case PoolChangeKind::kHealthChanged: return "health_changed";
+    case PoolChangeKind::kAdded:
+      return "added";
+    case PoolChangeKind::kUpdated:
+      return "updated";
+    case PoolChangeKind::kDraining:
+      return "draining";
+    case PoolChangeKind::kRemoved:
+      return "removed";
+    case PoolChangeKind::kHealthChanged:
+      return "health_changed";
   }
   return "updated";
 }
@@ -863,11 +870,10 @@ absl::Status ValidateWorkerSpec(const WorkerSpec& spec) {
                                      spec.max_inflight));
   }
   if (spec.metrics_url.size() > kMaxMetricsUrlBytes ||
-      !std::all_of(spec.metrics_url.begin(), spec.metrics_url.end(),
-                   [](char c) { return c > ' ' && c < 0x7f; })) {
-    return BadWorker(RejectReason::kMalformed, spec,
-                     absl::StrCat("metrics_url must be at most ", kMaxMetricsUrlBytes,
-                                  " bytes of printable ASCII without spaces"));
+      !std::all_of(spec.metrics_url.begin(), spec.metrics_url.end(), [](char c) { return c > ' ' && c < 0x7f; })) {
+    return BadWorker(
+        RejectReason::kMalformed, spec,
+        absl::StrCat("metrics_url must be at most ", kMaxMetricsUrlBytes, " bytes of printable ASCII without spaces"));
   }
   return absl::OkStatus();
 }

@@ -38,16 +38,15 @@ void DotRowsF16Scalar(const uint16_t* const* rows, int n, const float* query, in
   }
 }
 
-void DotRowsBf16Scalar(const uint16_t* const* rows, int n, const float* query, int dim,
-                       float* out) {
+void DotRowsBf16Scalar(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
   for (int r = 0; r < n; ++r) {
     const uint16_t* row = rows[r];
     out[r] = ScalarDot([row](int i) { return PairedBfloat16At(row, i); }, query, dim);
   }
 }
 
-float GatherColumnsScalar(const float* in, int /*dim*/, const uint16_t* /*masks*/,
-                          const int* /*offsets*/, const int* kept, int kept_count, float* out) {
+float GatherColumnsScalar(const float* in, int /*dim*/, const uint16_t* /*masks*/, const int* /*offsets*/,
+                          const int* kept, int kept_count, float* out) {
   float sum = 0;
   for (int i = 0; i < kept_count; ++i) {
     const float v = in[kept[i]];
@@ -57,8 +56,7 @@ float GatherColumnsScalar(const float* in, int /*dim*/, const uint16_t* /*masks*
   return sum;
 }
 
-void AccumulateColumnsScalar(const float* columns, int k, int n, int stride, const float* weights,
-                             float* out) {
+void AccumulateColumnsScalar(const float* columns, int k, int n, int stride, const float* weights, float* out) {
   for (int j = 0; j < n; ++j) out[j] = 0.f;
   for (int c = 0; c < k; ++c) {
     const float w = weights[c];
@@ -87,8 +85,7 @@ inline float LoadScalar(const float* p) { return *p; }
 inline float LoadScalar(const uint16_t* p) { return HalfToFloat(*p); }
 
 template <typename T>
-ELDR_TARGET_AVX2 void DotRowsAvx2(const T* const* rows, int n, const float* query, int dim,
-                                  float* out) {
+ELDR_TARGET_AVX2 void DotRowsAvx2(const T* const* rows, int n, const float* query, int dim, float* out) {
   int r = 0;
   for (; r + 4 <= n; r += 4) {
     const T* r0 = rows[r];
@@ -138,27 +135,21 @@ ELDR_TARGET_AVX2 void DotRowsAvx2(const T* const* rows, int n, const float* quer
   }
 }
 
-ELDR_TARGET_AVX2 void DotRowsF32Avx2(const float* const* rows, int n, const float* query, int dim,
-                                     float* out) {
+ELDR_TARGET_AVX2 void DotRowsF32Avx2(const float* const* rows, int n, const float* query, int dim, float* out) {
   DotRowsAvx2<float>(rows, n, query, dim, out);
 }
-ELDR_TARGET_AVX2 void DotRowsF16Avx2(const uint16_t* const* rows, int n, const float* query,
-                                     int dim, float* out) {
+ELDR_TARGET_AVX2 void DotRowsF16Avx2(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
   DotRowsAvx2<uint16_t>(rows, n, query, dim, out);
 }
 
 // Paired bfloat16, 32 values per block: words 0-7 carry values 0-7 (low halves) and 16-23 (high
 // halves), words 8-15 carry 8-15 and 24-31.
-ELDR_TARGET_AVX2 inline __m256 LowBf16Avx2(__m256i words) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-}
+ELDR_TARGET_AVX2 inline __m256 LowBf16Avx2(__m256i words) { return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)); }
 ELDR_TARGET_AVX2 inline __m256 HighBf16Avx2(__m256i words) {
-  return _mm256_castsi256_ps(
-      _mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-ELDR_TARGET_AVX2 void DotRowsBf16Avx2(const uint16_t* const* rows, int n, const float* query,
-                                      int dim, float* out) {
+ELDR_TARGET_AVX2 void DotRowsBf16Avx2(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
   const int full = dim & ~31;
   int r = 0;
   for (; r + 4 <= n; r += 4) {
@@ -171,8 +162,7 @@ ELDR_TARGET_AVX2 void DotRowsBf16Avx2(const uint16_t* const* rows, int n, const 
       const __m256 q3 = _mm256_loadu_ps(query + i + 24);
       for (int k = 0; k < 4; ++k) {
         const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r + k] + i));
-        const __m256i w1 =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r + k] + i + 16));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r + k] + i + 16));
         lo[k] = _mm256_fmadd_ps(LowBf16Avx2(w0), q0, lo[k]);
         hi[k] = _mm256_fmadd_ps(HighBf16Avx2(w0), q2, hi[k]);
         lo[k] = _mm256_fmadd_ps(LowBf16Avx2(w1), q1, lo[k]);
@@ -202,9 +192,8 @@ struct CompressTable {
   }
 };
 
-ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_t* masks,
-                                         const int* offsets, const int* /*kept*/,
-                                         int /*kept_count*/, float* out) {
+ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_t* masks, const int* offsets,
+                                         const int* /*kept*/, int /*kept_count*/, float* out) {
   static const CompressTable table;
   const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   __m256 sum = _mm256_setzero_ps();
@@ -212,11 +201,9 @@ ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_
     const int chunk = i >> 4;
     const int m = (masks[chunk] >> (i & 8)) & 0xff;
     if (m == 0) continue;
-    const int pos = offsets[chunk] +
-                    ((i & 8) ? __builtin_popcount(static_cast<unsigned>(masks[chunk] & 0xff)) : 0);
+    const int pos = offsets[chunk] + ((i & 8) ? __builtin_popcount(static_cast<unsigned>(masks[chunk] & 0xff)) : 0);
     // Masked load: unselected lanes (and lanes past dim, never selected) read as 0.
-    const __m256i selected =
-        _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(m), lane_bits), lane_bits);
+    const __m256i selected = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(m), lane_bits), lane_bits);
     const __m256 v = _mm256_maskload_ps(in + i, selected);
     sum = _mm256_fmadd_ps(v, v, sum);
     const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(table.perm[m]));
@@ -225,8 +212,8 @@ ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_
   return HorizontalSumAvx2(sum);
 }
 
-ELDR_TARGET_AVX2 void AccumulateColumnsAvx2(const float* columns, int k, int n, int stride,
-                                            const float* weights, float* out) {
+ELDR_TARGET_AVX2 void AccumulateColumnsAvx2(const float* columns, int k, int n, int stride, const float* weights,
+                                            float* out) {
   int j = 0;
   // 32 outputs (4 registers) per pass over the k weights.
   for (; j + 32 <= n; j += 32) {
@@ -277,22 +264,17 @@ ELDR_TARGET_AVX512 inline __m512 MaskedLoadAvx512(__mmask16 mask, const uint16_t
 }
 ELDR_TARGET_AVX512 inline float HorizontalSumAvx512(__m512 v) {
   const __m512d bits = _mm512_castps_pd(v);
-  const __m256 low =
-      _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(static_cast<__mmask8>(0xff), bits, 0));
-  const __m256 high =
-      _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(static_cast<__mmask8>(0xff), bits, 1));
+  const __m256 low = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(static_cast<__mmask8>(0xff), bits, 0));
+  const __m256 high = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(static_cast<__mmask8>(0xff), bits, 1));
   return HorizontalSumAvx2(_mm256_add_ps(low, high));
 }
 
 template <typename T>
-ELDR_TARGET_AVX512 void DotRowsAvx512(const T* const* rows, int n, const float* query, int dim,
-                                      float* out) {
+ELDR_TARGET_AVX512 void DotRowsAvx512(const T* const* rows, int n, const float* query, int dim, float* out) {
   const int full = dim & ~31;
   const int rest = dim - full;  // 0..31 elements, in at most two masked 16-lane chunks
-  const __mmask16 mask_lo =
-      rest >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << rest) - 1);
-  const __mmask16 mask_hi =
-      rest > 16 ? static_cast<__mmask16>((1u << (rest - 16)) - 1) : static_cast<__mmask16>(0);
+  const __mmask16 mask_lo = rest >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << rest) - 1);
+  const __mmask16 mask_hi = rest > 16 ? static_cast<__mmask16>((1u << (rest - 16)) - 1) : static_cast<__mmask16>(0);
   int r = 0;
   for (; r + 4 <= n; r += 4) {
     const T* r0 = rows[r];
@@ -340,32 +322,26 @@ ELDR_TARGET_AVX512 void DotRowsAvx512(const T* const* rows, int n, const float* 
       b = _mm512_fmadd_ps(LoadAvx512(row + i + 16), _mm512_loadu_ps(query + i + 16), b);
     }
     if (rest > 0) {
-      a = _mm512_fmadd_ps(MaskedLoadAvx512(mask_lo, row + full),
-                          _mm512_maskz_loadu_ps(mask_lo, query + full), a);
-      b = _mm512_fmadd_ps(MaskedLoadAvx512(mask_hi, row + full + 16),
-                          _mm512_maskz_loadu_ps(mask_hi, query + full + 16), b);
+      a = _mm512_fmadd_ps(MaskedLoadAvx512(mask_lo, row + full), _mm512_maskz_loadu_ps(mask_lo, query + full), a);
+      b = _mm512_fmadd_ps(MaskedLoadAvx512(mask_hi, row + full + 16), _mm512_maskz_loadu_ps(mask_hi, query + full + 16),
+                          b);
     }
     out[r] = HorizontalSumAvx512(_mm512_add_ps(a, b));
   }
 }
 
-ELDR_TARGET_AVX512 void DotRowsF32Avx512(const float* const* rows, int n, const float* query,
-                                         int dim, float* out) {
+ELDR_TARGET_AVX512 void DotRowsF32Avx512(const float* const* rows, int n, const float* query, int dim, float* out) {
   DotRowsAvx512<float>(rows, n, query, dim, out);
 }
-ELDR_TARGET_AVX512 void DotRowsF16Avx512(const uint16_t* const* rows, int n, const float* query,
-                                         int dim, float* out) {
+ELDR_TARGET_AVX512 void DotRowsF16Avx512(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
   DotRowsAvx512<uint16_t>(rows, n, query, dim, out);
 }
 
-ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, const float* query,
-                                          int dim, float* out) {
+ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
   const int full = dim & ~31;
   const int rest = dim - full;
-  const __mmask16 mask_lo =
-      rest >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << rest) - 1);
-  const __mmask16 mask_hi =
-      rest > 16 ? static_cast<__mmask16>((1u << (rest - 16)) - 1) : static_cast<__mmask16>(0);
+  const __mmask16 mask_lo = rest >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << rest) - 1);
+  const __mmask16 mask_hi = rest > 16 ? static_cast<__mmask16>((1u << (rest - 16)) - 1) : static_cast<__mmask16>(0);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   int r = 0;
   for (; r + 4 <= n; r += 4) {
@@ -376,8 +352,7 @@ ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, co
       const __m512 q1 = _mm512_loadu_ps(query + i + 16);
       for (int k = 0; k < 4; ++k) {
         const __m512i w = _mm512_loadu_si512(rows[r + k] + i);
-        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0,
-                                lo[k]);
+        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0, lo[k]);
         hi[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high_half)), q1, hi[k]);
       }
     }
@@ -387,8 +362,7 @@ ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, co
       const __m512 q1 = _mm512_maskz_loadu_ps(mask_hi, query + full + 16);
       for (int k = 0; k < 4; ++k) {
         const __m512i w = _mm512_loadu_si512(rows[r + k] + full);
-        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0,
-                                lo[k]);
+        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0, lo[k]);
         hi[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high_half)), q1, hi[k]);
       }
     }
@@ -397,9 +371,8 @@ ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, co
   if (r < n) DotRowsBf16Scalar(rows + r, n - r, query, dim, out + r);
 }
 
-ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uint16_t* masks,
-                                             const int* offsets, const int* /*kept*/,
-                                             int /*kept_count*/, float* out) {
+ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uint16_t* masks, const int* offsets,
+                                             const int* /*kept*/, int /*kept_count*/, float* out) {
   // Chunks store in order, so a store's spill-over lanes (zeros past this chunk's count) are
   // overwritten by the next chunk's store; the last one's land in the 16 floats of slack.
   // Two chunks per step, two sums: one sum would make every chunk wait on the previous FMA.
@@ -425,8 +398,8 @@ ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uin
   return HorizontalSumAvx512(_mm512_add_ps(sum0, sum1));
 }
 
-ELDR_TARGET_AVX512 void AccumulateColumnsAvx512(const float* columns, int k, int n, int stride,
-                                                const float* weights, float* out) {
+ELDR_TARGET_AVX512 void AccumulateColumnsAvx512(const float* columns, int k, int n, int stride, const float* weights,
+                                                float* out) {
   int j = 0;
   for (; j + 64 <= n; j += 64) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -444,12 +417,11 @@ ELDR_TARGET_AVX512 void AccumulateColumnsAvx512(const float* columns, int k, int
     _mm512_storeu_ps(out + j + 48, a3);
   }
   for (; j < n; j += 16) {
-    const __mmask16 mask =
-        n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __mmask16 mask = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
     __m512 a = _mm512_setzero_ps();
     for (int c = 0; c < k; ++c) {
-      a = _mm512_fmadd_ps(_mm512_set1_ps(weights[c]),
-                          _mm512_loadu_ps(columns + static_cast<size_t>(c) * stride + j), a);
+      a = _mm512_fmadd_ps(_mm512_set1_ps(weights[c]), _mm512_loadu_ps(columns + static_cast<size_t>(c) * stride + j),
+                          a);
     }
     _mm512_mask_storeu_ps(out + j, mask, a);
   }
@@ -466,14 +438,12 @@ ELDR_TARGET_AVX2 void FloatsToHalvesF16c(const float* in, size_t n, uint16_t* ou
 
 SimdLevel ComputeCpuSimdLevel() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("fma")) {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     // F16C is implied by AVX-512F on every CPU that has it, but GCC cannot test "f16c" here.
     return SimdLevel::kAvx512;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("avx")) {
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx")) {
     // __builtin_cpu_supports has no "f16c" in GCC 12; read CPUID leaf 1, ECX bit 29.
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
@@ -531,14 +501,12 @@ absl::string_view SimdLevelName(SimdLevel level) {
 }
 
 const ScorerKernels& KernelsFor(SimdLevel level) {
-  static const ScorerKernels kScalar{SimdLevel::kScalar,  DotRowsF32Scalar,
-                                     DotRowsF16Scalar,    DotRowsBf16Scalar,
-                                     GatherColumnsScalar, AccumulateColumnsScalar};
+  static const ScorerKernels kScalar{SimdLevel::kScalar, DotRowsF32Scalar,    DotRowsF16Scalar,
+                                     DotRowsBf16Scalar,  GatherColumnsScalar, AccumulateColumnsScalar};
   static const ScorerKernels kAvx2{SimdLevel::kAvx2, DotRowsF32Avx2,    DotRowsF16Avx2,
                                    DotRowsBf16Avx2,  GatherColumnsAvx2, AccumulateColumnsAvx2};
-  static const ScorerKernels kAvx512{SimdLevel::kAvx512,  DotRowsF32Avx512,
-                                     DotRowsF16Avx512,    DotRowsBf16Avx512,
-                                     GatherColumnsAvx512, AccumulateColumnsAvx512};
+  static const ScorerKernels kAvx512{SimdLevel::kAvx512, DotRowsF32Avx512,    DotRowsF16Avx512,
+                                     DotRowsBf16Avx512,  GatherColumnsAvx512, AccumulateColumnsAvx512};
   if (static_cast<int>(level) > static_cast<int>(CpuSimdLevel())) level = CpuSimdLevel();
   switch (level) {
     case SimdLevel::kAvx512:

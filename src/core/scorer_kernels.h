@@ -30,32 +30,28 @@ absl::string_view SimdLevelName(SimdLevel level);  // "scalar", "avx2", "avx512"
 
 // out[r] = sum_i rows[r][i] * query[i] for r in [0, n). `rows` holds n pointers to rows of `dim`
 // elements (any alignment; 64-byte aligned rows are faster). n >= 0, dim >= 0.
-using DotRowsF32Fn = void (*)(const float* const* rows, int n, const float* query, int dim,
-                              float* out);
-using DotRowsF16Fn = void (*)(const uint16_t* const* rows, int n, const float* query, int dim,
-                              float* out);
+using DotRowsF32Fn = void (*)(const float* const* rows, int n, const float* query, int dim, float* out);
+using DotRowsF16Fn = void (*)(const uint16_t* const* rows, int n, const float* query, int dim, float* out);
 
 // bfloat16 rows in the "paired" layout (PackBfloat16Row): ceil(dim / 32) blocks of 32 values,
 // zero padded, in which 32-bit word j of a block holds value j in its low half and value j + 16
 // in its high half. A bfloat16 in the high half of a word is already the float it stands for, and
 // one in the low half is one shift away, so the scan needs no conversion instruction: that is why
 // this format scans faster than binary16 (see docs/benchmarks.md).
-using DotRowsBf16Fn = void (*)(const uint16_t* const* rows, int n, const float* query, int dim,
-                               float* out);
+using DotRowsBf16Fn = void (*)(const uint16_t* const* rows, int n, const float* query, int dim, float* out);
 
 // Copies the columns of `in` (dim floats) whose bit is set in `masks` (bit i % 16 of masks[i / 16])
 // to `out`, in order, and returns the sum of their squares. offsets[c] is the number of selected
 // columns before chunk c (16 columns each): precomputed, so that the chunks' stores do not wait
 // on each other. `out` must have room for the kept count plus 16 floats (the vector versions
 // store whole registers). `kept` lists the same columns (the scalar version walks it).
-using GatherColumnsFn = float (*)(const float* in, int dim, const uint16_t* masks,
-                                  const int* offsets, const int* kept, int kept_count, float* out);
+using GatherColumnsFn = float (*)(const float* in, int dim, const uint16_t* masks, const int* offsets, const int* kept,
+                                  int kept_count, float* out);
 
 // out[j] = sum_k weights[k] * columns[k * stride + j] for j in [0, n): a small matrix stored
 // transposed ([k][n], stride >= n, a multiple of 16, 64-byte aligned rows) times a vector. Scores
 // every centroid in the reduced space at once.
-using AccumulateColumnsFn = void (*)(const float* columns, int k, int n, int stride,
-                                     const float* weights, float* out);
+using AccumulateColumnsFn = void (*)(const float* columns, int k, int n, int stride, const float* weights, float* out);
 
 struct ScorerKernels {
   SimdLevel level = SimdLevel::kScalar;

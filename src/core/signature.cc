@@ -86,8 +86,8 @@ double SumOfSquaresInDouble(absl::Span<const float> values) {
 
 // Little-endian int16 counts: checks encoding, geometry and byte length, converts the masked
 // layers and rejects a negative count on any layer.
-absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16Le& counts,
-                                absl::Span<float> out, double* sum_of_squares) {
+absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16Le& counts, absl::Span<float> out,
+                                double* sum_of_squares) {
   const SignatureSpec& spec = layout.spec;
   const size_t experts = static_cast<size_t>(spec.experts);
   if (!layout.wants_counts) return IntegerCountsForGateProbError();
@@ -95,9 +95,9 @@ absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16
     return GeometryError("int16 counts", counts.layers, counts.experts, spec);
   }
   if (counts.bytes.size() % 2 != 0) {
-    return InvalidInput(RejectReason::kWrongEncoding,
-                        absl::StrFormat("int16 counts must have an even byte length, got %d bytes",
-                                        counts.bytes.size()));
+    return InvalidInput(
+        RejectReason::kWrongEncoding,
+        absl::StrFormat("int16 counts must have an even byte length, got %d bytes", counts.bytes.size()));
   }
   const size_t cells = static_cast<size_t>(spec.layers) * experts;
   if (counts.bytes.size() != 2 * cells) {
@@ -115,8 +115,7 @@ absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16
     sum = kernels.convert_int16(base, weights, out.data(), cells, &bits);
   } else {
     for (size_t j = 0; j < layout.mask.size(); ++j) {
-      sum += kernels.convert_int16(base + 2 * experts * layout.mask[j],
-                                   weights ? weights + j * experts : nullptr,
+      sum += kernels.convert_int16(base + 2 * experts * layout.mask[j], weights ? weights + j * experts : nullptr,
                                    out.data() + j * experts, experts, &bits);
     }
     for (int layer : layout.unmasked) bits |= kernels.or_int16(base + 2 * experts * layer, experts);
@@ -130,8 +129,8 @@ absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16
 
 // int32 counts: checks encoding, geometry and length, converts the masked layers and rejects a
 // negative count on any layer.
-absl::Status ConvertInt32Counts(const TransformLayout& layout, const CountsInt32& counts,
-                                absl::Span<float> out, double* sum_of_squares) {
+absl::Status ConvertInt32Counts(const TransformLayout& layout, const CountsInt32& counts, absl::Span<float> out,
+                                double* sum_of_squares) {
   const SignatureSpec& spec = layout.spec;
   const size_t experts = static_cast<size_t>(spec.experts);
   if (!layout.wants_counts) return IntegerCountsForGateProbError();
@@ -154,8 +153,7 @@ absl::Status ConvertInt32Counts(const TransformLayout& layout, const CountsInt32
     sum = kernels.convert_int32(base, weights, out.data(), cells, &bits);
   } else {
     for (size_t j = 0; j < layout.mask.size(); ++j) {
-      sum += kernels.convert_int32(base + experts * layout.mask[j],
-                                   weights ? weights + j * experts : nullptr,
+      sum += kernels.convert_int32(base + experts * layout.mask[j], weights ? weights + j * experts : nullptr,
                                    out.data() + j * experts, experts, &bits);
     }
     for (int layer : layout.unmasked) {
@@ -172,14 +170,13 @@ absl::Status ConvertInt32Counts(const TransformLayout& layout, const CountsInt32
 
 // Float gate-probability sums: checks encoding, geometry and length, converts the masked layers
 // and rejects a non-finite value (first) or a negative one on any layer, naming its position.
-absl::Status ConvertGateProbSums(const TransformLayout& layout, const GateProbSums& sums,
-                                 absl::Span<float> out, double* sum_of_squares) {
+absl::Status ConvertGateProbSums(const TransformLayout& layout, const GateProbSums& sums, absl::Span<float> out,
+                                 double* sum_of_squares) {
   const SignatureSpec& spec = layout.spec;
   const size_t experts = static_cast<size_t>(spec.experts);
   if (layout.wants_counts) {
     return InvalidInput(RejectReason::kWrongEncoding,
-                        absl::StrCat("float gate-probability sums sent to a ",
-                                     SignatureVariantName(spec.variant),
+                        absl::StrCat("float gate-probability sums sent to a ", SignatureVariantName(spec.variant),
                                      " transform, which needs integer counts"));
   }
   if (sums.layers != spec.layers || sums.experts != spec.experts) {
@@ -199,8 +196,8 @@ absl::Status ConvertGateProbSums(const TransformLayout& layout, const GateProbSu
     sum = layout.kernels.convert_float(base, out.data(), cells, &negatives);
   } else {
     for (size_t j = 0; j < layout.mask.size(); ++j) {
-      sum += layout.kernels.convert_float(base + experts * layout.mask[j], out.data() + j * experts,
-                                          experts, &negatives);
+      sum +=
+          layout.kernels.convert_float(base + experts * layout.mask[j], out.data() + j * experts, experts, &negatives);
     }
   }
   bool finite = std::isfinite(sum);
@@ -231,13 +228,12 @@ absl::Status ConvertGateProbSums(const TransformLayout& layout, const GateProbSu
 }
 
 // An already transformed vector (any sign): checks its length and rejects a non-finite value.
-absl::Status ConvertTransformedVector(const TransformLayout& layout, const TransformedVector& vector,
-                                      int dim, absl::Span<float> out, double* sum_of_squares) {
+absl::Status ConvertTransformedVector(const TransformLayout& layout, const TransformedVector& vector, int dim,
+                                      absl::Span<float> out, double* sum_of_squares) {
   if (static_cast<int64_t>(vector.values.size()) != dim) {
-    return InvalidInput(RejectReason::kGeometry,
-                        absl::StrFormat("transformed signature has %d values, the calibrated "
-                                        "transform has dimension %d",
-                                        vector.values.size(), dim));
+    return InvalidInput(RejectReason::kGeometry, absl::StrFormat("transformed signature has %d values, the calibrated "
+                                                                 "transform has dimension %d",
+                                                                 vector.values.size(), dim));
   }
   int32_t negatives = 0;  // a transformed vector may have any sign
   double sum = layout.kernels.convert_float(vector.values.data(), out.data(), out.size(), &negatives);
@@ -245,8 +241,7 @@ absl::Status ConvertTransformedVector(const TransformLayout& layout, const Trans
     const int64_t bad = FirstNonFinite(vector.values.data(), vector.values.size());
     if (bad >= 0) {
       return InvalidInput(RejectReason::kNonFinite,
-                          absl::StrFormat("transformed signature: value %d is %g", bad,
-                                          vector.values[bad]));
+                          absl::StrFormat("transformed signature: value %d is %g", bad, vector.values[bad]));
     }
     sum = SumOfSquaresInDouble(out);
   }
@@ -262,9 +257,9 @@ absl::StatusOr<SignatureVariant> ParseSignatureVariant(absl::string_view name) {
   if (name == "count") return SignatureVariant::kCount;
   if (name == "count_idf") return SignatureVariant::kCountIdf;
   if (name == "gate_prob" || name == "gate_prob_all") return SignatureVariant::kGateProb;
-  return InvalidInput(RejectReason::kMalformed,
-                      absl::StrCat("unknown signature variant '", name,
-                                   "' (expected count, count_idf, gate_prob or gate_prob_all)"));
+  return InvalidInput(
+      RejectReason::kMalformed,
+      absl::StrCat("unknown signature variant '", name, "' (expected count, count_idf, gate_prob or gate_prob_all)"));
 }
 
 absl::string_view SignatureVariantName(SignatureVariant variant) {
@@ -279,9 +274,7 @@ absl::string_view SignatureVariantName(SignatureVariant variant) {
   return "count";
 }
 
-int SignatureSpec::masked_layers() const {
-  return layer_mask.empty() ? layers : static_cast<int>(layer_mask.size());
-}
+int SignatureSpec::masked_layers() const { return layer_mask.empty() ? layers : static_cast<int>(layer_mask.size()); }
 
 int SignatureSpec::dim() const { return masked_layers() * experts; }
 
@@ -319,9 +312,9 @@ absl::Status ValidateSignatureSpec(const SignatureSpec& spec) {
   for (size_t i = 0; i < spec.layer_mask.size(); ++i) {
     const int layer = spec.layer_mask[i];
     if (layer < 0 || layer >= spec.layers) {
-      return InvalidInput(RejectReason::kGeometry,
-                          absl::StrFormat("signature spec: layer_mask[%d] = %d is outside [0, %d)",
-                                          i, layer, spec.layers));
+      return InvalidInput(
+          RejectReason::kGeometry,
+          absl::StrFormat("signature spec: layer_mask[%d] = %d is outside [0, %d)", i, layer, spec.layers));
     }
     if (i > 0 && layer <= spec.layer_mask[i - 1]) {
       return InvalidInput(RejectReason::kMalformed,
@@ -335,8 +328,7 @@ absl::Status ValidateSignatureSpec(const SignatureSpec& spec) {
       return InvalidInput(RejectReason::kGeometry,
                           absl::StrFormat("signature spec: sig_idf has %d weights, expected "
                                           "|layer_mask| * experts = %d * %d = %d",
-                                          spec.idf.size(), spec.masked_layers(), spec.experts,
-                                          spec.dim()));
+                                          spec.idf.size(), spec.masked_layers(), spec.experts, spec.dim()));
     }
     bool any_positive = false;
     for (size_t i = 0; i < spec.idf.size(); ++i) {
@@ -416,13 +408,15 @@ absl::Status SignatureTransform::Convert(const SignatureInput& input, absl::Span
                                          double* sum_of_squares) const {
   if (static_cast<int64_t>(out.size()) != dim_) {
     return InvalidInput(RejectReason::kGeometry,
-                        absl::StrFormat("output buffer holds %d floats, the transform produces %d",
-                                        out.size(), dim_));
+                        absl::StrFormat("output buffer holds %d floats, the transform produces %d", out.size(), dim_));
   }
-  const TransformLayout layout{
-      spec_, internal::BestSignatureKernels(),
-      spec_.variant == SignatureVariant::kCountIdf ? spec_.idf.data() : nullptr,
-      spec_.variant != SignatureVariant::kGateProb, mask_, unmasked_, all_layers_};
+  const TransformLayout layout{spec_,
+                               internal::BestSignatureKernels(),
+                               spec_.variant == SignatureVariant::kCountIdf ? spec_.idf.data() : nullptr,
+                               spec_.variant != SignatureVariant::kGateProb,
+                               mask_,
+                               unmasked_,
+                               all_layers_};
   if (const auto* counts = std::get_if<CountsInt16Le>(&input)) {
     return ConvertInt16Counts(layout, *counts, out, sum_of_squares);
   }
@@ -432,15 +426,13 @@ absl::Status SignatureTransform::Convert(const SignatureInput& input, absl::Span
   if (const auto* sums = std::get_if<GateProbSums>(&input)) {
     return ConvertGateProbSums(layout, *sums, out, sum_of_squares);
   }
-  return ConvertTransformedVector(layout, std::get<TransformedVector>(input), dim_, out,
-                                  sum_of_squares);
+  return ConvertTransformedVector(layout, std::get<TransformedVector>(input), dim_, out, sum_of_squares);
 }
 
 // ---- IDF ---------------------------------------------------------------------------------------
 
 std::vector<float> ComputeIdf(absl::Span<const int32_t> counts, int n, int layers, int experts) {
-  if (n < 0 || layers < 1 || experts < 1 ||
-      static_cast<int64_t>(counts.size()) != int64_t{n} * layers * experts) {
+  if (n < 0 || layers < 1 || experts < 1 || static_cast<int64_t>(counts.size()) != int64_t{n} * layers * experts) {
     return {};
   }
   const size_t cells = static_cast<size_t>(layers) * experts;

@@ -12,8 +12,7 @@ namespace {
 
 // ---- Portable kernels --------------------------------------------------------------------------
 
-double ConvertInt16Scalar(const char* src, const float* weights, float* dst, size_t n,
-                          int32_t* bits) {
+double ConvertInt16Scalar(const char* src, const float* weights, float* dst, size_t n, int32_t* bits) {
   double sum = 0;
   int32_t acc_bits = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -28,8 +27,7 @@ double ConvertInt16Scalar(const char* src, const float* weights, float* dst, siz
   return sum;
 }
 
-double ConvertInt32Scalar(const int32_t* src, const float* weights, float* dst, size_t n,
-                          int32_t* bits) {
+double ConvertInt32Scalar(const int32_t* src, const float* weights, float* dst, size_t n, int32_t* bits) {
   double sum = 0;
   int32_t acc_bits = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -109,10 +107,8 @@ ELDR_AVX2 inline __m256 LoadInt16AsFloat(const char* src, __m128i* bits) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(raw));
 }
 
-ELDR_AVX2 double ConvertInt16Avx2(const char* src, const float* weights, float* dst, size_t n,
-                                  int32_t* bits) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
+ELDR_AVX2 double ConvertInt16Avx2(const char* src, const float* weights, float* dst, size_t n, int32_t* bits) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   __m128i or_bits = _mm_setzero_si128();
   size_t i = 0;
   if (weights != nullptr) {
@@ -148,16 +144,13 @@ ELDR_AVX2 double ConvertInt16Avx2(const char* src, const float* weights, float* 
   }
   double sum = HorizontalSum(acc[0], acc[1], acc[2], acc[3]);
   int32_t tail_bits = 0;
-  sum += ConvertInt16Scalar(src + 2 * i, weights != nullptr ? weights + i : nullptr, dst + i,
-                            n - i, &tail_bits);
+  sum += ConvertInt16Scalar(src + 2 * i, weights != nullptr ? weights + i : nullptr, dst + i, n - i, &tail_bits);
   *bits |= HorizontalOr16(or_bits) | tail_bits;
   return sum;
 }
 
-ELDR_AVX2 double ConvertInt32Avx2(const int32_t* src, const float* weights, float* dst, size_t n,
-                                  int32_t* bits) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
+ELDR_AVX2 double ConvertInt32Avx2(const int32_t* src, const float* weights, float* dst, size_t n, int32_t* bits) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   __m256i or_bits = _mm256_setzero_si256();
   size_t i = 0;
   for (; i + 32 <= n; i += 32) {
@@ -173,15 +166,13 @@ ELDR_AVX2 double ConvertInt32Avx2(const int32_t* src, const float* weights, floa
   }
   double sum = HorizontalSum(acc[0], acc[1], acc[2], acc[3]);
   int32_t tail_bits = 0;
-  sum += ConvertInt32Scalar(src + i, weights != nullptr ? weights + i : nullptr, dst + i, n - i,
-                            &tail_bits);
+  sum += ConvertInt32Scalar(src + i, weights != nullptr ? weights + i : nullptr, dst + i, n - i, &tail_bits);
   *bits |= HorizontalOr32(or_bits) | tail_bits;
   return sum;
 }
 
 ELDR_AVX2 double ConvertFloatAvx2(const float* src, float* dst, size_t n, int32_t* negatives) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   const __m256 zero = _mm256_setzero_ps();
   int32_t count = 0;
   size_t i = 0;
@@ -189,8 +180,7 @@ ELDR_AVX2 double ConvertFloatAvx2(const float* src, float* dst, size_t n, int32_
     for (int k = 0; k < 4; ++k) {
       const size_t at = i + 8 * k;
       const __m256 v = _mm256_loadu_ps(src + at);
-      count += __builtin_popcount(
-          static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_LT_OQ))));
+      count += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_LT_OQ))));
       _mm256_storeu_ps(dst + at, v);
       acc[k] = _mm256_fmadd_ps(v, v, acc[k]);
     }
@@ -219,8 +209,7 @@ ELDR_AVX2 int32_t OrInt16Avx2(const char* src, size_t n) {
   return HorizontalOr16(folded) | OrInt16Scalar(src + 2 * i, n - i);
 }
 
-const SignatureKernels kAvx2 = {ConvertInt16Avx2, ConvertInt32Avx2, ConvertFloatAvx2,
-                                ScaleAvx2,        OrInt16Avx2,      "avx2"};
+const SignatureKernels kAvx2 = {ConvertInt16Avx2, ConvertInt32Avx2, ConvertFloatAvx2, ScaleAvx2, OrInt16Avx2, "avx2"};
 
 bool CpuHasAvx2() {
   __builtin_cpu_init();

@@ -15,11 +15,9 @@ namespace eldr::internal {
 struct SignatureKernels {
   // int16 little-endian counts at `src` (any alignment). ORs every count into *bits, so a
   // negative count sets its sign bit.
-  double (*convert_int16)(const char* src, const float* weights, float* dst, size_t n,
-                          int32_t* bits);
+  double (*convert_int16)(const char* src, const float* weights, float* dst, size_t n, int32_t* bits);
   // int32 counts; as above.
-  double (*convert_int32)(const int32_t* src, const float* weights, float* dst, size_t n,
-                          int32_t* bits);
+  double (*convert_int32)(const int32_t* src, const float* weights, float* dst, size_t n, int32_t* bits);
   // Floats (no weights); adds the number of negative values to *negatives. A NaN or Inf makes the
   // returned sum non-finite.
   double (*convert_float)(const float* src, float* dst, size_t n, int32_t* negatives);

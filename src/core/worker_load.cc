@@ -25,9 +25,8 @@ absl::Status ValidateLoadSnapshot(const LoadSnapshot& snapshot) {
                           absl::StrFormat("load snapshot: %s = %g is negative", field.name, field.value));
     }
     if (field.value > field.max) {
-      return InvalidInput(RejectReason::kOutOfRange,
-                          absl::StrFormat("load snapshot: %s = %g is above its limit %g", field.name,
-                                          field.value, field.max));
+      return InvalidInput(RejectReason::kOutOfRange, absl::StrFormat("load snapshot: %s = %g is above its limit %g",
+                                                                     field.name, field.value, field.max));
     }
   }
   if (snapshot.taken_at == absl::InfinitePast() || snapshot.taken_at == absl::InfiniteFuture()) {

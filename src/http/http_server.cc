@@ -82,17 +82,28 @@ bool IsOversizedStatus(int status) { return status == 413 || status == 414 || st
 bool IsTokenChar(char c) {
   if (absl::ascii_isalnum(static_cast<unsigned char>(c))) return true;
   switch (c) {
-    case '!': case '#': case '$': case '%': case '&': case '\'': case '*': case '+': case '-':
-    case '.': case '^': case '_': case '`': case '|': case '~':
+    case '!':
+    case '#':
+    case '$':
+    case '%':
+    case '&':
+    case '\'':
+    case '*':
+    case '+':
+    case '-':
+    case '.':
+    case '^':
+    case '_':
+    case '`':
+    case '|':
+    case '~':
       return true;
     default:
       return false;
   }
 }
 
-bool IsToken(absl::string_view text) {
-  return !text.empty() && std::all_of(text.begin(), text.end(), IsTokenChar);
-}
+bool IsToken(absl::string_view text) { return !text.empty() && std::all_of(text.begin(), text.end(), IsTokenChar); }
 
 // A field value the server may send: no CR, LF or NUL (header injection), no other control byte
 // but HTAB.
@@ -130,10 +141,10 @@ std::optional<Rejection> CheckRequestHead(const RequestParser& parser) {
   const size_t codings = head.count(bhttp::field::transfer_encoding);
   if (codings > 0) {
     const bool plain_chunked =
-        codings == 1 && absl::EqualsIgnoreCase(absl::StripAsciiWhitespace(absl::string_view(
-                                                   head[bhttp::field::transfer_encoding].data(),
-                                                   head[bhttp::field::transfer_encoding].size())),
-                                               "chunked");
+        codings == 1 && absl::EqualsIgnoreCase(
+                            absl::StripAsciiWhitespace(absl::string_view(head[bhttp::field::transfer_encoding].data(),
+                                                                         head[bhttp::field::transfer_encoding].size())),
+                            "chunked");
     if (!parser.chunked()) return Rejection{400, "the final transfer coding must be chunked"};
     if (!plain_chunked) return Rejection{501, "transfer coding not supported"};
   }
@@ -155,8 +166,7 @@ bool HasWellFormedOtherVersion(absl::string_view request_line) {
 // A Beast parse error as a response. `start_line_parsed` tells a request line that is too long
 // (414) from header fields that are (431); `unconsumed` is what the parser has not consumed (the
 // request line itself when that is what failed).
-Rejection RejectionForParseError(const beast::error_code& error, bool start_line_parsed,
-                                 absl::string_view unconsumed) {
+Rejection RejectionForParseError(const beast::error_code& error, bool start_line_parsed, absl::string_view unconsumed) {
   if (error == bhttp::error::header_limit) {
     return start_line_parsed ? Rejection{431, "request header fields too large"}
                              : Rejection{414, "request line too long"};
@@ -169,8 +179,7 @@ Rejection RejectionForParseError(const beast::error_code& error, bool start_line
     return !start_line_parsed && HasWellFormedOtherVersion(unconsumed) ? Rejection{505, "HTTP version not supported"}
                                                                        : Rejection{400, "malformed HTTP version"};
   }
-  if (error == bhttp::error::bad_field || error == bhttp::error::bad_value ||
-      error == bhttp::error::bad_obs_fold) {
+  if (error == bhttp::error::bad_field || error == bhttp::error::bad_value || error == bhttp::error::bad_obs_fold) {
     return Rejection{400, "malformed header field"};
   }
   if (error == bhttp::error::bad_line_ending) return Rejection{400, "malformed line ending"};
@@ -186,8 +195,8 @@ Rejection RejectionForParseError(const beast::error_code& error, bool start_line
 bool StartLineParsed(const RequestParser& parser) { return !parser.get().method_string().empty(); }
 
 void ConfigureParser(RequestParser& parser, size_t max_header_bytes, size_t max_body_bytes) {
-  parser.header_limit(static_cast<std::uint32_t>(
-      std::min<size_t>(max_header_bytes, std::numeric_limits<std::uint32_t>::max())));
+  parser.header_limit(
+      static_cast<std::uint32_t>(std::min<size_t>(max_header_bytes, std::numeric_limits<std::uint32_t>::max())));
   parser.body_limit(static_cast<std::uint64_t>(max_body_bytes));
 }
 
@@ -231,8 +240,8 @@ HttpResponse ErrorResponse(int status, absl::string_view reason) {
 }
 
 bool IsServerOwnedField(absl::string_view name) {
-  for (absl::string_view owned : {"connection", "content-length", "content-type", "date", "keep-alive",
-                                  "server", "transfer-encoding", "upgrade"}) {
+  for (absl::string_view owned : {"connection", "content-length", "content-type", "date", "keep-alive", "server",
+                                  "transfer-encoding", "upgrade"}) {
     if (absl::EqualsIgnoreCase(name, owned)) return true;
   }
   return false;
@@ -240,9 +249,7 @@ bool IsServerOwnedField(absl::string_view name) {
 
 bool StatusHasNoBody(int status) { return status == 204 || status == 304; }
 
-std::string HttpDate() {
-  return absl::FormatTime("%a, %d %b %Y %H:%M:%S GMT", absl::Now(), absl::UTCTimeZone());
-}
+std::string HttpDate() { return absl::FormatTime("%a, %d %b %Y %H:%M:%S GMT", absl::Now(), absl::UTCTimeZone()); }
 
 // Fills `out` with the wire form of `response` (see HttpResponse for what is sent and dropped).
 void BuildWireResponse(HttpResponse&& response, bool head_request, unsigned version, bool keep_alive,
@@ -253,7 +260,10 @@ void BuildWireResponse(HttpResponse&& response, bool head_request, unsigned vers
   // Beast writes "<unknown-status>" for codes it does not know; send the class's name instead.
   const beast::string_view reason = bhttp::obsolete_reason(static_cast<bhttp::status>(status));
   if (reason == "<unknown-status>") {
-    out.reason(status < 300 ? "Success" : status < 400 ? "Redirection" : status < 500 ? "Client Error" : "Server Error");
+    out.reason(status < 300   ? "Success"
+               : status < 400 ? "Redirection"
+               : status < 500 ? "Client Error"
+                              : "Server Error");
   }
   out.version(version);
   out.set(bhttp::field::server, "eldr");
@@ -522,9 +532,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (error == bhttp::error::end_of_stream || error == bhttp::error::partial_message) return Close();
     if (error.category() == beast::error_code(bhttp::error::bad_method).category()) {
       const net::const_buffer unconsumed = buffer_.data();
-      return Reject(RejectionForParseError(
-          error, StartLineParsed(*parser_),
-          absl::string_view(static_cast<const char*>(unconsumed.data()), unconsumed.size())));
+      return Reject(
+          RejectionForParseError(error, StartLineParsed(*parser_),
+                                 absl::string_view(static_cast<const char*>(unconsumed.data()), unconsumed.size())));
     }
     Close();  // a socket error: reset, aborted
   }
@@ -549,8 +559,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     request.peer = peer_;
     shared_->requests.fetch_add(1, std::memory_order_relaxed);
     ++requests_served_;
-    const bool keep_alive = request_keep_alive_ &&
-                            requests_served_ < shared_->options.max_requests_per_connection && !shared_->Stopping();
+    const bool keep_alive =
+        request_keep_alive_ && requests_served_ < shared_->options.max_requests_per_connection && !shared_->Stopping();
     HttpResponse response;
     try {
       response = shared_->router.Dispatch(request);
@@ -649,19 +659,20 @@ absl::Status ValidateHttpServerOptions(const HttpServerOptions& options) {
     return listen.status();
   }
   if (options.threads < 1 || options.threads > 256) {
-    return absl::InvalidArgumentError(absl::StrCat("HttpServerOptions.threads must be in [1, 256], got ", options.threads));
+    return absl::InvalidArgumentError(
+        absl::StrCat("HttpServerOptions.threads must be in [1, 256], got ", options.threads));
   }
   if (options.max_connections < 1 || options.max_connections > 1000000) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "HttpServerOptions.max_connections must be in [1, 1000000], got ", options.max_connections));
+    return absl::InvalidArgumentError(
+        absl::StrCat("HttpServerOptions.max_connections must be in [1, 1000000], got ", options.max_connections));
   }
   if (options.max_header_bytes < 64 || options.max_header_bytes > kMaxHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat("HttpServerOptions.max_header_bytes must be in [64, ",
                                                    kMaxHeaderBytes, "], got ", options.max_header_bytes));
   }
   if (options.max_body_bytes > (size_t{1} << 30)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "HttpServerOptions.max_body_bytes must be at most 1073741824, got ", options.max_body_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("HttpServerOptions.max_body_bytes must be at most 1073741824, got ", options.max_body_bytes));
   }
   const std::pair<absl::string_view, absl::Duration> timeouts[] = {
       {"request_timeout", options.request_timeout},
@@ -670,9 +681,8 @@ absl::Status ValidateHttpServerOptions(const HttpServerOptions& options) {
   };
   for (const auto& [name, timeout] : timeouts) {
     if (timeout <= absl::ZeroDuration() || timeout > kMaxTimeout) {
-      return absl::InvalidArgumentError(absl::StrCat("HttpServerOptions.", name,
-                                                     " must be > 0 and at most a year, got ",
-                                                     absl::FormatDuration(timeout)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "HttpServerOptions.", name, " must be > 0 and at most a year, got ", absl::FormatDuration(timeout)));
     }
   }
   if (options.max_requests_per_connection < 1) {
@@ -859,11 +869,10 @@ class HttpServer::Impl {
     } else {
       tcp::resolver resolver(io_context_);
       const tcp::resolver::results_type results = resolver.resolve(
-          address->host, std::to_string(address->port),
-          tcp::resolver::passive | tcp::resolver::numeric_service, error);
+          address->host, std::to_string(address->port), tcp::resolver::passive | tcp::resolver::numeric_service, error);
       if (error) {
-        return absl::UnavailableError(absl::StrCat("HTTP listen address ", listen, ": cannot resolve the host (",
-                                                   error.message(), ")"));
+        return absl::UnavailableError(
+            absl::StrCat("HTTP listen address ", listen, ": cannot resolve the host (", error.message(), ")"));
       }
       for (const auto& entry : results) endpoints.push_back(entry.endpoint());
       if (endpoints.empty()) {
@@ -1049,8 +1058,7 @@ class HttpServer::Impl {
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Create(HttpServerOptions options, HttpRouter router) {
   if (absl::Status valid = ValidateHttpServerOptions(options); !valid.ok()) return valid;
-  return std::unique_ptr<HttpServer>(
-      new HttpServer(std::make_unique<Impl>(std::move(options), std::move(router))));
+  return std::unique_ptr<HttpServer>(new HttpServer(std::make_unique<Impl>(std::move(options), std::move(router))));
 }
 
 HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -177,8 +177,8 @@ class LoadScraperImpl final : public LoadScraper {
     for (auto& [id, transfer] : transfers_) {
       if (!transfer->in_flight) StartTransfer(*transfer, now);
     }
-    while (std::any_of(transfers_.begin(), transfers_.end(),
-                       [](const auto& entry) { return entry.second->in_flight; })) {
+    while (
+        std::any_of(transfers_.begin(), transfers_.end(), [](const auto& entry) { return entry.second->in_flight; })) {
       DriveTransfers(absl::Milliseconds(50));
     }
     return absl::OkStatus();
@@ -320,8 +320,8 @@ class LoadScraperImpl final : public LoadScraper {
     // A finished transfer changes the schedule (its next scrape is now due at a known time): let
     // the caller recompute the wait instead of sleeping on a stale one.
     if (HandleFinished() > 0) return;
-    const int wait_ms = static_cast<int>(std::clamp<int64_t>(
-        static_cast<int64_t>(std::ceil(absl::ToDoubleMilliseconds(wait))), 0, 1000));
+    const int wait_ms = static_cast<int>(
+        std::clamp<int64_t>(static_cast<int64_t>(std::ceil(absl::ToDoubleMilliseconds(wait))), 0, 1000));
     if (wait_ms > 0) curl_multi_poll(multi_, nullptr, 0, wait_ms, nullptr);
     curl_multi_perform(multi_, &running);
     HandleFinished();
@@ -362,8 +362,8 @@ class LoadScraperImpl final : public LoadScraper {
     }
     if (code != CURLE_OK) {
       result.outcome = Outcome::kTransportError;
-      result.error = transfer.error_buffer[0] != '\0' ? std::string(transfer.error_buffer)
-                                                      : std::string(curl_easy_strerror(code));
+      result.error =
+          transfer.error_buffer[0] != '\0' ? std::string(transfer.error_buffer) : std::string(curl_easy_strerror(code));
       return result;
     }
     long status = 0;
@@ -428,15 +428,21 @@ class LoadScraperImpl final : public LoadScraper {
       return std::nullopt;
     }
     switch (result.outcome) {
-      case Outcome::kTransportError: ++stats.transport_errors; break;
-      case Outcome::kHttpError: ++stats.http_errors; break;
-      case Outcome::kMalformed: ++stats.malformed_pages; break;
-      case Outcome::kSuccess: break;
+      case Outcome::kTransportError:
+        ++stats.transport_errors;
+        break;
+      case Outcome::kHttpError:
+        ++stats.http_errors;
+        break;
+      case Outcome::kMalformed:
+        ++stats.malformed_pages;
+        break;
+      case Outcome::kSuccess:
+        break;
     }
     ++stats.consecutive_failures;
     stats.last_error = result.error;
-    if (options_.unhealthy_after_failures > 0 &&
-        stats.consecutive_failures >= options_.unhealthy_after_failures) {
+    if (options_.unhealthy_after_failures > 0 && stats.consecutive_failures >= options_.unhealthy_after_failures) {
       // Asserted on every failure past the threshold, not only the first: a worker removed from
       // and re-added to the router comes back healthy and must be marked again.
       const absl::Status marked = router_->SetWorkerHealthy(stats.worker_id, false);
@@ -481,10 +487,12 @@ class LoadScraperImpl final : public LoadScraper {
 
 absl::Status ValidateLoadScraperOptions(const LoadScraperOptions& options) {
   if (options.interval <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("scrape interval must be > 0, got ", absl::FormatDuration(options.interval)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("scrape interval must be > 0, got ", absl::FormatDuration(options.interval)));
   }
   if (options.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("scrape timeout must be > 0, got ", absl::FormatDuration(options.timeout)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("scrape timeout must be > 0, got ", absl::FormatDuration(options.timeout)));
   }
   if (options.unhealthy_after_failures < 0) {
     return absl::InvalidArgumentError(
@@ -503,8 +511,8 @@ absl::Status ValidateScrapeTargets(const std::vector<ScrapeTarget>& targets) {
     }
     if (!HasHttpScheme(target.url)) {
       return absl::InvalidArgumentError(absl::StrCat("metrics URL of worker \"", target.worker_id,
-                                                     "\" must start with http:// or https://, got \"",
-                                                     target.url, "\""));
+                                                     "\" must start with http:// or https://, got \"", target.url,
+                                                     "\""));
     }
     if (target.url.find_first_of(" \t\r\n") != std::string::npos) {
       return absl::InvalidArgumentError(
@@ -520,8 +528,7 @@ absl::StatusOr<std::vector<ScrapeTarget>> ParseScrapeTargets(absl::string_view t
     item = absl::StripAsciiWhitespace(item);
     const size_t equals = item.find('=');
     if (equals == absl::string_view::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("worker metrics entry \"", item, "\" is not of the form id=url"));
+      return absl::InvalidArgumentError(absl::StrCat("worker metrics entry \"", item, "\" is not of the form id=url"));
     }
     targets.push_back({std::string(absl::StripAsciiWhitespace(item.substr(0, equals))),
                        std::string(absl::StripAsciiWhitespace(item.substr(equals + 1)))});
@@ -532,7 +539,7 @@ absl::StatusOr<std::vector<ScrapeTarget>> ParseScrapeTargets(absl::string_view t
 }
 
 absl::StatusOr<std::unique_ptr<LoadScraper>> LoadScraper::Create(Router* router, LoadScraperOptions options,
-                                                                  std::vector<ScrapeTarget> targets) {
+                                                                 std::vector<ScrapeTarget> targets) {
   if (router == nullptr) return absl::InvalidArgumentError("the load scraper needs a router");
   absl::Status valid = ValidateLoadScraperOptions(options);
   if (!valid.ok()) return valid;

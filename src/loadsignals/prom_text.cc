@@ -54,8 +54,7 @@ bool IsValidUtf8(absl::string_view text) {
       code_point = (code_point << 6) | (next & 0x3F);
     }
     static constexpr uint32_t kSmallest[] = {0, 0, 0x80, 0x800, 0x10000};
-    if (code_point < kSmallest[length] || code_point > 0x10FFFF ||
-        (code_point >= 0xD800 && code_point <= 0xDFFF)) {
+    if (code_point < kSmallest[length] || code_point > 0x10FFFF || (code_point >= 0xD800 && code_point <= 0xDFFF)) {
       return false;
     }
     i += length;
@@ -176,8 +175,8 @@ class PageParser {
       if (!type.ok()) return Error(absl::StrCat("TYPE line for ", name, ": ", type.status().message()));
       auto [it, inserted] = page_.types.try_emplace(std::string(name), *type);
       if (!inserted && it->second != *type) {
-        return Error(absl::StrCat("TYPE ", PromMetricTypeName(*type), " for ", name,
-                                  " contradicts the earlier TYPE ", PromMetricTypeName(it->second)));
+        return Error(absl::StrCat("TYPE ", PromMetricTypeName(*type), " for ", name, " contradicts the earlier TYPE ",
+                                  PromMetricTypeName(it->second)));
       }
       return absl::OkStatus();
     }
@@ -209,8 +208,8 @@ class PageParser {
 
   absl::Status ParseSample(absl::string_view line) {
     if (++sample_lines_ > options_.max_samples) {
-      return absl::ResourceExhaustedError(absl::StrCat("line ", line_number_, ": more than ",
-                                                       options_.max_samples, " samples on the page"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("line ", line_number_, ": more than ", options_.max_samples, " samples on the page"));
     }
     size_t pos = 0;
     while (pos < line.size() && IsMetricNameChar(line[pos])) ++pos;
@@ -313,15 +312,14 @@ class PageParser {
       if (line[*pos] == ',') {
         ++*pos;
       } else if (line[*pos] != '}') {
-        return Error(absl::StrCat("label set: expected ',' or '}' after the value of label \"",
-                                  label_name, "\", got \"", Excerpt(line.substr(*pos)), "\""));
+        return Error(absl::StrCat("label set: expected ',' or '}' after the value of label \"", label_name,
+                                  "\", got \"", Excerpt(line.substr(*pos)), "\""));
       }
     }
   }
 
   // Reads an escaped label value up to its closing quote (`*pos` is just after the opening one).
-  absl::Status ReadQuoted(absl::string_view line, size_t* pos, absl::string_view label_name,
-                          std::string* out) {
+  absl::Status ReadQuoted(absl::string_view line, size_t* pos, absl::string_view label_name, std::string* out) {
     const size_t start = *pos;
     while (*pos < line.size()) {
       const char c = line[(*pos)++];
@@ -386,7 +384,9 @@ struct EngineMetricNames {
 
 const std::vector<EngineMetricNames>& KnownEngines() {
   static const auto* engines = new std::vector<EngineMetricNames>{
-      {EngineKind::kVllm, "vllm:num_requests_running", "vllm:num_requests_waiting",
+      {EngineKind::kVllm,
+       "vllm:num_requests_running",
+       "vllm:num_requests_waiting",
        {"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"}},
       {EngineKind::kSglang, "sglang:num_running_reqs", "sglang:num_queue_reqs", {"sglang:token_usage"}},
   };
@@ -411,11 +411,16 @@ absl::Status CheckLoadValue(const PromSample& sample) {
 
 absl::string_view PromMetricTypeName(PromMetricType type) {
   switch (type) {
-    case PromMetricType::kUntyped: return "untyped";
-    case PromMetricType::kCounter: return "counter";
-    case PromMetricType::kGauge: return "gauge";
-    case PromMetricType::kHistogram: return "histogram";
-    case PromMetricType::kSummary: return "summary";
+    case PromMetricType::kUntyped:
+      return "untyped";
+    case PromMetricType::kCounter:
+      return "counter";
+    case PromMetricType::kGauge:
+      return "gauge";
+    case PromMetricType::kHistogram:
+      return "histogram";
+    case PromMetricType::kSummary:
+      return "summary";
   }
   return "untyped";
 }
@@ -433,9 +438,12 @@ absl::StatusOr<PromPage> ParsePromText(absl::string_view text, const PromParseOp
 
 absl::string_view EngineKindName(EngineKind kind) {
   switch (kind) {
-    case EngineKind::kAuto: return "auto";
-    case EngineKind::kVllm: return "vllm";
-    case EngineKind::kSglang: return "sglang";
+    case EngineKind::kAuto:
+      return "auto";
+    case EngineKind::kVllm:
+      return "vllm";
+    case EngineKind::kSglang:
+      return "sglang";
   }
   return "auto";
 }
@@ -476,9 +484,9 @@ absl::StatusOr<EngineLoad> EngineLoadFromPage(const PromPage& page, const Engine
           "no decode engine load metrics on the page (neither vllm:num_requests_running nor "
           "sglang:num_running_reqs)");
     }
-    const EngineMetricNames& wanted = *std::find_if(
-        KnownEngines().begin(), KnownEngines().end(),
-        [&](const EngineMetricNames& known) { return known.engine == options.engine; });
+    const EngineMetricNames& wanted =
+        *std::find_if(KnownEngines().begin(), KnownEngines().end(),
+                      [&](const EngineMetricNames& known) { return known.engine == options.engine; });
     return absl::InvalidArgumentError(absl::StrCat("no ", wanted.running, " on the page"));
   }
 

@@ -83,8 +83,8 @@ bool LimitRotation(absl::Span<const float> from, absl::Span<float> to, double ma
 // window point goes to its nearest kept centroid; the cluster with the largest total cosine
 // distance (the most spread-out zone, whose split lowers the objective most) gives up its point
 // farthest from the centre as the new worker's seed, then the next largest, and so on.
-std::vector<float> SplitSeeds(const std::vector<float>& points, int m, const std::vector<float>& kept,
-                              int kept_k, int dim, int added) {
+std::vector<float> SplitSeeds(const std::vector<float>& points, int m, const std::vector<float>& kept, int kept_k,
+                              int dim, int added) {
   std::vector<float> seeds;
   std::vector<float> scores(static_cast<size_t>(m) * kept_k);
   ScoreAllPairs(points, m, kept, kept_k, dim, absl::MakeSpan(scores));
@@ -115,7 +115,7 @@ std::vector<float> SplitSeeds(const std::vector<float>& points, int m, const std
     if (cluster >= 0) {
       seed_point = farthest[cluster];
       spread[cluster] = -1;  // split each zone at most once
-    } else {  // more new workers than splittable zones: the worst-served point left
+    } else {                 // more new workers than splittable zones: the worst-served point left
       seed_point = -1;
       for (int i = 0; i < m; ++i) {
         if (!used_point[i] && (seed_point < 0 || point_distance[i] > point_distance[seed_point])) seed_point = i;
@@ -132,21 +132,20 @@ std::vector<float> SplitSeeds(const std::vector<float>& points, int m, const std
 
 struct OnlineRefitter::RefitPlan {
   uint64_t external_installs_before = 0;
-  CentroidArtifact current;            // the centroids in service
-  std::vector<std::string> target;     // kept workers in row order, then workers without a row
-  std::vector<double> capacity;        // capacity weight per target
-  std::vector<float> kept_rows;        // the kept workers' rows
+  CentroidArtifact current;         // the centroids in service
+  std::vector<std::string> target;  // kept workers in row order, then workers without a row
+  std::vector<double> capacity;     // capacity weight per target
+  std::vector<float> kept_rows;     // the kept workers' rows
   int kept_k = 0;
   int added = 0;
   int dropped = 0;
-  std::vector<float> points;           // the window, usable for these centroids
+  std::vector<float> points;  // the window, usable for these centroids
   int m = 0;
 };
 
 // ---- Construction and lifecycle ----------------------------------------------------------------
 
-OnlineRefitter::OnlineRefitter(RefitOptions options, Router* router)
-    : options_(std::move(options)), router_(router) {}
+OnlineRefitter::OnlineRefitter(RefitOptions options, Router* router) : options_(std::move(options)), router_(router) {}
 
 absl::StatusOr<std::unique_ptr<OnlineRefitter>> OnlineRefitter::Create(RefitOptions options, Router* router) {
   if (router == nullptr) return absl::InvalidArgumentError("refit: router must not be null");
@@ -438,7 +437,8 @@ int OnlineRefitter::SnapshotWindow(absl::Time now, std::vector<float>* points, i
   // young enough.
   std::vector<std::pair<const float*, absl::Time>> rows;
   for (const auto& chunk : full) {
-    for (int r = 0; r < chunk->count; ++r) rows.emplace_back(chunk->rows.data() + static_cast<size_t>(r) * d, chunk->times[r]);
+    for (int r = 0; r < chunk->count; ++r)
+      rows.emplace_back(chunk->rows.data() + static_cast<size_t>(r) * d, chunk->times[r]);
   }
   for (size_t r = 0; r < tail_times.size(); ++r) rows.emplace_back(tail_rows.data() + r * d, tail_times[r]);
   size_t first = 0;
@@ -497,11 +497,13 @@ absl::Status OnlineRefitter::OnWorkerAdded(const std::string& worker_id) {
   }
   if (absl::Status refit = RefitLocked(/*pool_change=*/true); !refit.ok()) return refit;
   absl::StatusOr<CentroidArtifact> current = router_->CurrentCentroids();
-  if (current.ok() && std::find(current->workers.begin(), current->workers.end(), worker_id) != current->workers.end()) {
+  if (current.ok() &&
+      std::find(current->workers.begin(), current->workers.end(), worker_id) != current->workers.end()) {
     return absl::OkStatus();
   }
   absl::MutexLock stats_lock(&stats_mu_);
-  return absl::FailedPreconditionError(absl::StrCat("refit: worker '", worker_id, "' got no zone: ", stats_.last_error));
+  return absl::FailedPreconditionError(
+      absl::StrCat("refit: worker '", worker_id, "' got no zone: ", stats_.last_error));
 }
 
 absl::Status OnlineRefitter::OnWorkerRemoved(const std::string& worker_id) {
@@ -636,10 +638,10 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
     const std::string shortage =
         absl::StrCat("the window holds ", plan.m, " usable signatures, a fit of ", k, " centroids needs ", needed);
     if (plan.dropped == 0 || plan.kept_k == 0) {
-      return RecordSkip(plan.added > 0 ? absl::StrCat("refit skipped: cannot give ", plan.added,
-                                                      " new worker(s) a zone: ", shortage)
-                                       : absl::StrCat("refit skipped: ", shortage),
-                        outcome);
+      return RecordSkip(
+          plan.added > 0 ? absl::StrCat("refit skipped: cannot give ", plan.added, " new worker(s) a zone: ", shortage)
+                         : absl::StrCat("refit skipped: ", shortage),
+          outcome);
     }
     // Too little data to refit, but workers left: drop their rows, so the nearest remaining zones
     // absorb their traffic. Workers without a row wait for a later refit.
@@ -709,9 +711,9 @@ std::string OnlineRefitter::StatePath(const std::string& state_dir) {
   return (std::filesystem::path(state_dir) / "centroids.json").string();
 }
 
-absl::StatusOr<StartupCentroids> OnlineRefitter::LoadStartupCentroids(
-    const std::string& state_dir, const std::string& configured_path,
-    const std::vector<std::string>& worker_ids) {
+absl::StatusOr<StartupCentroids> OnlineRefitter::LoadStartupCentroids(const std::string& state_dir,
+                                                                      const std::string& configured_path,
+                                                                      const std::vector<std::string>& worker_ids) {
   std::optional<absl::StatusOr<CentroidArtifact>> configured;
   if (!configured_path.empty()) configured = LoadCentroidArtifact(configured_path);
 
@@ -723,8 +725,7 @@ absl::StatusOr<StartupCentroids> OnlineRefitter::LoadStartupCentroids(
       absl::StatusOr<CentroidArtifact> state = LoadCentroidArtifact(path);
       if (!state.ok()) {
         chosen.note = absl::StrCat("state ", path, " not used: ", state.status().message());
-      } else if (configured.has_value() && configured->ok() &&
-                 !SameTransform(state->spec, (*configured)->spec)) {
+      } else if (configured.has_value() && configured->ok() && !SameTransform(state->spec, (*configured)->spec)) {
         chosen.note = absl::StrCat("state ", path,
                                    " not used: its transform differs from the configured artifact's "
                                    "(a new calibration replaces what was learnt under the old one)");

@@ -88,8 +88,8 @@ absl::Status WorkerTokenFile::Reload() {
   absl::flat_hash_map<std::string, std::string> tokens;
   for (const auto& [worker, token] : root.items()) {
     if (!token.is_string() || absl::StripAsciiWhitespace(token.get<std::string>()).empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("reporter_tokens_file ", path_, ": the token of worker '", worker, "' must be a non-empty string"));
+      return absl::InvalidArgumentError(absl::StrCat("reporter_tokens_file ", path_, ": the token of worker '", worker,
+                                                     "' must be a non-empty string"));
     }
     tokens[worker] = std::string(absl::StripAsciiWhitespace(token.get<std::string>()));
   }

@@ -68,8 +68,8 @@ class CentroidFileWatch final : public BackgroundComponent {
   const std::function<void()> reload_;
 
   // Only the polling thread (or a test calling PollOnce) touches these.
-  std::optional<FileIdentity> loaded_;    // the version in service (or last attempted)
-  std::optional<FileIdentity> pending_;   // a changed version waiting to be stable for one poll
+  std::optional<FileIdentity> loaded_;   // the version in service (or last attempted)
+  std::optional<FileIdentity> pending_;  // a changed version waiting to be stable for one poll
   bool reported_missing_ = false;
 
   absl::Notification stop_;

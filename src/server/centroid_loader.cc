@@ -108,9 +108,8 @@ void CentroidLoader::Run() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](CentroidLoader* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-            return self->stopping_ || self->waiting_.has_value();
-          },
+          +[](CentroidLoader* self)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) { return self->stopping_ || self->waiting_.has_value(); },
           this));
       if (stopping_) return;
       request = *std::move(waiting_);
@@ -139,12 +138,10 @@ bool CentroidLoader::Shutdown(absl::Time deadline) {
     }
   }
   absl::MutexLock lock(&mu_);
-  return mu_.AwaitWithDeadline(absl::Condition(
-                                   +[](CentroidLoader* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-                                     return !self->running_;
-                                   },
-                                   this),
-                               deadline);
+  return mu_.AwaitWithDeadline(
+      absl::Condition(
+          +[](CentroidLoader* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) { return !self->running_; }, this),
+      deadline);
 }
 
 absl::StatusOr<std::string> CentroidLoader::ReadArtifactText(const Request& request) const {

@@ -84,8 +84,8 @@ class CentroidLoader {
   struct Request {
     Kind kind = Kind::kConfigured;
     CentroidSource source = CentroidSource::kAdmin;
-    std::string text;                 // the path or the artifact JSON
-    std::vector<LoadCallback> done;   // everyone waiting for this load
+    std::string text;                // the path or the artifact JSON
+    std::vector<LoadCallback> done;  // everyone waiting for this load
   };
 
   CentroidLoader(CentroidLoaderOptions options, std::string allowed_dir, Router* router);

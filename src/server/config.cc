@@ -97,14 +97,13 @@ OptionDef StringOption(std::string key, std::string help, FieldOf<std::string> f
 
 OptionDef DurationOption(std::string key, std::string help, FieldOf<absl::Duration> field) {
   const std::string name = key;
-  return OptionDef{std::move(key), "duration", std::move(help),
-                   [name, field](absl::string_view v, ServerOptions* o) -> absl::Status {
-                     ELDR_ASSIGN_OR_RETURN(field(*o), ParseDurationValue(name, v));
-                     return absl::OkStatus();
-                   },
-                   [field](const ServerOptions& o) {
-                     return Json(absl::FormatDuration(field(const_cast<ServerOptions&>(o))));
-                   }};
+  return OptionDef{
+      std::move(key), "duration", std::move(help),
+      [name, field](absl::string_view v, ServerOptions* o) -> absl::Status {
+        ELDR_ASSIGN_OR_RETURN(field(*o), ParseDurationValue(name, v));
+        return absl::OkStatus();
+      },
+      [field](const ServerOptions& o) { return Json(absl::FormatDuration(field(const_cast<ServerOptions&>(o)))); }};
 }
 
 template <typename Int>
@@ -151,16 +150,15 @@ OptionDef ChoiceOption(std::string key, std::string help, std::string choices, F
                        std::function<absl::string_view(Enum)> name_of) {
   const std::string name = key;
   const std::string expected = choices;
-  return OptionDef{std::move(key), std::move(choices), std::move(help),
-                   [=](absl::string_view v, ServerOptions* o) -> absl::Status {
-                     absl::StatusOr<Enum> value = parse(absl::StripAsciiWhitespace(v));
-                     if (!value.ok()) return BadValue(name, v, expected);
-                     field(*o) = *value;
-                     return absl::OkStatus();
-                   },
-                   [=](const ServerOptions& o) {
-                     return Json(std::string(name_of(field(const_cast<ServerOptions&>(o)))));
-                   }};
+  return OptionDef{
+      std::move(key), std::move(choices), std::move(help),
+      [=](absl::string_view v, ServerOptions* o) -> absl::Status {
+        absl::StatusOr<Enum> value = parse(absl::StripAsciiWhitespace(v));
+        if (!value.ok()) return BadValue(name, v, expected);
+        field(*o) = *value;
+        return absl::OkStatus();
+      },
+      [=](const ServerOptions& o) { return Json(std::string(name_of(field(const_cast<ServerOptions&>(o))))); }};
 }
 
 Json WorkerToJson(const WorkerSpec& w) {
@@ -386,7 +384,8 @@ const OptionDef* FindOptionOrAlias(absl::string_view key, absl::string_view valu
 
 absl::StatusOr<WorkerSpec> WorkerFromJson(const Json& j, size_t index) {
   const std::string where = absl::StrCat("worker #", index);
-  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": expected an object with id and address"));
+  if (!j.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(where, ": expected an object with id and address"));
   WorkerSpec w;
   for (const auto& [key, value] : j.items()) {
     if (key == "id" || key == "address" || key == "metrics_url") {
@@ -401,8 +400,8 @@ absl::StatusOr<WorkerSpec> WorkerFromJson(const Json& j, size_t index) {
       }
       w.max_inflight = value.get<int64_t>();
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": unknown key '", key, "' (expected id, address, capacity, max_inflight, metrics_url)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": unknown key '", key, "' (expected id, address, capacity, max_inflight, metrics_url)"));
     }
   }
   return w;
@@ -443,9 +442,12 @@ absl::StatusOr<ReporterAuth> ParseReporterAuth(absl::string_view name) {
 
 absl::string_view ReporterAuthName(ReporterAuth auth) {
   switch (auth) {
-    case ReporterAuth::kNone: return "none";
-    case ReporterAuth::kToken: return "token";
-    case ReporterAuth::kMtls: return "mtls";
+    case ReporterAuth::kNone:
+      return "none";
+    case ReporterAuth::kToken:
+      return "token";
+    case ReporterAuth::kMtls:
+      return "mtls";
   }
   return "none";
 }
@@ -484,8 +486,10 @@ absl::Status ApplyConfigJson(absl::string_view json_text, ServerOptions* options
       continue;
     }
     if (!value.is_string() && !value.is_boolean() && !value.is_number()) {
-      if (FindOption(key) == nullptr) return absl::InvalidArgumentError(absl::StrCat("config: unknown setting '", key, "'"));
-      return absl::InvalidArgumentError(absl::StrCat("config: setting '", key, "': expected a string, number or boolean"));
+      if (FindOption(key) == nullptr)
+        return absl::InvalidArgumentError(absl::StrCat("config: unknown setting '", key, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: setting '", key, "': expected a string, number or boolean"));
     }
     absl::Status status = SetServerOption(key, JsonToSettingText(value), options);
     if (!status.ok()) return absl::InvalidArgumentError(absl::StrCat("config: ", status.message()));
@@ -717,7 +721,8 @@ absl::StatusOr<std::vector<WorkerSpec>> ParseWorkerList(absl::string_view spec) 
     const std::string path(spec);
     ELDR_ASSIGN_OR_RETURN(const std::string text, ReadFile(path, size_t{64} << 20));
     auto workers = ParseWorkerJson(text);
-    if (!workers.ok()) return absl::Status(workers.status().code(), absl::StrCat(path, ": ", workers.status().message()));
+    if (!workers.ok())
+      return absl::Status(workers.status().code(), absl::StrCat(path, ": ", workers.status().message()));
     return workers;
   }
   std::vector<WorkerSpec> workers;

@@ -29,39 +29,44 @@ class ScrapeCollector : public prometheus::Collectable {
   std::vector<prometheus::MetricFamily> Collect() const override {
     using prometheus::MetricType;
     auto scrapes = MetricFamily("eldr_scrapes_total", "Successful scrapes of a decode worker's metrics endpoint.",
-                          MetricType::Counter);
+                                MetricType::Counter);
     auto errors = MetricFamily("eldr_scrape_errors_total",
-                         "Failed scrapes by kind: transport (refused, timeout, ...), http (status other than "
-                         "200), malformed (unparsable page or missing load gauges).",
-                         MetricType::Counter);
-    auto rejected = MetricFamily("eldr_scrape_rejected_reports_total",
-                           "Scraped load snapshots the router refused (e.g. worker not in the pool).",
-                           MetricType::Counter);
-    auto transitions = MetricFamily("eldr_scrape_unhealthy_transitions_total",
-                              "Times a worker was marked unhealthy after consecutive failed scrapes.",
-                              MetricType::Counter);
+                               "Failed scrapes by kind: transport (refused, timeout, ...), http (status other than "
+                               "200), malformed (unparsable page or missing load gauges).",
+                               MetricType::Counter);
+    auto rejected =
+        MetricFamily("eldr_scrape_rejected_reports_total",
+                     "Scraped load snapshots the router refused (e.g. worker not in the pool).", MetricType::Counter);
+    auto transitions =
+        MetricFamily("eldr_scrape_unhealthy_transitions_total",
+                     "Times a worker was marked unhealthy after consecutive failed scrapes.", MetricType::Counter);
     auto healthy = MetricFamily("eldr_scrape_healthy", "0 while failed scrapes hold the worker unhealthy, else 1.",
-                          MetricType::Gauge);
-    auto age = MetricFamily("eldr_scrape_last_success_age_seconds",
-                      "Seconds since the last successful scrape started; -1 before the first.", MetricType::Gauge);
-    auto duration = MetricFamily("eldr_scrape_duration_seconds", "Duration of the last completed scrape.",
-                           MetricType::Gauge);
+                                MetricType::Gauge);
+    auto age =
+        MetricFamily("eldr_scrape_last_success_age_seconds",
+                     "Seconds since the last successful scrape started; -1 before the first.", MetricType::Gauge);
+    auto duration =
+        MetricFamily("eldr_scrape_duration_seconds", "Duration of the last completed scrape.", MetricType::Gauge);
     const absl::Time now = absl::Now();
     for (const WorkerScrapeStats& stats : scraper_->Stats()) {
       const std::string& worker = stats.worker_id;
-      AddSample(&scrapes, static_cast<double>(stats.successes), {MetricLabel("worker", worker), MetricLabel("outcome", "ok")});
-      AddSample(&errors, static_cast<double>(stats.transport_errors), {MetricLabel("worker", worker), MetricLabel("kind", "transport")});
-      AddSample(&errors, static_cast<double>(stats.http_errors), {MetricLabel("worker", worker), MetricLabel("kind", "http")});
-      AddSample(&errors, static_cast<double>(stats.malformed_pages), {MetricLabel("worker", worker), MetricLabel("kind", "malformed")});
+      AddSample(&scrapes, static_cast<double>(stats.successes),
+                {MetricLabel("worker", worker), MetricLabel("outcome", "ok")});
+      AddSample(&errors, static_cast<double>(stats.transport_errors),
+                {MetricLabel("worker", worker), MetricLabel("kind", "transport")});
+      AddSample(&errors, static_cast<double>(stats.http_errors),
+                {MetricLabel("worker", worker), MetricLabel("kind", "http")});
+      AddSample(&errors, static_cast<double>(stats.malformed_pages),
+                {MetricLabel("worker", worker), MetricLabel("kind", "malformed")});
       AddSample(&rejected, static_cast<double>(stats.rejected_reports), {MetricLabel("worker", worker)});
       AddSample(&transitions, static_cast<double>(stats.unhealthy_transitions), {MetricLabel("worker", worker)});
       AddSample(&healthy, stats.healthy ? 1 : 0, {MetricLabel("worker", worker)});
       AddSample(&age, stats.last_success.has_value() ? absl::ToDoubleSeconds(now - *stats.last_success) : -1,
-          {MetricLabel("worker", worker)});
+                {MetricLabel("worker", worker)});
       AddSample(&duration, absl::ToDoubleSeconds(stats.last_duration), {MetricLabel("worker", worker)});
     }
     return {std::move(scrapes), std::move(errors), std::move(rejected), std::move(transitions),
-            std::move(healthy), std::move(age), std::move(duration)};
+            std::move(healthy), std::move(age),    std::move(duration)};
   }
 
  private:
@@ -166,8 +171,6 @@ absl::StatusOr<std::vector<ScrapeTarget>> ScrapeTargetsFromOptions(const ServerO
   if (!valid.ok()) return BadSetting("worker_metrics", valid.message());
   return targets;
 }
-
-
 
 ComponentFactory LoadScrapeComponentFactory() {
   return [](const ComponentContext& context) -> absl::StatusOr<std::unique_ptr<BackgroundComponent>> {

@@ -24,11 +24,21 @@ void AppendJsonString(absl::string_view value, std::string* out) {
   out->push_back('"');
   for (unsigned char c : value) {
     switch (c) {
-      case '"': out->append("\\\""); break;
-      case '\\': out->append("\\\\"); break;
-      case '\n': out->append("\\n"); break;
-      case '\r': out->append("\\r"); break;
-      case '\t': out->append("\\t"); break;
+      case '"':
+        out->append("\\\"");
+        break;
+      case '\\':
+        out->append("\\\\");
+        break;
+      case '\n':
+        out->append("\\n");
+        break;
+      case '\r':
+        out->append("\\r");
+        break;
+      case '\t':
+        out->append("\\t");
+        break;
       default:
         if (c < 0x20) {
           absl::StrAppendFormat(out, "\\u%04x", c);
@@ -57,9 +67,7 @@ void AppendKvValue(absl::string_view value, std::string* out) {
   }
 }
 
-std::string Timestamp() {
-  return absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone());
-}
+std::string Timestamp() { return absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone()); }
 
 }  // namespace
 
@@ -75,10 +83,14 @@ absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view name) {
 
 absl::string_view LogLevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return "debug";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kWarning: return "warning";
-    case LogLevel::kError: return "error";
+    case LogLevel::kDebug:
+      return "debug";
+    case LogLevel::kInfo:
+      return "info";
+    case LogLevel::kWarning:
+      return "warning";
+    case LogLevel::kError:
+      return "error";
   }
   return "info";
 }
@@ -87,29 +99,21 @@ absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view name) {
   const std::string lower = absl::AsciiStrToLower(name);
   if (lower == "kv" || lower == "keyvalue" || lower == "logfmt") return LogFormat::kKeyValue;
   if (lower == "json") return LogFormat::kJson;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown log format '", name, "' (expected kv or json)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown log format '", name, "' (expected kv or json)"));
 }
 
-absl::string_view LogFormatName(LogFormat format) {
-  return format == LogFormat::kJson ? "json" : "kv";
-}
+absl::string_view LogFormatName(LogFormat format) { return format == LogFormat::kJson ? "json" : "kv"; }
 
 void SetLogLevel(LogLevel level) { g_level.store(static_cast<int>(level), std::memory_order_relaxed); }
-void SetLogFormat(LogFormat format) {
-  g_format.store(static_cast<int>(format), std::memory_order_relaxed);
-}
-bool LogEnabled(LogLevel level) {
-  return static_cast<int>(level) >= g_level.load(std::memory_order_relaxed);
-}
+void SetLogFormat(LogFormat format) { g_format.store(static_cast<int>(format), std::memory_order_relaxed); }
+bool LogEnabled(LogLevel level) { return static_cast<int>(level) >= g_level.load(std::memory_order_relaxed); }
 void SetLogFd(int fd) { g_fd.store(fd, std::memory_order_relaxed); }
 
 LogEvent::LogEvent(LogLevel level, absl::string_view event)
     : format_(static_cast<LogFormat>(g_format.load(std::memory_order_relaxed))) {
   line_.reserve(160);
   if (format_ == LogFormat::kJson) {
-    absl::StrAppend(&line_, "{\"ts\":\"", Timestamp(), "\",\"level\":\"", LogLevelName(level),
-                    "\",\"event\":");
+    absl::StrAppend(&line_, "{\"ts\":\"", Timestamp(), "\",\"level\":\"", LogLevelName(level), "\",\"event\":");
     AppendJsonString(event, &line_);
   } else {
     absl::StrAppend(&line_, "ts=", Timestamp(), " level=", LogLevelName(level), " event=");
@@ -174,9 +178,7 @@ LogEvent& LogEvent::WithRaw(absl::string_view key, absl::string_view literal) {
   return *this;
 }
 
-LogEvent& LogEvent::With(absl::string_view key, bool value) {
-  return WithRaw(key, value ? "true" : "false");
-}
+LogEvent& LogEvent::With(absl::string_view key, bool value) { return WithRaw(key, value ? "true" : "false"); }
 
 LogEvent& LogEvent::With(absl::string_view key, double value) {
   if (!std::isfinite(value)) return With(key, absl::string_view(absl::StrCat(value)));
@@ -215,7 +217,8 @@ bool LogRateLimiter::Allow(absl::string_view key, absl::Time now, int64_t* suppr
     bucket.tokens = per_second_;
     bucket.refilled_at = now;
   } else if (now > bucket.refilled_at) {
-    bucket.tokens = std::min(per_second_, bucket.tokens + per_second_ * absl::ToDoubleSeconds(now - bucket.refilled_at));
+    bucket.tokens =
+        std::min(per_second_, bucket.tokens + per_second_ * absl::ToDoubleSeconds(now - bucket.refilled_at));
     bucket.refilled_at = now;
   }
   if (bucket.tokens < 1) {

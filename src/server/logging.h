@@ -120,20 +120,18 @@ struct LogVoidify {
 }  // namespace eldr::server
 
 // Skips building the line entirely when `level` is disabled.
-#define ELDR_LOG(level, event)                                         \
-  !::eldr::server::LogEnabled(::eldr::server::LogLevel::k##level)      \
-      ? (void)0                                                        \
-      : ::eldr::server::LogVoidify() &                                 \
-            ::eldr::server::LogEvent(::eldr::server::LogLevel::k##level, (event))
+#define ELDR_LOG(level, event)                                    \
+  !::eldr::server::LogEnabled(::eldr::server::LogLevel::k##level) \
+      ? (void)0                                                   \
+      : ::eldr::server::LogVoidify() & ::eldr::server::LogEvent(::eldr::server::LogLevel::k##level, (event))
 
 // ELDR_LOG through DaemonLogLimiter(): at most --log_rate_limit lines a second for `key` (a fixed
 // label such as "route_failed/geometry"); a written line carries suppressed=<lines dropped since
 // the previous one>, a suppressed one builds nothing.
-#define ELDR_LOG_LIMITED(level, event, key)                                    \
-  !::eldr::server::LogEnabled(::eldr::server::LogLevel::k##level)              \
-      ? (void)0                                                                \
-      : ::eldr::server::LogVoidify() &                                         \
-            ::eldr::server::LogEvent(::eldr::server::LogLevel::k##level, (event), \
-                                     &::eldr::server::DaemonLogLimiter(), (key))
+#define ELDR_LOG_LIMITED(level, event, key)                                                                  \
+  !::eldr::server::LogEnabled(::eldr::server::LogLevel::k##level)                                            \
+      ? (void)0                                                                                              \
+      : ::eldr::server::LogVoidify() & ::eldr::server::LogEvent(::eldr::server::LogLevel::k##level, (event), \
+                                                                &::eldr::server::DaemonLogLimiter(), (key))
 
 #endif  // ELDR_SERVER_LOGGING_H_

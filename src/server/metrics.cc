@@ -7,9 +7,9 @@
 #include <cstdio>
 #include <exception>
 #include <fstream>
-#include <sstream>
 #include <iterator>
 #include <map>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -28,8 +28,8 @@ constexpr PolicyKind kPolicyKinds[] = {PolicyKind::kEldr, PolicyKind::kRoundRobi
 constexpr RouteOutcome kOutcomes[] = {RouteOutcome::kOk, RouteOutcome::kFallback, RouteOutcome::kInvalid,
                                       RouteOutcome::kUnavailable, RouteOutcome::kError};
 constexpr FallbackReason kFallbackReasons[] = {
-    FallbackReason::kNone,         FallbackReason::kNoSignature,        FallbackReason::kZeroSignature,
-    FallbackReason::kNoCentroids,  FallbackReason::kNoEligibleCentroid, FallbackReason::kOverload,
+    FallbackReason::kNone,        FallbackReason::kNoSignature,        FallbackReason::kZeroSignature,
+    FallbackReason::kNoCentroids, FallbackReason::kNoEligibleCentroid, FallbackReason::kOverload,
     FallbackReason::kAllUnhealthy};
 
 template <typename Enum, size_t N>
@@ -50,23 +50,23 @@ class RouterStateCollector : public prometheus::Collectable {
     const absl::Time now = absl::Now();
     const RouterState state = router_->GetState(now);
 
-    auto inflight = MetricFamily("eldr_worker_inflight", "Live leases (routed, not completed) per worker.",
-                           MetricType::Gauge);
-    auto effective = MetricFamily("eldr_worker_effective_load",
-                            "Load the policy sees per worker: fresh report + leases since it, or leases.",
-                            MetricType::Gauge);
+    auto inflight =
+        MetricFamily("eldr_worker_inflight", "Live leases (routed, not completed) per worker.", MetricType::Gauge);
+    auto effective =
+        MetricFamily("eldr_worker_effective_load",
+                     "Load the policy sees per worker: fresh report + leases since it, or leases.", MetricType::Gauge);
     auto reported = MetricFamily("eldr_worker_reported_load",
-                           "Last reported running + waiting requests per worker (absent: never reported).",
-                           MetricType::Gauge);
-    auto kv = MetricFamily("eldr_worker_reported_kv_usage",
-                     "Last reported KV cache usage fraction per worker (absent: never reported).",
-                     MetricType::Gauge);
+                                 "Last reported running + waiting requests per worker (absent: never reported).",
+                                 MetricType::Gauge);
+    auto kv =
+        MetricFamily("eldr_worker_reported_kv_usage",
+                     "Last reported KV cache usage fraction per worker (absent: never reported).", MetricType::Gauge);
     auto age = MetricFamily("eldr_worker_report_age_seconds",
-                      "Age of the last load report per worker (absent: never reported).", MetricType::Gauge);
+                            "Age of the last load report per worker (absent: never reported).", MetricType::Gauge);
     auto healthy = MetricFamily("eldr_worker_healthy", "1 when the worker is healthy, 0 when marked unhealthy.",
-                          MetricType::Gauge);
-    auto draining = MetricFamily("eldr_worker_draining", "1 while the worker is draining (no new routes).",
-                           MetricType::Gauge);
+                                MetricType::Gauge);
+    auto draining =
+        MetricFamily("eldr_worker_draining", "1 while the worker is draining (no new routes).", MetricType::Gauge);
     for (const WorkerStatus& w : state.workers) {
       std::vector<prometheus::ClientMetric::Label> labels = {MetricLabel("worker", w.spec.id)};
       AddSample(&inflight, static_cast<double>(w.load.leases), labels);
@@ -81,7 +81,7 @@ class RouterStateCollector : public prometheus::Collectable {
     }
 
     auto generation = MetricFamily("eldr_centroid_generation",
-                             "Generation of the centroid set in service (0: none loaded).", MetricType::Gauge);
+                                   "Generation of the centroid set in service (0: none loaded).", MetricType::Gauge);
     AddSample(&generation, static_cast<double>(state.centroid_generation));
     auto rows = MetricFamily("eldr_centroid_rows", "Centroid rows in service.", MetricType::Gauge);
     AddSample(&rows, state.centroid_rows);
@@ -89,19 +89,19 @@ class RouterStateCollector : public prometheus::Collectable {
     AddSample(&workers, static_cast<double>(state.workers.size()));
     auto live = MetricFamily("eldr_live_leases", "Leases not yet completed or expired.", MetricType::Gauge);
     AddSample(&live, static_cast<double>(state.live_leases));
-    auto expired = MetricFamily("eldr_leases_expired_total",
-                          "Leases released by expiry (their Complete never came within --lease_ttl).",
-                          MetricType::Counter);
+    auto expired =
+        MetricFamily("eldr_leases_expired_total",
+                     "Leases released by expiry (their Complete never came within --lease_ttl).", MetricType::Counter);
     AddSample(&expired, static_cast<double>(state.leases_expired_total));
-    auto evicted = MetricFamily("eldr_leases_evicted_total",
-                                "Leases released at the --max_live_leases limit (the oldest of the pool).",
-                                MetricType::Counter);
+    auto evicted =
+        MetricFamily("eldr_leases_evicted_total",
+                     "Leases released at the --max_live_leases limit (the oldest of the pool).", MetricType::Counter);
     AddSample(&evicted, static_cast<double>(state.leases_evicted_total));
 
     std::vector<prometheus::MetricFamily> out;
     out.reserve(13);
-    for (auto* f : {&inflight, &effective, &reported, &kv, &age, &healthy, &draining, &generation, &rows,
-                    &workers, &live, &expired, &evicted}) {
+    for (auto* f : {&inflight, &effective, &reported, &kv, &age, &healthy, &draining, &generation, &rows, &workers,
+                    &live, &expired, &evicted}) {
       out.push_back(std::move(*f));
     }
     return out;
@@ -133,8 +133,8 @@ class ProcessCollector : public prometheus::Collectable {
     const double vsize = std::stod(fields[23 - 3]);
     const double rss_pages = std::stod(fields[24 - 3]);
 
-    auto cpu = MetricFamily("process_cpu_seconds_total", "User and system CPU time spent in seconds.",
-                      MetricType::Counter);
+    auto cpu =
+        MetricFamily("process_cpu_seconds_total", "User and system CPU time spent in seconds.", MetricType::Counter);
     AddSample(&cpu, (utime + stime) / ticks);
     out.push_back(std::move(cpu));
     auto rss = MetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.", MetricType::Gauge);
@@ -145,7 +145,7 @@ class ProcessCollector : public prometheus::Collectable {
     out.push_back(std::move(vms));
     if (boot_time_ > 0) {
       auto start = MetricFamily("process_start_time_seconds", "Start time of the process since the Unix epoch.",
-                          MetricType::Gauge);
+                                MetricType::Gauge);
       AddSample(&start, boot_time_ + start_ticks / ticks);
       out.push_back(std::move(start));
     }
@@ -182,11 +182,16 @@ class ProcessCollector : public prometheus::Collectable {
 
 absl::string_view RouteOutcomeLabel(RouteOutcome outcome) {
   switch (outcome) {
-    case RouteOutcome::kOk: return "ok";
-    case RouteOutcome::kFallback: return "fallback";
-    case RouteOutcome::kInvalid: return "invalid";
-    case RouteOutcome::kUnavailable: return "unavailable";
-    case RouteOutcome::kError: return "error";
+    case RouteOutcome::kOk:
+      return "ok";
+    case RouteOutcome::kFallback:
+      return "fallback";
+    case RouteOutcome::kInvalid:
+      return "invalid";
+    case RouteOutcome::kUnavailable:
+      return "unavailable";
+    case RouteOutcome::kError:
+      return "error";
   }
   return "error";
 }
@@ -194,8 +199,7 @@ absl::string_view RouteOutcomeLabel(RouteOutcome outcome) {
 const std::vector<double>& RouteDurationBuckets() {
   static const auto* buckets = new std::vector<double>{
       // Bounds whose shortest decimal form round-trips, so `le` labels print cleanly.
-      1e-6, 2e-6, 3e-6, 5e-6, 7.5e-6, 1e-5, 1.5e-5, 2e-5, 3e-5, 5e-5,
-      1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2};
+      1e-6, 2e-6, 3e-6, 5e-6, 7.5e-6, 1e-5, 1.5e-5, 2e-5, 3e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2};
   return *buckets;
 }
 
@@ -205,8 +209,9 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   static_assert(std::size(kFallbackReasons) == kNumFallbacks);
   auto& requests = prometheus::BuildCounter()
                        .Name("eldr_route_requests_total")
-                       .Help("Route RPCs by the policy that decided (the configured one when the route "
-                             "failed) and outcome: ok, fallback, invalid, unavailable, error.")
+                       .Help(
+                           "Route RPCs by the policy that decided (the configured one when the route "
+                           "failed) and outcome: ok, fallback, invalid, unavailable, error.")
                        .Register(*registry_);
   for (size_t p = 0; p < kNumPolicies; ++p) {
     for (size_t o = 0; o < kNumOutcomes; ++o) {
@@ -216,23 +221,26 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   }
   route_duration_ = &prometheus::BuildHistogram()
                          .Name("eldr_route_duration_seconds")
-                         .Help("Server-side Route decision time: from the decoded request to the "
-                               "filled response (transform, scoring, policy, lease).")
+                         .Help(
+                             "Server-side Route decision time: from the decoded request to the "
+                             "filled response (transform, scoring, policy, lease).")
                          .Register(*registry_)
                          .Add({}, RouteDurationBuckets());
   band_size_ = &prometheus::BuildHistogram()
                     .Name("eldr_band_size")
-                    .Help("Workers in the locality band (within tau of the best similarity) per "
-                          "locality decision.")
+                    .Help(
+                        "Workers in the locality band (within tau of the best similarity) per "
+                        "locality decision.")
                     .Register(*registry_)
                     .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128});
   similarity_ = &prometheus::BuildHistogram()
                      .Name("eldr_route_similarity")
-                     .Help("Best cosine similarity between signature and an eligible centroid per "
-                           "locality decision.")
+                     .Help(
+                         "Best cosine similarity between signature and an eligible centroid per "
+                         "locality decision.")
                      .Register(*registry_)
-                     .Add({}, prometheus::Histogram::BucketBoundaries{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7,
-                                                                       0.8, 0.85, 0.9, 0.95, 0.98, 1.0});
+                     .Add({}, prometheus::Histogram::BucketBoundaries{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9,
+                                                                      0.95, 0.98, 1.0});
   auto& fallbacks = prometheus::BuildCounter()
                         .Name("eldr_fallback_total")
                         .Help("Routes that did not follow the configured policy, by reason.")
@@ -243,16 +251,18 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   }
   auto& rejected = prometheus::BuildCounter()
                        .Name("eldr_rejected_total")
-                       .Help("Rejected inputs (signatures, load reports, artifacts, admin requests) by "
-                             "reason.")
+                       .Help(
+                           "Rejected inputs (signatures, load reports, artifacts, admin requests) by "
+                           "reason.")
                        .Register(*registry_);
   for (RejectReason reason : AllRejectReasons()) {
     rejected_.push_back(&rejected.Add({{"reason", std::string(RejectReasonLabel(reason))}}));
   }
   auto& completes = prometheus::BuildCounter()
                         .Name("eldr_complete_requests_total")
-                        .Help("Complete RPCs by outcome: released, or not_found (unknown, already "
-                              "completed, expired or evicted lease).")
+                        .Help(
+                            "Complete RPCs by outcome: released, or not_found (unknown, already "
+                            "completed, expired or evicted lease).")
                         .Register(*registry_);
   complete_ok_ = &completes.Add({{"outcome", "released"}});
   complete_not_found_ = &completes.Add({{"outcome", "not_found"}});
@@ -264,9 +274,10 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   reports_rejected_ = &reports.Add({{"outcome", "rejected"}});
   auto& installs = prometheus::BuildCounter()
                        .Name("eldr_centroid_reloads_total")
-                       .Help("Centroid sets offered through the one door, by source (startup, state_dir, "
-                             "sighup, admin, file_watch, refit, api) and outcome (ok: installed, error: "
-                             "refused, the set in service stays).")
+                       .Help(
+                           "Centroid sets offered through the one door, by source (startup, state_dir, "
+                           "sighup, admin, file_watch, refit, api) and outcome (ok: installed, error: "
+                           "refused, the set in service stays).")
                        .Register(*registry_);
   for (CentroidSource source : AllCentroidSources()) {
     const std::string label(CentroidSourceLabel(source));
@@ -279,16 +290,17 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                       .Register(*registry_);
   auto& data_refused = prometheus::BuildCounter()
                            .Name("eldr_data_plane_refused_total")
-                           .Help("DecodeRouter calls refused by a credential check (plane data: the data-plane "
-                                 "token; reporter: a load report for a worker its caller may not report for), by "
-                                 "status code.")
+                           .Help(
+                               "DecodeRouter calls refused by a credential check (plane data: the data-plane "
+                               "token; reporter: a load report for a worker its caller may not report for), by "
+                               "status code.")
                            .Register(*registry_);
   for (size_t p = 0; p < kNumPlanes; ++p) {
     auto& family = p == static_cast<size_t>(AuthPlane::kAdmin) ? refused : data_refused;
     const std::map<std::string, std::string> plane =
-        p == static_cast<size_t>(AuthPlane::kAdmin) ? std::map<std::string, std::string>{}
+        p == static_cast<size_t>(AuthPlane::kAdmin)  ? std::map<std::string, std::string>{}
         : p == static_cast<size_t>(AuthPlane::kData) ? std::map<std::string, std::string>{{"plane", "data"}}
-                                                      : std::map<std::string, std::string>{{"plane", "reporter"}};
+                                                     : std::map<std::string, std::string>{{"plane", "reporter"}};
     auto labels = [&](const char* code) {
       std::map<std::string, std::string> all = plane;
       all["code"] = code;
@@ -299,8 +311,9 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   }
   auto& streams = prometheus::BuildCounter()
                       .Name("eldr_report_streams_refused_total")
-                      .Help("ReportLoad streams refused at --max_report_streams (limit total) or "
-                            "--max_report_streams_per_peer (limit per_peer).")
+                      .Help(
+                          "ReportLoad streams refused at --max_report_streams (limit total) or "
+                          "--max_report_streams_per_peer (limit per_peer).")
                       .Register(*registry_);
   streams_refused_total_ = &streams.Add({{"limit", "total"}});
   streams_refused_peer_ = &streams.Add({{"limit", "per_peer"}});
@@ -316,8 +329,9 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                        .Add({});
   auto& tls = prometheus::BuildCounter()
                   .Name("eldr_tls_rotations_total")
-                  .Help("Changed TLS certificate files seen: installed, or refused (invalid; the pair in "
-                        "service stays).")
+                  .Help(
+                      "Changed TLS certificate files seen: installed, or refused (invalid; the pair in "
+                      "service stays).")
                   .Register(*registry_);
   tls_installed_ = &tls.Add({{"outcome", "installed"}});
   tls_refused_ = &tls.Add({{"outcome", "refused"}});
@@ -343,8 +357,7 @@ std::vector<std::weak_ptr<prometheus::Collectable>> ServerMetrics::AllCollectabl
 void ServerMetrics::RecordRoute(const RouteResult& result, double seconds) {
   const size_t policy = IndexOf(kPolicyKinds, result.policy, 0);
   const bool fell_back = result.fallback != FallbackReason::kNone;
-  route_requests_[policy][static_cast<size_t>(fell_back ? RouteOutcome::kFallback : RouteOutcome::kOk)]
-      ->Increment();
+  route_requests_[policy][static_cast<size_t>(fell_back ? RouteOutcome::kFallback : RouteOutcome::kOk)]->Increment();
   route_duration_->Observe(seconds);
   if (fell_back) {
     prometheus::Counter* c = fallbacks_[IndexOf(kFallbackReasons, result.fallback, 0)];
@@ -414,8 +427,7 @@ std::string ServerMetrics::RenderText() const {
   for (const auto& weak : AllCollectables()) {
     if (auto c = weak.lock()) {
       auto part = c->Collect();
-      families.insert(families.end(), std::make_move_iterator(part.begin()),
-                      std::make_move_iterator(part.end()));
+      families.insert(families.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
     }
   }
   return prometheus::TextSerializer().Serialize(families);

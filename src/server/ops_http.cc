@@ -26,9 +26,9 @@ class HttpStatsCollector final : public prometheus::Collectable {
     if (server_ == nullptr) return {};
     const http::HttpServerStats stats = server_->stats();
     using prometheus::MetricType;
-    auto requests = MetricFamily("eldr_http_requests_total",
-                                 "Requests answered by the operations HTTP endpoint, by status class.",
-                                 MetricType::Counter);
+    auto requests =
+        MetricFamily("eldr_http_requests_total", "Requests answered by the operations HTTP endpoint, by status class.",
+                     MetricType::Counter);
     AddSample(&requests, static_cast<double>(stats.responses_2xx), {MetricLabel("code", "2xx")});
     AddSample(&requests, static_cast<double>(stats.responses_4xx), {MetricLabel("code", "4xx")});
     AddSample(&requests, static_cast<double>(stats.responses_5xx), {MetricLabel("code", "5xx")});
@@ -88,9 +88,11 @@ absl::StatusOr<std::unique_ptr<OpsHttpEndpoint>> OpsHttpEndpoint::Start(
     return ready() ? TextResponse(200, "ready\n") : TextResponse(503, "not ready\n");
   });
   const std::string listen = options.listen;
-  absl::StatusOr<std::unique_ptr<http::HttpServer>> server = http::HttpServer::Create(std::move(options), std::move(routes));
+  absl::StatusOr<std::unique_ptr<http::HttpServer>> server =
+      http::HttpServer::Create(std::move(options), std::move(routes));
   if (!server.ok()) {
-    return absl::Status(server.status().code(), absl::StrCat("metrics_listen ", listen, ": ", server.status().message()));
+    return absl::Status(server.status().code(),
+                        absl::StrCat("metrics_listen ", listen, ": ", server.status().message()));
   }
   if (absl::Status started = (*server)->Start(); !started.ok()) {
     return absl::Status(started.code(), absl::StrCat("metrics_listen ", listen, ": ", started.message()));

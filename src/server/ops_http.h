@@ -31,8 +31,7 @@ class OpsHttpEndpoint {
   // Binds `options.listen` and serves. `ready` and `live` answer /readyz and /healthz.
   static absl::StatusOr<std::unique_ptr<OpsHttpEndpoint>> Start(http::HttpServerOptions options,
                                                                 const ServerMetrics* metrics,
-                                                                std::function<bool()> ready,
-                                                                std::function<bool()> live,
+                                                                std::function<bool()> ready, std::function<bool()> live,
                                                                 std::shared_ptr<prometheus::Collectable> stats);
   ~OpsHttpEndpoint();  // Stop()s
 

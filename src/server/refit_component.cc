@@ -132,14 +132,20 @@ class RefitComponent : public BackgroundComponent {
     for (const WorkerStatus& w : context_.router->GetState(absl::Now()).workers) worker_ids.push_back(w.spec.id);
     auto startup = OnlineRefitter::LoadStartupCentroids(options.refit.state_dir, options.centroids, worker_ids);
     if (!startup.ok()) {
-      ELDR_LOG(Warning, "refit_state_not_loaded").With("state_dir", options.refit.state_dir).With("code", startup.status());
+      ELDR_LOG(Warning, "refit_state_not_loaded")
+          .With("state_dir", options.refit.state_dir)
+          .With("code", startup.status());
       return;
     }
     if (!startup->from_state) {
       if (startup->note.empty()) {
-        ELDR_LOG(Info, "refit_state_not_loaded").With("state_dir", options.refit.state_dir).With("note", "no persisted state");
+        ELDR_LOG(Info, "refit_state_not_loaded")
+            .With("state_dir", options.refit.state_dir)
+            .With("note", "no persisted state");
       } else {  // a state exists but is unusable (corrupt, another calibration): worth a warning
-        ELDR_LOG(Warning, "refit_state_not_loaded").With("state_dir", options.refit.state_dir).With("note", startup->note);
+        ELDR_LOG(Warning, "refit_state_not_loaded")
+            .With("state_dir", options.refit.state_dir)
+            .With("note", startup->note);
       }
       return;
     }

@@ -227,9 +227,9 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(ServerOptions
     absl::StatusOr<LoadedCentroids> loaded = server->loader_->LoadConfiguredNow(CentroidSource::kStartup);
     if (!loaded.ok()) {
       const bool misfit = absl::IsFailedPrecondition(loaded.status());
-      return absl::Status(loaded.status().code(), absl::StrCat("--centroids ", o.centroids,
-                                                               misfit ? " does not fit --workers: " : ": ",
-                                                               loaded.status().message()));
+      return absl::Status(loaded.status().code(),
+                          absl::StrCat("--centroids ", o.centroids, misfit ? " does not fit --workers: " : ": ",
+                                       loaded.status().message()));
     }
   }
 
@@ -343,20 +343,20 @@ absl::Status RouterServer::StartListeners() {
   if (separate_admin) {
     auto admin = BuildServer(options_.admin_listen, /*data_plane=*/false, /*admin=*/true,
                              options_.admin_max_message_bytes, &admin_port_);
-    if (!admin.ok()) return absl::Status(admin.status().code(), absl::StrCat("admin_listen: ", admin.status().message()));
+    if (!admin.ok())
+      return absl::Status(admin.status().code(), absl::StrCat("admin_listen: ", admin.status().message()));
     admin_server_ = *std::move(admin);
   }
   if (!options_.metrics_http.listen.empty()) {
     std::shared_ptr<prometheus::Collectable> stats = OpsHttpEndpoint::StatsCollector();
     metrics_->AddCollectable(stats);
-    ELDR_ASSIGN_OR_RETURN(
-        ops_http_, OpsHttpEndpoint::Start(
-                       options_.metrics_http, metrics_.get(), [this] { return serving(); },
-                       [this] {
-                         absl::MutexLock lock(&health_mu_);
-                         return !shutting_down_;
-                       },
-                       std::move(stats)));
+    ELDR_ASSIGN_OR_RETURN(ops_http_, OpsHttpEndpoint::Start(
+                                         options_.metrics_http, metrics_.get(), [this] { return serving(); },
+                                         [this] {
+                                           absl::MutexLock lock(&health_mu_);
+                                           return !shutting_down_;
+                                         },
+                                         std::move(stats)));
     metrics_port_ = ops_http_->port();
   }
   return absl::OkStatus();
@@ -396,7 +396,8 @@ absl::Status RouterServer::Start() {
       .With("grpc_port", grpc_port_)
       .With("admin_port", admin_port_)
       .With("metrics_port", metrics_port_)
-      .With("admin_on_loopback", IsLoopbackAddress(options_.admin_listen.empty() ? options_.listen : options_.admin_listen))
+      .With("admin_on_loopback",
+            IsLoopbackAddress(options_.admin_listen.empty() ? options_.listen : options_.admin_listen))
       .With("tls", tls_mirror_ != nullptr)
       .With("mtls", !options_.tls_client_ca.empty())
       .With("admin_token", admin_token_->enabled())

@@ -82,8 +82,7 @@ struct ServerExtensions {
 
 class RouterServer {
  public:
-  static absl::StatusOr<std::unique_ptr<RouterServer>> Create(ServerOptions options,
-                                                              ServerExtensions extensions = {});
+  static absl::StatusOr<std::unique_ptr<RouterServer>> Create(ServerOptions options, ServerExtensions extensions = {});
   // Shuts down (if Start ran and Shutdown did not) and releases everything. Must not run after an
   // unclean shutdown (see clean_shutdown()).
   ~RouterServer();
@@ -129,8 +128,8 @@ class RouterServer {
 
   RouterServer(ServerOptions options, std::unique_ptr<Router> router);
 
-  absl::StatusOr<std::unique_ptr<grpc::Server>> BuildServer(const std::string& address, bool data_plane,
-                                                            bool admin, int64_t max_message_bytes, int* port);
+  absl::StatusOr<std::unique_ptr<grpc::Server>> BuildServer(const std::string& address, bool data_plane, bool admin,
+                                                            int64_t max_message_bytes, int* port);
   absl::Status StartListeners();
   void StopListeners();
   // Re-evaluates and publishes the health status.

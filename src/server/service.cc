@@ -274,7 +274,8 @@ grpc::ServerUnaryReactor* DecodeRouterService::Route(grpc::CallbackServerContext
   } else {
     ctx_.metrics->RecordRouteFailure(ctx_.configured_policy, status, seconds);
     const absl::string_view reason = RejectReasonLabel(RejectReasonOf(status));
-    ELDR_LOG_LIMITED(Debug, "route_failed", absl::StrCat("route_failed/", absl::StatusCodeToString(status.code()), "/", reason))
+    ELDR_LOG_LIMITED(Debug, "route_failed",
+                     absl::StrCat("route_failed/", absl::StatusCodeToString(status.code()), "/", reason))
         .With("request_id", Shown(request_id))
         .With("reason", reason)
         .With("code", status);
@@ -324,8 +325,8 @@ absl::Status DecodeRouterService::ApplyReport(const grpc::CallbackServerContext&
   } else if (ctx_.reporter_auth == ReporterAuth::kMtls) {
     const std::vector<std::string> identities = PeerCertificateIdentities(context);
     if (std::find(identities.begin(), identities.end(), report.worker_id()) == identities.end()) {
-      status = absl::PermissionDeniedError(absl::StrCat("the client certificate does not name worker '",
-                                                        Shown(report.worker_id()), "'"));
+      status = absl::PermissionDeniedError(
+          absl::StrCat("the client certificate does not name worker '", Shown(report.worker_id()), "'"));
       RecordRefusal(ctx_.metrics, AuthPlane::kReporter, "ReportLoad", status, context);
     }
   }
@@ -335,7 +336,8 @@ absl::Status DecodeRouterService::ApplyReport(const grpc::CallbackServerContext&
     snapshot.waiting = report.waiting();
     snapshot.kv_usage = report.kv_usage();
     const absl::Time now = absl::Now();
-    snapshot.taken_at = report.snapshot_time_unix_us() == 0 ? now : absl::FromUnixMicros(report.snapshot_time_unix_us());
+    snapshot.taken_at =
+        report.snapshot_time_unix_us() == 0 ? now : absl::FromUnixMicros(report.snapshot_time_unix_us());
     status = ctx_.router->ReportLoad(report.worker_id(), snapshot, now);
   }
   ctx_.metrics->RecordLoadReport(status.ok());
@@ -359,8 +361,8 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* DecodeRouterService::ReportLoad(grpc:
     }
     int64_t& of_peer = streams_per_peer_[reactor->peer_key()];
     if (refuse.ok() && of_peer >= ctx_.max_report_streams_per_peer) {
-      refuse = absl::ResourceExhaustedError(absl::StrCat("this peer has ", of_peer,
-                                                         " ReportLoad streams open (--max_report_streams_per_peer)"));
+      refuse = absl::ResourceExhaustedError(
+          absl::StrCat("this peer has ", of_peer, " ReportLoad streams open (--max_report_streams_per_peer)"));
       ctx_.metrics->RecordReportStreamRefused(/*per_peer=*/true);
     }
     ++of_peer;  // every registered stream counts until StreamDone, refused ones included
@@ -407,7 +409,8 @@ void DecodeRouterService::EndIdleStreams(absl::Time now) {
   const absl::Time cutoff = now - ctx_.report_stream_idle_timeout;
   absl::MutexLock lock(&streams_mu_);
   for (LoadReportReactor* reactor : streams_) {
-    if (reactor->FinishIfIdleSince(cutoff, ctx_.report_stream_idle_timeout)) ctx_.metrics->RecordReportStreamIdleEnded();
+    if (reactor->FinishIfIdleSince(cutoff, ctx_.report_stream_idle_timeout))
+      ctx_.metrics->RecordReportStreamIdleEnded();
   }
 }
 

@@ -66,9 +66,9 @@ struct ServiceContext {
   const BearerTokenFile* data_token = nullptr;   // null or disabled: data-plane RPCs are not checked
   ReporterAuth reporter_auth = ReporterAuth::kNone;
   const WorkerTokenFile* reporter_tokens = nullptr;  // reporter_auth == kToken
-  bool mutual_tls = false;        // client certificates are verified (identities are meaningful)
-  bool route_client_keys = false; // pass each Route's client key to the router (per-client refit admission)
-  int64_t max_request_bytes = 0;  // largest serialized RouteRequest accepted (--max_message_bytes)
+  bool mutual_tls = false;                           // client certificates are verified (identities are meaningful)
+  bool route_client_keys = false;  // pass each Route's client key to the router (per-client refit admission)
+  int64_t max_request_bytes = 0;   // largest serialized RouteRequest accepted (--max_message_bytes)
   int64_t max_report_streams = 1024;
   int64_t max_report_streams_per_peer = 64;
   absl::Duration report_stream_idle_timeout = absl::Minutes(2);

@@ -395,9 +395,9 @@ absl::Status CheckKeyMatchesLeaf(const TlsFiles& files, const X509* leaf, const 
   if (same != 0) {
     detail = absl::StrCat("; the key is ", KeyTypeName(key), ", the certificate's key is ", KeyTypeName(leaf_key));
   }
-  return SettingError(kKeySetting, absl::StrCat("the private key in '", files.key,
-                                                "' does not match the certificate in 'tls_cert' ('", files.cert,
-                                                "', subject ", SubjectOf(leaf), ")", detail));
+  return SettingError(
+      kKeySetting, absl::StrCat("the private key in '", files.key, "' does not match the certificate in 'tls_cert' ('",
+                                files.cert, "', subject ", SubjectOf(leaf), ")", detail));
 }
 
 absl::Status ValidateTlsContents(const TlsFiles& files, const TlsFileContents& contents) {

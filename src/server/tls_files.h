@@ -172,9 +172,9 @@ class TlsFileMirror {
   const TlsFiles mirrored_;
   const int dir_fd_;  // the mirror folder, open for the mirror's lifetime
 
-  absl::Mutex mu_;  // serializes Refresh
-  std::string installed_digest_ ABSL_GUARDED_BY(mu_);  // SHA-256 of cert, key and client CA
-  std::time_t installed_mtime_ ABSL_GUARDED_BY(mu_) = 0;  // modification time of the set's files
+  absl::Mutex mu_;                                          // serializes Refresh
+  std::string installed_digest_ ABSL_GUARDED_BY(mu_);       // SHA-256 of cert, key and client CA
+  std::time_t installed_mtime_ ABSL_GUARDED_BY(mu_) = 0;    // modification time of the set's files
   std::deque<std::string> kept_sets_ ABSL_GUARDED_BY(mu_);  // folder names, oldest first
   std::atomic<uint64_t> generation_{0};
 };

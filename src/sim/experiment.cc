@@ -56,22 +56,22 @@ absl::Status ValidateExperiment(const Workload& workload, const ExperimentOption
 }
 
 // Fills result->locality, capacity and rates (options.rates, else DefaultRates) and logs them.
-void MeasureWorkloadAndCapacity(const Workload& workload, const ExperimentOptions& options,
-                                ExperimentResult* result) {
+void MeasureWorkloadAndCapacity(const Workload& workload, const ExperimentOptions& options, ExperimentResult* result) {
   result->locality = MeasureWorkloadLocality(workload, kLocalityBatch, 400, 20000, options.seed);
-  Log(options, absl::StrFormat(
-      "workload structure: a batch of %d decode tokens of one domain touches %.1f distinct experts "
-      "per layer, of mixed domains %.1f (%.1f%% fewer); prompt/decode correlation %.2f (Spearman, %d pairs)",
-      kLocalityBatch, result->locality.same_domain_distinct, result->locality.mixed_distinct,
-      100 * result->locality.same_domain_reduction, result->locality.prompt_decode_correlation,
-      result->locality.pairs));
+  Log(options,
+      absl::StrFormat(
+          "workload structure: a batch of %d decode tokens of one domain touches %.1f distinct experts "
+          "per layer, of mixed domains %.1f (%.1f%% fewer); prompt/decode correlation %.2f (Spearman, %d pairs)",
+          kLocalityBatch, result->locality.same_domain_distinct, result->locality.mixed_distinct,
+          100 * result->locality.same_domain_reduction, result->locality.prompt_decode_correlation,
+          result->locality.pairs));
   result->capacity = EstimateCapacity(workload, options.cluster, options.seed);
   result->rates = options.rates.empty() ? DefaultRates(result->capacity) : options.rates;
-  Log(options, absl::StrFormat(
-      "estimated decode capacity %.1f req/s (%d workers x batch %d, step %.1f ms at %.1f distinct "
-      "experts/layer, %.0f decode tokens per request)",
-      result->capacity.requests_per_s, options.cluster.decoders, result->capacity.batch,
-      result->capacity.step_ms, result->capacity.mixed_distinct, result->capacity.mean_decode_steps));
+  Log(options,
+      absl::StrFormat("estimated decode capacity %.1f req/s (%d workers x batch %d, step %.1f ms at %.1f distinct "
+                      "experts/layer, %.0f decode tokens per request)",
+                      result->capacity.requests_per_s, options.cluster.decoders, result->capacity.batch,
+                      result->capacity.step_ms, result->capacity.mixed_distinct, result->capacity.mean_decode_steps));
 }
 
 // The routers of one invocation: the daemon (when options.grpc_target names one) and in-process
@@ -89,22 +89,22 @@ class RouterPool {
       return absl::OkStatus();
     }
     ELDR_ASSIGN_OR_RETURN(DaemonInfo info, QueryDaemon(options_.grpc_target,
-                                                      options_.grpc_admin_target.empty() ? options_.grpc_target
-                                                                                         : options_.grpc_admin_target,
-                                                      options_.rpc_timeout_s));
+                                                       options_.grpc_admin_target.empty() ? options_.grpc_target
+                                                                                          : options_.grpc_admin_target,
+                                                       options_.rpc_timeout_s));
     if (static_cast<int>(info.worker_ids.size()) != options_.cluster.decoders) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "eldr-router at %s has %d active decode workers but the simulation has %d: pass "
-          "--decoders %d or start the router with %d workers",
-          info.target, info.worker_ids.size(), options_.cluster.decoders, info.worker_ids.size(),
-          options_.cluster.decoders));
+      return absl::FailedPreconditionError(
+          absl::StrFormat("eldr-router at %s has %d active decode workers but the simulation has %d: pass "
+                          "--decoders %d or start the router with %d workers",
+                          info.target, info.worker_ids.size(), options_.cluster.decoders, info.worker_ids.size(),
+                          options_.cluster.decoders));
     }
     for (size_t i = 0; i < info.max_inflight.size(); ++i) {
       if (info.max_inflight[i] != options_.max_inflight) {
-        Log(options_, absl::StrFormat(
-            "note: eldr-router's worker %s has max_inflight %d, the in-process routers %d: decisions "
-            "differ once a worker reaches the smaller limit",
-            info.worker_ids[i], info.max_inflight[i], options_.max_inflight));
+        Log(options_,
+            absl::StrFormat("note: eldr-router's worker %s has max_inflight %d, the in-process routers %d: decisions "
+                            "differ once a worker reaches the smaller limit",
+                            info.worker_ids[i], info.max_inflight[i], options_.max_inflight));
         break;
       }
     }
@@ -117,8 +117,8 @@ class RouterPool {
     result->tau = daemon_->tau();
     for (const PolicySpec& policy : options_.policies) {
       if (policy.kind != daemon_->policy()) {
-        Log(options_, absl::StrFormat("note: %s runs in-process: the daemon serves policy %s only",
-                                      policy.name, PolicyKindName(daemon_->policy())));
+        Log(options_, absl::StrFormat("note: %s runs in-process: the daemon serves policy %s only", policy.name,
+                                      PolicyKindName(daemon_->policy())));
       }
     }
     return absl::OkStatus();
@@ -130,8 +130,8 @@ class RouterPool {
     auto it = in_process_.find(kind);
     if (it == in_process_.end()) {
       ELDR_ASSIGN_OR_RETURN(std::unique_ptr<RoutingBackend> created,
-                            MakeInProcessBackend(kind, options_.tau, options_.router_seed,
-                                                 options_.cluster.decoders, options_.max_inflight));
+                            MakeInProcessBackend(kind, options_.tau, options_.router_seed, options_.cluster.decoders,
+                                                 options_.max_inflight));
       it = in_process_.emplace(kind, std::move(created)).first;
     }
     return it->second.get();
@@ -145,8 +145,7 @@ class RouterPool {
 
 // Calibrates eldr's centroids on the calibration split (weighted by decode tokens when asked),
 // records the report and sizes in `result` and logs them.
-absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload,
-                                                    const ExperimentOptions& options,
+absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload, const ExperimentOptions& options,
                                                     ExperimentResult* result) {
   CalibrationOptions calibration;
   calibration.clusters = options.cluster.decoders;
@@ -155,9 +154,8 @@ absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload,
   calibration.select_layers = options.select_layers;
   calibration.model = workload.description;
   const auto start = std::chrono::steady_clock::now();
-  const CalibrationData data = options.weight_by_decode_tokens
-                                   ? WeightByDecodeTokens(workload.calibration)
-                                   : workload.calibration;
+  const CalibrationData data =
+      options.weight_by_decode_tokens ? WeightByDecodeTokens(workload.calibration) : workload.calibration;
   absl::StatusOr<CalibrationResult> calibrated = Calibrate(data, calibration);
   if (!calibrated.ok()) {
     return absl::Status(calibrated.status().code(),
@@ -169,24 +167,22 @@ absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload,
   result->calibration_requests = workload.calibration.n;
   result->calibration_points = data.n;
   result->signature_dim = centroids.dim();
-  Log(options, absl::StrFormat(
-      "calibrated %d centroids on %d requests disjoint from the evaluated ones%s: %d of %d layers "
-      "kept (correlation %.3f), dimension %d, %.1f s",
-      centroids.k, workload.calibration.n,
-      options.weight_by_decode_tokens
-          ? absl::StrFormat(" (weighted by decode tokens: %d copies)", data.n)
-          : "",
-      centroids.spec.masked_layers(), workload.layers, calibrated->report.mask_correlation,
-      centroids.dim(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+  Log(options,
+      absl::StrFormat(
+          "calibrated %d centroids on %d requests disjoint from the evaluated ones%s: %d of %d layers "
+          "kept (correlation %.3f), dimension %d, %.1f s",
+          centroids.k, workload.calibration.n,
+          options.weight_by_decode_tokens ? absl::StrFormat(" (weighted by decode tokens: %d copies)", data.n) : "",
+          centroids.spec.masked_layers(), workload.layers, calibrated->report.mask_correlation, centroids.dim(),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
   return centroids;
 }
 
 // Simulates `arrivals` at `rate` under `policy` on `backend` (for eldr: installs the centroids
 // named after its workers, plus a refit driver for eldr_refit) and logs the TPOT.
 absl::StatusOr<ExperimentCell> RunCell(const Workload& workload, const std::vector<Arrival>& arrivals,
-                                       const ExperimentOptions& options, double rate,
-                                       const PolicySpec& policy, const CentroidArtifact& centroids,
-                                       RoutingBackend* backend) {
+                                       const ExperimentOptions& options, double rate, const PolicySpec& policy,
+                                       const CentroidArtifact& centroids, RoutingBackend* backend) {
   std::unique_ptr<SimRefitDriver> refit;
   if (policy.kind == PolicyKind::kEldr) {
     const CentroidArtifact named = WithWorkers(centroids, backend->worker_ids());
@@ -198,16 +194,14 @@ absl::StatusOr<ExperimentCell> RunCell(const Workload& workload, const std::vect
     }
   }
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<RunResult> run = SimulateRun(workload, arrivals, options.cluster, backend,
-                                              refit.get());
+  absl::StatusOr<RunResult> run = SimulateRun(workload, arrivals, options.cluster, backend, refit.get());
   if (!run.ok()) {
     return absl::Status(run.status().code(),
-                        absl::StrFormat("rate %g, policy %s: %s", rate, policy.name,
-                                        run.status().message()));
+                        absl::StrFormat("rate %g, policy %s: %s", rate, policy.name, run.status().message()));
   }
-  Log(options, absl::StrFormat("rate %g req/s, %-10s TPOT p50 %.2f ms  (%.1f s)", rate, policy.name,
-                               run->metrics.tpot_p50_ms,
-                               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+  Log(options,
+      absl::StrFormat("rate %g req/s, %-10s TPOT p50 %.2f ms  (%.1f s)", rate, policy.name, run->metrics.tpot_p50_ms,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
   ExperimentCell cell;
   cell.rate = rate;
   cell.policy = policy;
@@ -239,11 +233,9 @@ CalibrationData WeightByDecodeTokens(const CalibrationData& data) {
   for (int i = 0; i < data.n; ++i) {
     const int copies = std::clamp(static_cast<int>(std::lround(tokens[i] / unit)), 1, 64);
     for (int c = 0; c < copies; ++c) {
-      weighted.prefill_counts.insert(weighted.prefill_counts.end(),
-                                     data.prefill_counts.begin() + plane * i,
+      weighted.prefill_counts.insert(weighted.prefill_counts.end(), data.prefill_counts.begin() + plane * i,
                                      data.prefill_counts.begin() + plane * (i + 1));
-      weighted.decode_counts.insert(weighted.decode_counts.end(),
-                                    data.decode_counts.begin() + plane * i,
+      weighted.decode_counts.insert(weighted.decode_counts.end(), data.decode_counts.begin() + plane * i,
                                     data.decode_counts.begin() + plane * (i + 1));
       if (!data.labels.empty()) weighted.labels.push_back(data.labels[i]);
       ++weighted.n;
@@ -265,8 +257,8 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
     } else {
       absl::StatusOr<PolicyKind> kind = ParsePolicyKind(name);
       if (!kind.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--policies: unknown policy '", name, "' (expected rr, random, jsq, p2c, eldr, eldr_refit)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("--policies: unknown policy '", name, "' (expected rr, random, jsq, p2c, eldr, eldr_refit)"));
       }
       spec.kind = *kind;
     }
@@ -288,8 +280,8 @@ absl::StatusOr<std::vector<double>> ParseRates(absl::string_view list) {
     if (text.empty()) continue;
     double rate = 0;
     if (!absl::SimpleAtod(text, &rate) || !std::isfinite(rate) || rate <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--rates: '", text, "' is not a positive number of requests per second"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--rates: '", text, "' is not a positive number of requests per second"));
     }
     rates.push_back(rate);
   }
@@ -297,8 +289,7 @@ absl::StatusOr<std::vector<double>> ParseRates(absl::string_view list) {
   return rates;
 }
 
-CapacityEstimate EstimateCapacity(const Workload& workload, const ClusterOptions& cluster,
-                                  uint64_t seed) {
+CapacityEstimate EstimateCapacity(const Workload& workload, const ClusterOptions& cluster, uint64_t seed) {
   CapacityEstimate estimate;
   double decode_steps = 0, kv_tokens = 0;
   for (const SimRequest& request : workload.pool) {
@@ -326,19 +317,16 @@ CapacityEstimate EstimateCapacity(const Workload& workload, const ClusterOptions
   estimate.mixed_distinct = distinct / workload.layers;
   const double step_us = DecodeStepUs(cluster.cost, estimate.batch, static_cast<int64_t>(std::lround(distinct)));
   estimate.step_ms = step_us / 1e3;
-  estimate.requests_per_s =
-      cluster.decoders * estimate.batch / (step_us / 1e6) / estimate.mean_decode_steps;
+  estimate.requests_per_s = cluster.decoders * estimate.batch / (step_us / 1e6) / estimate.mean_decode_steps;
   return estimate;
 }
 
 std::vector<double> DefaultRates(const CapacityEstimate& capacity) {
-  return {RoundTwoSignificant(0.30 * capacity.requests_per_s),
-          RoundTwoSignificant(0.55 * capacity.requests_per_s),
+  return {RoundTwoSignificant(0.30 * capacity.requests_per_s), RoundTwoSignificant(0.55 * capacity.requests_per_s),
           RoundTwoSignificant(0.80 * capacity.requests_per_s)};
 }
 
-absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
-                                               const ExperimentOptions& options) {
+absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload, const ExperimentOptions& options) {
   ELDR_RETURN_IF_ERROR(ValidateExperiment(workload, options));
   ExperimentResult result;
   result.workload = workload.description;
@@ -351,20 +339,18 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
 
   // Centroids, calibrated on the calibration split only.
   CentroidArtifact centroids;
-  const bool needs_centroids =
-      std::any_of(options.policies.begin(), options.policies.end(),
-                  [](const PolicySpec& p) { return p.kind == PolicyKind::kEldr; });
+  const bool needs_centroids = std::any_of(options.policies.begin(), options.policies.end(),
+                                           [](const PolicySpec& p) { return p.kind == PolicyKind::kEldr; });
   if (needs_centroids) {
     ELDR_ASSIGN_OR_RETURN(centroids, CalibrateCentroids(workload, options, &result));
   }
 
   for (double rate : result.rates) {
-    const std::vector<Arrival> arrivals =
-        MakeArrivals(workload, rate, options.requests, options.seed);
+    const std::vector<Arrival> arrivals = MakeArrivals(workload, rate, options.requests, options.seed);
     for (const PolicySpec& policy : options.policies) {
       ELDR_ASSIGN_OR_RETURN(RoutingBackend * backend, routers.For(policy.kind));
-      ELDR_ASSIGN_OR_RETURN(ExperimentCell cell, RunCell(workload, arrivals, options, rate, policy,
-                                                         centroids, backend));
+      ELDR_ASSIGN_OR_RETURN(ExperimentCell cell,
+                            RunCell(workload, arrivals, options, rate, policy, centroids, backend));
       result.cells.push_back(std::move(cell));
     }
   }

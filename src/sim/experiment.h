@@ -38,34 +38,33 @@ CalibrationData WeightByDecodeTokens(const CalibrationData& data);
 struct ExperimentOptions {
   ClusterOptions cluster;
   std::vector<PolicySpec> policies;
-  std::vector<double> rates;     // empty: DefaultRates of the estimated capacity
-  int requests = 4000;           // arrivals per rate
-  double tau = 0.1;              // in-process routers; a daemon uses its own
-  int64_t max_inflight = 0;      // in-process routers' per-worker overload guard (0: none)
-  uint64_t seed = 1;             // arrivals, calibration, refit
-  uint64_t router_seed = 0x5eed; // in-process routers' tie-breaking (eldr-router's default)
+  std::vector<double> rates;      // empty: DefaultRates of the estimated capacity
+  int requests = 4000;            // arrivals per rate
+  double tau = 0.1;               // in-process routers; a daemon uses its own
+  int64_t max_inflight = 0;       // in-process routers' per-worker overload guard (0: none)
+  uint64_t seed = 1;              // arrivals, calibration, refit
+  uint64_t router_seed = 0x5eed;  // in-process routers' tie-breaking (eldr-router's default)
   SignatureVariant variant = SignatureVariant::kCountIdf;
-  bool select_layers = true;     // greedy layer mask during calibration
+  bool select_layers = true;            // greedy layer mask during calibration
   bool weight_by_decode_tokens = true;  // calibrate on WeightByDecodeTokens(calibration split)
   SimRefitOptions refit;
-  std::string grpc_target;       // host:port of a running eldr-router; empty: in-process
+  std::string grpc_target;        // host:port of a running eldr-router; empty: in-process
   std::string grpc_admin_target;  // host:port of its RouterAdmin; empty: grpc_target
   double rpc_timeout_s = 10;
   std::function<void(const std::string&)> log;  // progress lines (may be empty)
 };
 
 struct CapacityEstimate {
-  int batch = 0;                    // tokens per step at saturation (max batch or KV bound)
-  double mixed_distinct = 0;        // distinct experts per layer of a random batch of that size
-  double step_ms = 0;               // step time of such a batch
+  int batch = 0;              // tokens per step at saturation (max batch or KV bound)
+  double mixed_distinct = 0;  // distinct experts per layer of a random batch of that size
+  double step_ms = 0;         // step time of such a batch
   double mean_decode_steps = 0;
-  double requests_per_s = 0;        // decoders * batch / step / mean decode steps
+  double requests_per_s = 0;  // decoders * batch / step / mean decode steps
 };
 
 // Decode capacity of the pool under load-only routing: every worker at its batch limit with
 // batches drawn at random. Deterministic for `seed`.
-CapacityEstimate EstimateCapacity(const Workload& workload, const ClusterOptions& cluster,
-                                  uint64_t seed);
+CapacityEstimate EstimateCapacity(const Workload& workload, const ClusterOptions& cluster, uint64_t seed);
 // Light, moderate and heavy load: 30%, 55% and 80% of the capacity, two significant digits.
 std::vector<double> DefaultRates(const CapacityEstimate& capacity);
 
@@ -84,14 +83,13 @@ struct ExperimentResult {
   int calibration_requests = 0;  // requests of the calibration split
   int calibration_points = 0;    // points k-means saw (more with weight_by_decode_tokens)
   int signature_dim = 0;
-  std::string router;           // in-process, or the daemon's description
+  std::string router;  // in-process, or the daemon's description
   double tau = 0;
   std::vector<double> rates;
   std::vector<ExperimentCell> cells;  // rate-major, policies in the given order
 };
 
-absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload,
-                                               const ExperimentOptions& options);
+absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload, const ExperimentOptions& options);
 
 }  // namespace eldr::sim
 

@@ -43,8 +43,7 @@ std::shared_ptr<grpc::Channel> OpenChannel(const std::string& target) {
 
 class GrpcBackend final : public RoutingBackend {
  public:
-  GrpcBackend(DaemonInfo daemon, double rpc_timeout_s)
-      : daemon_(std::move(daemon)), rpc_timeout_s_(rpc_timeout_s) {
+  GrpcBackend(DaemonInfo daemon, double rpc_timeout_s) : daemon_(std::move(daemon)), rpc_timeout_s_(rpc_timeout_s) {
     channel_ = OpenChannel(daemon_.target);
     router_ = eldr::v1::DecodeRouter::NewStub(channel_);
     admin_ = eldr::v1::RouterAdmin::NewStub(OpenChannel(daemon_.admin_target));
@@ -75,13 +74,12 @@ class GrpcBackend final : public RoutingBackend {
                          call.prompt_counts.size() * sizeof(int16_t));
     eldr::v1::RouteResponse response;
     auto context = ContextWithDeadline(rpc_timeout_s_);
-    ELDR_RETURN_IF_ERROR(FromGrpc(router_->Route(context.get(), request, &response), "Route",
-                                  daemon_.target));
+    ELDR_RETURN_IF_ERROR(FromGrpc(router_->Route(context.get(), request, &response), "Route", daemon_.target));
     auto it = index_.find(response.worker_id());
     if (it == index_.end()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "eldr-router at ", daemon_.target, " routed to worker '", response.worker_id(),
-          "', which it did not list when the simulation started (was the pool changed?)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("eldr-router at ", daemon_.target, " routed to worker '", response.worker_id(),
+                       "', which it did not list when the simulation started (was the pool changed?)"));
     }
     RouteDecision decision;
     decision.worker = it->second;
@@ -98,8 +96,7 @@ class GrpcBackend final : public RoutingBackend {
     request.set_output_tokens(output_tokens);
     eldr::v1::CompleteResponse response;
     auto context = ContextWithDeadline(rpc_timeout_s_);
-    return FromGrpc(router_->Complete(context.get(), request, &response), "Complete",
-                    daemon_.target);
+    return FromGrpc(router_->Complete(context.get(), request, &response), "Complete", daemon_.target);
   }
 
   absl::Status InstallCentroids(const CentroidArtifact& artifact) override {
@@ -107,8 +104,7 @@ class GrpcBackend final : public RoutingBackend {
     request.set_artifact_json(SerializeCentroidArtifact(artifact));
     eldr::v1::ReloadCentroidsResponse response;
     auto context = ContextWithDeadline(rpc_timeout_s_);
-    return FromGrpc(admin_->ReloadCentroids(context.get(), request, &response), "ReloadCentroids",
-                    daemon_.target);
+    return FromGrpc(admin_->ReloadCentroids(context.get(), request, &response), "ReloadCentroids", daemon_.target);
   }
 
  private:
@@ -125,22 +121,20 @@ class GrpcBackend final : public RoutingBackend {
 absl::StatusOr<std::string> ParseGrpcTarget(const std::string& url) {
   constexpr absl::string_view kScheme = "grpc://";
   if (!absl::StartsWith(url, kScheme)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--router '", url, "': expected grpc://HOST:PORT"));
+    return absl::InvalidArgumentError(absl::StrCat("--router '", url, "': expected grpc://HOST:PORT"));
   }
   const std::string target = url.substr(kScheme.size());
   const size_t colon = target.rfind(':');
   int port = 0;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(target.substr(colon + 1), &port) || port < 1 || port > 65535) {
+  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(target.substr(colon + 1), &port) || port < 1 ||
+      port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--router '", url, "': expected grpc://HOST:PORT with a port in 1..65535"));
   }
   return target;
 }
 
-absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, const std::string& admin_target,
-                                        double timeout_s) {
+absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, const std::string& admin_target, double timeout_s) {
   std::shared_ptr<grpc::Channel> channel = OpenChannel(admin_target);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() +
                                  std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)))) {
@@ -160,8 +154,8 @@ absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, const std::str
   info.admin_target = admin_target;
   absl::StatusOr<PolicyKind> policy = ParsePolicyKind(state.policy());
   if (!policy.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "eldr-router at ", target, " reports an unknown policy '", state.policy(), "'"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("eldr-router at ", target, " reports an unknown policy '", state.policy(), "'"));
   }
   info.policy = *policy;
   info.tau = state.tau();
@@ -173,14 +167,12 @@ absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, const std::str
     info.max_inflight.push_back(worker.worker().max_inflight());
   }
   if (info.worker_ids.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("eldr-router at ", target, " has no active decode worker"));
+    return absl::FailedPreconditionError(absl::StrCat("eldr-router at ", target, " has no active decode worker"));
   }
   return info;
 }
 
-absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeGrpcBackend(const DaemonInfo& daemon,
-                                                                double rpc_timeout_s) {
+absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeGrpcBackend(const DaemonInfo& daemon, double rpc_timeout_s) {
   if (daemon.worker_ids.empty()) {
     return absl::FailedPreconditionError("eldr-router has no active decode worker");
   }

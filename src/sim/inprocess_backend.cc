@@ -18,8 +18,7 @@ namespace {
 
 class InProcessBackend final : public RoutingBackend {
  public:
-  InProcessBackend(std::unique_ptr<Router> router, std::vector<std::string> worker_ids,
-                   PolicyKind policy, double tau)
+  InProcessBackend(std::unique_ptr<Router> router, std::vector<std::string> worker_ids, PolicyKind policy, double tau)
       : router_(std::move(router)), worker_ids_(std::move(worker_ids)), policy_(policy), tau_(tau) {
     for (int i = 0; i < static_cast<int>(worker_ids_.size()); ++i) index_[worker_ids_[i]] = i;
   }
@@ -38,10 +37,10 @@ class InProcessBackend final : public RoutingBackend {
   }
 
   absl::StatusOr<RouteDecision> Route(const RouteCall& call, double now_us) override {
-    const SignatureInput signature = CountsInt16Le{
-        call.layers, call.experts,
-        absl::string_view(reinterpret_cast<const char*>(call.prompt_counts.data()),
-                          call.prompt_counts.size() * sizeof(int16_t))};
+    const SignatureInput signature =
+        CountsInt16Le{call.layers, call.experts,
+                      absl::string_view(reinterpret_cast<const char*>(call.prompt_counts.data()),
+                                        call.prompt_counts.size() * sizeof(int16_t))};
     ELDR_ASSIGN_OR_RETURN(RouteResult result, router_->Route(&signature, Clock(now_us)));
     RouteDecision decision;
     auto it = index_.find(result.worker_id);
@@ -83,8 +82,7 @@ class InProcessBackend final : public RoutingBackend {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind policy, double tau,
-                                                                     uint64_t router_seed,
-                                                                     int workers,
+                                                                     uint64_t router_seed, int workers,
                                                                      int64_t max_inflight) {
   if (workers < 1) return absl::InvalidArgumentError("--decoders must be >= 1");
   RouterOptions options;
@@ -102,8 +100,7 @@ absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind 
     specs.push_back(std::move(spec));
   }
   ELDR_ASSIGN_OR_RETURN(std::unique_ptr<Router> router, Router::Create(options, std::move(specs)));
-  return std::unique_ptr<RoutingBackend>(
-      new InProcessBackend(std::move(router), std::move(ids), policy, tau));
+  return std::unique_ptr<RoutingBackend>(new InProcessBackend(std::move(router), std::move(ids), policy, tau));
 }
 
 }  // namespace eldr::sim

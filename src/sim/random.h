@@ -37,9 +37,7 @@ class Rng {
   // Uniform in [0, 1), 53 random bits.
   double Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
   // Uniform integer in [0, n), n >= 1 (multiply-shift; bias below 2^-32 for the sizes used here).
-  uint64_t Below(uint64_t n) {
-    return static_cast<uint64_t>((static_cast<unsigned __int128>(Next()) * n) >> 64);
-  }
+  uint64_t Below(uint64_t n) { return static_cast<uint64_t>((static_cast<unsigned __int128>(Next()) * n) >> 64); }
   // Exponential with mean 1.
   double Exponential() { return -std::log1p(-Uniform()); }
   // Standard normal (Box-Muller, both values used).

@@ -55,13 +55,11 @@ std::string FormatTable(const ExperimentResult& result) {
                         result.locality.prompt_decode_correlation);
   absl::StrAppendFormat(&out, "router: %s\n", result.router);
   for (double rate : result.rates) {
-    absl::StrAppendFormat(&out, "\nrate %g req/s (%s)\n", rate,
-                          LoadLabel(rate, result.capacity.requests_per_s));
-    absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "policy",
-                          "TPOT p50", "p90", "p99 ms", "TTFT p50", "p99 ms", "experts/", "load",
-                          "batch", "vs best LB");
-    absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "", "", "", "",
-                          "", "", "layer", "imbalance", "", "p50 / p99");
+    absl::StrAppendFormat(&out, "\nrate %g req/s (%s)\n", rate, LoadLabel(rate, result.capacity.requests_per_s));
+    absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "policy", "TPOT p50", "p90", "p99 ms",
+                          "TTFT p50", "p99 ms", "experts/", "load", "batch", "vs best LB");
+    absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "", "", "", "", "", "", "layer",
+                          "imbalance", "", "p50 / p99");
     const Baseline best = BestBaseline(result, rate);
     for (const ExperimentCell& cell : result.cells) {
       if (cell.rate != rate) continue;
@@ -71,14 +69,13 @@ std::string FormatTable(const ExperimentResult& result) {
         versus = absl::StrFormat("%+.1f%% / %+.1f%%", 100 * (m.tpot_p50_ms / best.p50 - 1),
                                  100 * (m.tpot_p99_ms / best.p99 - 1));
       }
-      absl::StrAppendFormat(&out, "%-11s %8.2f %8.2f %8.2f %9.1f %9.1f %9.1f %9.2f %7.1f %15s\n",
-                            cell.policy.name, m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms,
-                            m.ttft_p50_ms, m.ttft_p99_ms, m.distinct_experts_per_layer,
-                            m.load_imbalance, m.mean_batch, versus);
+      absl::StrAppendFormat(&out, "%-11s %8.2f %8.2f %8.2f %9.1f %9.1f %9.1f %9.2f %7.1f %15s\n", cell.policy.name,
+                            m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms, m.ttft_p50_ms, m.ttft_p99_ms,
+                            m.distinct_experts_per_layer, m.load_imbalance, m.mean_batch, versus);
     }
     if (std::isfinite(best.p50)) {
-      absl::StrAppendFormat(&out, "best load balancer: p50 %s %.2f ms, p99 %s %.2f ms\n",
-                            best.p50_policy, best.p50, best.p99_policy, best.p99);
+      absl::StrAppendFormat(&out, "best load balancer: p50 %s %.2f ms, p99 %s %.2f ms\n", best.p50_policy, best.p50,
+                            best.p99_policy, best.p99);
     }
   }
   return out;
@@ -102,12 +99,9 @@ nlohmann::json ToJson(const ExperimentResult& result, bool with_samples) {
       {"mean_decode_steps", result.capacity.mean_decode_steps},
   };
   json["calibration"] = {
-      {"requests", result.calibration_requests},
-      {"points", result.calibration_points},
-      {"layer_mask", result.calibration.layer_mask},
-      {"mask_correlation", result.calibration.mask_correlation},
-      {"cluster_sizes", result.calibration.cluster_sizes},
-      {"signature_dim", result.signature_dim},
+      {"requests", result.calibration_requests},           {"points", result.calibration_points},
+      {"layer_mask", result.calibration.layer_mask},       {"mask_correlation", result.calibration.mask_correlation},
+      {"cluster_sizes", result.calibration.cluster_sizes}, {"signature_dim", result.signature_dim},
   };
   json["router"] = result.router;
   json["tau"] = result.tau;
@@ -147,10 +141,9 @@ std::string FormatCsv(const ExperimentResult& result) {
       "distinct_experts_per_layer,load_imbalance,mean_batch,decode_tokens_per_s,measured_requests\n";
   for (const ExperimentCell& cell : result.cells) {
     const RunMetrics& m = cell.run.metrics;
-    absl::StrAppendFormat(&out, "%g,%s,%.4f,%.4f,%.4f,%.3f,%.3f,%.3f,%.4f,%.3f,%.1f,%d\n", cell.rate,
-                          cell.policy.name, m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms,
-                          m.ttft_p50_ms, m.ttft_p99_ms, m.distinct_experts_per_layer,
-                          m.load_imbalance, m.mean_batch, m.decode_tokens_per_s,
+    absl::StrAppendFormat(&out, "%g,%s,%.4f,%.4f,%.4f,%.3f,%.3f,%.3f,%.4f,%.3f,%.1f,%d\n", cell.rate, cell.policy.name,
+                          m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms, m.ttft_p50_ms, m.ttft_p99_ms,
+                          m.distinct_experts_per_layer, m.load_imbalance, m.mean_batch, m.decode_tokens_per_s,
                           m.measured_requests);
   }
   return out;

@@ -29,11 +29,11 @@ struct RouteCall {
 };
 
 struct RouteDecision {
-  int worker = -1;          // index into the backend's worker_ids()
+  int worker = -1;  // index into the backend's worker_ids()
   uint64_t lease_id = 0;
   float similarity = 0;
   int band_size = 0;
-  std::string fallback;     // empty when the configured policy decided
+  std::string fallback;  // empty when the configured policy decided
 };
 
 // Not thread-safe: one simulation drives one backend at a time.
@@ -61,8 +61,7 @@ class RoutingBackend {
 // (0: none). Simulated time is passed to the router as absl::Time, advancing monotonically across
 // runs.
 absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind policy, double tau,
-                                                                     uint64_t router_seed,
-                                                                     int workers,
+                                                                     uint64_t router_seed, int workers,
                                                                      int64_t max_inflight);
 
 // What a running daemon says about itself (RouterAdmin.GetState).
@@ -82,13 +81,11 @@ absl::StatusOr<std::string> ParseGrpcTarget(const std::string& url);
 
 // Connects to eldr-router at `target` (host:port, plaintext) and reads its state; UNAVAILABLE naming
 // the target when it does not answer within `timeout_s`.
-absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, const std::string& admin_target,
-                                        double timeout_s);
+absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, const std::string& admin_target, double timeout_s);
 
 // Every Route and Complete of the run goes to the daemon (DecodeRouter, synchronous stub); centroids
 // are installed with RouterAdmin.ReloadCentroids (inline JSON).
-absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeGrpcBackend(const DaemonInfo& daemon,
-                                                                double rpc_timeout_s);
+absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeGrpcBackend(const DaemonInfo& daemon, double rpc_timeout_s);
 
 }  // namespace eldr::sim
 

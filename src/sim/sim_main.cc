@@ -47,8 +47,7 @@ ABSL_FLAG(double, prefill_fraction, kTrace.prefill_fraction,
 ABSL_FLAG(int, experts, kTrace.experts, "Real traces: routed experts of the traced model");
 ABSL_FLAG(double, calibration_fraction, kTrace.calibration_fraction,
           "Real traces: share of each domain's sequences used only to calibrate eldr's centroids");
-ABSL_FLAG(std::string, synthetic, "",
-          "Synthetic workload geometry LAYERSxEXPERTSxTOPK, e.g. 48x128x8 (Qwen3-30B-A3B)");
+ABSL_FLAG(std::string, synthetic, "", "Synthetic workload geometry LAYERSxEXPERTSxTOPK, e.g. 48x128x8 (Qwen3-30B-A3B)");
 ABSL_FLAG(int, domains, kSynthetic.domains, "Synthetic: number of domains");
 ABSL_FLAG(int, topics_per_domain, kSynthetic.topics_per_domain, "Synthetic: topics inside each domain");
 ABSL_FLAG(double, locality, kSynthetic.locality,
@@ -60,8 +59,7 @@ ABSL_FLAG(double, output_tokens_mean, kSynthetic.output_tokens_mean, "Synthetic:
 ABSL_FLAG(int, requests, kSynthetic.requests, "Arrivals simulated per rate");
 
 // ---- Cluster and cost model ----
-ABSL_FLAG(int, decoders, 0,
-          "Decode workers; 0: 16, or with --router the daemon's number of active workers");
+ABSL_FLAG(int, decoders, 0, "Decode workers; 0: 16, or with --router the daemon's number of active workers");
 ABSL_FLAG(int, prefill_workers, kCluster.prefill_workers, "Prefill servers");
 ABSL_FLAG(int, max_batch, kCluster.max_batch, "Continuous batching limit of a decode worker");
 ABSL_FLAG(int64_t, kv_budget_tokens, kCluster.kv_budget_tokens, "KV cache of a decode worker, tokens");
@@ -88,10 +86,10 @@ ABSL_FLAG(bool, weight_by_decode_tokens, true,
 ABSL_FLAG(std::string, router, "",
           "grpc://HOST:PORT of a running eldr-router: every Route and Complete of the policies it "
           "serves goes to it; empty: the routing library in this process");
-ABSL_FLAG(std::string, router_admin, "",
-          "grpc://HOST:PORT of that eldr-router's RouterAdmin listener (its --admin_listen); empty: the --router address");
-ABSL_FLAG(uint64_t, router_seed, 0x5eed,
-          "Tie-breaking seed of the in-process routers (eldr-router's default)");
+ABSL_FLAG(
+    std::string, router_admin, "",
+    "grpc://HOST:PORT of that eldr-router's RouterAdmin listener (its --admin_listen); empty: the --router address");
+ABSL_FLAG(uint64_t, router_seed, 0x5eed, "Tie-breaking seed of the in-process routers (eldr-router's default)");
 ABSL_FLAG(double, rpc_timeout_s, 10, "Deadline of each RPC to the router, seconds");
 ABSL_FLAG(double, refit_interval_s, kRefit.interval_s, "eldr_refit: simulated seconds between refits");
 ABSL_FLAG(double, refit_window_s, kRefit.window_s, "eldr_refit: rolling window of signatures, seconds");
@@ -148,8 +146,8 @@ absl::Status DrawFigure(const eldr::sim::ExperimentResult& result, const std::st
   const std::string text = eldr::sim::ToJson(result, /*with_samples=*/true).dump();
   absl::Status status = eldr::WriteFileAtomically(data_path, text);
   if (status.ok()) {
-    status = RunCommand({absl::GetFlag(FLAGS_python), absl::GetFlag(FLAGS_plot_script), "--input",
-                         data_path, "--out", png});
+    status =
+        RunCommand({absl::GetFlag(FLAGS_python), absl::GetFlag(FLAGS_plot_script), "--input", data_path, "--out", png});
   }
   std::remove(data_path);
   return status;
@@ -212,8 +210,7 @@ int main(int argc, char** argv) {
   if (absl::Status valid = eldr::sim::ValidateClusterOptions(options.cluster); !valid.ok()) {
     return Fail(valid);
   }
-  absl::StatusOr<std::vector<eldr::sim::PolicySpec>> policies =
-      eldr::sim::ParsePolicies(absl::GetFlag(FLAGS_policies));
+  absl::StatusOr<std::vector<eldr::sim::PolicySpec>> policies = eldr::sim::ParsePolicies(absl::GetFlag(FLAGS_policies));
   if (!policies.ok()) return Fail(policies.status());
   options.policies = *policies;
   if (const std::string rates = absl::GetFlag(FLAGS_rates); !rates.empty()) {
@@ -228,8 +225,7 @@ int main(int argc, char** argv) {
   options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
   if (options.max_inflight == -1) options.max_inflight = options.cluster.max_batch;
   if (options.max_inflight < 0) return Fail("--max_inflight must be -1 (= --max_batch), 0 (none) or positive");
-  absl::StatusOr<eldr::SignatureVariant> variant =
-      eldr::ParseSignatureVariant(absl::GetFlag(FLAGS_variant));
+  absl::StatusOr<eldr::SignatureVariant> variant = eldr::ParseSignatureVariant(absl::GetFlag(FLAGS_variant));
   if (!variant.ok() || *variant == eldr::SignatureVariant::kGateProb) {
     return Fail(absl::StrCat("--variant '", absl::GetFlag(FLAGS_variant),
                              "': the simulator replays expert counts, so count or count_idf"));
@@ -301,8 +297,7 @@ int main(int argc, char** argv) {
 
   // Outputs.
   if (const std::string path = absl::GetFlag(FLAGS_json_out); !path.empty()) {
-    if (absl::Status s = eldr::WriteFileAtomically(path, eldr::sim::ToJson(*result, false).dump(2) + "\n");
-        !s.ok()) {
+    if (absl::Status s = eldr::WriteFileAtomically(path, eldr::sim::ToJson(*result, false).dump(2) + "\n"); !s.ok()) {
       return Fail(s);
     }
   }

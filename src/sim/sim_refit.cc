@@ -8,8 +8,8 @@
 
 namespace eldr::sim {
 
-absl::StatusOr<std::unique_ptr<SimRefitDriver>> SimRefitDriver::Create(
-    const CentroidArtifact& initial, const SimRefitOptions& options) {
+absl::StatusOr<std::unique_ptr<SimRefitDriver>> SimRefitDriver::Create(const CentroidArtifact& initial,
+                                                                       const SimRefitOptions& options) {
   if (!(options.interval_s > 0) || !(options.window_s > 0) || options.max_iterations < 1 ||
       options.min_signatures_per_centroid < 1) {
     return absl::InvalidArgumentError(
@@ -42,9 +42,7 @@ absl::StatusOr<std::unique_ptr<SimRefitDriver>> SimRefitDriver::Create(
   refit.max_iterations = options.max_iterations;
   refit.seed = options.seed;
   std::shared_ptr<double> clock_us = driver->clock_us_;
-  refit.clock = [clock_us] {
-    return absl::UnixEpoch() + absl::Microseconds(static_cast<int64_t>(*clock_us));
-  };
+  refit.clock = [clock_us] { return absl::UnixEpoch() + absl::Microseconds(static_cast<int64_t>(*clock_us)); };
   ELDR_ASSIGN_OR_RETURN(driver->refitter_, OnlineRefitter::Create(refit, driver->host_.get()));
   return driver;
 }
@@ -53,13 +51,12 @@ SimRefitDriver::~SimRefitDriver() {
   if (refitter_ != nullptr) refitter_->Stop();
 }
 
-void SimRefitDriver::Observe(absl::Span<const int16_t> counts, int layers, int experts,
-                             double now_us) {
+void SimRefitDriver::Observe(absl::Span<const int16_t> counts, int layers, int experts, double now_us) {
   *clock_us_ = now_us;
   scratch_.resize(transform_.dim());
-  const SignatureInput input = CountsInt16Le{
-      layers, experts,
-      absl::string_view(reinterpret_cast<const char*>(counts.data()), counts.size() * sizeof(int16_t))};
+  const SignatureInput input =
+      CountsInt16Le{layers, experts,
+                    absl::string_view(reinterpret_cast<const char*>(counts.data()), counts.size() * sizeof(int16_t))};
   if (!transform_.Apply(input, absl::MakeSpan(scratch_)).ok()) return;
   refitter_->Observe(scratch_, "");
 }

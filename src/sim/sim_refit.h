@@ -23,9 +23,9 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "eldr/core/centroid_artifact.h"
-#include "eldr/refit/refit.h"
 #include "eldr/core/router.h"
 #include "eldr/core/signature.h"
+#include "eldr/refit/refit.h"
 
 namespace eldr::sim {
 

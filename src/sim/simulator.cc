@@ -19,7 +19,7 @@ struct Event {
   double time_us;
   uint64_t sequence;  // insertion order: equal times are processed first-in first-out
   EventKind kind;
-  int subject;        // arrival index, or worker index for kStepDone
+  int subject;  // arrival index, or worker index for kStepDone
 };
 
 struct LaterEvent {
@@ -40,13 +40,13 @@ struct DecodeWorker {
   std::deque<int> waiting;
   int64_t kv_used = 0;
   bool busy = false;
-  int assigned = 0;          // routed and not finished (what the router counts as load)
+  int assigned = 0;  // routed and not finished (what the router counts as load)
 };
 
 class Simulation {
  public:
-  Simulation(const Workload& workload, const std::vector<Arrival>& arrivals,
-             const ClusterOptions& cluster, RoutingBackend* backend, SimRefitDriver* refit)
+  Simulation(const Workload& workload, const std::vector<Arrival>& arrivals, const ClusterOptions& cluster,
+             RoutingBackend* backend, SimRefitDriver* refit)
       : workload_(workload),
         arrivals_(arrivals),
         cluster_(cluster),
@@ -62,8 +62,8 @@ class Simulation {
     warm_ = static_cast<int>(std::floor(cluster_.warmup_fraction * n));
     last_measured_ = n - 1 - static_cast<int>(std::floor(cluster_.cooldown_fraction * n));
     if (last_measured_ < warm_) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "warm-up and cool-down fractions leave no measured request out of ", n));
+      return absl::InvalidArgumentError(
+          absl::StrCat("warm-up and cool-down fractions leave no measured request out of ", n));
     }
     window_begin_us_ = arrivals_[warm_].time_us;
     window_end_us_ = arrivals_[last_measured_].time_us;
@@ -122,8 +122,7 @@ class Simulation {
 
   void StartPrefill(int arrival) {
     --free_prefill_;
-    Push(now_us_ + PrefillUs(cluster_.cost, RequestOf(arrival).prompt_tokens),
-         EventKind::kPrefillDone, arrival);
+    Push(now_us_ + PrefillUs(cluster_.cost, RequestOf(arrival).prompt_tokens), EventKind::kPrefillDone, arrival);
   }
 
   void OnArrival(int arrival) {
@@ -150,13 +149,12 @@ class Simulation {
     call.prompt_tokens = request.prompt_tokens;
     absl::StatusOr<RouteDecision> decision = backend_->Route(call, now_us_);
     if (!decision.ok()) {
-      return absl::Status(decision.status().code(),
-                          absl::StrCat("routing request ", arrival, " (", request.source,
-                                       "): ", decision.status().message()));
+      return absl::Status(decision.status().code(), absl::StrCat("routing request ", arrival, " (", request.source,
+                                                                 "): ", decision.status().message()));
     }
     if (decision->worker < 0 || decision->worker >= cluster_.decoders) {
-      return absl::InternalError(absl::StrCat("backend returned worker index ", decision->worker,
-                                              " outside the ", cluster_.decoders, " decoders"));
+      return absl::InternalError(absl::StrCat("backend returned worker index ", decision->worker, " outside the ",
+                                              cluster_.decoders, " decoders"));
     }
     RequestRecord& record = result_.requests[arrival];
     record.worker = decision->worker;
@@ -225,11 +223,10 @@ class Simulation {
         record.finish_us = now_us_;
         worker.kv_used -= state.kv_tokens;
         --worker.assigned;
-        const absl::Status completed =
-            backend_->Complete(state.lease_id, record.decode_steps, now_us_);
+        const absl::Status completed = backend_->Complete(state.lease_id, record.decode_steps, now_us_);
         if (!completed.ok()) {
-          return absl::Status(completed.code(), absl::StrCat("completing request ", arrival, ": ",
-                                                             completed.message()));
+          return absl::Status(completed.code(),
+                              absl::StrCat("completing request ", arrival, ": ", completed.message()));
         }
       } else {
         worker.running[kept++] = arrival;
@@ -246,8 +243,7 @@ class Simulation {
     if (refitted->has_value()) {
       const absl::Status installed = backend_->InstallCentroids(**refitted);
       if (!installed.ok()) {
-        return absl::Status(installed.code(),
-                            absl::StrCat("installing refitted centroids: ", installed.message()));
+        return absl::Status(installed.code(), absl::StrCat("installing refitted centroids: ", installed.message()));
       }
     }
     const double next = now_us_ + refit_->options().interval_s * 1e6;
@@ -278,8 +274,7 @@ class Simulation {
       ++m.measured_requests;
       ttft_ms.push_back((record.first_token_us - record.arrival_us) / 1e3);
       if (record.decode_steps >= 2) {
-        m.tpot_ms.push_back((record.finish_us - record.first_token_us) / 1e3 /
-                            (record.decode_steps - 1));
+        m.tpot_ms.push_back((record.finish_us - record.first_token_us) / 1e3 / (record.decode_steps - 1));
       }
       similarity += record.similarity;
       band += record.band_size;
@@ -334,8 +329,7 @@ absl::Status ValidateClusterOptions(const ClusterOptions& o) {
   if (o.prefill_workers < 1) return absl::InvalidArgumentError("--prefill_workers must be >= 1");
   if (o.max_batch < 1) return absl::InvalidArgumentError("--max_batch must be >= 1");
   if (o.kv_budget_tokens < 1) return absl::InvalidArgumentError("--kv_budget_tokens must be >= 1");
-  if (!(o.warmup_fraction >= 0 && o.cooldown_fraction >= 0 &&
-        o.warmup_fraction + o.cooldown_fraction < 0.9)) {
+  if (!(o.warmup_fraction >= 0 && o.cooldown_fraction >= 0 && o.warmup_fraction + o.cooldown_fraction < 0.9)) {
     return absl::InvalidArgumentError(
         "--warmup_fraction and --cooldown_fraction must be >= 0 and sum to less than 0.9");
   }
@@ -346,15 +340,14 @@ absl::Status ValidateClusterOptions(const ClusterOptions& o) {
 }
 
 absl::StatusOr<RunResult> SimulateRun(const Workload& workload, const std::vector<Arrival>& arrivals,
-                                      const ClusterOptions& cluster, RoutingBackend* backend,
-                                      SimRefitDriver* refit) {
+                                      const ClusterOptions& cluster, RoutingBackend* backend, SimRefitDriver* refit) {
   ELDR_RETURN_IF_ERROR(ValidateClusterOptions(cluster));
   if (arrivals.empty()) return absl::InvalidArgumentError("no arrivals to simulate");
   if (backend == nullptr) return absl::InvalidArgumentError("no routing backend");
   if (static_cast<int>(backend->worker_ids().size()) != cluster.decoders) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the router has ", backend->worker_ids().size(), " decode workers but the simulation has ",
-        cluster.decoders, " (--decoders)"));
+    return absl::FailedPreconditionError(absl::StrCat("the router has ", backend->worker_ids().size(),
+                                                      " decode workers but the simulation has ", cluster.decoders,
+                                                      " (--decoders)"));
   }
   for (const Arrival& arrival : arrivals) {
     if (arrival.request < 0 || arrival.request >= static_cast<int>(workload.pool.size())) {

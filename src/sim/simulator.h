@@ -39,9 +39,9 @@ struct ClusterOptions {
   // keeps ~15 GB for KV; at 98 KB per token (48 layers x 4 KV heads x 128 x 2 x bf16) that is ~150k.
   int64_t kv_budget_tokens = 150000;
   CostModelOptions cost;
-  double warmup_fraction = 0.25;   // of the arrivals, not measured
-  double cooldown_fraction = 0.1;  // of the arrivals, not measured
-  double imbalance_sample_ms = 10; // load imbalance is sampled at this simulated period
+  double warmup_fraction = 0.25;    // of the arrivals, not measured
+  double cooldown_fraction = 0.1;   // of the arrivals, not measured
+  double imbalance_sample_ms = 10;  // load imbalance is sampled at this simulated period
 };
 
 absl::Status ValidateClusterOptions(const ClusterOptions& options);
@@ -68,11 +68,11 @@ struct RunMetrics {
   // Time average of max_w(in-flight_w) / mean_w(in-flight_w) over the measured window, where a
   // worker's in-flight requests are its running and waiting ones (1 = perfectly even).
   double load_imbalance = 0;
-  double mean_batch = 0;               // mean running requests per step
-  double decode_tokens_per_s = 0;      // pool throughput over the measured window
-  double mean_similarity = 0;          // eldr: mean best centroid similarity of measured routes
-  double mean_band_size = 0;           // eldr: mean band size of measured routes
-  std::vector<double> tpot_ms;         // per measured request (for the figure)
+  double mean_batch = 0;           // mean running requests per step
+  double decode_tokens_per_s = 0;  // pool throughput over the measured window
+  double mean_similarity = 0;      // eldr: mean best centroid similarity of measured routes
+  double mean_band_size = 0;       // eldr: mean band size of measured routes
+  std::vector<double> tpot_ms;     // per measured request (for the figure)
 };
 
 struct RunResult {
@@ -86,8 +86,7 @@ struct RunResult {
 // Simulates every arrival to completion. `refit` (may be null) is fed every routed signature and
 // asked to refit every interval; its artifacts are installed through `backend`.
 absl::StatusOr<RunResult> SimulateRun(const Workload& workload, const std::vector<Arrival>& arrivals,
-                                      const ClusterOptions& cluster, RoutingBackend* backend,
-                                      SimRefitDriver* refit);
+                                      const ClusterOptions& cluster, RoutingBackend* backend, SimRefitDriver* refit);
 
 // Percentile with linear interpolation between closest ranks (NumPy's default); 0 when empty.
 double Percentile(std::vector<double> values, double q);

@@ -99,15 +99,14 @@ int LogNormalLength(Rng& rng, double mean, double sigma, int low, int high) {
 
 absl::Status CheckSyntheticOptions(const SyntheticOptions& o) {
   if (o.layers < 1 || o.experts < 2 || o.experts > 256 || o.top_k < 1 || o.top_k >= o.experts) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "synthetic geometry %dx%dx%d: need layers >= 1, 2 <= experts <= 256, 1 <= top_k < experts",
-        o.layers, o.experts, o.top_k));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("synthetic geometry %dx%dx%d: need layers >= 1, 2 <= experts <= 256, 1 <= top_k < experts",
+                        o.layers, o.experts, o.top_k));
   }
   if (o.domains < 1 || o.topics_per_domain < 1) {
     return absl::InvalidArgumentError("synthetic: --domains and --topics_per_domain must be >= 1");
   }
-  const double scales[] = {o.locality,    o.global_scale,  o.domain_scale,
-                           o.topic_scale, o.request_scale, o.drift_scale};
+  const double scales[] = {o.locality, o.global_scale, o.domain_scale, o.topic_scale, o.request_scale, o.drift_scale};
   for (double s : scales) {
     if (!std::isfinite(s) || s < 0 || s > 20) {
       return absl::InvalidArgumentError("synthetic: --locality and the scales must be in [0, 20]");
@@ -147,10 +146,9 @@ SyntheticFields MakeFields(const SyntheticOptions& o) {
 
 // One synthetic request: its prompt counts, and its decode tokens (stored when `decode_topk` is
 // non-null) and/or decode counts (when `decode_counts` is non-null).
-void GenerateRequest(const SyntheticOptions& o, const SyntheticFields& fields, uint64_t stream,
-                     int* domain_out, int* prompt_tokens_out, int* decode_steps_out,
-                     std::vector<int32_t>* prompt_counts, std::vector<uint8_t>* decode_topk,
-                     std::vector<int32_t>* decode_counts) {
+void GenerateRequest(const SyntheticOptions& o, const SyntheticFields& fields, uint64_t stream, int* domain_out,
+                     int* prompt_tokens_out, int* decode_steps_out, std::vector<int32_t>* prompt_counts,
+                     std::vector<uint8_t>* decode_topk, std::vector<int32_t>* decode_counts) {
   Rng rng = Rng::ForStream(o.seed, stream);
   const int domain = static_cast<int>(rng.Below(o.domains));
   const int topic = domain * o.topics_per_domain + static_cast<int>(rng.Below(o.topics_per_domain));
@@ -168,8 +166,7 @@ void GenerateRequest(const SyntheticOptions& o, const SyntheticFields& fields, u
     const size_t row = static_cast<size_t>(l) * experts;
     for (int e = 0; e < experts; ++e) {
       logits[e] = fields.global[row + e] +
-                  o.locality * (fields.domain[plane * domain + row + e] +
-                                fields.topic[plane * topic + row + e]) +
+                  o.locality * (fields.domain[plane * domain + row + e] + fields.topic[plane * topic + row + e]) +
                   o.request_scale * rng.Normal();
     }
     const double peak = *std::max_element(logits.begin(), logits.end());
@@ -198,9 +195,8 @@ void GenerateRequest(const SyntheticOptions& o, const SyntheticFields& fields, u
   for (int t = 0; t < decode_steps; ++t) {
     for (int l = 0; l < layers; ++l) {
       std::fill(seen.begin(), seen.end(), 0);
-      uint8_t* out = decode_topk != nullptr
-                         ? decode_topk->data() + (static_cast<size_t>(t) * layers + l) * top_k
-                         : choice.data();
+      uint8_t* out =
+          decode_topk != nullptr ? decode_topk->data() + (static_cast<size_t>(t) * layers + l) * top_k : choice.data();
       SampleTopK(decode_tables[l], top_k, rng, seen.data(), out);
       if (decode_counts != nullptr) {
         int32_t* counts = decode_counts->data() + static_cast<size_t>(l) * experts;
@@ -252,18 +248,17 @@ std::vector<double> Ranks(const std::vector<double>& values) {
 absl::StatusOr<Workload> LoadTraceWorkload(const TraceWorkloadOptions& options) {
   if (options.dir.empty()) return absl::InvalidArgumentError("--trace: empty folder name");
   if (!(options.prefill_fraction > 0 && options.prefill_fraction < 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--prefill_fraction must be in (0, 1), got ", options.prefill_fraction));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prefill_fraction must be in (0, 1), got ", options.prefill_fraction));
   }
   if (!(options.calibration_fraction > 0 && options.calibration_fraction < 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--calibration_fraction must be in (0, 1), got ", options.calibration_fraction));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--calibration_fraction must be in (0, 1), got ", options.calibration_fraction));
   }
   absl::StatusOr<ExpertTrace> loaded = LoadExpertTrace(options.dir, options.experts);
   if (!loaded.ok()) {
     return absl::Status(loaded.status().code(),
-                        absl::StrCat("cannot read the traces in '", options.dir,
-                                     "': ", loaded.status().message()));
+                        absl::StrCat("cannot read the traces in '", options.dir, "': ", loaded.status().message()));
   }
   auto trace = std::make_shared<const ExpertTrace>(*std::move(loaded));
   if (trace->sequences.empty()) {
@@ -295,10 +290,8 @@ absl::StatusOr<Workload> LoadTraceWorkload(const TraceWorkloadOptions& options) 
     if (n == 0) continue;
     int calibration = static_cast<int>(std::lround(options.calibration_fraction * n));
     calibration = n >= 2 ? std::clamp(calibration, 1, n - 1) : 0;
-    calibration_sequences.insert(calibration_sequences.end(), members.begin(),
-                                 members.begin() + calibration);
-    evaluation_sequences.insert(evaluation_sequences.end(), members.begin() + calibration,
-                                members.end());
+    calibration_sequences.insert(calibration_sequences.end(), members.begin(), members.begin() + calibration);
+    evaluation_sequences.insert(evaluation_sequences.end(), members.begin() + calibration, members.end());
   }
   std::sort(calibration_sequences.begin(), calibration_sequences.end());
   std::sort(evaluation_sequences.begin(), evaluation_sequences.end());
@@ -307,8 +300,7 @@ absl::StatusOr<Workload> LoadTraceWorkload(const TraceWorkloadOptions& options) 
         "the traces of '", options.dir, "' have too few sequences to split into calibration and evaluation"));
   }
   ELDR_ASSIGN_OR_RETURN(workload.calibration,
-                        CalibrationDataFromTrace(*trace, options.prefill_fraction,
-                                                 calibration_sequences));
+                        CalibrationDataFromTrace(*trace, options.prefill_fraction, calibration_sequences));
 
   const size_t plane = static_cast<size_t>(trace->layers) * trace->experts;
   std::vector<int32_t> counts(plane);
@@ -322,8 +314,7 @@ absl::StatusOr<Workload> LoadTraceWorkload(const TraceWorkloadOptions& options) 
     std::fill(counts.begin(), counts.end(), 0);
     AccumulateCounts(*trace, seq, 0, request.prompt_tokens, absl::MakeSpan(counts));
     request.prompt_counts = ToInt16(counts);
-    request.decode_topk =
-        seq.topk.data() + static_cast<size_t>(request.prompt_tokens) * trace->layers * trace->top_k;
+    request.decode_topk = seq.topk.data() + static_cast<size_t>(request.prompt_tokens) * trace->layers * trace->top_k;
     request.source = absl::StrCat(trace->domains[seq.domain], "#", seq.index_in_domain);
     decode_tokens += request.decode_steps;
     workload.pool.push_back(std::move(request));
@@ -331,9 +322,8 @@ absl::StatusOr<Workload> LoadTraceWorkload(const TraceWorkloadOptions& options) 
   workload.description = absl::StrFormat(
       "real traces %s: %dx%d top-%d, %d domains, %d evaluation sequences (%.0f decode tokens mean), "
       "%d calibration sequences, prefill fraction %.2f",
-      options.dir, trace->layers, trace->experts, trace->top_k,
-      static_cast<int>(trace->domains.size()), static_cast<int>(workload.pool.size()),
-      static_cast<double>(decode_tokens) / workload.pool.size(),
+      options.dir, trace->layers, trace->experts, trace->top_k, static_cast<int>(trace->domains.size()),
+      static_cast<int>(workload.pool.size()), static_cast<double>(decode_tokens) / workload.pool.size(),
       static_cast<int>(calibration_sequences.size()), options.prefill_fraction);
   workload.trace = std::move(trace);
   return workload;
@@ -351,8 +341,7 @@ absl::Status ParseGeometry(absl::string_view text, SyntheticOptions* options) {
         "--synthetic '", text, "': expected LAYERSxEXPERTSxTOPK, three positive integers such as 48x128x8"));
   }
   if (values[1] > 256 || values[1] < 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--synthetic '", text, "': experts must be in [2, 256]"));
+    return absl::InvalidArgumentError(absl::StrCat("--synthetic '", text, "': experts must be in [2, 256]"));
   }
   if (values[2] >= values[1]) {
     return absl::InvalidArgumentError(
@@ -403,18 +392,14 @@ absl::StatusOr<Workload> GenerateSyntheticWorkload(const SyntheticOptions& o) {
       } else {
         const int r = i - o.requests;
         int prompt_tokens = 0, decode_steps = 0;
-        GenerateRequest(o, fields, kStreamRequestBase + kCalibrationRequestOffset + r,
-                        &calibration.labels[r], &prompt_tokens, &decode_steps, &prompt_counts,
-                        nullptr, &decode_counts);
-        std::copy(prompt_counts.begin(), prompt_counts.end(),
-                  calibration.prefill_counts.begin() + plane * r);
-        std::copy(decode_counts.begin(), decode_counts.end(),
-                  calibration.decode_counts.begin() + plane * r);
+        GenerateRequest(o, fields, kStreamRequestBase + kCalibrationRequestOffset + r, &calibration.labels[r],
+                        &prompt_tokens, &decode_steps, &prompt_counts, nullptr, &decode_counts);
+        std::copy(prompt_counts.begin(), prompt_counts.end(), calibration.prefill_counts.begin() + plane * r);
+        std::copy(decode_counts.begin(), decode_counts.end(), calibration.decode_counts.begin() + plane * r);
       }
     }
   };
-  const int threads =
-      std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, std::min(16, total));
+  const int threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, std::min(16, total));
   std::vector<std::thread> helpers;
   for (int t = 1; t < threads; ++t) helpers.emplace_back(generate);
   generate();
@@ -432,8 +417,7 @@ absl::StatusOr<Workload> GenerateSyntheticWorkload(const SyntheticOptions& o) {
 
 // ---- Arrivals --------------------------------------------------------------------------------------
 
-std::vector<Arrival> MakeArrivals(const Workload& workload, double rate_per_s, int count,
-                                  uint64_t seed) {
+std::vector<Arrival> MakeArrivals(const Workload& workload, double rate_per_s, int count, uint64_t seed) {
   Rng times = Rng::ForStream(seed, kStreamArrivalTimes);
   Rng picks = Rng::ForStream(seed, kStreamArrivalRequests);
   const uint64_t pool = workload.pool.size();
@@ -442,8 +426,7 @@ std::vector<Arrival> MakeArrivals(const Workload& workload, double rate_per_s, i
   for (int i = 0; i < count; ++i) {
     t += times.Exponential() * 1e6 / rate_per_s;
     arrivals[i].time_us = t;
-    arrivals[i].request = static_cast<int>(workload.sample_with_replacement ? picks.Below(pool)
-                                                                             : i % pool);
+    arrivals[i].request = static_cast<int>(workload.sample_with_replacement ? picks.Below(pool) : i % pool);
   }
   return arrivals;
 }
@@ -465,8 +448,7 @@ double SpearmanCorrelation(const std::vector<double>& a, const std::vector<doubl
   return sab / std::sqrt(saa * sbb);
 }
 
-LocalityStats MeasureWorkloadLocality(const Workload& workload, int batch, int batches, int pairs,
-                                      uint64_t seed) {
+LocalityStats MeasureWorkloadLocality(const Workload& workload, int batch, int batches, int pairs, uint64_t seed) {
   LocalityStats stats;
   stats.batch = batch;
   Rng rng = Rng::ForStream(seed, kStreamStats);

@@ -137,8 +137,8 @@ std::vector<eldr::v1::RouteRequest> RandomRequests(int layers, int experts, int 
   return out;
 }
 
-absl::StatusOr<std::vector<eldr::v1::RouteRequest>> TraceRequests(const std::string& dir, double fraction,
-                                                                  bool int16, std::string* geometry) {
+absl::StatusOr<std::vector<eldr::v1::RouteRequest>> TraceRequests(const std::string& dir, double fraction, bool int16,
+                                                                  std::string* geometry) {
   auto trace = eldr::LoadExpertTrace(dir);
   if (!trace.ok()) return trace.status();
   std::vector<eldr::v1::RouteRequest> out;
@@ -305,8 +305,7 @@ void Slot::StartRoute() {
     route_reader_->Finish(&route_response_, &status_, this);
     return;
   }
-  stub_->async()->Route(context_.get(), &request, &route_response_,
-                        [this](grpc::Status status) { OnRoute(status); });
+  stub_->async()->Route(context_.get(), &request, &route_response_, [this](grpc::Status status) { OnRoute(status); });
 }
 
 void Slot::RecordError(const grpc::Status& status) {
@@ -434,9 +433,8 @@ int main(int argc, char** argv) {
     }
     auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), credentials, args);
     const auto connect_deadline =
-        std::chrono::system_clock::now() +
-        std::chrono::duration_cast<std::chrono::system_clock::duration>(
-            std::chrono::duration<double>(absl::GetFlag(FLAGS_connect_timeout_s)));
+        std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                               std::chrono::duration<double>(absl::GetFlag(FLAGS_connect_timeout_s)));
     if (!channel->WaitForConnected(connect_deadline)) {
       std::fprintf(stderr, "eldr-bench: cannot connect to %s\n", absl::GetFlag(FLAGS_target).c_str());
       return 1;
@@ -508,11 +506,11 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_json)) {
     std::printf("%s\n", out.dump().c_str());
   } else {
-    std::printf("routes %lld in %.1f s: %.0f/s, errors %lld\n", static_cast<long long>(total.routes), duration_s,
-                qps, static_cast<long long>(total.errors));
-    std::printf("Route latency us: p50 %.1f  p90 %.1f  p99 %.1f  p99.9 %.1f  max %.1f\n",
-                out["p50_us"].get<double>(), out["p90_us"].get<double>(), out["p99_us"].get<double>(),
-                out["p999_us"].get<double>(), out["max_us"].get<double>());
+    std::printf("routes %lld in %.1f s: %.0f/s, errors %lld\n", static_cast<long long>(total.routes), duration_s, qps,
+                static_cast<long long>(total.errors));
+    std::printf("Route latency us: p50 %.1f  p90 %.1f  p99 %.1f  p99.9 %.1f  max %.1f\n", out["p50_us"].get<double>(),
+                out["p90_us"].get<double>(), out["p99_us"].get<double>(), out["p999_us"].get<double>(),
+                out["max_us"].get<double>());
     if (total.completes > 0) {
       std::printf("Complete latency us: p50 %.1f  p99 %.1f (%lld completes)\n", out["complete_p50_us"].get<double>(),
                   out["complete_p99_us"].get<double>(), static_cast<long long>(total.completes));

@@ -40,17 +40,13 @@
 #include "grpcpp/support/byte_buffer.h"
 
 ABSL_FLAG(std::string, addr, "127.0.0.1:50051", "host:port of the gRPC server to check.");
-ABSL_FLAG(std::string, service, "",
-          "Health service name to check; empty: the server as a whole.");
-ABSL_FLAG(absl::Duration, timeout, absl::Seconds(2),
-          "Limit for connecting and for the Check RPC together.");
+ABSL_FLAG(std::string, service, "", "Health service name to check; empty: the server as a whole.");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(2), "Limit for connecting and for the Check RPC together.");
 ABSL_FLAG(std::string, tls_ca, "",
           "PEM file of the CAs that sign the server certificate: connect with TLS. Empty: plaintext.");
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM client certificate chain for mutual TLS (with --tls_key and --tls_ca).");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate chain for mutual TLS (with --tls_key and --tls_ca).");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
-ABSL_FLAG(std::string, tls_server_name, "",
-          "Name to verify in the server certificate instead of the host of --addr.");
+ABSL_FLAG(std::string, tls_server_name, "", "Name to verify in the server certificate instead of the host of --addr.");
 
 namespace {
 
@@ -67,11 +63,16 @@ constexpr char kCheckMethod[] = "/grpc.health.v1.Health/Check";
 // grpc.health.v1.HealthCheckResponse.ServingStatus
 const char* ServingStatusName(uint64_t status) {
   switch (status) {
-    case 0: return "UNKNOWN";
-    case 1: return "SERVING";
-    case 2: return "NOT_SERVING";
-    case 3: return "SERVICE_UNKNOWN";
-    default: return "UNRECOGNISED";
+    case 0:
+      return "UNKNOWN";
+    case 1:
+      return "SERVING";
+    case 2:
+      return "NOT_SERVING";
+    case 3:
+      return "SERVICE_UNKNOWN";
+    default:
+      return "UNRECOGNISED";
   }
 }
 constexpr uint64_t kServingStatus = 1;
@@ -176,8 +177,7 @@ int Probe() {
 
   const absl::Time deadline = absl::Now() + timeout;
   if (!channel->WaitForConnected(absl::ToChronoTime(deadline))) {
-    std::cerr << "eldr-health-probe: no connection to " << addr << " within "
-              << absl::FormatDuration(timeout) << "\n";
+    std::cerr << "eldr-health-probe: no connection to " << addr << " within " << absl::FormatDuration(timeout) << "\n";
     return kNoConnection;
   }
 
@@ -188,15 +188,14 @@ int Probe() {
   grpc::ByteBuffer response;
   grpc::Status rpc_status;
   absl::Notification done;
-  stub.UnaryCall(&context, kCheckMethod, grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status status) {
-                   rpc_status = std::move(status);
-                   done.Notify();
-                 });
+  stub.UnaryCall(&context, kCheckMethod, grpc::StubOptions(), &request, &response, [&](grpc::Status status) {
+    rpc_status = std::move(status);
+    done.Notify();
+  });
   done.WaitForNotification();
   if (!rpc_status.ok()) {
-    std::cerr << "eldr-health-probe: Check on " << addr << " failed: code "
-              << rpc_status.error_code() << ": " << rpc_status.error_message() << "\n";
+    std::cerr << "eldr-health-probe: Check on " << addr << " failed: code " << rpc_status.error_code() << ": "
+              << rpc_status.error_message() << "\n";
     return kRpcFailed;
   }
   auto status = DecodeResponse(response);

@@ -82,7 +82,8 @@ int main(int argc, char** argv) {
     while (expiring.load() || after++ < 20000) {
       const auto start = std::chrono::steady_clock::now();
       absl::StatusOr<eldr::RouteResult> routed = (*router)->Route(nullptr, absl::Now());
-      latencies_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+      latencies_us.push_back(
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
       if (routed.ok()) (void)(*router)->Complete(routed->lease_id);
     }
   });

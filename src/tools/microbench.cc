@@ -184,8 +184,7 @@ std::unique_ptr<Workload> BuildWorkload(const Geometry& g, SignatureVariant vari
   calibration.reserve(static_cast<size_t>(kCalibrationPrompts) * cells);
   int64_t nonzero = 0;
   for (int n = 0; n < kCalibrationPrompts; ++n) {
-    const std::vector<int32_t> counts =
-        model.SamplePrompt(static_cast<int>(model.rng()() % kMaxWorkers));
+    const std::vector<int32_t> counts = model.SamplePrompt(static_cast<int>(model.rng()() % kMaxWorkers));
     for (int32_t c : counts) nonzero += c > 0;
     calibration.insert(calibration.end(), counts.begin(), counts.end());
   }
@@ -196,13 +195,11 @@ std::unique_ptr<Workload> BuildWorkload(const Geometry& g, SignatureVariant vari
   spec.variant = variant;
   if (variant == SignatureVariant::kCountIdf) {
     spec.idf = ComputeIdf(calibration, kCalibrationPrompts, g.layers, g.experts);
-    w->zero_idf_fraction =
-        static_cast<double>(std::count(spec.idf.begin(), spec.idf.end(), 0.f)) / cells;
+    w->zero_idf_fraction = static_cast<double>(std::count(spec.idf.begin(), spec.idf.end(), 0.f)) / cells;
   }
   auto transform = SignatureTransform::Create(spec);
   if (!transform.ok()) {
-    std::fprintf(stderr, "eldr-microbench: %s\n",
-                 std::string(transform.status().message()).c_str());
+    std::fprintf(stderr, "eldr-microbench: %s\n", std::string(transform.status().message()).c_str());
     std::abort();
   }
   w->transform = std::make_unique<SignatureTransform>(*std::move(transform));
@@ -228,8 +225,8 @@ std::unique_ptr<Workload> BuildWorkload(const Geometry& g, SignatureVariant vari
     const std::vector<int32_t> counts = model.SamplePrompt(q % 16);
     w->query_bytes.push_back(Int16Bytes(counts));
     std::vector<float> vec(w->dim);
-    const absl::Status status = w->transform->Apply(
-        CountsInt16Le{g.layers, g.experts, w->query_bytes.back()}, absl::MakeSpan(vec));
+    const absl::Status status =
+        w->transform->Apply(CountsInt16Le{g.layers, g.experts, w->query_bytes.back()}, absl::MakeSpan(vec));
     if (!status.ok()) {
       std::fprintf(stderr, "eldr-microbench: %s\n", std::string(status.message()).c_str());
       std::abort();
@@ -271,8 +268,7 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
   const Workload& w = GetWorkload(g, variant);
   CentroidIndexOptions options;
   options.band_tau = kTau;
-  std::unique_ptr<CentroidIndex> index =
-      MustBuild(BuildCentroidIndex(FirstRows(w, k), k, w.dim, options));
+  std::unique_ptr<CentroidIndex> index = MustBuild(BuildCentroidIndex(FirstRows(w, k), k, w.dim, options));
   std::unique_ptr<RoutingPolicy> policy = MakePolicy(PolicyKind::kEldr, /*seed=*/1);
   std::vector<WorkerLoadView> workers(k);
   std::mt19937 rng(5);
@@ -285,8 +281,8 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
   const int64_t refined_before = internal::RefinedRowsOnThisThread();
   for (auto _ : state) {
     const size_t q = i++ % w.query_bytes.size();
-    const absl::Status status = w.transform->Apply(
-        CountsInt16Le{g.layers, g.experts, w.query_bytes[q]}, absl::MakeSpan(signature));
+    const absl::Status status =
+        w.transform->Apply(CountsInt16Le{g.layers, g.experts, w.query_bytes[q]}, absl::MakeSpan(signature));
     if (!status.ok() || !index->Search(signature, &scores).ok()) {
       state.SkipWithError("route decision failed");
       break;
@@ -301,8 +297,7 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
   SetCommonCounters(state, w);
   const double n = std::max<double>(1, static_cast<double>(state.iterations()));
   state.counters["band"] = static_cast<double>(band_total) / n;
-  state.counters["refined"] =
-      static_cast<double>(internal::RefinedRowsOnThisThread() - refined_before) / n;
+  state.counters["refined"] = static_cast<double>(internal::RefinedRowsOnThisThread() - refined_before) / n;
 }
 
 void Transform(benchmark::State& state, Geometry g) {
@@ -311,8 +306,8 @@ void Transform(benchmark::State& state, Geometry g) {
   size_t i = 0;
   for (auto _ : state) {
     const size_t q = i++ % w.query_bytes.size();
-    benchmark::DoNotOptimize(w.transform->Apply(
-        CountsInt16Le{g.layers, g.experts, w.query_bytes[q]}, absl::MakeSpan(signature)));
+    benchmark::DoNotOptimize(
+        w.transform->Apply(CountsInt16Le{g.layers, g.experts, w.query_bytes[q]}, absl::MakeSpan(signature)));
     benchmark::ClobberMemory();
   }
   SetCommonCounters(state, w);
@@ -320,12 +315,10 @@ void Transform(benchmark::State& state, Geometry g) {
 
 // ---- Scorers alone ------------------------------------------------------------------------------
 
-void ScoreWithIndex(benchmark::State& state, Geometry g, int k, CentroidIndexKind kind,
-                    CentroidIndexOptions options) {
+void ScoreWithIndex(benchmark::State& state, Geometry g, int k, CentroidIndexKind kind, CentroidIndexOptions options) {
   const Workload& w = GetWorkload(g, SignatureVariant::kCountIdf);
   options.band_tau = kTau;
-  std::unique_ptr<CentroidIndex> index =
-      MustBuild(BuildCentroidIndexOfKind(kind, FirstRows(w, k), k, w.dim, options));
+  std::unique_ptr<CentroidIndex> index = MustBuild(BuildCentroidIndexOfKind(kind, FirstRows(w, k), k, w.dim, options));
   std::vector<ScoredRow> scores;
   size_t i = 0;
   int64_t returned = 0;
@@ -341,8 +334,7 @@ void ScoreWithIndex(benchmark::State& state, Geometry g, int k, CentroidIndexKin
   state.SetLabel(std::string(index->kind()));
   const double n = std::max<double>(1, static_cast<double>(state.iterations()));
   state.counters["candidates"] = static_cast<double>(returned) / n;
-  state.counters["refined"] =
-      static_cast<double>(internal::RefinedRowsOnThisThread() - refined_before) / n;
+  state.counters["refined"] = static_cast<double>(internal::RefinedRowsOnThisThread() - refined_before) / n;
   // Quality against a double-precision reference over every query: the best row among the
   // candidates, and the band at tau = 0.1 decided as the reference decides it (rows within 1e-4
   // of the reference edge are not judged).
@@ -357,8 +349,7 @@ void ScoreWithIndex(benchmark::State& state, Geometry g, int k, CentroidIndexKin
       }
       reference[r] = sum;
     }
-    const int best =
-        static_cast<int>(std::max_element(reference.begin(), reference.end()) - reference.begin());
+    const int best = static_cast<int>(std::max_element(reference.begin(), reference.end()) - reference.begin());
     float got_best = -1e30f;
     std::vector<char> in_band(k, 0);
     for (const ScoredRow& s : scores) got_best = std::max(got_best, s.score);
@@ -396,8 +387,7 @@ void ScoreWithFaissFlat(benchmark::State& state, Geometry g, int k, int blas_thr
   omp_set_num_threads(1);
   size_t i = 0;
   for (auto _ : state) {
-    index.search(1, w.query_vectors[i++ % w.query_vectors.size()].data(), k, distances.data(),
-                 labels.data());
+    index.search(1, w.query_vectors[i++ % w.query_vectors.size()].data(), k, distances.data(), labels.data());
     benchmark::DoNotOptimize(distances.data());
   }
   omp_set_num_threads(saved_threads);
@@ -415,14 +405,12 @@ class TransposedScorer {
     columns_.assign(static_cast<size_t>(dim) * k, 0);
     for (int i = 0; i < dim; ++i) {
       for (int r = 0; r < k; ++r) {
-        columns_[static_cast<size_t>(i) * k + r] =
-            internal::FloatToHalf(rows[static_cast<size_t>(r) * dim + i]);
+        columns_[static_cast<size_t>(i) * k + r] = internal::FloatToHalf(rows[static_cast<size_t>(r) * dim + i]);
       }
     }
   }
 
-  __attribute__((target("avx512f,avx512vl,f16c,fma"))) void Score(const float* q,
-                                                                  float* out) const {
+  __attribute__((target("avx512f,avx512vl,f16c,fma"))) void Score(const float* q, float* out) const {
     const int chunks = k_ / 16;
     __m512 acc[2][4];  // K <= 64
     for (int c = 0; c < chunks; ++c) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
@@ -438,8 +426,8 @@ class TransposedScorer {
       const __m512 qi = _mm512_set1_ps(q[i]);
       const uint16_t* column = columns_.data() + static_cast<size_t>(i) * k_;
       for (int c = 0; c < chunks; ++c) {
-        const __m512 v = _mm512_maskz_cvtph_ps(
-            0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + 16 * c)));
+        const __m512 v =
+            _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + 16 * c)));
         acc[parity][c] = _mm512_fmadd_ps(v, qi, acc[parity][c]);
       }
       parity ^= 1;
@@ -503,8 +491,7 @@ void ScoreBatch(benchmark::State& state, Geometry g, int k, int n) {
 // is given: on a shared machine the minimum is the least disturbed figure.
 void CommonSettings(benchmark::internal::Benchmark* b) {
   b->Unit(benchmark::kMicrosecond);
-  b->ComputeStatistics(
-      "min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
+  b->ComputeStatistics("min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
 }
 
 void RegisterAll() {
@@ -512,10 +499,9 @@ void RegisterAll() {
   const int pools[] = {8, 16, 64, 256, 1024};
   for (const Geometry& g : geometries) {
     for (int k : pools) {
-      benchmark::RegisterBenchmark(absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k).c_str(),
-                                   [g, k](benchmark::State& state) {
-                                     RouteDecision(state, g, k, SignatureVariant::kCountIdf);
-                                   })
+      benchmark::RegisterBenchmark(
+          absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k).c_str(),
+          [g, k](benchmark::State& state) { RouteDecision(state, g, k, SignatureVariant::kCountIdf); })
           ->Apply(CommonSettings);
     }
   }
@@ -528,9 +514,9 @@ void RegisterAll() {
         ->Apply(CommonSettings);
   }
   for (const Geometry& g : geometries) {
-    benchmark::RegisterBenchmark(absl::StrCat("BM_Transform/", g.name()).c_str(),
-                                 [g](benchmark::State& state) { Transform(state, g); })
-        ->Apply(CommonSettings);
+    benchmark::RegisterBenchmark(absl::StrCat("BM_Transform/", g.name()).c_str(), [g](benchmark::State& state) {
+      Transform(state, g);
+    })->Apply(CommonSettings);
   }
   for (const Geometry& g : geometries) {
     for (int k : {16, 32, 64, 96, 128, 192, 256, 512, 1024}) {
@@ -555,8 +541,7 @@ void RegisterAll() {
       benchmark::RegisterBenchmark((prefix + "reduced_flat").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, CentroidIndexOptions());
       })->Apply(CommonSettings);
-      benchmark::RegisterBenchmark((prefix + "reduced_flat_bf16").c_str(), [=](benchmark::State&
-                                                                                   s) {
+      benchmark::RegisterBenchmark((prefix + "reduced_flat_bf16").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, bf16);
       })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "reduced_hnsw").c_str(), [=](benchmark::State& s) {
@@ -565,9 +550,9 @@ void RegisterAll() {
       benchmark::RegisterBenchmark((prefix + "faiss_flat_ip").c_str(), [=](benchmark::State& s) {
         ScoreWithFaissFlat(s, g, k, /*blas_threshold=*/20);
       })->Apply(CommonSettings);
-      benchmark::RegisterBenchmark((prefix + "faiss_flat_ip_blas").c_str(),
-                                   [=](benchmark::State& s) { ScoreWithFaissFlat(s, g, k, 1); })
-          ->Apply(CommonSettings);
+      benchmark::RegisterBenchmark((prefix + "faiss_flat_ip_blas").c_str(), [=](benchmark::State& s) {
+        ScoreWithFaissFlat(s, g, k, 1);
+      })->Apply(CommonSettings);
       if (k >= 256) {
         for (int dims : {16, 32, 64}) {
           for (int candidates : {16, 32, 48}) {
@@ -576,17 +561,15 @@ void RegisterAll() {
             reduced.candidates = candidates;
             benchmark::RegisterBenchmark(
                 absl::StrCat(prefix, "reduced_flat/d:", dims, "/m:", candidates).c_str(),
-                [=](benchmark::State& s) {
-                  ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, reduced);
-                })
+                [=](benchmark::State& s) { ScoreWithIndex(s, g, k, CentroidIndexKind::kFaissReduced, reduced); })
                 ->Apply(CommonSettings);
           }
         }
       }
       if (k <= 64) {
-        benchmark::RegisterBenchmark((prefix + "transposed_fp16_skip_zeros").c_str(),
-                                     [=](benchmark::State& s) { ScoreTransposed(s, g, k); })
-            ->Apply(CommonSettings);
+        benchmark::RegisterBenchmark((prefix + "transposed_fp16_skip_zeros").c_str(), [=](benchmark::State& s) {
+          ScoreTransposed(s, g, k);
+        })->Apply(CommonSettings);
       }
     }
   }

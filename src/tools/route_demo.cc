@@ -37,8 +37,7 @@
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, data_dir, "data/esft-routing", "Folder of <domain>_topk.npy / _offsets.npy");
-ABSL_FLAG(std::string, centroids, "",
-          "Calibration artifact (JSON) to route with; default: per-domain mean signatures");
+ABSL_FLAG(std::string, centroids, "", "Calibration artifact (JSON) to route with; default: per-domain mean signatures");
 ABSL_FLAG(std::string, policies, "eldr,rr,random,jsq,p2c", "Comma-separated policies to compare");
 ABSL_FLAG(double, tau, 0.1, "Locality band width of the eldr policy, in [0, 1]");
 ABSL_FLAG(double, prefill_fraction, 0.5, "Share of each sequence treated as the prompt");
@@ -62,7 +61,7 @@ struct PolicyReport {
   std::string policy;
   std::vector<std::vector<int64_t>> routed;  // [domain][worker]
   std::map<std::string, int64_t> fallbacks;
-  std::vector<double> latency_us;            // one per Route call
+  std::vector<double> latency_us;  // one per Route call
   int64_t band_total = 0;
   int64_t band_decisions = 0;
 };
@@ -130,8 +129,8 @@ absl::StatusOr<CentroidArtifact> DomainMeanCentroids(const ExpertTrace& trace,
   return artifact;
 }
 
-absl::StatusOr<PolicyReport> RunPolicy(PolicyKind policy, const CentroidArtifact& artifact,
-                                       const ExpertTrace& trace, const std::vector<Request>& requests,
+absl::StatusOr<PolicyReport> RunPolicy(PolicyKind policy, const CentroidArtifact& artifact, const ExpertTrace& trace,
+                                       const std::vector<Request>& requests,
                                        const std::vector<std::vector<int>>& orders) {
   RouterOptions options;
   options.policy = policy;
@@ -139,8 +138,7 @@ absl::StatusOr<PolicyReport> RunPolicy(PolicyKind policy, const CentroidArtifact
   options.seed = absl::GetFlag(FLAGS_seed);
   std::vector<WorkerSpec> workers;
   for (const std::string& id : artifact.workers) {
-    workers.push_back(WorkerSpec{id, absl::StrCat(id, ".decode.local:8000"), 1.0,
-                                 absl::GetFlag(FLAGS_max_inflight)});
+    workers.push_back(WorkerSpec{id, absl::StrCat(id, ".decode.local:8000"), 1.0, absl::GetFlag(FLAGS_max_inflight)});
   }
   absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(options, workers);
   if (!router.ok()) return router.status();
@@ -263,10 +261,9 @@ int Main() {
     std::shuffle(order.begin(), order.end(), rng);
   }
 
-  std::cout << absl::StrFormat(
-      "ELDR route demo: %d real requests from %s (%s), %d MoE layers x %d experts, top-%d\n",
-      requests.size(), data_dir, absl::StrJoin(trace->domains, ", "), trace->layers, trace->experts,
-      trace->top_k);
+  std::cout << absl::StrFormat("ELDR route demo: %d real requests from %s (%s), %d MoE layers x %d experts, top-%d\n",
+                               requests.size(), data_dir, absl::StrJoin(trace->domains, ", "), trace->layers,
+                               trace->experts, trace->top_k);
   std::cout << absl::StrFormat(
       "signature: %s over %d of %d layers, prompt = first %.0f%% of each sequence, sent as int16 "
       "counts\n",
@@ -283,8 +280,7 @@ int Main() {
   for (PolicyKind policy : policies) {
     absl::StatusOr<PolicyReport> report = RunPolicy(policy, artifact, *trace, requests, orders);
     if (!report.ok()) {
-      std::cerr << "eldr-route-demo: policy " << PolicyKindName(policy) << ": " << report.status()
-                << "\n";
+      std::cerr << "eldr-route-demo: policy " << PolicyKindName(policy) << ": " << report.status() << "\n";
       return 1;
     }
     const size_t workers = artifact.workers.size();
@@ -308,8 +304,7 @@ int Main() {
     const double p90 = Percentile(report->latency_us, 0.90);
     const double p99 = Percentile(report->latency_us, 0.99);
     const double max = Percentile(report->latency_us, 1.0);
-    std::cout << absl::StrFormat("  worker purity %.3f, load imbalance (max/mean) %.2f", purity,
-                                 imbalance);
+    std::cout << absl::StrFormat("  worker purity %.3f, load imbalance (max/mean) %.2f", purity, imbalance);
     if (report->band_decisions > 0) {
       std::cout << absl::StrFormat(", mean band size %.2f",
                                    static_cast<double>(report->band_total) / report->band_decisions);
@@ -319,8 +314,8 @@ int Main() {
         "  decision latency (Route: transform + scoring + band + pick + lease), us: p50 %.2f  "
         "p90 %.2f  p99 %.2f  max %.1f  (%d decisions)\n\n",
         p50, p90, p99, max, report->latency_us.size());
-    summary_lines.push_back(absl::StrFormat("  %-8s %8.3f %10.2f %9.2f %9.2f   %s", report->policy,
-                                            purity, imbalance, p50, p99, fallbacks));
+    summary_lines.push_back(absl::StrFormat("  %-8s %8.3f %10.2f %9.2f %9.2f   %s", report->policy, purity, imbalance,
+                                            p50, p99, fallbacks));
     json_report.push_back({{"policy", report->policy},
                            {"routed", report->routed},
                            {"purity", purity},
@@ -329,8 +324,8 @@ int Main() {
                            {"latency_us", {{"p50", p50}, {"p90", p90}, {"p99", p99}, {"max", max}}}});
   }
   std::cout << "summary (purity: share of each worker's requests from its most common domain)\n";
-  std::cout << absl::StrFormat("  %-8s %8s %10s %9s %9s   %s\n", "policy", "purity", "imbalance",
-                               "p50 us", "p99 us", "fallbacks");
+  std::cout << absl::StrFormat("  %-8s %8s %10s %9s %9s   %s\n", "policy", "purity", "imbalance", "p50 us", "p99 us",
+                               "fallbacks");
   for (const std::string& line : summary_lines) std::cout << line << "\n";
 
   if (const std::string path = absl::GetFlag(FLAGS_json_out); !path.empty()) {

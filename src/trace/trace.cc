@@ -36,9 +36,8 @@ int ItemSize(absl::string_view dtype) {
   static constexpr struct {
     const char* descr;
     int size;
-  } kSupported[] = {{"|u1", 1}, {"|i1", 1}, {"|b1", 1}, {"<u1", 1}, {"<i1", 1}, {"<i2", 2},
-                    {"<u2", 2}, {"<i4", 4}, {"<u4", 4}, {"<i8", 8}, {"<u8", 8}, {"<f4", 4},
-                    {"<f8", 8}};
+  } kSupported[] = {{"|u1", 1}, {"|i1", 1}, {"|b1", 1}, {"<u1", 1}, {"<i1", 1}, {"<i2", 2}, {"<u2", 2},
+                    {"<i4", 4}, {"<u4", 4}, {"<i8", 8}, {"<u8", 8}, {"<f4", 4}, {"<f8", 8}};
   for (const auto& entry : kSupported) {
     if (dtype == entry.descr) return entry.size;
   }
@@ -171,8 +170,7 @@ int64_t NpyArray::elements() const {
 }
 
 absl::StatusOr<NpyArray> ParseNpy(absl::Span<const uint8_t> bytes, const std::string& name) {
-  if (bytes.size() < kNpyMagicLength + 2 ||
-      std::memcmp(bytes.data(), kNpyMagic, kNpyMagicLength) != 0) {
+  if (bytes.size() < kNpyMagicLength + 2 || std::memcmp(bytes.data(), kNpyMagic, kNpyMagicLength) != 0) {
     return NpyError(name, "not a .npy file (bad magic)");
   }
   const int major = bytes[6];
@@ -190,11 +188,10 @@ absl::StatusOr<NpyArray> ParseNpy(absl::Span<const uint8_t> bytes, const std::st
     return NpyError(name, absl::StrCat("unsupported .npy format version ", major, ".", bytes[7]));
   }
   if (bytes.size() - header_start < header_length) {
-    return NpyError(name, absl::StrFormat("truncated .npy header: declares %d bytes, file has %d",
-                                          header_length, bytes.size() - header_start));
+    return NpyError(name, absl::StrFormat("truncated .npy header: declares %d bytes, file has %d", header_length,
+                                          bytes.size() - header_start));
   }
-  const absl::string_view header(reinterpret_cast<const char*>(bytes.data() + header_start),
-                                 header_length);
+  const absl::string_view header(reinterpret_cast<const char*>(bytes.data() + header_start), header_length);
   NpyArray array;
   bool fortran_order = false;
   ELDR_RETURN_IF_ERROR(HeaderParser(header, name).Parse(&array.dtype, &fortran_order, &array.shape));
@@ -204,8 +201,8 @@ absl::StatusOr<NpyArray> ParseNpy(absl::Span<const uint8_t> bytes, const std::st
   }
   const int item_size = ItemSize(array.dtype);
   if (item_size == 0) {
-    return NpyError(name, absl::StrCat("unsupported dtype '", array.dtype,
-                                       "' (supported: integers, <f4, <f8, little-endian)"));
+    return NpyError(
+        name, absl::StrCat("unsupported dtype '", array.dtype, "' (supported: integers, <f4, <f8, little-endian)"));
   }
   const size_t data_start = header_start + header_length;
   const uint64_t available = bytes.size() - data_start;
@@ -222,8 +219,7 @@ absl::StatusOr<NpyArray> ParseNpy(absl::Span<const uint8_t> bytes, const std::st
   if (needed != available) {
     return NpyError(name, absl::StrFormat("%s data: shape (%s) of %s needs %d bytes, file has %d",
                                           needed > available ? "truncated" : "unexpected trailing",
-                                          absl::StrJoin(array.shape, ", "), array.dtype, needed,
-                                          available));
+                                          absl::StrJoin(array.shape, ", "), array.dtype, needed, available));
   }
   array.data.assign(bytes.begin() + data_start, bytes.end());
   return array;
@@ -231,9 +227,7 @@ absl::StatusOr<NpyArray> ParseNpy(absl::Span<const uint8_t> bytes, const std::st
 
 absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   ELDR_ASSIGN_OR_RETURN(std::string contents, ReadFile(path));
-  return ParseNpy(absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(contents.data()),
-                                            contents.size()),
-                  path);
+  return ParseNpy(absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(contents.data()), contents.size()), path);
 }
 
 absl::StatusOr<ExpertTrace> LoadExpertTrace(const std::string& dir, int experts) {
@@ -291,12 +285,10 @@ absl::StatusOr<ExpertTrace> LoadExpertTrace(const std::string& dir, int experts)
     }
     const uint8_t max_id = topk.data.empty() ? 0 : *std::max_element(topk.data.begin(), topk.data.end());
     if (!topk.data.empty() && max_id >= experts) {
-      return NpyError(topk_path, absl::StrFormat("expert id %d is not below %d experts", max_id,
-                                                 experts));
+      return NpyError(topk_path, absl::StrFormat("expert id %d is not below %d experts", max_id, experts));
     }
     if (offsets.dtype != "<i8" || offsets.shape.size() != 1 || offsets.shape[0] < 2) {
-      return NpyError(offsets_path, absl::StrCat("expected int64 offsets [sequences + 1], got ",
-                                                 offsets.dtype, " (",
+      return NpyError(offsets_path, absl::StrCat("expected int64 offsets [sequences + 1], got ", offsets.dtype, " (",
                                                  absl::StrJoin(offsets.shape, ", "), ")"));
     }
     const int64_t count = offsets.shape[0];
@@ -305,8 +297,7 @@ absl::StatusOr<ExpertTrace> LoadExpertTrace(const std::string& dir, int experts)
     if (bounds.front() != 0 || bounds.back() != tokens) {
       return NpyError(offsets_path, absl::StrFormat("offsets must start at 0 and end at the %d "
                                                     "tokens of %s_topk.npy, got %d .. %d",
-                                                    tokens, domains[d], bounds.front(),
-                                                    bounds.back()));
+                                                    tokens, domains[d], bounds.front(), bounds.back()));
     }
     const size_t token_bytes = static_cast<size_t>(layers) * top_k;
     for (int64_t s = 0; s + 1 < count; ++s) {

@@ -120,8 +120,8 @@ TEST(BalancedAssignmentTest, MatchesHungarianOnRandomInstances) {
     const double optimum = ReplicatedHungarian(cost, n, k, capacity);
     // Integer scaling costs at most one grid step (2 / 2^30) per point.
     const double tolerance = n * 2.0 / (1 << 30) + 1e-12;
-    for (AssignmentMethod method : {AssignmentMethod::kNetworkSimplex, AssignmentMethod::kClusterPaths,
-                                    AssignmentMethod::kAuto}) {
+    for (AssignmentMethod method :
+         {AssignmentMethod::kNetworkSimplex, AssignmentMethod::kClusterPaths, AssignmentMethod::kAuto}) {
       absl::StatusOr<std::vector<int>> assignment = SolveBalancedAssignment(cost, n, k, capacity, method);
       ASSERT_TRUE(assignment.ok()) << assignment.status();
       const Checked checked = CheckFeasible(*assignment, cost, n, k, capacity);
@@ -239,7 +239,7 @@ TEST(ClusterCapacitiesTest, EqualAndWeighted) {
     int64_t sum = 0;
     for (int j = 0; j < k; ++j) {
       sum += capacity[j];
-      EXPECT_GE(capacity[j], n * weights[j] / total_weight - 1e-6);      // at least its share
+      EXPECT_GE(capacity[j], n * weights[j] / total_weight - 1e-6);          // at least its share
       EXPECT_LE(capacity[j], std::ceil(n * weights[j] / total_weight) + 1);  // and not much more
     }
     EXPECT_GE(sum, n);

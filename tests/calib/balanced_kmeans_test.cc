@@ -166,8 +166,7 @@ TEST(BalancedKMeansTest, RejectsBadInput) {
   const Planted p = MakePlanted({5, 5}, 4, 0.1f, 1);
   BalancedKMeansOptions options;
   options.clusters = 16;
-  EXPECT_THAT(FitBalancedKMeans(p.points, 10, 4, options).status().message(),
-              HasSubstr("10 points for 16 clusters"));
+  EXPECT_THAT(FitBalancedKMeans(p.points, 10, 4, options).status().message(), HasSubstr("10 points for 16 clusters"));
   options.clusters = 2;
   EXPECT_THAT(FitBalancedKMeans(p.points, 11, 4, options).status().message(), HasSubstr("expected n * dim"));
   std::vector<float> bad = p.points;

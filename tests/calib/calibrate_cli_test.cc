@@ -4,8 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <limits>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -78,7 +78,8 @@ class CalibrateCliTest : public ::testing::Test {
 };
 
 TEST_F(CalibrateCliTest, CalibratesTheRealTraces) {
-  const Outcome outcome = Run("--trace " + TraceDir() + " --prefill_fraction 0.5 --clusters 4 --seed 1 "
+  const Outcome outcome = Run("--trace " + TraceDir() +
+                              " --prefill_fraction 0.5 --clusters 4 --seed 1 "
                               "--holdout_fraction 0.2 --workers a,b,c,d --capacities 1,1,2,2 --out " +
                               Path("centroids.json") + " --report " + Path("report.json"));
   ASSERT_EQ(outcome.exit_code, 0) << outcome.output;
@@ -128,8 +129,8 @@ TEST_F(CalibrateCliTest, TruncatedCaptureFailsAndWritesNothing) {
     bytes = s.str();
   }
   std::ofstream(Path("cut.cap"), std::ios::binary) << bytes.substr(0, bytes.size() - 100);
-  const Outcome outcome = Run("--captures " + Path("cut.cap") + " --clusters 4 --out " + Path("c.json") +
-                              " --report " + Path("r.json"));
+  const Outcome outcome =
+      Run("--captures " + Path("cut.cap") + " --clusters 4 --out " + Path("c.json") + " --report " + Path("r.json"));
   EXPECT_EQ(outcome.exit_code, 1);
   EXPECT_THAT(outcome.output, AllOf(HasSubstr("cut.cap"), HasSubstr("record 39"), HasSubstr("truncated")));
   EXPECT_FALSE(std::filesystem::exists(Path("c.json")));
@@ -176,7 +177,8 @@ TEST_F(CalibrateCliTest, NonFiniteGateSumsAreRejected) {
   std::string patched = *bytes;
   std::memcpy(&patched[24 + 4 * 52 + 4 + 16 + 28], &inf, 4);
   std::ofstream(Path("inf.cap"), std::ios::binary) << patched;
-  const Outcome outcome = Run("--captures " + Path("inf.cap") + " --variant gate_prob --clusters 2 --out " + Path("e.json"));
+  const Outcome outcome =
+      Run("--captures " + Path("inf.cap") + " --variant gate_prob --clusters 2 --out " + Path("e.json"));
   EXPECT_EQ(outcome.exit_code, 1);
   EXPECT_THAT(outcome.output, AllOf(HasSubstr("record 4"), HasSubstr("layer 1, expert 3 is not finite")));
   EXPECT_FALSE(std::filesystem::exists(Path("e.json")));

@@ -169,7 +169,8 @@ TEST_F(TraceCalibrationTest, ArtifactLoadsAndInstallsIntoARouter) {
   const size_t cells = 26 * 64;
   std::set<std::string> used;
   for (int r = 0; r < held.n; ++r) {
-    const SignatureInput input = CountsInt32{26, 64, absl::MakeConstSpan(held.prefill_counts).subspan(r * cells, cells)};
+    const SignatureInput input =
+        CountsInt32{26, 64, absl::MakeConstSpan(held.prefill_counts).subspan(r * cells, cells)};
     absl::StatusOr<RouteResult> routed = (*router)->Route(&input);
     ASSERT_TRUE(routed.ok()) << routed.status();
     EXPECT_EQ(routed->centroid_generation, 1u);

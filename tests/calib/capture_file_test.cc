@@ -27,9 +27,7 @@ class CaptureFileTest : public ::testing::Test {
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
   std::string Path(const std::string& name) const { return (dir_ / name).string(); }
-  void WriteBytes(const std::string& path, const std::string& bytes) {
-    std::ofstream(path, std::ios::binary) << bytes;
-  }
+  void WriteBytes(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
   static CalibrationData Sample(int n, int layers, int experts, int32_t scale) {
     CalibrationData data;
@@ -89,9 +87,9 @@ TEST_F(CaptureFileTest, ReferencePlainFramesNeedTheGeometry) {
   EXPECT_THAT(ReadCaptureFiles({Path("plain.bin")}, 0, 0).status().message(),
               AllOf(HasSubstr(Path("plain.bin")), HasSubstr("pass --layers and --experts")));
   // A plain frame of 24 bytes cannot be L=4, E=4 (32 bytes).
-  EXPECT_THAT(ReadCaptureFiles({Path("plain.bin")}, 4, 4).status().message(),
-              AllOf(HasSubstr("record 0 (byte offset 0)"), HasSubstr("frame of 24 bytes"),
-                    HasSubstr("expected 32 bytes")));
+  EXPECT_THAT(
+      ReadCaptureFiles({Path("plain.bin")}, 4, 4).status().message(),
+      AllOf(HasSubstr("record 0 (byte offset 0)"), HasSubstr("frame of 24 bytes"), HasSubstr("expected 32 bytes")));
 }
 
 TEST_F(CaptureFileTest, SeveralFilesConcatenate) {
@@ -131,7 +129,8 @@ TEST_F(CaptureFileTest, WrongGeometryAndHeaderProblems) {
   std::string bad_version = bytes;
   bad_version[8] = 9;
   WriteBytes(Path("v9.cap"), bad_version);
-  EXPECT_THAT(ReadCaptureFiles({Path("v9.cap")}, 0, 0).status().message(), HasSubstr("unsupported capture format version 9"));
+  EXPECT_THAT(ReadCaptureFiles({Path("v9.cap")}, 0, 0).status().message(),
+              HasSubstr("unsupported capture format version 9"));
   std::string bad_flags = bytes;
   bad_flags[20] = static_cast<char>(0x80);
   WriteBytes(Path("flags.cap"), bad_flags);

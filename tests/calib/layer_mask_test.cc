@@ -18,7 +18,8 @@ TEST(SpearmanTest, RanksNotValues) {
   EXPECT_DOUBLE_EQ(SpearmanCorrelation(std::vector<double>{1, 2, 3, 4}, std::vector<double>{10, 20, 300, 4000}), 1.0);
   EXPECT_DOUBLE_EQ(SpearmanCorrelation(std::vector<double>{1, 2, 3, 4}, std::vector<double>{4, 3, 2, 1}), -1.0);
   // Ties take average ranks: x ranks (1.5, 1.5, 3), y ranks (1, 2, 3) -> r = 0.866...
-  EXPECT_NEAR(SpearmanCorrelation(std::vector<double>{5, 5, 9}, std::vector<double>{1, 2, 3}), std::sqrt(3.0) / 2, 1e-12);
+  EXPECT_NEAR(SpearmanCorrelation(std::vector<double>{5, 5, 9}, std::vector<double>{1, 2, 3}), std::sqrt(3.0) / 2,
+              1e-12);
   EXPECT_EQ(SpearmanCorrelation(std::vector<double>{1, 1, 1}, std::vector<double>{1, 2, 3}), 0.0);
   EXPECT_EQ(SpearmanCorrelation(std::vector<double>{1}, std::vector<double>{1}), 0.0);
 }

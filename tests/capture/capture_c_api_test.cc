@@ -64,8 +64,7 @@ TEST(CaptureCApiTest, ErrorsCarryACodeAndAThreadLocalMessage) {
   EXPECT_EQ(eldr_capture_create(&options, &ctx), ELDR_CAPTURE_INVALID_ARGUMENT);
   EXPECT_THAT(eldr_capture_last_error(), HasSubstr("eldr_capture_options_init"));
   EXPECT_EQ(eldr_capture_create(nullptr, &ctx), ELDR_CAPTURE_INVALID_ARGUMENT);
-  EXPECT_EQ(eldr_capture_record(nullptr, 0, nullptr, 0, 1, nullptr, 0, 0, 0, nullptr),
-            ELDR_CAPTURE_INVALID_ARGUMENT);
+  EXPECT_EQ(eldr_capture_record(nullptr, 0, nullptr, 0, 1, nullptr, 0, 0, 0, nullptr), ELDR_CAPTURE_INVALID_ARGUMENT);
   EXPECT_THAT(eldr_capture_last_error(), HasSubstr("ctx is null"));
 }
 
@@ -103,11 +102,11 @@ TEST(CaptureCApiTest, RecordFinishRoundTrip) {
     layer1.insert(layer1.end(), {0, 0});
   }
   layer1[11] = 77;
-  ASSERT_EQ(eldr_capture_record(ctx, 0, layer0.data(), ELDR_CAPTURE_INT32, 2, slots.data(),
-                                ELDR_CAPTURE_INT64, 6, 0, nullptr),
+  ASSERT_EQ(eldr_capture_record(ctx, 0, layer0.data(), ELDR_CAPTURE_INT32, 2, slots.data(), ELDR_CAPTURE_INT64, 6, 0,
+                                nullptr),
             ELDR_CAPTURE_OK);
-  ASSERT_EQ(eldr_capture_record(ctx, 1, layer1.data(), ELDR_CAPTURE_INT32, 2, slots.data(),
-                                ELDR_CAPTURE_INT64, 6, 0, nullptr),
+  ASSERT_EQ(eldr_capture_record(ctx, 1, layer1.data(), ELDR_CAPTURE_INT32, 2, slots.data(), ELDR_CAPTURE_INT64, 6, 0,
+                                nullptr),
             ELDR_CAPTURE_OK);
   std::vector<int32_t> block(8);
   ASSERT_EQ(eldr_capture_read_block_counts(ctx, 6, 1, block.data(), nullptr), ELDR_CAPTURE_OK);
@@ -116,8 +115,7 @@ TEST(CaptureCApiTest, RecordFinishRoundTrip) {
   const std::vector<int32_t> table = {3, 6};
   const std::vector<int64_t> lengths = {6};
   eldr_capture_result* result = nullptr;
-  ASSERT_EQ(eldr_capture_finish(ctx, table.data(), 2, lengths.data(), 1, ELDR_CAPTURE_OUTPUT_INT16,
-                                nullptr, &result),
+  ASSERT_EQ(eldr_capture_finish(ctx, table.data(), 2, lengths.data(), 1, ELDR_CAPTURE_OUTPUT_INT16, nullptr, &result),
             ELDR_CAPTURE_OK)
       << eldr_capture_last_error();
   ASSERT_EQ(eldr_capture_result_wait(result), ELDR_CAPTURE_OK);
@@ -127,8 +125,7 @@ TEST(CaptureCApiTest, RecordFinishRoundTrip) {
   const auto* counts = static_cast<const int16_t*>(eldr_capture_result_counts(result));
   ASSERT_NE(counts, nullptr);
   // Layer 0: ids {0,1},{1,2},{2,3},{3,0},{0,1},{1,2} -> 3, 4, 3, 2. Layer 1: eleven zeros.
-  EXPECT_EQ(std::vector<int16_t>(counts, counts + 8),
-            (std::vector<int16_t>{3, 4, 3, 2, 11, 0, 0, 0}));
+  EXPECT_EQ(std::vector<int16_t>(counts, counts + 8), (std::vector<int16_t>{3, 4, 3, 2, 11, 0, 0, 0}));
   eldr_capture_stats stats;
   stats.struct_size = sizeof(stats);
   ASSERT_EQ(eldr_capture_result_stats(result, &stats), ELDR_CAPTURE_OK);
@@ -138,14 +135,12 @@ TEST(CaptureCApiTest, RecordFinishRoundTrip) {
 
   // The only result slot is held: the next finish is refused until the result is released.
   eldr_capture_result* second = nullptr;
-  EXPECT_EQ(eldr_capture_finish(ctx, table.data(), 2, lengths.data(), 1, ELDR_CAPTURE_OUTPUT_INT32,
-                                nullptr, &second),
+  EXPECT_EQ(eldr_capture_finish(ctx, table.data(), 2, lengths.data(), 1, ELDR_CAPTURE_OUTPUT_INT32, nullptr, &second),
             ELDR_CAPTURE_RESOURCE_EXHAUSTED);
   EXPECT_EQ(second, nullptr);
   EXPECT_THAT(eldr_capture_last_error(), HasSubstr("result slots are held"));
   eldr_capture_result_release(result);
-  ASSERT_EQ(eldr_capture_finish(ctx, table.data(), 2, lengths.data(), 1, ELDR_CAPTURE_OUTPUT_INT32,
-                                nullptr, &second),
+  ASSERT_EQ(eldr_capture_finish(ctx, table.data(), 2, lengths.data(), 1, ELDR_CAPTURE_OUTPUT_INT32, nullptr, &second),
             ELDR_CAPTURE_OK);
   ASSERT_EQ(eldr_capture_result_wait(second), ELDR_CAPTURE_OK);
   EXPECT_EQ(static_cast<const int32_t*>(eldr_capture_result_counts(second))[1], 4);
@@ -167,22 +162,20 @@ TEST(CaptureCApiTest, DirectModeThroughTheCAbi) {
   ASSERT_EQ(eldr_capture_create(&options, &ctx), ELDR_CAPTURE_OK);
   const std::vector<int32_t> requests = {1, 0, 1, -1, 5};
   const std::vector<int64_t> ids = {3, 3, 0, 1, 3, 2, 0, 0, 1, 1};
-  ASSERT_EQ(eldr_capture_record_direct(ctx, 1, ids.data(), ELDR_CAPTURE_INT64, 2, requests.data(),
-                                       ELDR_CAPTURE_INT32, 5, nullptr),
+  ASSERT_EQ(eldr_capture_record_direct(ctx, 1, ids.data(), ELDR_CAPTURE_INT64, 2, requests.data(), ELDR_CAPTURE_INT32,
+                                       5, nullptr),
             ELDR_CAPTURE_OK);
   std::vector<int32_t> direct(16);
   ASSERT_EQ(eldr_capture_read_direct_counts(ctx, 0, 2, direct.data(), nullptr), ELDR_CAPTURE_OK);
-  EXPECT_EQ(direct, (std::vector<int32_t>{0, 0, 0, 0, 1, 1, 0, 0,    //
+  EXPECT_EQ(direct, (std::vector<int32_t>{0, 0, 0, 0, 1, 1, 0, 0,  //
                                           0, 0, 0, 0, 0, 0, 1, 3}));
   const std::vector<int32_t> finishing = {1};
   eldr_capture_result* result = nullptr;
-  ASSERT_EQ(eldr_capture_finish_direct(ctx, finishing.data(), 1, ELDR_CAPTURE_OUTPUT_INT32, nullptr,
-                                       &result),
+  ASSERT_EQ(eldr_capture_finish_direct(ctx, finishing.data(), 1, ELDR_CAPTURE_OUTPUT_INT32, nullptr, &result),
             ELDR_CAPTURE_OK);
   ASSERT_EQ(eldr_capture_result_wait(result), ELDR_CAPTURE_OK);
   const auto* counts = static_cast<const int32_t*>(eldr_capture_result_counts(result));
-  EXPECT_EQ(std::vector<int32_t>(counts, counts + 8),
-            (std::vector<int32_t>{0, 0, 0, 0, 0, 0, 1, 3}));
+  EXPECT_EQ(std::vector<int32_t>(counts, counts + 8), (std::vector<int32_t>{0, 0, 0, 0, 0, 0, 1, 3}));
   eldr_capture_stats stats;
   stats.struct_size = sizeof(stats);
   ASSERT_EQ(eldr_capture_result_stats(result, &stats), ELDR_CAPTURE_OK);
@@ -196,8 +189,7 @@ TEST(CaptureCApiTest, ClientRoutesAndCompletesThroughTheCAbi) {
   eldr::capture::testing::FakeRouter router;
   ASSERT_GT(router.port(), 0);
   eldr_capture_client* client = nullptr;
-  ASSERT_EQ(eldr_capture_client_create(router.target().c_str(), nullptr, &client),
-            ELDR_CAPTURE_OK)
+  ASSERT_EQ(eldr_capture_client_create(router.target().c_str(), nullptr, &client), ELDR_CAPTURE_OK)
       << eldr_capture_last_error();
   const std::vector<int16_t> counts = {0, 5, 1, 2, 0, 0, 9, 0};  // 2 x 4, argmax 6
   char worker[64];
@@ -205,9 +197,8 @@ TEST(CaptureCApiTest, ClientRoutesAndCompletesThroughTheCAbi) {
   uint64_t lease = 0;
   eldr_capture_route_details details;
   details.struct_size = sizeof(details);
-  ASSERT_EQ(eldr_capture_client_route(client, "req-7", 99, counts.data(), ELDR_CAPTURE_OUTPUT_INT16,
-                                      2, 4, worker, sizeof(worker), address, sizeof(address),
-                                      &lease, &details),
+  ASSERT_EQ(eldr_capture_client_route(client, "req-7", 99, counts.data(), ELDR_CAPTURE_OUTPUT_INT16, 2, 4, worker,
+                                      sizeof(worker), address, sizeof(address), &lease, &details),
             ELDR_CAPTURE_OK)
       << eldr_capture_last_error();
   EXPECT_STREQ(worker, "decode-0");
@@ -222,29 +213,27 @@ TEST(CaptureCApiTest, ClientRoutesAndCompletesThroughTheCAbi) {
   EXPECT_THAT(eldr_capture_last_error(), HasSubstr("unknown lease 1000"));
 
   // Without counts the router balances load only.
-  ASSERT_EQ(eldr_capture_client_route(client, nullptr, 5, nullptr, 0, 0, 0, worker, sizeof(worker),
-                                      address, sizeof(address), &lease, &details),
+  ASSERT_EQ(eldr_capture_client_route(client, nullptr, 5, nullptr, 0, 0, 0, worker, sizeof(worker), address,
+                                      sizeof(address), &lease, &details),
             ELDR_CAPTURE_OK);
   EXPECT_STREQ(details.fallback_reason, "no_signature");
 
   // A worker id that does not fit: the route was made, the lease is returned with the error.
   char tiny[8];
   lease = 0;
-  EXPECT_EQ(eldr_capture_client_route(client, "long-worker", 5, counts.data(),
-                                      ELDR_CAPTURE_OUTPUT_INT16, 2, 4, tiny, sizeof(tiny), address,
-                                      sizeof(address), &lease, nullptr),
+  EXPECT_EQ(eldr_capture_client_route(client, "long-worker", 5, counts.data(), ELDR_CAPTURE_OUTPUT_INT16, 2, 4, tiny,
+                                      sizeof(tiny), address, sizeof(address), &lease, nullptr),
             ELDR_CAPTURE_BUFFER_TOO_SMALL);
   EXPECT_EQ(lease, 1002u);
   EXPECT_STREQ(tiny, "");
   EXPECT_THAT(eldr_capture_last_error(), HasSubstr("worker_id needs 301 bytes (have 8)"));
   EXPECT_EQ(eldr_capture_client_complete(client, lease, 0), ELDR_CAPTURE_OK);
 
-  EXPECT_EQ(eldr_capture_client_route(client, "reject", 5, counts.data(), ELDR_CAPTURE_OUTPUT_INT16,
-                                      2, 4, worker, sizeof(worker), address, sizeof(address),
-                                      &lease, nullptr),
-            ELDR_CAPTURE_INVALID_ARGUMENT);
-  EXPECT_EQ(eldr_capture_client_route(client, "x", 5, counts.data(), 7, 2, 4, worker,
+  EXPECT_EQ(eldr_capture_client_route(client, "reject", 5, counts.data(), ELDR_CAPTURE_OUTPUT_INT16, 2, 4, worker,
                                       sizeof(worker), address, sizeof(address), &lease, nullptr),
+            ELDR_CAPTURE_INVALID_ARGUMENT);
+  EXPECT_EQ(eldr_capture_client_route(client, "x", 5, counts.data(), 7, 2, 4, worker, sizeof(worker), address,
+                                      sizeof(address), &lease, nullptr),
             ELDR_CAPTURE_INVALID_ARGUMENT);
   EXPECT_THAT(eldr_capture_last_error(), HasSubstr("counts_type must be int16 (0) or int32 (1)"));
   eldr_capture_client_destroy(client);
@@ -260,10 +249,8 @@ TEST(CaptureCApiTest, ClientRoutesAndCompletesThroughTheCAbi) {
   client_options.timeout_ms = 200;
   const std::string target = "127.0.0.1:" + std::to_string(closed_port);
   ASSERT_EQ(eldr_capture_client_create(target.c_str(), &client_options, &client), ELDR_CAPTURE_OK);
-  const int status = eldr_capture_client_route(client, "", 1, counts.data(),
-                                               ELDR_CAPTURE_OUTPUT_INT16, 2, 4, worker,
-                                               sizeof(worker), address, sizeof(address), &lease,
-                                               nullptr);
+  const int status = eldr_capture_client_route(client, "", 1, counts.data(), ELDR_CAPTURE_OUTPUT_INT16, 2, 4, worker,
+                                               sizeof(worker), address, sizeof(address), &lease, nullptr);
   EXPECT_TRUE(status == ELDR_CAPTURE_UNAVAILABLE || status == ELDR_CAPTURE_DEADLINE_EXCEEDED)
       << eldr_capture_status_name(status) << ": " << eldr_capture_last_error();
   eldr_capture_client_destroy(client);

@@ -2,8 +2,8 @@
 // cases for each rule (reset on offset 0, order independence, duplicates, partial blocks, bad data),
 // then a paged engine on random and on the bundled real traces.
 #include <algorithm>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <ostream>
@@ -67,8 +67,7 @@ TEST(CaptureOptionsTest, CounterWidthIsTheNarrowestHoldingBlockSizeTimesTopK) {
     options.block_size = c.block_size;
     auto capture = MustCreate(options);
     ASSERT_NE(capture, nullptr);
-    EXPECT_EQ(capture->info().counter_bits, c.bits)
-        << "block_size " << c.block_size << " top_k " << c.top_k;
+    EXPECT_EQ(capture->info().counter_bits, c.bits) << "block_size " << c.block_size << " top_k " << c.top_k;
     EXPECT_GE(uint64_t{capture->info().counter_max}, uint64_t(c.block_size) * c.top_k);
   }
 }
@@ -128,10 +127,10 @@ TEST(CaptureRecordTest, CountsEachChoiceIntoTheBlockOfItsSlot) {
   const std::vector<int64_t> slots = {8, 9, 10, 13};
   const std::vector<int32_t> layer0 = {0, 1, 1, 2, 1, 3, 0, 0};
   const std::vector<int32_t> layer1 = {3, 3, 2, 2, 1, 0, 1, 1};
-  ASSERT_TRUE(capture->Record(0, layer0.data(), IndexType::kInt32, 2, slots.data(),
-                              IndexType::kInt64, 4, 0, nullptr).ok());
-  ASSERT_TRUE(capture->Record(1, layer1.data(), IndexType::kInt32, 2, slots.data(),
-                              IndexType::kInt64, 4, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(0, layer0.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 4, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(1, layer1.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 4, 0, nullptr).ok());
   // Block 2: layer 0 ids {0,1},{1,2},{1,3}; layer 1 ids {3,3},{2,2},{1,0}.
   EXPECT_THAT(BlockCounts(*capture, 2), ElementsAreArray({1, 3, 1, 1, 1, 1, 2, 2}));
   // Block 3: layer 0 {0,0}; layer 1 {1,1} (a duplicate within a token counts twice).
@@ -147,23 +146,27 @@ TEST(CaptureRecordTest, ContinuingABlockAddsAndRestartingItResets) {
   auto capture = MustCreate(SmallOptions());
   ASSERT_NE(capture, nullptr);
   const std::vector<int32_t> ids_a = {1, 2, 1, 2};
-  const std::vector<int64_t> first_chunk = {20, 21};  // block 5 offsets 0, 1
+  const std::vector<int64_t> first_chunk = {20, 21};   // block 5 offsets 0, 1
   const std::vector<int64_t> second_chunk = {22, 23};  // offsets 2, 3: no reset
   for (int layer = 0; layer < 2; ++layer) {
-    ASSERT_TRUE(capture->Record(layer, ids_a.data(), IndexType::kInt32, 2, first_chunk.data(),
-                                IndexType::kInt64, 2, 0, nullptr).ok());
+    ASSERT_TRUE(
+        capture->Record(layer, ids_a.data(), IndexType::kInt32, 2, first_chunk.data(), IndexType::kInt64, 2, 0, nullptr)
+            .ok());
   }
   for (int layer = 0; layer < 2; ++layer) {
-    ASSERT_TRUE(capture->Record(layer, ids_a.data(), IndexType::kInt32, 2, second_chunk.data(),
-                                IndexType::kInt64, 2, 0, nullptr).ok());
+    ASSERT_TRUE(
+        capture
+            ->Record(layer, ids_a.data(), IndexType::kInt32, 2, second_chunk.data(), IndexType::kInt64, 2, 0, nullptr)
+            .ok());
   }
   EXPECT_THAT(BlockCounts(*capture, 5), ElementsAreArray({0, 4, 4, 0, 0, 4, 4, 0}));
   // The block is reused for a new request: offset 0 is in the batch, the old counts vanish.
   const std::vector<int32_t> ids_b = {3, 3};
   const std::vector<int64_t> restart = {20};
   for (int layer = 0; layer < 2; ++layer) {
-    ASSERT_TRUE(capture->Record(layer, ids_b.data(), IndexType::kInt32, 2, restart.data(),
-                                IndexType::kInt64, 1, 0, nullptr).ok());
+    ASSERT_TRUE(
+        capture->Record(layer, ids_b.data(), IndexType::kInt32, 2, restart.data(), IndexType::kInt64, 1, 0, nullptr)
+            .ok());
   }
   EXPECT_THAT(BlockCounts(*capture, 5), ElementsAreArray({0, 0, 0, 2, 0, 0, 0, 2}));
 }
@@ -174,13 +177,14 @@ TEST(CaptureRecordTest, ResetPrecedesTheBatchsAddsWhateverTheTokenOrder) {
   // Fill block 1 with stale counts.
   const std::vector<int64_t> stale_slots = {4, 5, 6, 7};
   const std::vector<int32_t> stale_ids = {0, 0, 0, 0, 0, 0, 0, 0};
-  ASSERT_TRUE(capture->Record(0, stale_ids.data(), IndexType::kInt32, 2, stale_slots.data(),
-                              IndexType::kInt64, 4, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(0, stale_ids.data(), IndexType::kInt32, 2, stale_slots.data(), IndexType::kInt64, 4, 0, nullptr)
+          .ok());
   // A new fill of block 1 whose offset-0 token comes last in the batch.
   const std::vector<int64_t> slots = {6, 5, 4};
   const std::vector<int32_t> ids = {1, 2, 3, 3, 2, 1};
-  ASSERT_TRUE(capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(),
-                              IndexType::kInt64, 3, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 3, 0, nullptr).ok());
   EXPECT_THAT(BlockCounts(*capture, 1), ElementsAreArray({0, 2, 2, 2, 0, 0, 0, 0}));
 }
 
@@ -212,15 +216,15 @@ TEST(CaptureRecordTest, ASlotCountsOncePerFillAndDuplicatesAreCounted) {
   const std::vector<int64_t> slots = {9, 10};  // block 2, offsets 1 and 2: no reset
   const std::vector<int32_t> ids = {0, 1, 2, 3};
   for (int repeat = 0; repeat < 3; ++repeat) {
-    ASSERT_TRUE(capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(),
-                                IndexType::kInt64, 2, 0, nullptr).ok());
+    ASSERT_TRUE(
+        capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 2, 0, nullptr).ok());
   }
   EXPECT_THAT(BlockCounts(*capture, 2), ElementsAreArray({1, 1, 1, 1, 0, 0, 0, 0}));
   // The same slot twice in one batch counts once.
   const std::vector<int64_t> twice = {11, 11};
   const std::vector<int32_t> ids_twice = {3, 3, 3, 3};
-  ASSERT_TRUE(capture->Record(0, ids_twice.data(), IndexType::kInt32, 2, twice.data(),
-                              IndexType::kInt64, 2, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(0, ids_twice.data(), IndexType::kInt32, 2, twice.data(), IndexType::kInt64, 2, 0, nullptr).ok());
   EXPECT_THAT(BlockCounts(*capture, 2), ElementsAreArray({1, 1, 1, 3, 0, 0, 0, 0}));
   absl::StatusOr<Stats> stats = capture->ReadStats(nullptr);
   ASSERT_TRUE(stats.ok());
@@ -228,8 +232,8 @@ TEST(CaptureRecordTest, ASlotCountsOncePerFillAndDuplicatesAreCounted) {
   EXPECT_EQ(stats->recorded_choices, 6u);
   // Refilling the block from offset 0 clears the slot bitmap: the slots count again.
   const std::vector<int64_t> refill = {8, 9};
-  ASSERT_TRUE(capture->Record(0, ids.data(), IndexType::kInt32, 2, refill.data(),
-                              IndexType::kInt64, 2, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(0, ids.data(), IndexType::kInt32, 2, refill.data(), IndexType::kInt64, 2, 0, nullptr).ok());
   EXPECT_THAT(BlockCounts(*capture, 2), ElementsAreArray({1, 1, 1, 1, 0, 0, 0, 0}));
 }
 
@@ -248,8 +252,8 @@ TEST(CaptureRecordTest, CountersCannotOverflowAtTheirBound) {
   std::iota(slots.begin(), slots.end(), 31);  // block 1 entirely
   const std::vector<int32_t> ids(31 * 8, 2);  // every choice expert 2
   for (int repeat = 0; repeat < 4; ++repeat) {
-    ASSERT_TRUE(capture->Record(0, ids.data(), IndexType::kInt32, 8, slots.data(),
-                                IndexType::kInt64, 31, 0, nullptr).ok());
+    ASSERT_TRUE(
+        capture->Record(0, ids.data(), IndexType::kInt32, 8, slots.data(), IndexType::kInt64, 31, 0, nullptr).ok());
   }
   EXPECT_THAT(BlockCounts(*capture, 1), ElementsAreArray({0, 0, 248, 0}));
   EXPECT_THAT(BlockCounts(*capture, 0), ElementsAreArray({0, 0, 0, 0}));
@@ -261,8 +265,8 @@ TEST(CaptureRecordTest, BadDataIsCountedNeverWritten) {
   // Slots: padding (-1, -7), past the cache (32, 1000), and one good token (slot 1).
   const std::vector<int64_t> slots = {-1, 32, 1, 1000, -7};
   const std::vector<int64_t> ids = {0, 1, 0, 1, 4, -1, (int64_t{1} << 33) + 2, 3, 2, 2};
-  ASSERT_TRUE(capture->Record(1, ids.data(), IndexType::kInt64, 2, slots.data(),
-                              IndexType::kInt64, 5, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(1, ids.data(), IndexType::kInt64, 2, slots.data(), IndexType::kInt64, 5, 0, nullptr).ok());
   absl::StatusOr<Stats> stats = capture->ReadStats(nullptr);
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->padding_tokens, 2u);
@@ -284,35 +288,25 @@ TEST(CaptureRecordTest, RejectsHostCheckableArgumentsWithTheReason) {
     std::string message;
   };
   const std::vector<Case> cases = {
-      {capture->Record(2, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1, 0,
-                       nullptr),
+      {capture->Record(2, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1, 0, nullptr),
        "layer 2 is outside [0, 2)"},
-      {capture->Record(-1, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1,
-                       0, nullptr),
+      {capture->Record(-1, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1, 0, nullptr),
        "layer -1 is outside"},
-      {capture->Record(0, ids.data(), IndexType::kInt32, 3, slots.data(), IndexType::kInt64, 1, 0,
-                       nullptr),
+      {capture->Record(0, ids.data(), IndexType::kInt32, 3, slots.data(), IndexType::kInt64, 1, 0, nullptr),
        "top_k 3 is outside [1, 2]"},
-      {capture->Record(0, nullptr, IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1, 0,
-                       nullptr),
+      {capture->Record(0, nullptr, IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1, 0, nullptr),
        "topk_ids is null"},
-      {capture->Record(0, ids.data(), IndexType::kInt32, 2, nullptr, IndexType::kInt64, 1, 0,
-                       nullptr),
+      {capture->Record(0, ids.data(), IndexType::kInt32, 2, nullptr, IndexType::kInt64, 1, 0, nullptr),
        "slot_mapping is null"},
-      {capture->Record(0, ids.data(), static_cast<IndexType>(5), 2, slots.data(),
-                       IndexType::kInt64, 1, 0, nullptr),
+      {capture->Record(0, ids.data(), static_cast<IndexType>(5), 2, slots.data(), IndexType::kInt64, 1, 0, nullptr),
        "topk_ids type must be int32 (0) or int64 (1)"},
-      {capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(),
-                       static_cast<IndexType>(2), 1, 0, nullptr),
+      {capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), static_cast<IndexType>(2), 1, 0, nullptr),
        "slot_mapping type must be"},
-      {capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, -4,
-                       0, nullptr),
+      {capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, -4, 0, nullptr),
        "num_tokens must be in"},
-      {capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1,
-                       0x10, nullptr),
+      {capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1, 0x10, nullptr),
        "unknown flags 0x10"},
-      {capture->RecordDirect(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64,
-                             1, nullptr),
+      {capture->RecordDirect(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1, nullptr),
        "direct mode is off"},
   };
   for (const Case& c : cases) {
@@ -320,8 +314,7 @@ TEST(CaptureRecordTest, RejectsHostCheckableArgumentsWithTheReason) {
     EXPECT_THAT(c.status.message(), HasSubstr(c.message));
   }
   // Zero tokens is a valid empty batch, even with null arrays.
-  EXPECT_TRUE(capture->Record(0, nullptr, IndexType::kInt32, 2, nullptr, IndexType::kInt64, 0, 0,
-                              nullptr).ok());
+  EXPECT_TRUE(capture->Record(0, nullptr, IndexType::kInt32, 2, nullptr, IndexType::kInt64, 0, 0, nullptr).ok());
 }
 
 TEST(CaptureFinishTest, SumsExactlyTheBlocksUpToTheLength) {
@@ -333,8 +326,10 @@ TEST(CaptureFinishTest, SumsExactlyTheBlocksUpToTheLength) {
     for (int o = 0; o <= std::min(b, 3); ++o) slots.push_back(b * 4 + o);
     const std::vector<int32_t> ids(slots.size() * 2, b % 4);
     for (int layer = 0; layer < 2; ++layer) {
-      ASSERT_TRUE(capture->Record(layer, ids.data(), IndexType::kInt32, 2, slots.data(),
-                                  IndexType::kInt64, slots.size(), 0, nullptr).ok());
+      ASSERT_TRUE(capture
+                      ->Record(layer, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, slots.size(),
+                               0, nullptr)
+                      .ok());
     }
   }
   // Request 0: blocks 5, 2 and 7, 9 tokens -> ceil(9/4) = 3 blocks; entry 3 (block 6) not read.
@@ -357,8 +352,8 @@ TEST(CaptureFinishTest, SumsExactlyTheBlocksUpToTheLength) {
     }
     // Block 5: 4 tokens x 2 choices of expert 1; block 2: 3 tokens of expert 2; block 7: 4 tokens
     // of expert 3.
-    EXPECT_THAT(got, ElementsAreArray({0, 8, 6, 8, 0, 8, 6, 8,    //
-                                       0, 0, 0, 0, 0, 0, 0, 0,    //
+    EXPECT_THAT(got, ElementsAreArray({0, 8, 6, 8, 0, 8, 6, 8,  //
+                                       0, 0, 0, 0, 0, 0, 0, 0,  //
                                        0, 4, 0, 0, 0, 4, 0, 0}));
     EXPECT_EQ((*result)->stats().bad_block_ids, 0u);
   }
@@ -369,8 +364,8 @@ TEST(CaptureFinishTest, BadBlockIdsInATableAreCountedAndSkipped) {
   ASSERT_NE(capture, nullptr);
   const std::vector<int64_t> slots = {12};
   const std::vector<int32_t> ids = {1, 1};
-  ASSERT_TRUE(capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(),
-                              IndexType::kInt64, 1, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1, 0, nullptr).ok());
   const std::vector<int32_t> tables = {3, -1, 8, 3};
   const std::vector<int64_t> lengths = {16};
   auto result = capture->Finish(tables.data(), 4, lengths.data(), 1, OutputType::kInt32, nullptr);
@@ -396,8 +391,8 @@ TEST(CaptureFinishTest, Int16OutputSaturatesAndCountsIt) {
   std::iota(slots.begin(), slots.end(), 0);
   std::vector<int32_t> ids(tokens, 1);
   ids[7] = 0;
-  ASSERT_TRUE(capture->Record(0, ids.data(), IndexType::kInt32, 1, slots.data(), IndexType::kInt64,
-                              tokens, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(0, ids.data(), IndexType::kInt32, 1, slots.data(), IndexType::kInt64, tokens, 0, nullptr).ok());
   std::vector<int32_t> table(160);
   std::iota(table.begin(), table.end(), 0);
   const std::vector<int64_t> lengths = {tokens};
@@ -436,16 +431,12 @@ TEST(CaptureFinishTest, RejectsHostCheckableArgumentsWithTheReason) {
                "num_requests must be in [1, 4]");
   expect_error(capture->Finish(tables.data(), 4, good.data(), 5, OutputType::kInt16, nullptr),
                "num_requests must be in [1, 4]");
-  expect_error(capture->Finish(tables.data(), 4, good.data(), 1, static_cast<OutputType>(3),
-                               nullptr),
+  expect_error(capture->Finish(tables.data(), 4, good.data(), 1, static_cast<OutputType>(3), nullptr),
                "output_type must be int16 (0) or int32 (1)");
-  expect_error(capture->Finish(nullptr, 4, good.data(), 1, OutputType::kInt16, nullptr),
-               "block_tables is null");
-  expect_error(capture->Finish(tables.data(), 4, nullptr, 1, OutputType::kInt16, nullptr),
-               "lengths is null");
-  expect_error(
-      capture->Finish(tables.data(), 4, over_host_limit.data(), 1, OutputType::kInt16, nullptr),
-      "more than options.max_blocks_per_request = 2");
+  expect_error(capture->Finish(nullptr, 4, good.data(), 1, OutputType::kInt16, nullptr), "block_tables is null");
+  expect_error(capture->Finish(tables.data(), 4, nullptr, 1, OutputType::kInt16, nullptr), "lengths is null");
+  expect_error(capture->Finish(tables.data(), 4, over_host_limit.data(), 1, OutputType::kInt16, nullptr),
+               "more than options.max_blocks_per_request = 2");
 }
 
 TEST(CaptureFinishTest, ResultSlotsAreLimitedAndReusedAfterRelease) {
@@ -473,15 +464,15 @@ TEST(CaptureFinishTest, ResultsOutliveTheirContextAndKeepTheirStatsSnapshot) {
   ASSERT_NE(capture, nullptr);
   const std::vector<int64_t> slots = {0, 1};
   const std::vector<int32_t> ids = {2, 3, 2, 9};
-  ASSERT_TRUE(capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(),
-                              IndexType::kInt64, 2, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 2, 0, nullptr).ok());
   const std::vector<int32_t> table = {0};
   const std::vector<int64_t> lengths = {2};
   auto result = capture->Finish(table.data(), 1, lengths.data(), 1, OutputType::kInt16, nullptr);
   ASSERT_TRUE(result.ok());
   // Later work changes the context's stats, not the result's snapshot.
-  ASSERT_TRUE(capture->Record(1, ids.data(), IndexType::kInt32, 2, slots.data(),
-                              IndexType::kInt64, 2, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(1, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 2, 0, nullptr).ok());
   capture.reset();
   ASSERT_TRUE((*result)->Wait().ok());
   EXPECT_EQ((*result)->stats().recorded_choices, 3u);
@@ -495,13 +486,13 @@ TEST(CaptureRecordTest, ClearAndResetStats) {
   ASSERT_NE(capture, nullptr);
   const std::vector<int64_t> slots = {5};
   const std::vector<int32_t> ids = {1, 2};
-  ASSERT_TRUE(capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(),
-                              IndexType::kInt64, 1, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1, 0, nullptr).ok());
   ASSERT_TRUE(capture->Clear(nullptr).ok());
   EXPECT_THAT(BlockCounts(*capture, 1), ElementsAreArray({0, 0, 0, 0, 0, 0, 0, 0}));
   // Clear also forgets the slot bitmap: recording the slot again is not a duplicate.
-  ASSERT_TRUE(capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(),
-                              IndexType::kInt64, 1, 0, nullptr).ok());
+  ASSERT_TRUE(
+      capture->Record(0, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 1, 0, nullptr).ok());
   EXPECT_THAT(BlockCounts(*capture, 1), ElementsAreArray({0, 1, 1, 0, 0, 0, 0, 0}));
   ASSERT_EQ(capture->ReadStats(nullptr)->recorded_choices, 4u);
   ASSERT_TRUE(capture->ResetStats(nullptr).ok());
@@ -519,9 +510,7 @@ struct RandomCase {
   OutputType output_type;
 };
 
-void PrintTo(const RandomCase& c, std::ostream* os) {
-  *os << "block_size " << c.block_size << " top_k " << c.top_k;
-}
+void PrintTo(const RandomCase& c, std::ostream* os) { *os << "block_size " << c.block_size << " top_k " << c.top_k; }
 
 class CaptureRandomEngineTest : public ::testing::TestWithParam<RandomCase> {};
 
@@ -567,13 +556,12 @@ TEST_P(CaptureRandomEngineTest, EveryFinishedRequestEqualsItsBincount) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CaptureRandomEngineTest,
-    ::testing::Values(
-        RandomCase{16, 2, IndexType::kInt32, IndexType::kInt64, false, OutputType::kInt32},
-        RandomCase{16, 8, IndexType::kInt64, IndexType::kInt64, false, OutputType::kInt16},
-        RandomCase{1, 3, IndexType::kInt32, IndexType::kInt32, false, OutputType::kInt32},
-        RandomCase{17, 4, IndexType::kInt64, IndexType::kInt32, true, OutputType::kInt16},
-        RandomCase{64, 6, IndexType::kInt32, IndexType::kInt64, true, OutputType::kInt32},
-        RandomCase{40, 8, IndexType::kInt64, IndexType::kInt64, false, OutputType::kInt32}),
+    ::testing::Values(RandomCase{16, 2, IndexType::kInt32, IndexType::kInt64, false, OutputType::kInt32},
+                      RandomCase{16, 8, IndexType::kInt64, IndexType::kInt64, false, OutputType::kInt16},
+                      RandomCase{1, 3, IndexType::kInt32, IndexType::kInt32, false, OutputType::kInt32},
+                      RandomCase{17, 4, IndexType::kInt64, IndexType::kInt32, true, OutputType::kInt16},
+                      RandomCase{64, 6, IndexType::kInt32, IndexType::kInt64, true, OutputType::kInt32},
+                      RandomCase{40, 8, IndexType::kInt64, IndexType::kInt64, false, OutputType::kInt32}),
     [](const ::testing::TestParamInfo<RandomCase>& info) {
       const RandomCase& c = info.param;
       return "bs" + std::to_string(c.block_size) + "_k" + std::to_string(c.top_k) +
@@ -599,8 +587,7 @@ TEST(CaptureRealTraceTest, EveryFinishedRequestEqualsItsBincount) {
   config.max_batch_tokens = 256;
   config.output_type = OutputType::kInt16;
   config.max_finish_per_call = 4;
-  const auto requests =
-      testing::TraceRequests(config, traces->sequences, traces->tokens, /*max_tokens=*/300);
+  const auto requests = testing::TraceRequests(config, traces->sequences, traces->tokens, /*max_tokens=*/300);
   ASSERT_EQ(requests.size(), 24u);
   auto capture = MustCreate(testing::OptionsFor(config, Device::kCpu));
   ASSERT_NE(capture, nullptr);
@@ -608,8 +595,7 @@ TEST(CaptureRealTraceTest, EveryFinishedRequestEqualsItsBincount) {
   for (size_t r = 0; r < requests.size(); ++r) {
     ASSERT_EQ(outcome.finished[r], outcome.expected[r]) << "request " << r;
     // Rows sum to prompt_tokens * top_k: nothing lost, nothing double counted.
-    const int64_t total = std::accumulate(outcome.finished[r].begin(),
-                                          outcome.finished[r].end(), int64_t{0});
+    const int64_t total = std::accumulate(outcome.finished[r].begin(), outcome.finished[r].end(), int64_t{0});
     EXPECT_EQ(total, int64_t{requests[r].tokens} * config.layers * config.top_k);
   }
   EXPECT_GT(outcome.shared_prefix_blocks, 0);
@@ -643,8 +629,9 @@ TEST(CaptureDirectTest, AccumulatesByRequestSlotAndFinishZeroesTheSlots) {
     for (int layer = 0; layer < 3; ++layer) {
       std::vector<int32_t> ids(n * 4);
       for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 11);  // 10 is out of range
-      ASSERT_TRUE(capture->RecordDirect(layer, ids.data(), IndexType::kInt32, 4, requests.data(),
-                                        IndexType::kInt64, n, nullptr).ok());
+      ASSERT_TRUE(
+          capture->RecordDirect(layer, ids.data(), IndexType::kInt32, 4, requests.data(), IndexType::kInt64, n, nullptr)
+              .ok());
       for (int t = 0; t < n; ++t) {
         if (requests[t] < 0) {
           ++padding;
@@ -668,16 +655,14 @@ TEST(CaptureDirectTest, AccumulatesByRequestSlotAndFinishZeroesTheSlots) {
   std::vector<int32_t> read(6 * cells);
   ASSERT_TRUE(capture->ReadDirectCounts(0, 6, read.data(), nullptr).ok());
   for (int r = 0; r < 6; ++r) {
-    EXPECT_EQ(std::vector<int32_t>(read.begin() + r * cells, read.begin() + (r + 1) * cells),
-              expected[r]);
+    EXPECT_EQ(std::vector<int32_t>(read.begin() + r * cells, read.begin() + (r + 1) * cells), expected[r]);
   }
   const std::vector<int32_t> finishing = {4, 1};
   auto result = capture->FinishDirect(finishing.data(), 2, OutputType::kInt16, nullptr);
   ASSERT_TRUE(result.ok()) << result.status();
   ASSERT_TRUE((*result)->Wait().ok());
   for (int i = 0; i < 2; ++i) {
-    EXPECT_EQ(std::vector<int32_t>((*result)->counts_int16() + i * cells,
-                                   (*result)->counts_int16() + (i + 1) * cells),
+    EXPECT_EQ(std::vector<int32_t>((*result)->counts_int16() + i * cells, (*result)->counts_int16() + (i + 1) * cells),
               expected[finishing[i]]);
   }
   const Stats stats = (*result)->stats();
@@ -737,14 +722,14 @@ TEST(CaptureThreadTest, ConcurrentRecordsAndFinishesKeepEveryCount) {
       std::vector<int32_t> ids(256);
       for (int t = 0; t < 256; ++t) ids[t] = (t + i) % 8;
       for (int layer = 0; layer < 4; ++layer) {
-        EXPECT_TRUE(capture->Record(layer, ids.data(), IndexType::kInt32, 2, slots.data(),
-                                    IndexType::kInt64, 128, 0, nullptr).ok());
+        EXPECT_TRUE(
+            capture->Record(layer, ids.data(), IndexType::kInt32, 2, slots.data(), IndexType::kInt64, 128, 0, nullptr)
+                .ok());
       }
       std::vector<int32_t> table(16);
       std::iota(table.begin(), table.end(), 16 * i);
       const std::vector<int64_t> lengths = {128};
-      auto result = capture->Finish(table.data(), 16, lengths.data(), 1, OutputType::kInt32,
-                                    nullptr);
+      auto result = capture->Finish(table.data(), 16, lengths.data(), 1, OutputType::kInt32, nullptr);
       EXPECT_TRUE(result.ok());
       if (result.ok()) {
         results[i].assign((*result)->counts_int32(), (*result)->counts_int32() + 32);

@@ -29,9 +29,9 @@ using testing::RunScenario;
 using testing::ScenarioConfig;
 using testing::ScenarioOutcome;
 
-#define SKIP_WITHOUT_GPU()                                                  \
-  do {                                                                      \
-    const absl::Status gpu = testing::GpuUsable();                          \
+#define SKIP_WITHOUT_GPU()                                                        \
+  do {                                                                            \
+    const absl::Status gpu = testing::GpuUsable();                                \
     if (!gpu.ok()) GTEST_SKIP() << "no GPU for the CUDA path: " << gpu.message(); \
   } while (false)
 
@@ -47,8 +47,7 @@ void ExpectIdentical(const ScenarioOutcome& cpu, const ScenarioOutcome& gpu) {
     ASSERT_EQ(gpu.finished[r], cpu.finished[r]) << "request " << r;
     ASSERT_EQ(cpu.finished[r], cpu.expected[r]) << "request " << r;
   }
-  EXPECT_EQ(gpu.stats, cpu.stats) << "gpu: " << StatsToString(gpu.stats)
-                                  << "\ncpu: " << StatsToString(cpu.stats);
+  EXPECT_EQ(gpu.stats, cpu.stats) << "gpu: " << StatsToString(gpu.stats) << "\ncpu: " << StatsToString(cpu.stats);
   EXPECT_EQ(gpu.finish_stats, cpu.finish_stats);
   EXPECT_EQ(gpu.block_counts, cpu.block_counts);
   EXPECT_EQ(cpu.stats.recorded_choices, cpu.expected_recorded);
@@ -77,8 +76,7 @@ struct GpuCase {
 };
 
 void PrintTo(const GpuCase& c, std::ostream* os) {
-  *os << "block_size " << c.block_size << " top_k " << c.top_k << " counter_bits "
-      << c.counter_bits;
+  *os << "block_size " << c.block_size << " top_k " << c.top_k << " counter_bits " << c.counter_bits;
 }
 
 class CaptureGpuEngineTest : public ::testing::TestWithParam<GpuCase> {};
@@ -99,8 +97,7 @@ TEST_P(CaptureGpuEngineTest, MatchesTheCpuReferenceBitForBit) {
   config.batch_reset = c.batch_reset;
   config.output_type = c.output_type;
   config.seed = static_cast<uint32_t>(c.block_size * 7 + c.top_k);
-  std::vector<testing::RequestSpec> requests =
-      RandomRequests(config, 40, max_tokens, 0.02, 0.35, config.seed + 3);
+  std::vector<testing::RequestSpec> requests = RandomRequests(config, 40, max_tokens, 0.02, 0.35, config.seed + 3);
   auto cpu_options = testing::OptionsFor(config, Device::kCpu);
   auto gpu_options = testing::OptionsFor(config, Device::kCuda);
   cpu_options.counter_bits = gpu_options.counter_bits = c.counter_bits;
@@ -114,23 +111,21 @@ TEST_P(CaptureGpuEngineTest, MatchesTheCpuReferenceBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CaptureGpuEngineTest,
-    ::testing::Values(
-        GpuCase{16, 2, IndexType::kInt32, IndexType::kInt64, false, OutputType::kInt32, 0},
-        GpuCase{16, 8, IndexType::kInt64, IndexType::kInt64, false, OutputType::kInt16, 0},
-        GpuCase{16, 8, IndexType::kInt32, IndexType::kInt32, true, OutputType::kInt16, 16},
-        GpuCase{16, 8, IndexType::kInt64, IndexType::kInt32, false, OutputType::kInt32, 32},
-        GpuCase{1, 3, IndexType::kInt32, IndexType::kInt32, false, OutputType::kInt32, 0},
-        GpuCase{17, 4, IndexType::kInt64, IndexType::kInt32, true, OutputType::kInt16, 0},
-        GpuCase{64, 6, IndexType::kInt32, IndexType::kInt64, true, OutputType::kInt32, 0},
-        GpuCase{40, 8, IndexType::kInt64, IndexType::kInt64, false, OutputType::kInt32, 0}),
+    ::testing::Values(GpuCase{16, 2, IndexType::kInt32, IndexType::kInt64, false, OutputType::kInt32, 0},
+                      GpuCase{16, 8, IndexType::kInt64, IndexType::kInt64, false, OutputType::kInt16, 0},
+                      GpuCase{16, 8, IndexType::kInt32, IndexType::kInt32, true, OutputType::kInt16, 16},
+                      GpuCase{16, 8, IndexType::kInt64, IndexType::kInt32, false, OutputType::kInt32, 32},
+                      GpuCase{1, 3, IndexType::kInt32, IndexType::kInt32, false, OutputType::kInt32, 0},
+                      GpuCase{17, 4, IndexType::kInt64, IndexType::kInt32, true, OutputType::kInt16, 0},
+                      GpuCase{64, 6, IndexType::kInt32, IndexType::kInt64, true, OutputType::kInt32, 0},
+                      GpuCase{40, 8, IndexType::kInt64, IndexType::kInt64, false, OutputType::kInt32, 0}),
     [](const ::testing::TestParamInfo<GpuCase>& info) {
       const GpuCase& c = info.param;
       return "bs" + std::to_string(c.block_size) + "_k" + std::to_string(c.top_k) +
              (c.id_type == IndexType::kInt64 ? "_ids64" : "_ids32") +
              (c.slot_type == IndexType::kInt64 ? "_slots64" : "_slots32") +
              (c.batch_reset ? "_batchreset" : "_layerreset") +
-             (c.output_type == OutputType::kInt16 ? "_out16" : "_out32") + "_bits" +
-             std::to_string(c.counter_bits);
+             (c.output_type == OutputType::kInt16 ? "_out16" : "_out32") + "_bits" + std::to_string(c.counter_bits);
     });
 
 TEST(CaptureGpuRealTraceTest, MatchesTheCpuReferenceBitForBit) {
@@ -192,10 +187,11 @@ TEST(CaptureGpuFinishTest, Int16SaturationMatchesTheCpu) {
     auto capture = MustCreate(options);
     ASSERT_NE(capture, nullptr);
     testing::DeviceArrays arrays(device);
-    ASSERT_TRUE(capture->Record(0, arrays.Upload(ids), IndexType::kInt32, 1, arrays.Upload(slots),
-                                IndexType::kInt64, 40000, 0, nullptr).ok());
-    auto result = capture->Finish(arrays.Upload(table), 160, lengths.data(), 1,
-                                  OutputType::kInt16, nullptr);
+    ASSERT_TRUE(capture
+                    ->Record(0, arrays.Upload(ids), IndexType::kInt32, 1, arrays.Upload(slots), IndexType::kInt64,
+                             40000, 0, nullptr)
+                    .ok());
+    auto result = capture->Finish(arrays.Upload(table), 160, lengths.data(), 1, OutputType::kInt16, nullptr);
     ASSERT_TRUE(result.ok()) << result.status();
     ASSERT_TRUE((*result)->Wait().ok());
     const int d = static_cast<int>(device);
@@ -233,8 +229,10 @@ TEST(CaptureGpuDirectTest, MatchesTheCpuReference) {
     testing::DeviceArrays arrays(device);
     const int32_t* device_requests = arrays.Upload(requests);
     for (int layer = 0; layer < 4; ++layer) {
-      ASSERT_TRUE(capture->RecordDirect(layer, arrays.Upload(ids[layer]), IndexType::kInt32, 8,
-                                        device_requests, IndexType::kInt32, 3000, nullptr).ok());
+      ASSERT_TRUE(capture
+                      ->RecordDirect(layer, arrays.Upload(ids[layer]), IndexType::kInt32, 8, device_requests,
+                                     IndexType::kInt32, 3000, nullptr)
+                      .ok());
     }
     auto result = capture->FinishDirect(finishing.data(), 4, OutputType::kInt32, nullptr);
     ASSERT_TRUE(result.ok()) << result.status();
@@ -269,18 +267,18 @@ TEST(CaptureGpuApiTest, RejectsPageableHostPointersBeforeLaunching) {
   const std::vector<int32_t> host_ids = {0, 1};
   const std::vector<int64_t> host_slots = {0};
   testing::DeviceArrays arrays(Device::kCuda);
-  const absl::Status ids_status =
-      capture->Record(0, host_ids.data(), IndexType::kInt32, 2, arrays.Upload(host_slots),
-                      IndexType::kInt64, 1, 0, nullptr);
+  const absl::Status ids_status = capture->Record(0, host_ids.data(), IndexType::kInt32, 2, arrays.Upload(host_slots),
+                                                  IndexType::kInt64, 1, 0, nullptr);
   EXPECT_EQ(ids_status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(ids_status.message(), HasSubstr("record: topk_ids is pageable host memory"));
-  const absl::Status slots_status =
-      capture->Record(0, arrays.Upload(host_ids), IndexType::kInt32, 2, host_slots.data(),
-                      IndexType::kInt64, 1, 0, nullptr);
+  const absl::Status slots_status = capture->Record(0, arrays.Upload(host_ids), IndexType::kInt32, 2, host_slots.data(),
+                                                    IndexType::kInt64, 1, 0, nullptr);
   EXPECT_THAT(slots_status.message(), HasSubstr("record: slot_mapping is pageable host memory"));
   // The context is still healthy.
-  EXPECT_TRUE(capture->Record(0, arrays.Upload(host_ids), IndexType::kInt32, 2,
-                              arrays.Upload(host_slots), IndexType::kInt64, 1, 0, nullptr).ok());
+  EXPECT_TRUE(capture
+                  ->Record(0, arrays.Upload(host_ids), IndexType::kInt32, 2, arrays.Upload(host_slots),
+                           IndexType::kInt64, 1, 0, nullptr)
+                  .ok());
   EXPECT_EQ(capture->ReadStats(nullptr)->recorded_choices, 2u);
 }
 
@@ -302,8 +300,10 @@ TEST(CaptureGpuApiTest, WorksOnACallerStreamAndSignalsCompletion) {
   std::vector<int32_t> ids(1024);
   for (int t = 0; t < 1024; ++t) ids[t] = t % 8;
   testing::DeviceArrays arrays(Device::kCuda);
-  ASSERT_TRUE(capture->Record(0, arrays.Upload(ids), IndexType::kInt32, 1, arrays.Upload(slots),
-                              IndexType::kInt64, 1024, 0, stream).ok());
+  ASSERT_TRUE(capture
+                  ->Record(0, arrays.Upload(ids), IndexType::kInt32, 1, arrays.Upload(slots), IndexType::kInt64, 1024,
+                           0, stream)
+                  .ok());
   std::vector<int32_t> table(64);
   std::iota(table.begin(), table.end(), 0);
   const std::vector<int64_t> lengths = {1024};

@@ -67,12 +67,10 @@ namespace {
 int64_t BadId(const ScenarioConfig& config, std::mt19937& rng) {
   const int64_t e = config.experts;
   if (config.id_type == IndexType::kInt64) {
-    const int64_t choices[] = {-1, e, e + 1000, (int64_t{1} << 40) + 3, -(int64_t{1} << 35),
-                               (int64_t{1} << 32) + 1};
+    const int64_t choices[] = {-1, e, e + 1000, (int64_t{1} << 40) + 3, -(int64_t{1} << 35), (int64_t{1} << 32) + 1};
     return choices[rng() % std::size(choices)];
   }
-  const int64_t choices[] = {-1, e, e + 1000, std::numeric_limits<int32_t>::max(),
-                             std::numeric_limits<int32_t>::min()};
+  const int64_t choices[] = {-1, e, e + 1000, std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min()};
   return choices[rng() % std::size(choices)];
 }
 
@@ -84,8 +82,8 @@ int64_t BlocksFor(int64_t tokens, int block_size) { return (tokens + block_size 
 
 }  // namespace
 
-std::vector<RequestSpec> RandomRequests(const ScenarioConfig& config, int count, int max_tokens,
-                                        double bad_id_rate, double share_rate, uint32_t seed) {
+std::vector<RequestSpec> RandomRequests(const ScenarioConfig& config, int count, int max_tokens, double bad_id_rate,
+                                        double share_rate, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<double> unit(0, 1);
   std::vector<RequestSpec> requests(count);
@@ -116,8 +114,7 @@ std::vector<RequestSpec> RandomRequests(const ScenarioConfig& config, int count,
   return requests;
 }
 
-std::vector<RequestSpec> TraceRequests(const ScenarioConfig& config,
-                                       const std::vector<std::vector<uint8_t>>& sequences,
+std::vector<RequestSpec> TraceRequests(const ScenarioConfig& config, const std::vector<std::vector<uint8_t>>& sequences,
                                        const std::vector<int>& sequence_tokens, int max_tokens) {
   const int64_t row = int64_t{config.layers} * config.top_k;
   std::vector<RequestSpec> requests;
@@ -181,8 +178,7 @@ std::vector<T> Narrow(const std::vector<int64_t>& values) {
   return out;
 }
 
-const void* UploadIndex(DeviceArrays& arrays, const std::vector<int64_t>& values,
-                        IndexType type) {
+const void* UploadIndex(DeviceArrays& arrays, const std::vector<int64_t>& values, IndexType type) {
   if (type == IndexType::kInt64) return arrays.Upload(values);
   return arrays.Upload(Narrow<int32_t>(values));
 }
@@ -205,10 +201,10 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
   std::vector<bool> ever_freed(config.num_blocks, false);
   std::vector<ActiveRequest> all(num_requests);
   std::vector<bool> admitted(num_requests, false);
-  std::vector<int> active;             // prefilling
-  std::vector<int> awaiting_release;   // finished; garbage and release next step
+  std::vector<int> active;            // prefilling
+  std::vector<int> awaiting_release;  // finished; garbage and release next step
   int next_request = 0;
-  int64_t reserved_blocks = 0;         // still to be allocated by admitted requests
+  int64_t reserved_blocks = 0;  // still to be allocated by admitted requests
   int finished_count = 0;
 
   auto allocate = [&]() -> int32_t {
@@ -275,8 +271,7 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
         BatchToken token;
         token.request = index;
         token.position = p;
-        token.slot = int64_t{a.blocks[p / config.block_size]} * config.block_size +
-                     p % config.block_size;
+        token.slot = int64_t{a.blocks[p / config.block_size]} * config.block_size + p % config.block_size;
         batch.push_back(std::move(token));
       }
       budget -= chunk;
@@ -323,8 +318,7 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
       for (int t = 0; t < n; ++t) slots[t] = batch[t].slot;
       auto id_of = [&](const BatchToken& token, int layer, int j) -> int64_t {
         if (token.request < 0) return token.ids[int64_t{layer} * config.top_k + j];
-        return requests[token.request]
-            .routing[(int64_t{token.position} * config.layers + layer) * config.top_k + j];
+        return requests[token.request].routing[(int64_t{token.position} * config.layers + layer) * config.top_k + j];
       };
       // What the library must report for this batch.
       uint64_t offset_zero = 0;
@@ -363,8 +357,8 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
         }
         const void* device_ids = UploadIndex(arrays, ids, config.id_type);
         const absl::Status status =
-            capture.Record(l, device_ids, config.id_type, config.top_k, device_slots,
-                           config.slot_type, n, config.batch_reset ? kRecordSkipReset : 0, nullptr);
+            capture.Record(l, device_ids, config.id_type, config.top_k, device_slots, config.slot_type, n,
+                           config.batch_reset ? kRecordSkipReset : 0, nullptr);
         EXPECT_TRUE(status.ok()) << status;
       }
       ++out.batches;
@@ -377,10 +371,9 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
       all[index].blocks.clear();
       all[index].blocks.shrink_to_fit();
     }
-    awaiting_release.erase(
-        std::remove_if(awaiting_release.begin(), awaiting_release.end(),
-                       [&](int index) { return all[index].blocks.empty(); }),
-        awaiting_release.end());
+    awaiting_release.erase(std::remove_if(awaiting_release.begin(), awaiting_release.end(),
+                                          [&](int index) { return all[index].blocks.empty(); }),
+                           awaiting_release.end());
     // A source still needed keeps its blocks; mark its garbage as done so it is written once.
 
     // Advance and finish.
@@ -395,8 +388,7 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
         if (all[index].position == requests[index].tokens) finishing.push_back(index);
       }
     }
-    for (size_t begin = 0; begin < finishing.size();
-         begin += static_cast<size_t>(config.max_finish_per_call)) {
+    for (size_t begin = 0; begin < finishing.size(); begin += static_cast<size_t>(config.max_finish_per_call)) {
       const size_t end = std::min(finishing.size(), begin + config.max_finish_per_call);
       const int group = static_cast<int>(end - begin);
       int64_t stride = 0;
@@ -423,8 +415,7 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
       const bool device_tables =
           device == Device::kCuda && (!config.alternate_table_memory || out.finish_calls % 2 == 1);
       const int32_t* table_pointer = device_tables ? arrays.Upload(tables) : tables.data();
-      auto result = capture.Finish(table_pointer, stride, lengths.data(), group,
-                                   config.output_type, nullptr);
+      auto result = capture.Finish(table_pointer, stride, lengths.data(), group, config.output_type, nullptr);
       EXPECT_TRUE(result.ok()) << result.status();
       if (!result.ok()) break;
       EXPECT_TRUE((*result)->Wait().ok());
@@ -448,13 +439,11 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
       awaiting_release.push_back(index);
       active.erase(std::find(active.begin(), active.end(), index));
     }
-    if (active.empty() && next_request < num_requests && awaiting_release.empty() &&
-        !has_prompt_tokens) {
+    if (active.empty() && next_request < num_requests && awaiting_release.empty() && !has_prompt_tokens) {
       // Nothing runs and the head request cannot be admitted: the scenario is too big.
       const RequestSpec& spec = requests[next_request];
       if (spec.shared_from < 0 || all[spec.shared_from].finished) {
-        ADD_FAILURE() << "request " << next_request << " does not fit in " << config.num_blocks
-                      << " blocks";
+        ADD_FAILURE() << "request " << next_request << " does not fit in " << config.num_blocks << " blocks";
         break;
       }
     }

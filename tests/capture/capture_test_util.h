@@ -82,25 +82,24 @@ struct ScenarioConfig {
 // Random prompts: `count` requests of 1..max_tokens tokens, ids uniform in [0, E) with duplicates
 // allowed within a token, a fraction `bad_id_rate` of ids out of range, and a fraction
 // `share_rate` of requests sharing 1..n full blocks of an earlier request.
-std::vector<RequestSpec> RandomRequests(const ScenarioConfig& config, int count, int max_tokens,
-                                        double bad_id_rate, double share_rate, uint32_t seed);
+std::vector<RequestSpec> RandomRequests(const ScenarioConfig& config, int count, int max_tokens, double bad_id_rate,
+                                        double share_rate, uint32_t seed);
 
 // Requests built from real routing traces: each sequence's first `max_tokens` tokens as a prompt
 // (uint8 [tokens][L][k] rows), and every third request sharing its first blocks with the one
 // before it followed by its own tokens.
-std::vector<RequestSpec> TraceRequests(const ScenarioConfig& config,
-                                       const std::vector<std::vector<uint8_t>>& sequences,
+std::vector<RequestSpec> TraceRequests(const ScenarioConfig& config, const std::vector<std::vector<uint8_t>>& sequences,
                                        const std::vector<int>& sequence_tokens, int max_tokens);
 
 // The bincount: expected[L][E] of a request's prompt, counting in-range ids only.
 std::vector<int32_t> Bincount(const ScenarioConfig& config, const RequestSpec& request);
 
 struct ScenarioOutcome {
-  std::vector<std::vector<int32_t>> finished;   // per request index, [L][E] as int32
-  std::vector<std::vector<int32_t>> expected;   // Bincount of each request
-  Stats stats;                                  // after the run
-  std::vector<Stats> finish_stats;              // snapshot of each finish result
-  std::vector<int32_t> block_counts;            // every block's counts at the end [blocks][L][E]
+  std::vector<std::vector<int32_t>> finished;  // per request index, [L][E] as int32
+  std::vector<std::vector<int32_t>> expected;  // Bincount of each request
+  Stats stats;                                 // after the run
+  std::vector<Stats> finish_stats;             // snapshot of each finish result
+  std::vector<int32_t> block_counts;           // every block's counts at the end [blocks][L][E]
   // What the engine knows it fed the library.
   uint64_t expected_padding = 0;
   uint64_t expected_bad_slots = 0;
@@ -109,7 +108,7 @@ struct ScenarioOutcome {
   uint64_t expected_block_resets = 0;
   int batches = 0;
   int finish_calls = 0;
-  int reused_blocks = 0;       // allocations of a block that had been freed before
+  int reused_blocks = 0;  // allocations of a block that had been freed before
   int shared_prefix_blocks = 0;
 };
 

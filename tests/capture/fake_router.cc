@@ -9,8 +9,7 @@
 
 namespace eldr::capture::testing {
 
-grpc::Status FakeRouterService::Route(grpc::ServerContext* /*context*/,
-                                      const v1::RouteRequest* request,
+grpc::Status FakeRouterService::Route(grpc::ServerContext* /*context*/, const v1::RouteRequest* request,
                                       v1::RouteResponse* response) {
   if (request->request_id() == "sleep-500ms") {
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -34,9 +33,9 @@ grpc::Status FakeRouterService::Route(grpc::ServerContext* /*context*/,
       received.encoding = "int16_le";
       const std::string& bytes = counts.int16_le();
       if (static_cast<int64_t>(bytes.size()) != 2 * cells) {
-        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            absl::StrCat("int16_le has ", bytes.size(), " bytes for ",
-                                         counts.layers(), " x ", counts.experts()));
+        return grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("int16_le has ", bytes.size(), " bytes for ", counts.layers(), " x ", counts.experts()));
       }
       for (int64_t i = 0; i < cells; ++i) {
         const auto lo = static_cast<uint8_t>(bytes[2 * i]);
@@ -74,14 +73,12 @@ grpc::Status FakeRouterService::Route(grpc::ServerContext* /*context*/,
   return grpc::Status::OK;
 }
 
-grpc::Status FakeRouterService::Complete(grpc::ServerContext* /*context*/,
-                                         const v1::CompleteRequest* request,
+grpc::Status FakeRouterService::Complete(grpc::ServerContext* /*context*/, const v1::CompleteRequest* request,
                                          v1::CompleteResponse* response) {
   absl::MutexLock lock(&mu_);
   auto it = leases_.find(request->lease_id());
   if (it == leases_.end()) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        absl::StrCat("unknown lease ", request->lease_id()));
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("unknown lease ", request->lease_id()));
   }
   response->set_worker_id(it->second);
   leases_.erase(it);

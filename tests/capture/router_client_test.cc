@@ -19,11 +19,10 @@
 namespace eldr::capture {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::FakeRouter;
+using ::testing::HasSubstr;
 
-std::unique_ptr<RouterClient> MustConnect(const std::string& target,
-                                          RouterClientOptions options = {}) {
+std::unique_ptr<RouterClient> MustConnect(const std::string& target, RouterClientOptions options = {}) {
   absl::StatusOr<std::unique_ptr<RouterClient>> client = RouterClient::Create(target, options);
   EXPECT_TRUE(client.ok()) << client.status();
   return client.ok() ? *std::move(client) : nullptr;
@@ -110,12 +109,10 @@ TEST(RouterClientTest, RejectsBadCountsBeforeSending) {
               HasSubstr("5 counts for layers * experts = 3 * 4"));
   std::vector<int16_t> negative = Counts(0);
   negative[6] = -2;
-  EXPECT_THAT(client->RouteInt16("", 0, negative, 3, 4).status().message(),
-              HasSubstr("count [1][2] = -2 is negative"));
+  EXPECT_THAT(client->RouteInt16("", 0, negative, 3, 4).status().message(), HasSubstr("count [1][2] = -2 is negative"));
   EXPECT_THAT(client->RouteInt16(std::string(300, 'x'), 0, Counts(0), 3, 4).status().message(),
               HasSubstr("request_id has 300 bytes, at most 256"));
-  EXPECT_THAT(client->RouteInt16("", -1, Counts(0), 3, 4).status().message(),
-              HasSubstr("prompt_tokens must be >= 0"));
+  EXPECT_THAT(client->RouteInt16("", -1, Counts(0), 3, 4).status().message(), HasSubstr("prompt_tokens must be >= 0"));
   EXPECT_EQ(router.service().routes(), 0);
 }
 
@@ -149,12 +146,10 @@ TEST(RouterClientTest, RejectsInconsistentOptions) {
   RouterClientOptions options;
   EXPECT_THAT(RouterClient::Create("", options).status().message(), HasSubstr("target is empty"));
   options.timeout_ms = 0;
-  EXPECT_THAT(RouterClient::Create("127.0.0.1:1", options).status().message(),
-              HasSubstr("timeout_ms must be > 0"));
+  EXPECT_THAT(RouterClient::Create("127.0.0.1:1", options).status().message(), HasSubstr("timeout_ms must be > 0"));
   options.timeout_ms = 100;
   options.tls_client_cert_pem = "x";
-  EXPECT_THAT(RouterClient::Create("127.0.0.1:1", options).status().message(),
-              HasSubstr("without tls_root_certs_pem"));
+  EXPECT_THAT(RouterClient::Create("127.0.0.1:1", options).status().message(), HasSubstr("without tls_root_certs_pem"));
   options.tls_root_certs_pem = "y";
   EXPECT_THAT(RouterClient::Create("127.0.0.1:1", options).status().message(),
               HasSubstr("needs both tls_client_cert_pem and tls_client_key_pem"));

@@ -1,5 +1,5 @@
-#include "eldr/common/file.h"
 #include "eldr/core/centroid_artifact.h"
+#include "eldr/common/file.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -174,8 +174,8 @@ TEST(CentroidArtifactTest, ReferenceFormatFileLoads) {
       {"seed", 0},
       {"sig_dtype", "<i2"},
       {"sig_idf", {0.1, 0.2, 0.3, 1.5, 2.5, 0.0}},
-      {"centroids", {std::vector<float>(rows.begin(), rows.begin() + 6),
-                     std::vector<float>(rows.begin() + 6, rows.end())}},
+      {"centroids",
+       {std::vector<float>(rows.begin(), rows.begin() + 6), std::vector<float>(rows.begin() + 6, rows.end())}},
       {"training_sha256", std::string(64, 'a')},
       {"calibration_format", "eldr-calibration-v1"},
   };

@@ -63,8 +63,7 @@ struct Clustered {
   std::vector<std::vector<float>> profiles;
 };
 
-Clustered MakeClustered(int rows, int dim, int domains, double zero_fraction, double row_spread,
-                        std::mt19937_64& rng) {
+Clustered MakeClustered(int rows, int dim, int domains, double zero_fraction, double row_spread, std::mt19937_64& rng) {
   Clustered c;
   c.dim = dim;
   c.rows = rows;
@@ -90,9 +89,8 @@ Clustered MakeClustered(int rows, int dim, int domains, double zero_fraction, do
     // Workers differ in how far they sit from their domain's profile.
     const float spread = static_cast<float>(row_spread) * (0.5f + uniform(rng));
     for (int i = 0; i < dim; ++i) {
-      row[i] = zero[i] ? 0.f
-                       : std::max(0.f, c.profiles[d][i] + spread * (exponential(rng) - 1.f) /
-                                                              std::sqrt(float(dim)));
+      row[i] =
+          zero[i] ? 0.f : std::max(0.f, c.profiles[d][i] + spread * (exponential(rng) - 1.f) / std::sqrt(float(dim)));
     }
     Normalize(row, dim);
   }
@@ -107,20 +105,18 @@ std::vector<float> QueryNear(const Clustered& c, int row, double noise, std::mt1
   for (int i = 0; i < c.dim; ++i) {
     q[i] = centroid[i] == 0.f && c.profiles[c.domain_of_row[row]][i] == 0.f
                ? 0.f
-               : std::max(0.f, centroid[i] + static_cast<float>(noise) * (exponential(rng) - 1.f) /
-                                                 std::sqrt(float(c.dim)));
+               : std::max(0.f,
+                          centroid[i] + static_cast<float>(noise) * (exponential(rng) - 1.f) / std::sqrt(float(c.dim)));
   }
   Normalize(q.data(), c.dim);
   return q;
 }
 
-std::vector<double> ReferenceScores(const std::vector<float>& centroids, int rows, int dim,
-                                    const float* q) {
+std::vector<double> ReferenceScores(const std::vector<float>& centroids, int rows, int dim, const float* q) {
   std::vector<double> scores(rows);
   for (int r = 0; r < rows; ++r) {
     double s = 0;
-    for (int i = 0; i < dim; ++i)
-      s += static_cast<double>(centroids[static_cast<size_t>(r) * dim + i]) * q[i];
+    for (int i = 0; i < dim; ++i) s += static_cast<double>(centroids[static_cast<size_t>(r) * dim + i]) * q[i];
     scores[r] = s;
   }
   return scores;
@@ -130,8 +126,8 @@ std::vector<double> ReferenceScores(const std::vector<float>& centroids, int row
 // Rows within `tolerance` of the reference edge are not judged. Returns the number of rows
 // decided differently; *best_mismatch is set when the best row differs while the reference's top
 // two are more than `tolerance` apart.
-int BandMismatches(const std::vector<ScoredRow>& got, const std::vector<double>& reference,
-                   double tau, double tolerance, bool* best_mismatch) {
+int BandMismatches(const std::vector<ScoredRow>& got, const std::vector<double>& reference, double tau,
+                   double tolerance, bool* best_mismatch) {
   const int rows = static_cast<int>(reference.size());
   const double ref_best = *std::max_element(reference.begin(), reference.end());
   const double ref_edge = ref_best - tau;
@@ -203,8 +199,7 @@ TEST(HalfConversionTest, KnownValues) {
 // The hardware conversion (F16C, round to nearest even) is the reference for random floats over
 // the whole range, subnormals and overflow included.
 __attribute__((target("f16c,avx"))) uint16_t HardwareHalf(float f) {
-  return static_cast<uint16_t>(
-      _mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT), 0));
+  return static_cast<uint16_t>(_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT), 0));
 }
 
 TEST(HalfConversionTest, MatchesHardwareOnRandomFloats) {
@@ -270,13 +265,11 @@ TEST(ScorerKernelsTest, EveryLevelMatchesDoubleReference) {
             refbf += static_cast<double>(bf) * query[1 + i];
             magnitude += std::fabs(static_cast<double>(f32_rows[r][i]) * query[1 + i]);
           }
-          EXPECT_NEAR(
-              outbf[r], refbf,
-              internal::AccumulationDepth(dim) * std::ldexp(1.0, -24) * magnitude * 1.02 + 1e-30)
+          EXPECT_NEAR(outbf[r], refbf,
+                      internal::AccumulationDepth(dim) * std::ldexp(1.0, -24) * magnitude * 1.02 + 1e-30)
               << SimdLevelName(level) << " dim " << dim << " n " << n << " row " << r;
           // gamma_n * sum |products|, with the accumulation depth the kernels promise.
-          const double tolerance =
-              internal::AccumulationDepth(dim) * std::ldexp(1.0, -24) * magnitude * 1.01 + 1e-30;
+          const double tolerance = internal::AccumulationDepth(dim) * std::ldexp(1.0, -24) * magnitude * 1.01 + 1e-30;
           EXPECT_NEAR(out32[r], ref32, tolerance)
               << SimdLevelName(level) << " dim " << dim << " n " << n << " row " << r;
           EXPECT_NEAR(out16[r], ref16, tolerance)
@@ -308,9 +301,8 @@ TEST(ScorerKernelsTest, GatherColumnsKeepsTheMaskedColumnsInOrder) {
           offsets[c] = offsets[c - 1] + __builtin_popcount(masks[c - 1]);
         }
         std::vector<float> out(kept.size() + 16, -9.f);
-        const float sum = KernelsFor(level).gather_columns(
-            in.data(), dim, masks.data(), offsets.data(), kept.data(),
-            static_cast<int>(kept.size()), out.data());
+        const float sum = KernelsFor(level).gather_columns(in.data(), dim, masks.data(), offsets.data(), kept.data(),
+                                                           static_cast<int>(kept.size()), out.data());
         double expected_sum = 0;
         for (size_t k = 0; k < kept.size(); ++k) {
           ASSERT_EQ(out[k], in[kept[k]]) << SimdLevelName(level) << " dim " << dim << " #" << k;
@@ -336,12 +328,10 @@ TEST(ScorerKernelsTest, AccumulateColumnsIsATransposedMatrixTimesVector) {
         std::vector<float> weights(k);
         for (float& w : weights) w = normal(rng);
         std::vector<float> out(n + 1, -5.f);
-        KernelsFor(level).accumulate_columns(columns.data(), k, n, stride, weights.data(),
-                                             out.data());
+        KernelsFor(level).accumulate_columns(columns.data(), k, n, stride, weights.data(), out.data());
         for (int j = 0; j < n; ++j) {
           double expected = 0;
-          for (int c = 0; c < k; ++c)
-            expected += weights[c] * columns[static_cast<size_t>(c) * stride + j];
+          for (int c = 0; c < k; ++c) expected += weights[c] * columns[static_cast<size_t>(c) * stride + j];
           ASSERT_NEAR(out[j], expected, 1e-4) << SimdLevelName(level) << " k " << k << " n " << n;
         }
         EXPECT_EQ(out[n], -5.f) << "wrote past n";
@@ -375,8 +365,7 @@ TEST(ScorerKernelsTest, LevelNamesAndDetection) {
   EXPECT_EQ(internal::SimdLevelName(SimdLevel::kAvx512), "avx512");
   EXPECT_LE(static_cast<int>(internal::DetectSimdLevel()), static_cast<int>(CpuSimdLevel()));
   // Asking for more than the CPU has is clamped.
-  EXPECT_LE(static_cast<int>(KernelsFor(SimdLevel::kAvx512).level),
-            static_cast<int>(CpuSimdLevel()));
+  EXPECT_LE(static_cast<int>(KernelsFor(SimdLevel::kAvx512).level), static_cast<int>(CpuSimdLevel()));
 }
 
 // ---- Exact scorer: decisions against the double-precision reference -----------------------------
@@ -433,8 +422,7 @@ TEST(ExactIndexTest, DecidesAsDoubleReferenceExceptNearTheEdge) {
   for (const DecisionCase& c : cases) {
     Clustered data;
     if (c.clustered) {
-      data = MakeClustered(c.rows, c.dim, /*domains=*/4, /*zero_fraction=*/0.4, /*row_spread=*/3.0,
-                           rng);
+      data = MakeClustered(c.rows, c.dim, /*domains=*/4, /*zero_fraction=*/0.4, /*row_spread=*/3.0, rng);
     } else {
       data.dim = c.dim;
       data.rows = c.rows;
@@ -444,24 +432,20 @@ TEST(ExactIndexTest, DecidesAsDoubleReferenceExceptNearTheEdge) {
       for (const ScanCase& scan : kScanCases) {
         CentroidIndexOptions options = scan.Options();
         options.band_tau = tau;
-        auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, c.rows,
-                                              c.dim, options);
+        auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, c.rows, c.dim, options);
         ASSERT_TRUE(index.ok()) << index.status();
-        EXPECT_EQ((*index)->kind(), scan.format == HalfFormat::kAuto && KeptColumns(data) < 2048
-                                        ? "exact"
-                                        : scan.kind);
+        EXPECT_EQ((*index)->kind(), scan.format == HalfFormat::kAuto && KeptColumns(data) < 2048 ? "exact" : scan.kind);
         std::vector<ScoredRow> got;
         for (int k = 0; k < 60; ++k) {
           std::vector<float> q =
-              c.clustered ? QueryNear(data, static_cast<int>(rng() % data.rows), 0.5, rng)
-                          : RandomRows(1, c.dim, rng);
+              c.clustered ? QueryNear(data, static_cast<int>(rng() % data.rows), 0.5, rng) : RandomRows(1, c.dim, rng);
           ASSERT_TRUE((*index)->Search(q, &got).ok());
           ASSERT_EQ(got.size(), static_cast<size_t>(c.rows));
           std::vector<double> reference = ReferenceScores(data.centroids, c.rows, c.dim, q.data());
           bool best_mismatch = false;
           const int mismatches = BandMismatches(got, reference, tau, 1e-4, &best_mismatch);
-          EXPECT_EQ(mismatches, 0) << c.name << " " << c.rows << "x" << c.dim << " tau " << tau
-                                   << " " << scan.kind << " query " << k;
+          EXPECT_EQ(mismatches, 0) << c.name << " " << c.rows << "x" << c.dim << " tau " << tau << " " << scan.kind
+                                   << " query " << k;
           EXPECT_FALSE(best_mismatch) << c.name << " tau " << tau << " query " << k;
           // Every score is within the 16-bit error bound of the reference.
           for (const ScoredRow& s : got) {
@@ -493,9 +477,8 @@ TEST(ExactIndexTest, RefinementRescuesRowsThat16BitScansMisplace) {
   };
   for (HalfFormat format : {HalfFormat::kBfloat16, HalfFormat::kBinary16}) {
     auto round16 = [format](float v) {
-      return format == HalfFormat::kBinary16
-                 ? HalfToFloat(FloatToHalf(v))
-                 : internal::Bfloat16ToFloat(internal::FloatToBfloat16(v));
+      return format == HalfFormat::kBinary16 ? HalfToFloat(FloatToHalf(v))
+                                             : internal::Bfloat16ToFloat(internal::FloatToBfloat16(v));
     };
     // A best row the format represents exactly (so its score is exact in the scan), and an edge
     // row whose score is 1.5e-4 above best - tau but whose 16 values all round down enough to put
@@ -503,8 +486,7 @@ TEST(ExactIndexTest, RefinementRescuesRowsThat16BitScansMisplace) {
     // the edge row's rounding works out.
     const float best_value = round16(0.225f);
     float best_last = 0, edge_value = 0;
-    for (float last = round16(0.2f); last < 0.25f && edge_value == 0;
-         last = std::nextafter(last, 1.f)) {
+    for (float last = round16(0.2f); last < 0.25f && edge_value == 0; last = std::nextafter(last, 1.f)) {
       if (round16(last) != last) continue;
       const double best_score = 0.25 * (15.0 * best_value + last);
       const float v = static_cast<float>((best_score - tau + 1.5e-4) / 4.0);
@@ -516,8 +498,7 @@ TEST(ExactIndexTest, RefinementRescuesRowsThat16BitScansMisplace) {
     ASSERT_NE(edge_value, 0.f) << "setup: no adversarial row found";
     std::vector<float> centroids;
     for (const std::vector<float>& row :
-         {make_row(best_value, best_last), make_row(edge_value, edge_value),
-          make_row(0.15f, 0.15f)}) {
+         {make_row(best_value, best_last), make_row(edge_value, edge_value), make_row(0.15f, 0.15f)}) {
       centroids.insert(centroids.end(), row.begin(), row.end());
     }
     const std::vector<double> reference = ReferenceScores(centroids, 3, dim, q.data());
@@ -528,8 +509,7 @@ TEST(ExactIndexTest, RefinementRescuesRowsThat16BitScansMisplace) {
     options.half_format = format;
     // Without refinement at this edge (index tuned for another tau), the scan misplaces row 1.
     options.band_tau = 0.3;
-    auto unrefined =
-        BuildCentroidIndexOfKind(CentroidIndexKind::kExact, centroids, 3, dim, options);
+    auto unrefined = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, centroids, 3, dim, options);
     ASSERT_TRUE(unrefined.ok());
     std::vector<ScoredRow> got;
     ASSERT_TRUE((*unrefined)->Search(q, &got).ok());
@@ -578,8 +558,7 @@ TEST(ExactIndexTest, DropsAllZeroColumnsWithoutChangingScores) {
   Clustered data = MakeClustered(12, 512, 3, /*zero_fraction=*/0.6, 3.0, rng);
   CentroidIndexOptions options;
   options.half_precision = false;
-  auto index =
-      BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, 12, 512, options);
+  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, 12, 512, options);
   ASSERT_TRUE(index.ok());
   // A query with mass on the dropped columns: they must not contribute.
   std::vector<float> q = RandomRows(1, 512, rng);
@@ -635,17 +614,15 @@ struct RecallStats {
   double mean_band = 0;
 };
 
-RecallStats MeasureRecall(const CentroidIndex& index, const Clustered& data, double tau,
-                          int queries, std::mt19937_64& rng) {
+RecallStats MeasureRecall(const CentroidIndex& index, const Clustered& data, double tau, int queries,
+                          std::mt19937_64& rng) {
   RecallStats stats;
   std::vector<ScoredRow> got;
   for (int k = 0; k < queries; ++k) {
     std::vector<float> q = QueryNear(data, static_cast<int>(rng() % data.rows), 0.5, rng);
     EXPECT_TRUE(index.Search(q, &got).ok());
-    const std::vector<double> reference =
-        ReferenceScores(data.centroids, data.rows, data.dim, q.data());
-    const int best =
-        static_cast<int>(std::max_element(reference.begin(), reference.end()) - reference.begin());
+    const std::vector<double> reference = ReferenceScores(data.centroids, data.rows, data.dim, q.data());
+    const int best = static_cast<int>(std::max_element(reference.begin(), reference.end()) - reference.begin());
     bool found = false;
     for (const ScoredRow& s : got) {
       found |= s.row == best;
@@ -654,16 +631,14 @@ RecallStats MeasureRecall(const CentroidIndex& index, const Clustered& data, dou
     bool best_mismatch = false;
     const int mismatches = BandMismatches(got, reference, tau, 1e-4, &best_mismatch);
     const double edge = reference[best] - tau;
-    stats.mean_band +=
-        std::count_if(reference.begin(), reference.end(), [edge](double s) { return s >= edge; });
+    stats.mean_band += std::count_if(reference.begin(), reference.end(), [edge](double s) { return s >= edge; });
     ++stats.queries;
     stats.best_found += found;
     stats.band_matches += mismatches == 0 && !best_mismatch;
   }
   stats.mean_band /= std::max(1, stats.queries);
   std::printf("%s: %d queries, best among candidates %d, band as exact %d, mean band %.1f rows\n",
-              std::string(index.kind()).c_str(), stats.queries, stats.best_found,
-              stats.band_matches, stats.mean_band);
+              std::string(index.kind()).c_str(), stats.queries, stats.best_found, stats.band_matches, stats.mean_band);
   return stats;
 }
 
@@ -683,8 +658,8 @@ TEST(ReducedIndexTest, FlatCandidatesContainTheBestAndTheBand) {
   };
   for (const Pool& pool : {Pool{32, 0.5, 4.0}, Pool{8, 0.4, 40.0}}) {
     const Clustered data = LargePool(512, 1664, pool.domains, pool.spread, rng);
-    auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids,
-                                          data.rows, data.dim, CentroidIndexOptions());
+    auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, data.rows, data.dim,
+                                          CentroidIndexOptions());
     ASSERT_TRUE(index.ok()) << index.status();
     EXPECT_EQ((*index)->kind(), "faiss_pca_flat");
     EXPECT_EQ((*index)->rows(), 512);
@@ -702,8 +677,7 @@ TEST(ReducedIndexTest, HnswCandidatesContainTheBest) {
   const Clustered data = LargePool(512, 1664, 32, 0.5, rng);
   CentroidIndexOptions options;
   options.use_hnsw = true;
-  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, data.rows,
-                                        data.dim, options);
+  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, data.rows, data.dim, options);
   ASSERT_TRUE(index.ok()) << index.status();
   EXPECT_EQ((*index)->kind(), "faiss_pca_hnsw");
   const RecallStats stats = MeasureRecall(**index, data, 0.1, 200, rng);
@@ -718,8 +692,7 @@ TEST(ReducedIndexTest, SmallPoolsAndFewRowsStillWork) {
   std::mt19937_64 rng(79);
   const Clustered data = MakeClustered(6, 256, 2, 0.0, 3.0, rng);
   for (const ScanCase& scan : kScanCases) {
-    auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, 6, 256,
-                                          scan.Options());
+    auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, 6, 256, scan.Options());
     ASSERT_TRUE(index.ok()) << index.status();
     for (int k = 0; k < 20; ++k) {
       std::vector<float> q = QueryNear(data, k % 6, 0.5, rng);
@@ -739,8 +712,8 @@ TEST(ReducedIndexTest, OneAndTwoRows) {
   std::mt19937_64 rng(80);
   for (int rows : {1, 2}) {
     const std::vector<float> centroids = RandomRows(rows, 40, rng);
-    auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, centroids, rows, 40,
-                                          CentroidIndexOptions());
+    auto index =
+        BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, centroids, rows, 40, CentroidIndexOptions());
     ASSERT_TRUE(index.ok()) << rows << " rows: " << index.status();
     const std::vector<float> q = RandomRows(1, 40, rng);
     std::vector<ScoredRow> got;
@@ -795,8 +768,7 @@ TEST(ScoreBatchTest, MatchesReferenceForBothImplementations) {
     queries.insert(queries.end(), q.begin(), q.end());
   }
   for (CentroidIndexKind kind : {CentroidIndexKind::kExact, CentroidIndexKind::kFaissReduced}) {
-    auto index =
-        BuildCentroidIndexOfKind(kind, data.centroids, data.rows, data.dim, CentroidIndexOptions());
+    auto index = BuildCentroidIndexOfKind(kind, data.centroids, data.rows, data.dim, CentroidIndexOptions());
     ASSERT_TRUE(index.ok()) << index.status();
     std::vector<float> scores(static_cast<size_t>(n) * data.rows);
     ASSERT_TRUE((*index)->ScoreBatch(queries, n, absl::MakeSpan(scores)).ok());
@@ -833,10 +805,8 @@ TEST(CentroidIndexValidationTest, RejectsBadBuildInput) {
   EXPECT_EQ(RejectReasonOf(wrong_size.status()), RejectReason::kGeometry);
   EXPECT_THAT(wrong_size.status().message(), HasSubstr("need 6 values, got 4"));
 
-  EXPECT_EQ(RejectReasonOf(BuildCentroidIndex({}, 0, 4, CentroidIndexOptions()).status()),
-            RejectReason::kGeometry);
-  EXPECT_EQ(RejectReasonOf(BuildCentroidIndex({}, 1, 0, CentroidIndexOptions()).status()),
-            RejectReason::kGeometry);
+  EXPECT_EQ(RejectReasonOf(BuildCentroidIndex({}, 0, 4, CentroidIndexOptions()).status()), RejectReason::kGeometry);
+  EXPECT_EQ(RejectReasonOf(BuildCentroidIndex({}, 1, 0, CentroidIndexOptions()).status()), RejectReason::kGeometry);
   EXPECT_EQ(BuildCentroidIndex({}, 1 << 20, 1 << 20, CentroidIndexOptions()).status().code(),
             absl::StatusCode::kInvalidArgument);
 
@@ -893,14 +863,11 @@ TEST(CentroidIndexValidationTest, RejectsBadQueries) {
     }
 
     std::vector<float> scores(8);
-    EXPECT_EQ(RejectReasonOf((*index)->ScoreBatch(short_query, 1, absl::MakeSpan(scores))),
-              RejectReason::kGeometry);
+    EXPECT_EQ(RejectReasonOf((*index)->ScoreBatch(short_query, 1, absl::MakeSpan(scores))), RejectReason::kGeometry);
     const std::vector<float> one(32, 0.1f);
     std::vector<float> too_few(7);
-    EXPECT_EQ(RejectReasonOf((*index)->ScoreBatch(one, 1, absl::MakeSpan(too_few))),
-              RejectReason::kGeometry);
-    EXPECT_EQ(RejectReasonOf((*index)->ScoreBatch(one, -1, absl::MakeSpan(scores))),
-              RejectReason::kGeometry);
+    EXPECT_EQ(RejectReasonOf((*index)->ScoreBatch(one, 1, absl::MakeSpan(too_few))), RejectReason::kGeometry);
+    EXPECT_EQ(RejectReasonOf((*index)->ScoreBatch(one, -1, absl::MakeSpan(scores))), RejectReason::kGeometry);
   }
 }
 

@@ -33,8 +33,7 @@ TEST(RejectReasonTest, LabelsAreDistinctLowerSnakeCase) {
 
 TEST(RejectReasonTest, PayloadRoundTripsForEveryReason) {
   for (RejectReason reason : kReasons) {
-    const absl::Status status =
-        MakeInputError(absl::StatusCode::kFailedPrecondition, reason, "why it failed");
+    const absl::Status status = MakeInputError(absl::StatusCode::kFailedPrecondition, reason, "why it failed");
     EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ(status.message(), "why it failed");
     EXPECT_EQ(RejectReasonOf(status), reason) << RejectReasonLabel(reason);

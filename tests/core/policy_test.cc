@@ -29,8 +29,8 @@ PolicyDecision PickEldr(RoutingPolicy& policy, const std::vector<WorkerLoadView>
 }
 
 TEST(PolicyNamesTest, ParseAndName) {
-  for (PolicyKind kind : {PolicyKind::kEldr, PolicyKind::kRoundRobin, PolicyKind::kRandom,
-                          PolicyKind::kJsq, PolicyKind::kP2c}) {
+  for (PolicyKind kind :
+       {PolicyKind::kEldr, PolicyKind::kRoundRobin, PolicyKind::kRandom, PolicyKind::kJsq, PolicyKind::kP2c}) {
     EXPECT_EQ(*ParsePolicyKind(PolicyKindName(kind)), kind);
     EXPECT_EQ(MakePolicy(kind, 1)->kind(), kind);
   }
@@ -132,8 +132,8 @@ TEST(EldrPolicyTest, OverloadSpillsToLeastLoadedOverall) {
 TEST(EldrPolicyTest, NoScoresFallsBackToJsqWithCallersReason) {
   auto policy = MakePolicy(PolicyKind::kEldr, 1);
   const auto workers = Loads({3, 1, 2});
-  for (FallbackReason reason : {FallbackReason::kNoSignature, FallbackReason::kZeroSignature,
-                                FallbackReason::kNoCentroids}) {
+  for (FallbackReason reason :
+       {FallbackReason::kNoSignature, FallbackReason::kZeroSignature, FallbackReason::kNoCentroids}) {
     PolicyInput input;
     input.workers = workers;
     input.no_scores_reason = reason;

@@ -80,9 +80,7 @@ TEST(RouterRealDataTest, RequestsReachTheirDomainsWorker) {
   for (size_t i = 0; i < trace->sequences.size(); ++i) {
     const TraceSequence& seq = trace->sequences[i];
     if (seq.index_in_domain % 2 != 0) continue;
-    ASSERT_TRUE(transform->Apply(CountsInt32{layers, experts, prompt_counts[i]},
-                                 absl::MakeSpan(signature))
-                    .ok());
+    ASSERT_TRUE(transform->Apply(CountsInt32{layers, experts, prompt_counts[i]}, absl::MakeSpan(signature)).ok());
     for (size_t c = 0; c < cells; ++c) sums[seq.domain * cells + c] += signature[c];
   }
   for (int d = 0; d < domains; ++d) {
@@ -123,14 +121,13 @@ TEST(RouterRealDataTest, RequestsReachTheirDomainsWorker) {
     total += routed[d];
     total_correct += correct[d];
     const double accuracy = static_cast<double>(correct[d]) / routed[d];
-    std::cout << absl::StrFormat("  %-12s %3d held-out requests, %5.1f%% to its domain's worker\n",
-                                 trace->domains[d], routed[d], 100 * accuracy);
+    std::cout << absl::StrFormat("  %-12s %3d held-out requests, %5.1f%% to its domain's worker\n", trace->domains[d],
+                                 routed[d], 100 * accuracy);
     // Each domain at least twice chance.
     EXPECT_GE(accuracy, 0.5) << trace->domains[d];
   }
   const double accuracy = static_cast<double>(total_correct) / total;
-  std::cout << absl::StrFormat("  overall      %3d held-out requests, %5.1f%% (chance 25%%)\n", total,
-                               100 * accuracy);
+  std::cout << absl::StrFormat("  overall      %3d held-out requests, %5.1f%% (chance 25%%)\n", total, 100 * accuracy);
   RecordProperty("domain_accuracy", absl::StrFormat("%.4f", accuracy));
   // Measured: 100% on these traces. The threshold leaves margin for other calibrations while
   // staying far above chance.

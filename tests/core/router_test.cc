@@ -1,8 +1,8 @@
 #include "eldr/core/router.h"
 
 #include <atomic>
-#include <iostream>
 #include <cmath>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <string>
@@ -79,8 +79,7 @@ TEST(RouterCreateTest, ValidatesOptionsAndWorkers) {
               HasSubstr("duplicate worker id 'a'"));
   EXPECT_EQ(Router::Create({}, {Worker("")}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Router::Create({}, {Worker("a", 0)}).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(Router::Create({}, {Worker("a", 1, -1)}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Router::Create({}, {Worker("a", 1, -1)}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(Router::Create({}, {}).ok());
 }
 
@@ -285,10 +284,8 @@ TEST(RouterTest, LoadReportsAndCapacityDriveTheBand) {
   const RouterState state = router->GetState(now);
   EXPECT_DOUBLE_EQ(state.workers[2].load.effective, 8);
   EXPECT_TRUE(state.workers[2].load.snapshot_fresh);
-  EXPECT_EQ(router->ReportLoad("a", {.running = -1, .taken_at = kT0}, now).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(router->ReportLoad("x", {.running = 1, .taken_at = kT0}, now).code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(router->ReportLoad("a", {.running = -1, .taken_at = kT0}, now).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(router->ReportLoad("x", {.running = 1, .taken_at = kT0}, now).code(), absl::StatusCode::kNotFound);
 }
 
 TEST(RouterTest, OverloadGuardSpills) {
@@ -512,8 +509,7 @@ TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
         if (i % 16 == 0) std::this_thread::yield();
         const std::vector<int32_t> counts = Counts((t + i) % kExperts, 5 + i % 7, i % 3);
         const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
-        absl::StatusOr<RouteResult> result =
-            router->Route(i % 10 == 0 ? nullptr : &input, absl::Now());
+        absl::StatusOr<RouteResult> result = router->Route(i % 10 == 0 ? nullptr : &input, absl::Now());
         if (!result.ok()) {
           record_error(result.status());
           continue;
@@ -547,9 +543,8 @@ TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
   threads.emplace_back([&] {  // centroid swaps: named and unnamed artifacts, rows permuted
     int i = 0;
     while (!stop.load()) {
-      const absl::Status status =
-          i % 2 == 0 ? router->InstallCentroids(Artifact(4, {"d", "c", "b", "a"})).status()
-                     : router->InstallCentroids(Artifact(4, {"a", "b", "c", "d"})).status();
+      const absl::Status status = i % 2 == 0 ? router->InstallCentroids(Artifact(4, {"d", "c", "b", "a"})).status()
+                                             : router->InstallCentroids(Artifact(4, {"a", "b", "c", "d"})).status();
       if (!status.ok()) record_error(status);
       ++i;
       swaps++;
@@ -562,8 +557,7 @@ TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
       absl::Status status = router->UpsertWorker(Worker("extra", 1 + i % 3)).status();
       if (status.ok() && i % 3 == 0) status = router->DrainWorker("extra").status();
       if (status.ok()) {
-        status = router->ReportLoad("b", {.running = static_cast<double>(i % 5), .taken_at = absl::Now()},
-                                    absl::Now());
+        status = router->ReportLoad("b", {.running = static_cast<double>(i % 5), .taken_at = absl::Now()}, absl::Now());
       }
       if (status.ok()) status = router->SetWorkerHealthy("c", i % 4 != 0);
       if (status.ok() && i % 2 == 1) status = router->RemoveWorker("extra").status();
@@ -590,9 +584,8 @@ TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
   for (const WorkerStatus& worker : state.workers) EXPECT_EQ(worker.load.leases, 0) << worker.spec.id;
   EXPECT_GT(state.centroid_generation, 1u);
   EXPECT_GT(callbacks.load(), 0);
-  std::cout << "routes " << routes.load() << ", centroid swaps " << swaps.load()
-            << ", worker churn rounds " << churns.load() << ", leases lost to removal "
-            << lost_to_removal.load() << "\n";
+  std::cout << "routes " << routes.load() << ", centroid swaps " << swaps.load() << ", worker churn rounds "
+            << churns.load() << ", leases lost to removal " << lost_to_removal.load() << "\n";
 }
 
 }  // namespace

@@ -87,8 +87,7 @@ SignatureSpec CountIdfSpec(int layers, int experts, std::vector<int> mask, uint3
   return spec;
 }
 
-void ExpectReject(const absl::Status& status, absl::StatusCode code, RejectReason reason,
-                  absl::string_view text) {
+void ExpectReject(const absl::Status& status, absl::StatusCode code, RejectReason reason, absl::string_view text) {
   EXPECT_EQ(status.code(), code) << status;
   EXPECT_EQ(RejectReasonOf(status), reason) << status;
   EXPECT_THAT(std::string(status.message()), HasSubstr(std::string(text)));
@@ -126,56 +125,51 @@ TEST(SignatureSpecTest, ValidationNamesEachFailedCheck) {
 
   SignatureSpec bad = spec;
   bad.layers = 0;
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "layers (L) must be >= 1");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry,
+               "layers (L) must be >= 1");
   bad = spec;
   bad.experts = -2;
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "experts (e) must be >= 1");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry,
+               "experts (e) must be >= 1");
   bad = spec;
   bad.layer_mask = {0, 4};
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "layer_mask[1] = 4 is outside [0, 4)");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry,
+               "layer_mask[1] = 4 is outside [0, 4)");
   bad = spec;
   bad.layer_mask = {-1, 2};
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "outside");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry, "outside");
   bad = spec;
   bad.layer_mask = {2, 1};
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kMalformed, "sorted and distinct");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kMalformed,
+               "sorted and distinct");
   bad = spec;
   bad.layer_mask = {1, 1};
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kMalformed, "sorted and distinct");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kMalformed,
+               "sorted and distinct");
   bad = spec;
   bad.idf.pop_back();
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "sig_idf has 15 weights, expected");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry,
+               "sig_idf has 15 weights, expected");
   bad = spec;
   bad.idf[3] = std::numeric_limits<float>::quiet_NaN();
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kNonFinite, "sig_idf[3]");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kNonFinite, "sig_idf[3]");
   bad = spec;
   bad.idf[5] = -0.5f;
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kMalformed, "sig_idf[5]");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kMalformed, "sig_idf[5]");
   bad = spec;
   std::fill(bad.idf.begin(), bad.idf.end(), 0.f);
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kMalformed, "all zeros");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kMalformed, "all zeros");
   bad = spec;
   bad.variant = SignatureVariant::kCount;
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kMalformed, "only valid for variant count_idf");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kMalformed,
+               "only valid for variant count_idf");
   bad = spec;
   bad.layers = 1 << 15;
   bad.experts = 1 << 10;
   bad.layer_mask.clear();
   bad.idf.clear();
   bad.variant = SignatureVariant::kCount;
-  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument,
-               RejectReason::kOversized, "exceeds");
+  ExpectReject(ValidateSignatureSpec(bad), absl::StatusCode::kInvalidArgument, RejectReason::kOversized, "exceeds");
   EXPECT_FALSE(SignatureTransform::Create(bad).ok());
 }
 
@@ -226,8 +220,7 @@ TEST(SignatureTransformTest, OddGeometriesUseTheTailPaths) {
     std::vector<int32_t> nonzero = counts;
     nonzero[1 * experts] = 5;  // make sure the masked part is not all zero
     std::vector<float> out(transform.dim());
-    ASSERT_TRUE(
-        transform.Apply(CountsInt16Le{5, experts, Int16Bytes(nonzero)}, absl::MakeSpan(out)).ok());
+    ASSERT_TRUE(transform.Apply(CountsInt16Le{5, experts, Int16Bytes(nonzero)}, absl::MakeSpan(out)).ok());
     ExpectNear(out, Reference(spec, AsDouble(nonzero)));
   }
 }
@@ -285,22 +278,19 @@ TEST(SignatureTransformTest, WeightedSkipsNormalisationAndAcceptsZero) {
   const std::vector<int32_t> zeros(12, 0);
   EXPECT_TRUE(transform.Weighted(CountsInt32{3, 4, zeros}, absl::MakeSpan(out)).ok());
   const std::vector<int32_t> negative = {0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0};
-  ExpectReject(transform.Weighted(CountsInt32{3, 4, negative}, absl::MakeSpan(out)),
-               absl::StatusCode::kInvalidArgument, RejectReason::kNegativeCount, "negative");
+  ExpectReject(transform.Weighted(CountsInt32{3, 4, negative}, absl::MakeSpan(out)), absl::StatusCode::kInvalidArgument,
+               RejectReason::kNegativeCount, "negative");
 }
 
 // ---- Every rejection ---------------------------------------------------------------------------
 
 class SignatureRejectionTest : public ::testing::Test {
  protected:
-  SignatureRejectionTest()
-      : spec_(CountIdfSpec(4, 8, {1, 3})), transform_(MakeTransform(spec_)), out_(spec_.dim()) {
+  SignatureRejectionTest() : spec_(CountIdfSpec(4, 8, {1, 3})), transform_(MakeTransform(spec_)), out_(spec_.dim()) {
     counts_ = RandomCounts(4, 8, 5);
     counts_[1 * 8] = 2;
   }
-  absl::Status Apply(const SignatureInput& input) {
-    return transform_.Apply(input, absl::MakeSpan(out_));
-  }
+  absl::Status Apply(const SignatureInput& input) { return transform_.Apply(input, absl::MakeSpan(out_)); }
 
   SignatureSpec spec_;
   SignatureTransform transform_;
@@ -310,14 +300,11 @@ class SignatureRejectionTest : public ::testing::Test {
 
 TEST_F(SignatureRejectionTest, GeometryMismatchForEveryInputKind) {
   const std::string bytes = Int16Bytes(counts_);
-  ExpectReject(Apply(CountsInt16Le{5, 8, bytes}), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "5x8 does not match the calibrated transform (4 layers x 8");
-  ExpectReject(Apply(CountsInt16Le{4, 9, bytes}), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "4x9");
-  ExpectReject(Apply(CountsInt16Le{-4, 8, bytes}), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "-4x8");
-  ExpectReject(Apply(CountsInt32{4, 7, counts_}), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "4x7");
+  ExpectReject(Apply(CountsInt16Le{5, 8, bytes}), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry,
+               "5x8 does not match the calibrated transform (4 layers x 8");
+  ExpectReject(Apply(CountsInt16Le{4, 9, bytes}), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry, "4x9");
+  ExpectReject(Apply(CountsInt16Le{-4, 8, bytes}), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry, "-4x8");
+  ExpectReject(Apply(CountsInt32{4, 7, counts_}), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry, "4x7");
   std::vector<float> gate(32, 1.f);
   SignatureSpec gate_spec;
   gate_spec.layers = 4;
@@ -325,26 +312,24 @@ TEST_F(SignatureRejectionTest, GeometryMismatchForEveryInputKind) {
   gate_spec.variant = SignatureVariant::kGateProb;
   const SignatureTransform gate_transform = MakeTransform(gate_spec);
   std::vector<float> out(gate_transform.dim());
-  ExpectReject(gate_transform.Apply(GateProbSums{3, 8, gate}, absl::MakeSpan(out)),
-               absl::StatusCode::kInvalidArgument, RejectReason::kGeometry, "3x8");
-  ExpectReject(gate_transform.Apply(GateProbSums{4, 8, absl::MakeConstSpan(gate).subspan(1)},
-                                    absl::MakeSpan(out)),
+  ExpectReject(gate_transform.Apply(GateProbSums{3, 8, gate}, absl::MakeSpan(out)), absl::StatusCode::kInvalidArgument,
+               RejectReason::kGeometry, "3x8");
+  ExpectReject(gate_transform.Apply(GateProbSums{4, 8, absl::MakeConstSpan(gate).subspan(1)}, absl::MakeSpan(out)),
                absl::StatusCode::kInvalidArgument, RejectReason::kGeometry, "need 32 values, got 31");
   std::vector<float> vector(spec_.dim() + 1, 1.f);
-  ExpectReject(Apply(TransformedVector{vector}), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "has 17 values");
+  ExpectReject(Apply(TransformedVector{vector}), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry,
+               "has 17 values");
 }
 
 TEST_F(SignatureRejectionTest, ByteLengthChecks) {
   std::string bytes = Int16Bytes(counts_);
-  ExpectReject(Apply(CountsInt16Le{4, 8, absl::string_view(bytes).substr(0, 63)}),
-               absl::StatusCode::kInvalidArgument, RejectReason::kWrongEncoding,
-               "even byte length, got 63");
-  ExpectReject(Apply(CountsInt16Le{4, 8, absl::string_view(bytes).substr(0, 62)}),
-               absl::StatusCode::kInvalidArgument, RejectReason::kGeometry, "need 64 bytes, got 62");
+  ExpectReject(Apply(CountsInt16Le{4, 8, absl::string_view(bytes).substr(0, 63)}), absl::StatusCode::kInvalidArgument,
+               RejectReason::kWrongEncoding, "even byte length, got 63");
+  ExpectReject(Apply(CountsInt16Le{4, 8, absl::string_view(bytes).substr(0, 62)}), absl::StatusCode::kInvalidArgument,
+               RejectReason::kGeometry, "need 64 bytes, got 62");
   bytes += "xy";
-  ExpectReject(Apply(CountsInt16Le{4, 8, bytes}), absl::StatusCode::kInvalidArgument,
-               RejectReason::kGeometry, "got 66");
+  ExpectReject(Apply(CountsInt16Le{4, 8, bytes}), absl::StatusCode::kInvalidArgument, RejectReason::kGeometry,
+               "got 66");
   ExpectReject(Apply(CountsInt32{4, 8, absl::MakeConstSpan(counts_).subspan(0, 31)}),
                absl::StatusCode::kInvalidArgument, RejectReason::kGeometry, "need 32 values, got 31");
 }
@@ -355,8 +340,8 @@ TEST_F(SignatureRejectionTest, NegativeCountsInMaskedAndUnmaskedLayers) {
     bad[cell] = -1;
     ExpectReject(Apply(CountsInt16Le{4, 8, Int16Bytes(bad)}), absl::StatusCode::kInvalidArgument,
                  RejectReason::kNegativeCount, "negative");
-    ExpectReject(Apply(CountsInt32{4, 8, bad}), absl::StatusCode::kInvalidArgument,
-                 RejectReason::kNegativeCount, "negative");
+    ExpectReject(Apply(CountsInt32{4, 8, bad}), absl::StatusCode::kInvalidArgument, RejectReason::kNegativeCount,
+                 "negative");
   }
   // int16 -32768 (0x8000) is negative too.
   std::vector<int32_t> bad = counts_;
@@ -379,20 +364,18 @@ TEST_F(SignatureRejectionTest, NonFiniteAndNegativeFloats) {
     for (float value : {nan, inf, -inf}) {
       std::vector<float> sums(32, 0.5f);
       sums[cell] = value;
-      ExpectReject(gate.Apply(GateProbSums{4, 8, sums}, absl::MakeSpan(out)),
-                   absl::StatusCode::kInvalidArgument, RejectReason::kNonFinite,
-                   absl::StrCat("layer ", cell / 8, " expert ", cell % 8));
+      ExpectReject(gate.Apply(GateProbSums{4, 8, sums}, absl::MakeSpan(out)), absl::StatusCode::kInvalidArgument,
+                   RejectReason::kNonFinite, absl::StrCat("layer ", cell / 8, " expert ", cell % 8));
     }
     std::vector<float> sums(32, 0.5f);
     sums[cell] = -0.25f;
-    ExpectReject(gate.Apply(GateProbSums{4, 8, sums}, absl::MakeSpan(out)),
-                 absl::StatusCode::kInvalidArgument, RejectReason::kNegativeCount,
-                 absl::StrCat("layer ", cell / 8, " expert ", cell % 8, " is negative"));
+    ExpectReject(gate.Apply(GateProbSums{4, 8, sums}, absl::MakeSpan(out)), absl::StatusCode::kInvalidArgument,
+                 RejectReason::kNegativeCount, absl::StrCat("layer ", cell / 8, " expert ", cell % 8, " is negative"));
   }
   std::vector<float> vector(spec_.dim(), 0.1f);
   vector[4] = nan;
-  ExpectReject(Apply(TransformedVector{vector}), absl::StatusCode::kInvalidArgument,
-               RejectReason::kNonFinite, "value 4");
+  ExpectReject(Apply(TransformedVector{vector}), absl::StatusCode::kInvalidArgument, RejectReason::kNonFinite,
+               "value 4");
 }
 
 TEST_F(SignatureRejectionTest, WrongEncodingForVariant) {
@@ -404,37 +387,36 @@ TEST_F(SignatureRejectionTest, WrongEncodingForVariant) {
   std::vector<float> out(gate.dim());
   ExpectReject(gate.Apply(CountsInt16Le{4, 8, Int16Bytes(counts_)}, absl::MakeSpan(out)),
                absl::StatusCode::kInvalidArgument, RejectReason::kWrongEncoding, "gate_prob");
-  ExpectReject(gate.Apply(CountsInt32{4, 8, counts_}, absl::MakeSpan(out)),
-               absl::StatusCode::kInvalidArgument, RejectReason::kWrongEncoding, "gate_prob");
+  ExpectReject(gate.Apply(CountsInt32{4, 8, counts_}, absl::MakeSpan(out)), absl::StatusCode::kInvalidArgument,
+               RejectReason::kWrongEncoding, "gate_prob");
   const std::vector<float> sums(32, 1.f);
-  ExpectReject(Apply(GateProbSums{4, 8, sums}), absl::StatusCode::kInvalidArgument,
-               RejectReason::kWrongEncoding, "count_idf transform, which needs integer counts");
+  ExpectReject(Apply(GateProbSums{4, 8, sums}), absl::StatusCode::kInvalidArgument, RejectReason::kWrongEncoding,
+               "count_idf transform, which needs integer counts");
 }
 
 TEST_F(SignatureRejectionTest, ZeroAfterMaskIsFailedPrecondition) {
   std::vector<int32_t> only_unmasked(32, 0);
-  only_unmasked[0] = 9;       // layer 0: not in the mask {1, 3}
-  only_unmasked[2 * 8] = 4;   // layer 2: not in the mask
-  ExpectReject(Apply(CountsInt16Le{4, 8, Int16Bytes(only_unmasked)}),
-               absl::StatusCode::kFailedPrecondition, RejectReason::kZeroSignature, "all zeros");
-  ExpectReject(Apply(CountsInt32{4, 8, std::vector<int32_t>(32, 0)}),
-               absl::StatusCode::kFailedPrecondition, RejectReason::kZeroSignature, "all zeros");
+  only_unmasked[0] = 9;      // layer 0: not in the mask {1, 3}
+  only_unmasked[2 * 8] = 4;  // layer 2: not in the mask
+  ExpectReject(Apply(CountsInt16Le{4, 8, Int16Bytes(only_unmasked)}), absl::StatusCode::kFailedPrecondition,
+               RejectReason::kZeroSignature, "all zeros");
+  ExpectReject(Apply(CountsInt32{4, 8, std::vector<int32_t>(32, 0)}), absl::StatusCode::kFailedPrecondition,
+               RejectReason::kZeroSignature, "all zeros");
   // Counts only where the IDF weight is zero vanish too.
   SignatureSpec spec = CountIdfSpec(2, 4, {});
   spec.idf = {0, 1, 1, 1, 1, 1, 1, 1};
   const SignatureTransform transform = MakeTransform(spec);
   std::vector<float> out(transform.dim());
-  ExpectReject(transform.Apply(CountsInt32{2, 4, std::vector<int32_t>{7, 0, 0, 0, 0, 0, 0, 0}},
-                               absl::MakeSpan(out)),
+  ExpectReject(transform.Apply(CountsInt32{2, 4, std::vector<int32_t>{7, 0, 0, 0, 0, 0, 0, 0}}, absl::MakeSpan(out)),
                absl::StatusCode::kFailedPrecondition, RejectReason::kZeroSignature, "all zeros");
-  ExpectReject(Apply(TransformedVector{std::vector<float>(spec_.dim(), 0.f)}),
-               absl::StatusCode::kFailedPrecondition, RejectReason::kZeroSignature, "all zeros");
+  ExpectReject(Apply(TransformedVector{std::vector<float>(spec_.dim(), 0.f)}), absl::StatusCode::kFailedPrecondition,
+               RejectReason::kZeroSignature, "all zeros");
 }
 
 TEST_F(SignatureRejectionTest, OutputBufferMustHaveDim) {
   std::vector<float> small(spec_.dim() - 1);
-  ExpectReject(transform_.Apply(CountsInt32{4, 8, counts_}, absl::MakeSpan(small)),
-               absl::StatusCode::kInvalidArgument, RejectReason::kGeometry, "output buffer");
+  ExpectReject(transform_.Apply(CountsInt32{4, 8, counts_}, absl::MakeSpan(small)), absl::StatusCode::kInvalidArgument,
+               RejectReason::kGeometry, "output buffer");
 }
 
 // ---- Kernels -----------------------------------------------------------------------------------

@@ -19,8 +19,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -63,7 +63,7 @@ struct Reply {
   long status = 0;
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;  // names lower-cased
-  long connects = 0;                                          // new connections this transfer opened
+  long connects = 0;                                         // new connections this transfer opened
 
   std::optional<std::string> Header(absl::string_view name) const {
     for (const auto& [header, value] : headers) {
@@ -149,8 +149,8 @@ class CurlClient {
     const absl::string_view line(data, size * count);
     const size_t colon = line.find(':');
     if (colon != absl::string_view::npos) {
-      static_cast<Reply*>(user)->headers.emplace_back(
-          absl::AsciiStrToLower(line.substr(0, colon)), std::string(absl::StripAsciiWhitespace(line.substr(colon + 1))));
+      static_cast<Reply*>(user)->headers.emplace_back(absl::AsciiStrToLower(line.substr(0, colon)),
+                                                      std::string(absl::StripAsciiWhitespace(line.substr(colon + 1))));
     }
     return size * count;
   }
@@ -306,9 +306,8 @@ HttpRouter TestRouter() {
   router.Handle("/whoami", {"GET"}, [](const HttpRequest& request) {
     return Text(200, absl::StrCat(request.method, " ", request.target, " ", request.query, " ", request.peer));
   });
-  router.Handle("/throw", {"GET"}, [](const HttpRequest&) -> HttpResponse {
-    throw std::runtime_error("secret-exception-text");
-  });
+  router.Handle("/throw", {"GET"},
+                [](const HttpRequest&) -> HttpResponse { throw std::runtime_error("secret-exception-text"); });
   return router;
 }
 
@@ -414,9 +413,8 @@ TEST(HttpRouterTest, OptionsIs204WithAllow) {
 
 TEST(HttpRouterTest, ARouteThatListsOptionsOrHeadGetsThem) {
   HttpRouter router;
-  router.Handle("/x", {"GET", "HEAD", "OPTIONS", "GET"}, [](const HttpRequest& request) {
-    return Text(200, request.method);
-  });
+  router.Handle("/x", {"GET", "HEAD", "OPTIONS", "GET"},
+                [](const HttpRequest& request) { return Text(200, request.method); });
   EXPECT_EQ(router.Dispatch(Request("OPTIONS", "/x")).body, "OPTIONS");
   EXPECT_EQ(router.Dispatch(Request("HEAD", "/x")).body, "HEAD");
   EXPECT_EQ(router.AllowHeader("/x"), "GET, HEAD, OPTIONS");
@@ -503,15 +501,14 @@ TEST(ParseHttpRequestTest, TargetsMustBeOriginForm) {
         ParseHttpRequest(absl::StrCat("GET ", target, " HTTP/1.1\r\nHost: x\r\n\r\n"), Limits());
     EXPECT_EQ(request.status().code(), absl::StatusCode::kInvalidArgument);
   }
-  EXPECT_EQ(ParseHttpRequest("CONNECT example.com:443 HTTP/1.1\r\nHost: example.com\r\n\r\n", Limits())
-                .status()
-                .code(),
+  EXPECT_EQ(ParseHttpRequest("CONNECT example.com:443 HTTP/1.1\r\nHost: example.com\r\n\r\n", Limits()).status().code(),
             absl::StatusCode::kInvalidArgument);
   const absl::StatusOr<HttpRequest> options = ParseHttpRequest("OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", Limits());
   ASSERT_TRUE(options.ok()) << options.status();
   EXPECT_EQ(options->path, "*");
   // Percent-encoded bytes and dot segments are kept as sent.
-  const absl::StatusOr<HttpRequest> odd = ParseHttpRequest("GET /%00/../etc/passwd HTTP/1.1\r\nHost: x\r\n\r\n", Limits());
+  const absl::StatusOr<HttpRequest> odd =
+      ParseHttpRequest("GET /%00/../etc/passwd HTTP/1.1\r\nHost: x\r\n\r\n", Limits());
   ASSERT_TRUE(odd.ok()) << odd.status();
   EXPECT_EQ(odd->path, "/%00/../etc/passwd");
 }
@@ -542,7 +539,7 @@ TEST(ParseHttpRequestTest, MalformedInputsAreInvalidArgument) {
       "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
       "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
       "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nshort",  // incomplete
-      "GET / HTTP/1.1\r\nHost: x\r\n",                                    // incomplete head
+      "GET / HTTP/1.1\r\nHost: x\r\n",                                  // incomplete head
   };
   for (const std::string& input : inputs) {
     SCOPED_TRACE(absl::CEscape(input));
@@ -557,13 +554,14 @@ TEST(ParseHttpRequestTest, LimitsAreResourceExhausted) {
   const absl::StatusOr<HttpRequest> line = ParseHttpRequest(long_line, limits);
   EXPECT_EQ(line.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(line.status().message(), HasSubstr("request line"));
-  const std::string big_header = absl::StrCat("GET / HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(1100, 'b'), "\r\n\r\n");
+  const std::string big_header =
+      absl::StrCat("GET / HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(1100, 'b'), "\r\n\r\n");
   const absl::StatusOr<HttpRequest> header = ParseHttpRequest(big_header, limits);
   EXPECT_EQ(header.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(header.status().message(), HasSubstr("header"));
   // Each part fits, their sum does not.
-  const std::string split = absl::StrCat("GET /", std::string(600, 'a'), " HTTP/1.1\r\nHost: x\r\nX: ",
-                                         std::string(600, 'b'), "\r\n\r\n");
+  const std::string split =
+      absl::StrCat("GET /", std::string(600, 'a'), " HTTP/1.1\r\nHost: x\r\nX: ", std::string(600, 'b'), "\r\n\r\n");
   EXPECT_EQ(ParseHttpRequest(split, limits).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(ParseHttpRequest("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 17\r\n\r\n", limits).status().code(),
             absl::StatusCode::kResourceExhausted);
@@ -641,10 +639,15 @@ TEST(HttpServerTest, EveryMethodOnEveryPathGetsTheRightStatus) {
   std::unique_ptr<HttpServer> server = MustStart(TestOptions());
   ASSERT_NE(server, nullptr);
   const std::vector<std::string> known = {"/metrics", "/healthz", "/readyz", "/metrics?x=1&y", "/healthz?"};
-  const std::vector<std::string> unknown = {"/", "/favicon.ico", "/%00", "/../etc/passwd", "/metrics/",
-                                            "/nope?q=/metrics", absl::StrCat("/", std::string(7000, 'p'))};
-  const std::vector<std::string> methods = {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH",
-                                            "OPTIONS", "TRACE", "CONNECT", "FOO"};
+  const std::vector<std::string> unknown = {"/",
+                                            "/favicon.ico",
+                                            "/%00",
+                                            "/../etc/passwd",
+                                            "/metrics/",
+                                            "/nope?q=/metrics",
+                                            absl::StrCat("/", std::string(7000, 'p'))};
+  const std::vector<std::string> methods = {"GET",   "HEAD",    "POST",  "PUT",     "DELETE",
+                                            "PATCH", "OPTIONS", "TRACE", "CONNECT", "FOO"};
   CurlClient client;
   int transfers = 0;
   for (const bool is_known : {true, false}) {
@@ -878,7 +881,8 @@ TEST(HttpServerTest, HeaderLimitGives431AndBodyLimitGives413) {
   ASSERT_NE(server, nullptr);
   {
     RawClient raw(server->port());
-    ASSERT_TRUE(raw.Send(absl::StrCat("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(5000, 'b'), "\r\n\r\n")));
+    ASSERT_TRUE(
+        raw.Send(absl::StrCat("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(5000, 'b'), "\r\n\r\n")));
     const std::optional<RawResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->status, 431);
@@ -909,8 +913,8 @@ TEST(HttpServerTest, HeaderLimitGives431AndBodyLimitGives413) {
   ASSERT_EQ(too_big.code, CURLE_OK) << curl_easy_strerror(too_big.code);
   EXPECT_EQ(too_big.status, 413);
   // With Expect: 100-continue the body is refused before it is sent.
-  const Reply expect = client.Request("PUT", Url(*server, "/echo"),
-                                      WithBody(std::string(200000, 'y'), /*expect_continue=*/true));
+  const Reply expect =
+      client.Request("PUT", Url(*server, "/echo"), WithBody(std::string(200000, 'y'), /*expect_continue=*/true));
   ASSERT_EQ(expect.code, CURLE_OK) << curl_easy_strerror(expect.code);
   EXPECT_EQ(expect.status, 413);
   {  // A chunked body that grows past the limit.
@@ -942,8 +946,8 @@ TEST(HttpServerTest, BodiesArriveWhole) {
   const Reply empty_post = client.Request("POST", Url(*server, "/echo"));
   EXPECT_EQ(empty_post.status, 200);
   EXPECT_EQ(empty_post.body, "");
-  const Reply continued = client.Request("POST", Url(*server, "/echo"),
-                                         WithBody(std::string(3000, 'z'), /*expect_continue=*/true));
+  const Reply continued =
+      client.Request("POST", Url(*server, "/echo"), WithBody(std::string(3000, 'z'), /*expect_continue=*/true));
   ASSERT_EQ(continued.code, CURLE_OK);
   EXPECT_EQ(continued.body, std::string(3000, 'z'));
   {  // Expect: 100-continue by hand: the interim response comes before the body is sent.
@@ -972,8 +976,8 @@ TEST(HttpServerTest, BodiesArriveWhole) {
 std::vector<std::string> SeedRequests() {
   std::vector<std::string> seeds;
   const char* source_dir = std::getenv("ELDR_SOURCE_DIR");
-  const std::filesystem::path dir = std::filesystem::path(source_dir != nullptr ? source_dir : ".") / "fuzz" /
-                                    "corpus" / "http_request";
+  const std::filesystem::path dir =
+      std::filesystem::path(source_dir != nullptr ? source_dir : ".") / "fuzz" / "corpus" / "http_request";
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
     std::ifstream in(entry.path(), std::ios::binary);
@@ -1029,12 +1033,8 @@ TEST(HttpServerTest, HandlerFailuresAnd500AndTheServerKeepsServing) {
   HttpRouter router = TestRouter();
   router.Handle("/headers", {"GET"}, [](const HttpRequest&) {
     HttpResponse response = Text(200, "fine");
-    response.headers = {{"X-Ok", "yes"},
-                        {"X-Injected", "a\r\nX-Evil: 1"},
-                        {"Content-Length", "999"},
-                        {"Bad Name", "v"},
-                        {"Connection", "upgrade"},
-                        {"Cache-Control", "no-store"}};
+    response.headers = {{"X-Ok", "yes"},   {"X-Injected", "a\r\nX-Evil: 1"}, {"Content-Length", "999"},
+                        {"Bad Name", "v"}, {"Connection", "upgrade"},        {"Cache-Control", "no-store"}};
     return response;
   });
   std::unique_ptr<HttpServer> server = MustStart(TestOptions(), std::move(router));
@@ -1171,9 +1171,8 @@ TEST(HttpServerTest, IdleKeepAliveConnectionsAreClosedAfterTheIdleTimeout) {
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
   RawClient silent(server->port());
   EXPECT_TRUE(silent.WaitClosed(absl::Seconds(3)));
-  ASSERT_TRUE(WaitForStats(*server, [](const HttpServerStats& s) {
-    return s.connections_timed_out == 2 && s.open_connections == 0;
-  }));
+  ASSERT_TRUE(WaitForStats(
+      *server, [](const HttpServerStats& s) { return s.connections_timed_out == 2 && s.open_connections == 0; }));
 }
 
 TEST(HttpServerTest, AClientThatDoesNotReadIsCutAfterTheWriteTimeout) {
@@ -1185,9 +1184,8 @@ TEST(HttpServerTest, AClientThatDoesNotReadIsCutAfterTheWriteTimeout) {
   ASSERT_NE(server, nullptr);
   RawClient raw(server->port(), /*receive_buffer=*/4096);
   ASSERT_TRUE(raw.Send("GET /big HTTP/1.1\r\nHost: x\r\n\r\n"));
-  ASSERT_TRUE(WaitForStats(*server, [](const HttpServerStats& s) {
-    return s.connections_timed_out == 1 && s.open_connections == 0;
-  }));
+  ASSERT_TRUE(WaitForStats(
+      *server, [](const HttpServerStats& s) { return s.connections_timed_out == 1 && s.open_connections == 0; }));
   ExpectServes(*server);
 }
 

@@ -25,9 +25,9 @@ TEST(BenchIntegration, RandomSignaturesWithCompleteReportsTheContractFields) {
   TempDir dir;
   const std::string artifact = dir.File("a.json");
   const std::string workers = dir.File("w.json");
-  ProcessResult fixtures = RunProcess(BinaryPath("eldr-bench"),
-                                      {"--write_artifact=" + artifact, "--write_workers=" + workers,
-                                       "--geometry=12x32", "--workers=6"});
+  ProcessResult fixtures =
+      RunProcess(BinaryPath("eldr-bench"),
+                 {"--write_artifact=" + artifact, "--write_workers=" + workers, "--geometry=12x32", "--workers=6"});
   ASSERT_EQ(fixtures.exit_code, 0) << fixtures.stderr_text;
   auto router = RouterProcess::Start(dir, {"--workers=" + workers, "--centroids=" + artifact});
   ASSERT_TRUE(router.ok()) << router.status();
@@ -75,8 +75,9 @@ TEST(BenchIntegration, BundledTracesDriveLocalityRoutes) {
 }
 
 TEST(BenchIntegration, UnreachableTargetFailsClearly) {
-  ProcessResult result = RunProcess(BinaryPath("eldr-bench"),
-                                    {"--target=127.0.0.1:1", "--duration_s=1", "--connect_timeout_s=0.5", "--json"}, absl::Seconds(60));
+  ProcessResult result =
+      RunProcess(BinaryPath("eldr-bench"),
+                 {"--target=127.0.0.1:1", "--duration_s=1", "--connect_timeout_s=0.5", "--json"}, absl::Seconds(60));
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_THAT(result.stderr_text, ::testing::HasSubstr("cannot connect"));
 }

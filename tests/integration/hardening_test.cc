@@ -13,9 +13,9 @@
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
+#include <filesystem>
 #include <map>
 #include <mutex>
-#include <filesystem>
 #include <set>
 #include <string>
 #include <thread>
@@ -101,18 +101,28 @@ TEST(Hardening, EveryMethodOnEveryPathOfTheMetricsPortIsAnsweredAndTheDaemonLive
   TempDir dir;
   auto router = MustStart(dir, StandardArgs(dir));
   ASSERT_NE(router, nullptr);
-  const std::vector<std::string> methods = {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH",
+  const std::vector<std::string> methods = {"GET",     "HEAD",  "POST",    "PUT",  "DELETE", "PATCH",
                                             "OPTIONS", "TRACE", "CONNECT", "BREW", "get"};
-  const std::vector<std::string> paths = {"/", "/metrics", "/healthz", "/readyz", "/favicon.ico", "/%00",
-                                          "/../../etc/passwd", "/metrics?x=1", "/metrics/", "*",
-                                          "/" + std::string(3000, 'a'), "http://evil/metrics"};
+  const std::vector<std::string> paths = {"/",
+                                          "/metrics",
+                                          "/healthz",
+                                          "/readyz",
+                                          "/favicon.ico",
+                                          "/%00",
+                                          "/../../etc/passwd",
+                                          "/metrics?x=1",
+                                          "/metrics/",
+                                          "*",
+                                          "/" + std::string(3000, 'a'),
+                                          "http://evil/metrics"};
   int answered = 0;
   for (const std::string& method : methods) {
     for (const std::string& path : paths) {
       const std::string body = method == "POST" || method == "PUT" ? "x=1" : "";
-      absl::StatusOr<std::string> response = HttpExchange(
-          router->metrics_port(), absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ",
-                                               body.size(), "\r\nConnection: close\r\n\r\n", body));
+      absl::StatusOr<std::string> response =
+          HttpExchange(router->metrics_port(),
+                       absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ", body.size(),
+                                    "\r\nConnection: close\r\n\r\n", body));
       ASSERT_TRUE(response.ok()) << method << " " << path << ": " << response.status();
       const int status = HttpStatusOf(*response);
       EXPECT_GE(status, 200) << method << " " << path << "\n" << response->substr(0, 200);
@@ -126,14 +136,16 @@ TEST(Hardening, EveryMethodOnEveryPathOfTheMetricsPortIsAnsweredAndTheDaemonLive
   }
   EXPECT_EQ(answered, static_cast<int>(methods.size() * paths.size()));
   // Garbage, an HTTP/2 preface and a header over the limit: answered or closed, never a crash.
-  for (const std::string& raw : {std::string("\x16\x03\x01\x02\x00\x01\x00", 7), std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
-                                 absl::StrCat("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(20000, 'b'), "\r\n\r\n"),
-                                 absl::StrCat("POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",
-                                              std::string(70000, 'c'))}) {
+  for (const std::string& raw :
+       {std::string("\x16\x03\x01\x02\x00\x01\x00", 7), std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+        absl::StrCat("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(20000, 'b'), "\r\n\r\n"),
+        absl::StrCat("POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",
+                     std::string(70000, 'c'))}) {
     (void)HttpExchange(router->metrics_port(), raw);
   }
-  const absl::StatusOr<std::string> big_header = HttpExchange(
-      router->metrics_port(), absl::StrCat("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(20000, 'b'), "\r\n\r\n"));
+  const absl::StatusOr<std::string> big_header =
+      HttpExchange(router->metrics_port(),
+                   absl::StrCat("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(20000, 'b'), "\r\n\r\n"));
   ASSERT_TRUE(big_header.ok());
   EXPECT_EQ(HttpStatusOf(*big_header), 431);
   ASSERT_TRUE(Alive(*router)) << router->Log();
@@ -165,7 +177,8 @@ TEST(Hardening, IdleAndSlowConnectionsDoNotDelayAScrape) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
   // Past the connection limit, a new connection gets a short 503 rather than a hang.
   for (int i = 0; i < 30; ++i) idle.push_back(Connect(router->metrics_port()));
-  absl::StatusOr<std::string> over = HttpExchange(router->metrics_port(), "GET /metrics HTTP/1.0\r\n\r\n", absl::Seconds(3));
+  absl::StatusOr<std::string> over =
+      HttpExchange(router->metrics_port(), "GET /metrics HTTP/1.0\r\n\r\n", absl::Seconds(3));
   ASSERT_TRUE(over.ok()) << over.status();
   EXPECT_EQ(HttpStatusOf(*over), 503);
   for (int fd : idle) {
@@ -195,9 +208,9 @@ TEST(Hardening, AdminIsOnLoopbackByDefaultAndNeverOpenToTheNetworkUnauthenticate
     std::string address;
     double capacity;
   };
-  for (const Bad& bad : {Bad{"attacker:6666\r\nX-Evil: 1", 1}, Bad{"http://attacker:6666", 1}, Bad{"attacker:0", 1},
-                         Bad{"attacker", 1}, Bad{"10.0.0.9:8000", 1e-300}, Bad{"10.0.0.9:8000", 1e300},
-                         Bad{"10.0.0.9:8000", -1}}) {
+  for (const Bad& bad :
+       {Bad{"attacker:6666\r\nX-Evil: 1", 1}, Bad{"http://attacker:6666", 1}, Bad{"attacker:0", 1}, Bad{"attacker", 1},
+        Bad{"10.0.0.9:8000", 1e-300}, Bad{"10.0.0.9:8000", 1e300}, Bad{"10.0.0.9:8000", -1}}) {
     eldr::v1::UpsertWorkerRequest upsert;
     upsert.mutable_worker()->set_id("w0");
     upsert.mutable_worker()->set_address(bad.address);
@@ -252,12 +265,17 @@ TEST(Hardening, PathReloadsReadOnlyBoundedRegularFilesInTheArtifactFolder) {
     grpc::StatusCode code;
   };
   const std::vector<Case> cases = {
-      {"/dev/zero", grpc::StatusCode::PERMISSION_DENIED},      {"/etc/shadow", grpc::StatusCode::PERMISSION_DENIED},
-      {"/etc/passwd", grpc::StatusCode::PERMISSION_DENIED},    {dir.File("escape.json"), grpc::StatusCode::PERMISSION_DENIED},
-      {"../../../etc/passwd", grpc::StatusCode::PERMISSION_DENIED}, {dir.File("no-such.json"), grpc::StatusCode::PERMISSION_DENIED},
-      {dir.File("loop-a"), grpc::StatusCode::PERMISSION_DENIED},  {fifo, grpc::StatusCode::FAILED_PRECONDITION},
+      {"/dev/zero", grpc::StatusCode::PERMISSION_DENIED},
+      {"/etc/shadow", grpc::StatusCode::PERMISSION_DENIED},
+      {"/etc/passwd", grpc::StatusCode::PERMISSION_DENIED},
+      {dir.File("escape.json"), grpc::StatusCode::PERMISSION_DENIED},
+      {"../../../etc/passwd", grpc::StatusCode::PERMISSION_DENIED},
+      {dir.File("no-such.json"), grpc::StatusCode::PERMISSION_DENIED},
+      {dir.File("loop-a"), grpc::StatusCode::PERMISSION_DENIED},
+      {fifo, grpc::StatusCode::FAILED_PRECONDITION},
       {dir.File("folder.json"), grpc::StatusCode::FAILED_PRECONDITION},
-      {dir.File("huge.json"), grpc::StatusCode::INVALID_ARGUMENT}, {dir.File("secret.json"), grpc::StatusCode::INVALID_ARGUMENT},
+      {dir.File("huge.json"), grpc::StatusCode::INVALID_ARGUMENT},
+      {dir.File("secret.json"), grpc::StatusCode::INVALID_ARGUMENT},
   };
   std::set<std::string> outside_messages;
   for (const Case& c : cases) {
@@ -493,7 +511,8 @@ TEST(Hardening, ReloadsCheckCheaplyFirstQueueBoundedlyAndShutdownGraceHolds) {
   constexpr int kRows = 1000;
   nlohmann::json workers;
   for (int i = 0; i < kRows; ++i) {
-    workers["workers"].push_back({{"id", absl::StrCat("big-", i)}, {"address", absl::StrCat("10.2.", i / 250, ".", i % 250, ":8000")}});
+    workers["workers"].push_back(
+        {{"id", absl::StrCat("big-", i)}, {"address", absl::StrCat("10.2.", i / 250, ".", i % 250, ":8000")}});
   }
   WriteTextFile(dir.File("workers.json"), workers.dump());
   WriteTextFile(dir.File("big.json"), LargeArtifactJson(kRows, "big-"));
@@ -606,7 +625,8 @@ TEST(Hardening, MismatchedTlsPairsAreAStartupErrorAndARefusedRotation) {
   auto b = MakeCertificates(dir, "b-");
   ASSERT_TRUE(a.ok() && b.ok());
   std::vector<std::string> mismatched = StandardArgs(dir);
-  mismatched.insert(mismatched.end(), {"--tls_cert=" + a->server_cert, "--tls_key=" + b->server_key, "--metrics_listen="});
+  mismatched.insert(mismatched.end(),
+                    {"--tls_cert=" + a->server_cert, "--tls_key=" + b->server_key, "--metrics_listen="});
   ProcessResult refused = RunProcess(BinaryPath("eldr-router"), mismatched, absl::Seconds(20));
   EXPECT_EQ(refused.exit_code, 1);
   EXPECT_THAT(refused.stderr_text, HasSubstr("does not match the certificate"));
@@ -693,7 +713,8 @@ TEST(Hardening, ReportersAreTiedToTheirWorkersAndSumsStayFinite) {
 TEST(Hardening, ReportStreamsAreLimitedAndIdleOnesEnd) {
   TempDir dir;
   std::vector<std::string> args = StandardArgs(dir);
-  args.insert(args.end(), {"--max_report_streams=8", "--max_report_streams_per_peer=4", "--report_stream_idle_timeout=1s"});
+  args.insert(args.end(),
+              {"--max_report_streams=8", "--max_report_streams_per_peer=4", "--report_stream_idle_timeout=1s"});
   auto router = MustStart(dir, args);
   ASSERT_NE(router, nullptr);
   struct Stream {

@@ -183,8 +183,8 @@ TEST(RefitIntegrationTest, RestartWithSameStateDirServesLearnedCentroids) {
   EXPECT_THAT(restarted->Log(), ::testing::HasSubstr("event=centroids_installed source=state_dir generation=2"));
 
   // Reference daemons: one serving the learned artifact directly, one the original artifact.
-  std::vector<std::string> learned_args = {"--workers=" + WorkerFlag(4), "--centroids=" + learned_copy,
-                                           "--seed=7", "--refit_interval=0"};
+  std::vector<std::string> learned_args = {"--workers=" + WorkerFlag(4), "--centroids=" + learned_copy, "--seed=7",
+                                           "--refit_interval=0"};
   auto reference = MustStart(dir, learned_args);
   ASSERT_NE(reference, nullptr);
   std::vector<std::string> original_args = BaseArgs(dir);

@@ -32,9 +32,7 @@
 #include "nlohmann/json.hpp"
 
 namespace eldr::testing {
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 void WriteTextFile(const std::string& path, const std::string& contents) {
   absl::Status status = WriteFileAtomically(path, contents);
@@ -129,7 +127,6 @@ eldr::v1::RouteRequest BlockRequest(int block, const std::string& request_id) {
   return request;
 }
 
-
 std::optional<double> ParsedMetrics::Value(const std::string& name,
                                            const std::map<std::string, std::string>& labels) const {
   auto it = samples.find(name);
@@ -160,8 +157,8 @@ absl::StatusOr<ParsedMetrics> ParsePrometheusText(const std::string& text) {
       continue;
     }
     size_t pos = 0;
-    while (pos < line.size() && (std::isalnum(static_cast<unsigned char>(line[pos])) || line[pos] == '_' ||
-                                 line[pos] == ':')) {
+    while (pos < line.size() &&
+           (std::isalnum(static_cast<unsigned char>(line[pos])) || line[pos] == '_' || line[pos] == ':')) {
       ++pos;
     }
     if (pos == 0) return bad("no metric name");
@@ -230,14 +227,15 @@ absl::StatusOr<CertificateSet> MakeCertificates(const TempDir& dir, const std::s
   };
   std::vector<std::string> ca_args = {"req", "-x509"};
   ca_args.insert(ca_args.end(), ec.begin(), ec.end());
-  ca_args.insert(ca_args.end(), {"-keyout", ca_key, "-out", set.ca_cert, "-days", "2", "-subj",
-                                 "/CN=eldr-test-ca-" + prefix});
+  ca_args.insert(ca_args.end(),
+                 {"-keyout", ca_key, "-out", set.ca_cert, "-days", "2", "-subj", "/CN=eldr-test-ca-" + prefix});
   if (absl::Status s = run(ca_args); !s.ok()) return s;
   struct Leaf {
     std::string cert, key, subject, san;
   };
-  for (const Leaf& leaf : {Leaf{set.server_cert, set.server_key, "/CN=localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1"},
-                           Leaf{set.client_cert, set.client_key, "/CN=eldr-test-client", "subjectAltName=DNS:client"}}) {
+  for (const Leaf& leaf :
+       {Leaf{set.server_cert, set.server_key, "/CN=localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1"},
+        Leaf{set.client_cert, set.client_key, "/CN=eldr-test-client", "subjectAltName=DNS:client"}}) {
     const std::string csr = leaf.cert + ".csr";
     std::vector<std::string> req = {"req", "-new"};
     req.insert(req.end(), ec.begin(), ec.end());

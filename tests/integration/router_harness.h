@@ -26,11 +26,9 @@
 
 namespace eldr::testing {
 
-
 // Writes `contents` to `path` (replacing it atomically); fails the test on error.
 void WriteTextFile(const std::string& path, const std::string& contents);
 std::string ReadTextFile(const std::string& path);
-
 
 class RouterProcess {
  public:
@@ -66,7 +64,6 @@ class RouterProcess {
   int admin_port_ = 0;
   int metrics_port_ = 0;
 };
-
 
 // ---- Artifacts and requests: the bundled traces' geometry (26 x 64) ----
 inline constexpr int kLayers = 26;
@@ -114,7 +111,7 @@ absl::StatusOr<ParsedMetrics> ScrapeMetrics(int port);
 
 // ---- TLS ----
 struct CertificateSet {
-  std::string ca_cert;      // paths
+  std::string ca_cert;  // paths
   std::string server_cert;
   std::string server_key;
   std::string client_cert;

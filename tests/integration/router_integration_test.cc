@@ -558,7 +558,8 @@ TEST_F(BadInputTest, NegativeCountIsInvalidArgument) {
   eldr::v1::RouteRequest request;
   request.mutable_counts()->set_layers(kLayers);
   request.mutable_counts()->set_experts(kExperts);
-  for (int i = 0; i < kLayers * kExperts; ++i) request.mutable_counts()->mutable_values()->add_values(i == 100 ? -3 : 1);
+  for (int i = 0; i < kLayers * kExperts; ++i)
+    request.mutable_counts()->mutable_values()->add_values(i == 100 ? -3 : 1);
   grpc::Status status = Route(request);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(Rejected("negative_count"), 1);
@@ -773,7 +774,7 @@ TEST(RouterIntegration, MetricsScrapeHasEveryDocumentedMetric) {
   ASSERT_NE(router, nullptr);
   auto stub = router->RouterStub();
   eldr::v1::RouteResponse response;
-  ASSERT_TRUE(RouteOnce(stub.get(), BlockRequest(2), &response).ok());  // lease left open on w2
+  ASSERT_TRUE(RouteOnce(stub.get(), BlockRequest(2), &response).ok());           // lease left open on w2
   ASSERT_TRUE(RouteOnce(stub.get(), eldr::v1::RouteRequest(), &response).ok());  // fallback
   ASSERT_TRUE(CompleteLease(stub.get(), response.lease_id()).ok());
   eldr::v1::RouteRequest bad;
@@ -789,12 +790,12 @@ TEST(RouterIntegration, MetricsScrapeHasEveryDocumentedMetric) {
   ASSERT_TRUE(parsed.ok()) << parsed.status() << "\n" << *body;
   const ParsedMetrics& m = *parsed;
 
-  for (const char* family : {"eldr_route_requests_total", "eldr_route_duration_seconds", "eldr_band_size",
-                             "eldr_route_similarity", "eldr_worker_inflight", "eldr_worker_reported_load",
-                             "eldr_worker_report_age_seconds", "eldr_fallback_total", "eldr_rejected_total",
-                             "eldr_leases_expired_total", "eldr_centroid_generation", "eldr_complete_requests_total",
-                             "eldr_load_reports_total", "eldr_centroid_reloads_total", "eldr_admin_refused_total",
-                             "process_resident_memory_bytes", "process_cpu_seconds_total"}) {
+  for (const char* family :
+       {"eldr_route_requests_total", "eldr_route_duration_seconds", "eldr_band_size", "eldr_route_similarity",
+        "eldr_worker_inflight", "eldr_worker_reported_load", "eldr_worker_report_age_seconds", "eldr_fallback_total",
+        "eldr_rejected_total", "eldr_leases_expired_total", "eldr_centroid_generation", "eldr_complete_requests_total",
+        "eldr_load_reports_total", "eldr_centroid_reloads_total", "eldr_admin_refused_total",
+        "process_resident_memory_bytes", "process_cpu_seconds_total"}) {
     EXPECT_TRUE(m.types.count(family)) << "no # TYPE line for " << family;
   }
   EXPECT_EQ(m.types.at("eldr_route_duration_seconds"), "histogram");
@@ -851,11 +852,11 @@ TEST(RouterIntegration, ConfigFileSettingsAreOverriddenByFlags) {
 TEST(RouterIntegration, AcceptsEveryLimitAndKeepaliveFlag) {
   TempDir dir;
   std::vector<std::string> args = StandardArgs(dir);
-  for (const char* flag : {"--max_message_bytes=262144", "--admin_max_message_bytes=1048576",
-                           "--max_concurrent_streams=16", "--keepalive_time=30s", "--keepalive_timeout=5s",
-                           "--keepalive_min_ping_interval=5s", "--keepalive_permit_without_calls=false",
-                           "--max_connection_idle=10m", "--max_connection_age=1h", "--max_connection_age_grace=30s",
-                           "--snapshot_staleness=2s", "--seed=42", "--log_level=debug"}) {
+  for (const char* flag :
+       {"--max_message_bytes=262144", "--admin_max_message_bytes=1048576", "--max_concurrent_streams=16",
+        "--keepalive_time=30s", "--keepalive_timeout=5s", "--keepalive_min_ping_interval=5s",
+        "--keepalive_permit_without_calls=false", "--max_connection_idle=10m", "--max_connection_age=1h",
+        "--max_connection_age_grace=30s", "--snapshot_staleness=2s", "--seed=42", "--log_level=debug"}) {
     args.push_back(flag);
   }
   auto router = MustStart(dir, args);

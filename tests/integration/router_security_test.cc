@@ -85,12 +85,12 @@ TEST(RouterSecurity, MutualTlsRefusesClientsWithoutAValidCertificate) {
   grpc::Status without = Route(TlsChannel(router->grpc_port(), certs->ca_cert), &response);
   EXPECT_EQ(without.error_code(), grpc::StatusCode::UNAVAILABLE) << without.error_message();
 
-  grpc::Status wrong_ca = Route(
-      TlsChannel(router->grpc_port(), certs->ca_cert, foreign->client_cert, foreign->client_key), &response);
+  grpc::Status wrong_ca =
+      Route(TlsChannel(router->grpc_port(), certs->ca_cert, foreign->client_cert, foreign->client_key), &response);
   EXPECT_EQ(wrong_ca.error_code(), grpc::StatusCode::UNAVAILABLE) << wrong_ca.error_message();
 
-  grpc::Status with = Route(TlsChannel(router->grpc_port(), certs->ca_cert, certs->client_cert, certs->client_key),
-                            &response);
+  grpc::Status with =
+      Route(TlsChannel(router->grpc_port(), certs->ca_cert, certs->client_cert, certs->client_key), &response);
   ASSERT_TRUE(with.ok()) << with.error_message();
   EXPECT_EQ(response.worker_id(), "w1");
 }

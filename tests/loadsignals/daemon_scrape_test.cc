@@ -14,8 +14,8 @@
 #include "eldr/v1/router.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "loadsignals/fake_metrics_server.h"
 #include "integration/router_harness.h"
+#include "loadsignals/fake_metrics_server.h"
 
 namespace eldr::testing {
 namespace {
@@ -42,13 +42,10 @@ class ScrapingDaemon {
       metrics.push_back(absl::StrCat("w", i, "=", (*server)->url()));
       servers_.push_back(std::move(*server));
     }
-    std::vector<std::string> args = {"--workers=" + WorkerFlag(workers),
-                                     "--policy=jsq",
-                                     "--worker_metrics=" + absl::StrJoin(metrics, ","),
-                                     "--scrape_interval=20ms",
-                                     "--scrape_timeout=300ms",
-                                     "--unhealthy_after_failures=2",
-                                     "--scrape_model_name=served-model"};
+    std::vector<std::string> args = {
+        "--workers=" + WorkerFlag(workers), "--policy=jsq",           "--worker_metrics=" + absl::StrJoin(metrics, ","),
+        "--scrape_interval=20ms",           "--scrape_timeout=300ms", "--unhealthy_after_failures=2",
+        "--scrape_model_name=served-model"};
     args.insert(args.end(), extra_args.begin(), extra_args.end());
     auto process = RouterProcess::Start(dir_, args);
     EXPECT_TRUE(process.ok()) << process.status();
@@ -230,8 +227,10 @@ TEST(DaemonScrapeTest, WorkersFileMetricsUrlsAndAdminRemoval) {
   (*w1)->SetLoad({7, 0, 0});
   const std::string workers_file = dir.File("workers.json");
   WriteTextFile(workers_file, absl::StrCat(R"({"workers": [
-    {"id": "w0", "address": "10.0.0.1:8000", "metrics_url": ")", (*w0)->url(), R"("},
-    {"id": "w1", "address": "10.0.0.2:8000", "metrics_url": ")", (*w1)->url(), R"("}]})"));
+    {"id": "w0", "address": "10.0.0.1:8000", "metrics_url": ")",
+                                           (*w0)->url(), R"("},
+    {"id": "w1", "address": "10.0.0.2:8000", "metrics_url": ")",
+                                           (*w1)->url(), R"("}]})"));
   auto process = RouterProcess::Start(dir, {"--workers=" + workers_file, "--policy=jsq", "--scrape_interval=20ms"});
   ASSERT_TRUE(process.ok()) << process.status();
   auto admin = (*process)->AdminStub();
@@ -265,8 +264,8 @@ TEST(DaemonScrapeTest, WorkersFileMetricsUrlsAndAdminRemoval) {
 
 TEST(DaemonScrapeTest, BadScrapeSettingsStopTheDaemonWithAClearMessage) {
   TempDir dir;
-  auto unknown = RouterProcess::Start(dir, {"--workers=" + WorkerFlag(2), "--worker_metrics=w7=http://127.0.0.1:1/metrics"},
-                                      absl::Seconds(10));
+  auto unknown = RouterProcess::Start(
+      dir, {"--workers=" + WorkerFlag(2), "--worker_metrics=w7=http://127.0.0.1:1/metrics"}, absl::Seconds(10));
   ASSERT_FALSE(unknown.ok());
   EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("worker_metrics"));
   EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("'w7' is not one of the workers"));
@@ -276,8 +275,8 @@ TEST(DaemonScrapeTest, BadScrapeSettingsStopTheDaemonWithAClearMessage) {
   ASSERT_FALSE(bad_scheme.ok());
   EXPECT_THAT(std::string(bad_scheme.status().message()), HasSubstr("http:// or https://"));
 
-  auto bad_interval = RouterProcess::Start(dir, {"--workers=" + WorkerFlag(2), "--scrape_interval_ms=0"},
-                                           absl::Seconds(10));
+  auto bad_interval =
+      RouterProcess::Start(dir, {"--workers=" + WorkerFlag(2), "--scrape_interval_ms=0"}, absl::Seconds(10));
   ASSERT_FALSE(bad_interval.ok());
   EXPECT_THAT(std::string(bad_interval.status().message()), HasSubstr("scrape_interval"));
 }

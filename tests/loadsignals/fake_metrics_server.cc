@@ -32,8 +32,8 @@ std::string Labels(const std::string& model_name, int engine) {
   return absl::StrFormat("engine=\"%d\",model_name=\"%s\"", engine, model_name);
 }
 
-void AppendHistogram(std::string* page, const std::string& name, const std::string& help,
-                     const std::string& labels, double observed_count, double observed_sum) {
+void AppendHistogram(std::string* page, const std::string& name, const std::string& help, const std::string& labels,
+                     double observed_count, double observed_sum) {
   absl::StrAppend(page, "# HELP ", name, " ", help, "\n# TYPE ", name, " histogram\n");
   const double bounds[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0};
   double cumulative = 0;
@@ -46,8 +46,8 @@ void AppendHistogram(std::string* page, const std::string& name, const std::stri
   absl::StrAppend(page, name, "_sum{", labels, "} ", PyFloat(observed_sum), "\n");
 }
 
-std::string HttpResponse(int status, absl::string_view reason, absl::string_view content_type,
-                         absl::string_view body, bool keep_alive) {
+std::string HttpResponse(int status, absl::string_view reason, absl::string_view content_type, absl::string_view body,
+                         bool keep_alive) {
   return absl::StrCat("HTTP/1.1 ", status, " ", reason, "\r\nContent-Type: ", content_type,
                       "\r\nContent-Length: ", body.size(), "\r\nConnection: ", keep_alive ? "keep-alive" : "close",
                       "\r\n\r\n", body);
@@ -57,21 +57,22 @@ std::string HttpResponse(int status, absl::string_view reason, absl::string_view
 
 std::string VllmMetricsPage(const FakeLoad& load, const std::string& model_name, int engines) {
   std::string page;
-  absl::StrAppend(&page,
-                  "# HELP python_gc_objects_collected_total Objects collected during gc\n"
-                  "# TYPE python_gc_objects_collected_total counter\n"
-                  "python_gc_objects_collected_total{generation=\"0\"} 12931.0\n"
-                  "python_gc_objects_collected_total{generation=\"1\"} 3352.0\n"
-                  "python_gc_objects_collected_total{generation=\"2\"} 471.0\n"
-                  "# HELP python_info Python platform information\n"
-                  "# TYPE python_info gauge\n"
-                  "python_info{implementation=\"CPython\",major=\"3\",minor=\"12\",patchlevel=\"9\",version=\"3.12.9\"} 1.0\n"
-                  "# HELP process_virtual_memory_bytes Virtual memory size in bytes.\n"
-                  "# TYPE process_virtual_memory_bytes gauge\n"
-                  "process_virtual_memory_bytes 1.3542948864e+10\n"
-                  "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"
-                  "# TYPE process_start_time_seconds gauge\n"
-                  "process_start_time_seconds 1.74e+09\n");
+  absl::StrAppend(
+      &page,
+      "# HELP python_gc_objects_collected_total Objects collected during gc\n"
+      "# TYPE python_gc_objects_collected_total counter\n"
+      "python_gc_objects_collected_total{generation=\"0\"} 12931.0\n"
+      "python_gc_objects_collected_total{generation=\"1\"} 3352.0\n"
+      "python_gc_objects_collected_total{generation=\"2\"} 471.0\n"
+      "# HELP python_info Python platform information\n"
+      "# TYPE python_info gauge\n"
+      "python_info{implementation=\"CPython\",major=\"3\",minor=\"12\",patchlevel=\"9\",version=\"3.12.9\"} 1.0\n"
+      "# HELP process_virtual_memory_bytes Virtual memory size in bytes.\n"
+      "# TYPE process_virtual_memory_bytes gauge\n"
+      "process_virtual_memory_bytes 1.3542948864e+10\n"
+      "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"
+      "# TYPE process_start_time_seconds gauge\n"
+      "process_start_time_seconds 1.74e+09\n");
   const double engines_d = std::max(1, engines);
   auto gauge = [&](const std::string& name, const std::string& help, double total) {
     absl::StrAppend(&page, "# HELP ", name, " ", help, "\n# TYPE ", name, " gauge\n");
@@ -92,16 +93,23 @@ std::string VllmMetricsPage(const FakeLoad& load, const std::string& model_name,
     absl::StrAppend(&page,
                     "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n"
                     "# TYPE vllm:prompt_tokens_total counter\n"
-                    "vllm:prompt_tokens_total{", labels, "} 48213.0\n"
+                    "vllm:prompt_tokens_total{",
+                    labels,
+                    "} 48213.0\n"
                     "# HELP vllm:request_success_total Count of successfully processed requests.\n"
                     "# TYPE vllm:request_success_total counter\n"
-                    "vllm:request_success_total{", labels, ",finished_reason=\"stop\"} 311.0\n"
-                    "vllm:request_success_total{", labels, ",finished_reason=\"length\"} 9.0\n"
+                    "vllm:request_success_total{",
+                    labels,
+                    ",finished_reason=\"stop\"} 311.0\n"
+                    "vllm:request_success_total{",
+                    labels,
+                    ",finished_reason=\"length\"} 9.0\n"
                     "# HELP vllm:request_success_created Count of successfully processed requests.\n"
                     "# TYPE vllm:request_success_created gauge\n"
-                    "vllm:request_success_created{", labels, ",finished_reason=\"stop\"} 1.7400012345e+09\n");
-    AppendHistogram(&page, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                    labels, 320, 41.25);
+                    "vllm:request_success_created{",
+                    labels, ",finished_reason=\"stop\"} 1.7400012345e+09\n");
+    AppendHistogram(&page, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels,
+                    320, 41.25);
     AppendHistogram(&page, "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
                     labels, 51200, 1433.6);
   }
@@ -119,19 +127,24 @@ std::string SglangMetricsPage(const FakeLoad& load, const std::string& model_nam
   return absl::StrCat(
       "# HELP sglang:num_running_reqs The number of running requests.\n"
       "# TYPE sglang:num_running_reqs gauge\n"
-      "sglang:num_running_reqs{", labels, "} ", PyFloat(load.running), "\n",
+      "sglang:num_running_reqs{",
+      labels, "} ", PyFloat(load.running), "\n",
       "# HELP sglang:num_used_tokens The number of used tokens.\n"
       "# TYPE sglang:num_used_tokens gauge\n"
-      "sglang:num_used_tokens{", labels, "} 1873.0\n",
+      "sglang:num_used_tokens{",
+      labels, "} 1873.0\n",
       "# HELP sglang:token_usage The token usage.\n"
       "# TYPE sglang:token_usage gauge\n"
-      "sglang:token_usage{", labels, "} ", PyFloat(load.kv_usage), "\n",
+      "sglang:token_usage{",
+      labels, "} ", PyFloat(load.kv_usage), "\n",
       "# HELP sglang:gen_throughput The generation throughput (token/s).\n"
       "# TYPE sglang:gen_throughput gauge\n"
-      "sglang:gen_throughput{", labels, "} 1532.7\n",
+      "sglang:gen_throughput{",
+      labels, "} 1532.7\n",
       "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
       "# TYPE sglang:num_queue_reqs gauge\n"
-      "sglang:num_queue_reqs{", labels, "} ", PyFloat(load.waiting), "\n");
+      "sglang:num_queue_reqs{",
+      labels, "} ", PyFloat(load.waiting), "\n");
 }
 
 FakeMetricsServer::FakeMetricsServer(std::string model_name) : model_name_(std::move(model_name)) {
@@ -168,7 +181,9 @@ FakeMetricsServer::~FakeMetricsServer() {
 
 std::string FakeMetricsServer::url() const { return absl::StrCat("http://127.0.0.1:", port_, "/metrics"); }
 
-void FakeMetricsServer::SetLoad(const FakeLoad& load, int engines) { SetPage(VllmMetricsPage(load, model_name_, engines)); }
+void FakeMetricsServer::SetLoad(const FakeLoad& load, int engines) {
+  SetPage(VllmMetricsPage(load, model_name_, engines));
+}
 
 void FakeMetricsServer::SetPage(std::string body) {
   absl::MutexLock lock(&mu_);

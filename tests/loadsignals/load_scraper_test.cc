@@ -19,9 +19,9 @@
 namespace eldr {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::FakeLoad;
 using testing::FakeMetricsServer;
+using ::testing::HasSubstr;
 
 // Polls `done` every few milliseconds for up to `limit`.
 bool WaitUntil(const std::function<bool()>& done, absl::Duration limit = absl::Seconds(10)) {
@@ -36,8 +36,7 @@ bool WaitUntil(const std::function<bool()>& done, absl::Duration limit = absl::S
 // A pool of fake workers, each with its own metrics endpoint, and a Router over them.
 class ScrapedPool {
  public:
-  explicit ScrapedPool(int workers, PolicyKind policy = PolicyKind::kJsq,
-                       absl::Duration staleness = absl::Seconds(5)) {
+  explicit ScrapedPool(int workers, PolicyKind policy = PolicyKind::kJsq, absl::Duration staleness = absl::Seconds(5)) {
     std::vector<WorkerSpec> specs;
     for (int i = 0; i < workers; ++i) {
       auto server = FakeMetricsServer::Start("test-model");
@@ -184,7 +183,8 @@ TEST(LoadScraperTest, DeadWorkerIsTakenOutAndBroughtBack) {
   };
   auto scraper = pool.MakeScraper(options);
   ASSERT_TRUE(scraper->Start().ok());
-  ASSERT_TRUE(WaitUntil([&] { return StatsOf(*scraper, "w1").successes >= 1 && StatsOf(*scraper, "w0").successes >= 1; }));
+  ASSERT_TRUE(
+      WaitUntil([&] { return StatsOf(*scraper, "w1").successes >= 1 && StatsOf(*scraper, "w0").successes >= 1; }));
   EXPECT_EQ(pool.RouteAndComplete(5), (std::map<std::string, int>{{"w0", 5}}));
 
   ASSERT_TRUE(pool.server(0).SetMode(FakeMetricsServer::Mode::kDown).ok());

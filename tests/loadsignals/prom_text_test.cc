@@ -55,7 +55,8 @@ TEST(PromTextTest, ParsesSamplesLabelsAndMetadata) {
 TEST(PromTextTest, UnescapesLabelValuesAndHelp) {
   const PromPage page = MustParse(
       "# HELP msdos_file_access_time_seconds Access time\\nof a \\\\ file.\n"
-      "msdos_file_access_time_seconds{path=\"C:\\\\DIR\\\\FILE.TXT\",error=\"Cannot find file:\\n\\\"FILE.TXT\\\"\"} 1.458255915e9\n");
+      "msdos_file_access_time_seconds{path=\"C:\\\\DIR\\\\FILE.TXT\",error=\"Cannot find file:\\n\\\"FILE.TXT\\\"\"} "
+      "1.458255915e9\n");
   ASSERT_EQ(page.samples.size(), 1u);
   EXPECT_EQ(*page.samples[0].Label("path"), "C:\\DIR\\FILE.TXT");
   EXPECT_EQ(*page.samples[0].Label("error"), "Cannot find file:\n\"FILE.TXT\"");
@@ -108,7 +109,8 @@ TEST(PromTextTest, MetadataOrderIsNotEnforcedButContradictionsAre) {
 }
 
 TEST(PromTextTest, ErrorsNameTheLineAndTheProblem) {
-  EXPECT_THAT(ParseError("ok 1\nbad{a=\"x} 1\n"), HasSubstr("line 2: value of label \"a\": unterminated quoted string"));
+  EXPECT_THAT(ParseError("ok 1\nbad{a=\"x} 1\n"),
+              HasSubstr("line 2: value of label \"a\": unterminated quoted string"));
   EXPECT_THAT(ParseError("bad{a=\"\\t\"} 1\n"), HasSubstr("line 1: value of label \"a\": invalid escape sequence"));
   EXPECT_THAT(ParseError("a 1\nb\n"), HasSubstr("line 2: sample of b has no value"));
   EXPECT_THAT(ParseError("a one\n"), HasSubstr("line 1: sample of a: invalid value \"one\""));
@@ -255,10 +257,9 @@ TEST(EngineLoadTest, RejectsMissingOrBadGauges) {
   EXPECT_THAT(ParseEngineLoad(testing::VllmMetricsPage({1, 1, 0}, "m"), sglang).status().message(),
               HasSubstr("no sglang:num_running_reqs on the page"));
   // A syntax error anywhere fails the page, even outside the load gauges.
-  EXPECT_THAT(ParseEngineLoad(absl::StrCat(testing::VllmMetricsPage({1, 1, 0}, "m"), "garbage here\n"))
-                  .status()
-                  .message(),
-              HasSubstr("invalid value \"here\""));
+  EXPECT_THAT(
+      ParseEngineLoad(absl::StrCat(testing::VllmMetricsPage({1, 1, 0}, "m"), "garbage here\n")).status().message(),
+      HasSubstr("invalid value \"here\""));
 }
 
 TEST(EngineKindTest, NamesRoundTrip) {

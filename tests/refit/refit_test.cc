@@ -109,7 +109,8 @@ class RefitTest : public ::testing::Test {
   }
 
   void MakeRefitter(RefitOptions options) {
-    absl::StatusOr<std::unique_ptr<OnlineRefitter>> refitter = OnlineRefitter::Create(std::move(options), router_.get());
+    absl::StatusOr<std::unique_ptr<OnlineRefitter>> refitter =
+        OnlineRefitter::Create(std::move(options), router_.get());
     ASSERT_TRUE(refitter.ok()) << refitter.status();
     refitter_ = *std::move(refitter);
   }
@@ -185,7 +186,7 @@ TEST_F(RefitTest, PeriodicRefitDuringConcurrentRoutingNeverFailsARoute) {
   EXPECT_GT(stats.centroid_generation, 1u);
   EXPECT_EQ(router_->GetState(absl::Now()).centroid_generation, stats.centroid_generation);
   EXPECT_GT(highest_generation.load(), 1u);  // routes saw refitted sets
-  EXPECT_GT(stats.last_fit_seconds, 0.0);  // recorded (its size depends on the machine and build)
+  EXPECT_GT(stats.last_fit_seconds, 0.0);    // recorded (its size depends on the machine and build)
   EXPECT_GT(stats.signatures_observed, 0u);
 }
 
@@ -623,7 +624,8 @@ TEST(RefitOptionsTest, CreateRejectsBadOptions) {
   EXPECT_FALSE(OnlineRefitter::Create(options, router->get()).ok());
   options = RefitOptions{};
   options.state_dir = "/proc/eldr-cannot-create-this";
-  EXPECT_THAT(OnlineRefitter::Create(options, router->get()).status().message(), HasSubstr("cannot create state folder"));
+  EXPECT_THAT(OnlineRefitter::Create(options, router->get()).status().message(),
+              HasSubstr("cannot create state folder"));
   // No centroids installed: a refit is skipped, not failed.
   absl::StatusOr<std::unique_ptr<OnlineRefitter>> refitter = OnlineRefitter::Create(RefitOptions{}, router->get());
   ASSERT_TRUE(refitter.ok());

@@ -1,5 +1,5 @@
-#include "eldr/common/file.h"
 #include "server/config.h"
+#include "eldr/common/file.h"
 
 #include <cstdlib>
 #include <string>

@@ -1,7 +1,7 @@
 // In-process tests of RouterServer and its services: conversion helpers, lifecycle, health and
 // the extension points (background components, signature observers).
-#include "eldr/common/file.h"
 #include "server/server.h"
+#include "eldr/common/file.h"
 
 #include <atomic>
 #include <cmath>
@@ -37,7 +37,8 @@ CentroidArtifact Artifact(int rows) {
   a.k = rows;
   a.centroids.assign(static_cast<size_t>(rows) * kLayers * kExperts, 0.f);
   for (int r = 0; r < rows; ++r) {
-    for (int l = 0; l < kLayers; ++l) a.centroids[static_cast<size_t>(r) * kLayers * kExperts + l * kExperts + r] = 0.5f;
+    for (int l = 0; l < kLayers; ++l)
+      a.centroids[static_cast<size_t>(r) * kLayers * kExperts + l * kExperts + r] = 0.5f;
   }
   for (int r = 0; r < rows; ++r) a.workers.push_back(absl::StrCat("w", r));
   return a;
@@ -153,7 +154,8 @@ struct Journal {
 
 class RecordingComponent : public BackgroundComponent {
  public:
-  RecordingComponent(std::string name, Journal* journal, bool fail) : name_(std::move(name)), journal_(journal), fail_(fail) {}
+  RecordingComponent(std::string name, Journal* journal, bool fail)
+      : name_(std::move(name)), journal_(journal), fail_(fail) {}
   std::string name() const override { return name_; }
   absl::Status Start() override {
     journal_->Add("start " + name_);
@@ -179,8 +181,8 @@ TEST(RouterServer, ServesRoutesAndTracksHealthInProcess) {
   ASSERT_TRUE((*server)->Start().ok());
   EXPECT_FALSE((*server)->serving()) << "policy eldr without centroids is not ready";
 
-  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->grpc_port()),
-                                     grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->grpc_port()), grpc::InsecureChannelCredentials());
   auto stub = eldr::v1::DecodeRouter::NewStub(channel);
   eldr::v1::RouteResponse response;
   {
@@ -189,8 +191,8 @@ TEST(RouterServer, ServesRoutesAndTracksHealthInProcess) {
   }
   EXPECT_EQ(response.fallback_reason(), "no_centroids");
 
-  auto admin = eldr::v1::RouterAdmin::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", (*server)->admin_port()), grpc::InsecureChannelCredentials()));
+  auto admin = eldr::v1::RouterAdmin::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->admin_port()), grpc::InsecureChannelCredentials()));
   {
     grpc::ClientContext ctx;
     eldr::v1::ReloadCentroidsRequest reload;
@@ -279,8 +281,8 @@ TEST(RouterServer, ComponentsInstallCentroidsAndObserveTheRouter) {
   ASSERT_TRUE((*server)->Start().ok());
   EXPECT_TRUE((*server)->serving());
 
-  auto stub = eldr::v1::DecodeRouter::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", (*server)->grpc_port()), grpc::InsecureChannelCredentials()));
+  auto stub = eldr::v1::DecodeRouter::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->grpc_port()), grpc::InsecureChannelCredentials()));
   eldr::v1::RouteResponse response;
   grpc::ClientContext ctx;
   ASSERT_TRUE(stub->Route(&ctx, ExpertRequest(1), &response).ok());

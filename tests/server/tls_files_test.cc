@@ -131,20 +131,20 @@ class Material {
 
   std::string File(const std::string& name) const { return dir_.File(name); }
 
-  Pair ca;          // self-signed, EC P-256, CN=tls-test-ca
-  Pair ec;          // EC P-256 leaf signed by ca, CN=leaf-ec
-  Pair ec_other;    // another EC leaf, CN=leaf-ec-other
-  Pair rsa;         // RSA 2048 leaf, CN=leaf-rsa
-  Pair ed25519;     // Ed25519 leaf, CN=leaf-ed25519
-  Pair expired;     // EC leaf valid 2020-01-01 .. 2020-02-01, CN=leaf-expired
-  Pair not_yet;     // EC leaf valid from 2090-01-01
-  std::string ec_chain;            // ec's certificate followed by ca's
-  std::string other_ca;            // an unrelated self-signed CA certificate
-  std::string ca_bundle;           // ca + other_ca
-  std::string encrypted_pkcs8;     // ec's key, PKCS#8 encrypted
-  std::string encrypted_legacy;    // rsa's key, traditional PEM with Proc-Type: 4,ENCRYPTED
-  std::string der_cert;            // ec's certificate in DER
-  std::string rsa_traditional;     // rsa's key as "BEGIN RSA PRIVATE KEY"
+  Pair ca;                       // self-signed, EC P-256, CN=tls-test-ca
+  Pair ec;                       // EC P-256 leaf signed by ca, CN=leaf-ec
+  Pair ec_other;                 // another EC leaf, CN=leaf-ec-other
+  Pair rsa;                      // RSA 2048 leaf, CN=leaf-rsa
+  Pair ed25519;                  // Ed25519 leaf, CN=leaf-ed25519
+  Pair expired;                  // EC leaf valid 2020-01-01 .. 2020-02-01, CN=leaf-expired
+  Pair not_yet;                  // EC leaf valid from 2090-01-01
+  std::string ec_chain;          // ec's certificate followed by ca's
+  std::string other_ca;          // an unrelated self-signed CA certificate
+  std::string ca_bundle;         // ca + other_ca
+  std::string encrypted_pkcs8;   // ec's key, PKCS#8 encrypted
+  std::string encrypted_legacy;  // rsa's key, traditional PEM with Proc-Type: 4,ENCRYPTED
+  std::string der_cert;          // ec's certificate in DER
+  std::string rsa_traditional;   // rsa's key as "BEGIN RSA PRIVATE KEY"
 
  private:
   Material() { Make(); }
@@ -412,9 +412,12 @@ TEST(TlsValidate, ClientCaBundles) {
 TEST(TlsValidate, MessagesCarryNoKeyMaterialAndLeaveNoOpenSslErrors) {
   const Material& m = Material::Get();
   std::vector<absl::Status> failures = {
-      ValidateTlsFiles({m.ec.cert, m.ec_other.key, ""}),      ValidateTlsFiles({m.ec.cert, m.rsa.key, ""}),
-      ValidateTlsFiles({m.ec.key, m.ec.key, ""}),            ValidateTlsFiles({m.ec.cert, m.encrypted_pkcs8, ""}),
-      ValidateTlsFiles({m.ec.cert, m.ec.key, m.ec_other.key}), ValidateTlsFiles({m.ec.cert, m.ca.cert, ""}),
+      ValidateTlsFiles({m.ec.cert, m.ec_other.key, ""}),
+      ValidateTlsFiles({m.ec.cert, m.rsa.key, ""}),
+      ValidateTlsFiles({m.ec.key, m.ec.key, ""}),
+      ValidateTlsFiles({m.ec.cert, m.encrypted_pkcs8, ""}),
+      ValidateTlsFiles({m.ec.cert, m.ec.key, m.ec_other.key}),
+      ValidateTlsFiles({m.ec.cert, m.ca.cert, ""}),
   };
   std::vector<std::string> secrets;
   for (const std::string& key : {m.ec.key, m.ec_other.key, m.rsa.key, m.encrypted_pkcs8}) {
@@ -534,8 +537,8 @@ TEST(TlsMirror, RotationInstallsValidSetsAndRefusesBrokenOnes) {
     auto refused = mirror.Refresh();
     ASSERT_FALSE(refused.ok());
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(Message(refused.status()), AllOf(HasSubstr("setting 'tls_key'"), HasSubstr("does not match"),
-                                                 HasSubstr("CN=leaf-rsa")));
+    EXPECT_THAT(Message(refused.status()),
+                AllOf(HasSubstr("setting 'tls_key'"), HasSubstr("does not match"), HasSubstr("CN=leaf-rsa")));
   }
   EXPECT_EQ(ReadAll(mirror.mirrored().cert), cert_before);
   EXPECT_EQ(ReadAll(mirror.mirrored().key), key_before);

@@ -50,8 +50,7 @@ TEST(CostModelTest, ValidationNamesTheBadConstant) {
 TEST(CostModelTest, DefaultsReproduceTheMoeLayerMeasurement) {
   const CostModelOptions cost;
   const double per_layer_tokens = cost.t_token_us * 64 / 48;
-  const double ratio = (per_layer_tokens + 128 * cost.t_expert_us) /
-                       (per_layer_tokens + 16 * cost.t_expert_us);
+  const double ratio = (per_layer_tokens + 128 * cost.t_expert_us) / (per_layer_tokens + 16 * cost.t_expert_us);
   EXPECT_NEAR(ratio, 4.7, 0.05);
 }
 
@@ -103,8 +102,7 @@ TEST(SimulatorTest, HandComputedTwoRequestRun) {
   cluster.cost.prefill_token_us = 0;
   cluster.cost.kv_transfer_us = 0;
 
-  absl::StatusOr<std::unique_ptr<RoutingBackend>> backend =
-      MakeInProcessBackend(PolicyKind::kJsq, 0.1, 1, 1, 0);
+  absl::StatusOr<std::unique_ptr<RoutingBackend>> backend = MakeInProcessBackend(PolicyKind::kJsq, 0.1, 1, 1, 0);
   ASSERT_TRUE(backend.ok()) << backend.status();
   absl::StatusOr<RunResult> run = SimulateRun(workload, arrivals, cluster, backend->get(), nullptr);
   ASSERT_TRUE(run.ok()) << run.status();
@@ -159,11 +157,9 @@ TEST(SimulatorTest, KvBudgetSerialisesRequests) {
   cluster.cost.prefill_fixed_us = 100;
   cluster.cost.prefill_token_us = 0;
   cluster.cost.kv_transfer_us = 0;
-  absl::StatusOr<std::unique_ptr<RoutingBackend>> backend =
-      MakeInProcessBackend(PolicyKind::kRoundRobin, 0.1, 1, 1, 0);
+  absl::StatusOr<std::unique_ptr<RoutingBackend>> backend = MakeInProcessBackend(PolicyKind::kRoundRobin, 0.1, 1, 1, 0);
   ASSERT_TRUE(backend.ok()) << backend.status();
-  absl::StatusOr<RunResult> run =
-      SimulateRun(workload, {{0.0, 0}, {0.0, 1}}, cluster, backend->get(), nullptr);
+  absl::StatusOr<RunResult> run = SimulateRun(workload, {{0.0, 0}, {0.0, 1}}, cluster, backend->get(), nullptr);
   ASSERT_TRUE(run.ok()) << run.status();
   // Both prefills end at 100; A runs 100..1100..2100, then B 2100..3100..4100.
   EXPECT_DOUBLE_EQ(run->requests[0].finish_us, 2100);

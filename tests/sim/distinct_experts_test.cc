@@ -17,9 +17,7 @@ struct Geometry {
   int layers, experts, top_k;
 };
 
-void PrintTo(const Geometry& g, std::ostream* os) {
-  *os << g.layers << "x" << g.experts << "x" << g.top_k;
-}
+void PrintTo(const Geometry& g, std::ostream* os) { *os << g.layers << "x" << g.experts << "x" << g.top_k; }
 
 class DistinctExpertsTest : public ::testing::TestWithParam<Geometry> {};
 
@@ -50,8 +48,7 @@ TEST_P(DistinctExpertsTest, MatchesBruteForceOnRandomBatches) {
       for (const auto& token : tokens) {
         for (int c = 0; c < g.top_k; ++c) distinct.insert(token[static_cast<size_t>(l) * g.top_k + c]);
       }
-      EXPECT_EQ(counter.DistinctAtLayer(l), static_cast<int>(distinct.size()))
-          << "trial " << trial << " layer " << l;
+      EXPECT_EQ(counter.DistinctAtLayer(l), static_cast<int>(distinct.size())) << "trial " << trial << " layer " << l;
       total += static_cast<int64_t>(distinct.size());
     }
     EXPECT_EQ(counter.DistinctAllLayers(), total) << "trial " << trial;
@@ -59,12 +56,10 @@ TEST_P(DistinctExpertsTest, MatchesBruteForceOnRandomBatches) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Geometries, DistinctExpertsTest,
-                         ::testing::Values(Geometry{26, 64, 6}, Geometry{48, 128, 8},
-                                           Geometry{3, 100, 4}, Geometry{2, 256, 16},
-                                           Geometry{1, 2, 1}),
+                         ::testing::Values(Geometry{26, 64, 6}, Geometry{48, 128, 8}, Geometry{3, 100, 4},
+                                           Geometry{2, 256, 16}, Geometry{1, 2, 1}),
                          [](const ::testing::TestParamInfo<Geometry>& info) {
-                           return std::to_string(info.param.layers) + "x" +
-                                  std::to_string(info.param.experts) + "x" +
+                           return std::to_string(info.param.layers) + "x" + std::to_string(info.param.experts) + "x" +
                                   std::to_string(info.param.top_k);
                          });
 

@@ -86,10 +86,9 @@ TEST(ExperimentTest, CapacityAndDefaultRates) {
   cluster.max_batch = 16;
   const CapacityEstimate capacity = EstimateCapacity(*workload, cluster, 1);
   EXPECT_EQ(capacity.batch, 16);
-  EXPECT_GT(capacity.mixed_distinct, 4);   // more than one token's top-4
+  EXPECT_GT(capacity.mixed_distinct, 4);  // more than one token's top-4
   EXPECT_LE(capacity.mixed_distinct, 32);
-  EXPECT_NEAR(capacity.requests_per_s,
-              4 * 16 / (capacity.step_ms / 1e3) / capacity.mean_decode_steps, 1e-6);
+  EXPECT_NEAR(capacity.requests_per_s, 4 * 16 / (capacity.step_ms / 1e3) / capacity.mean_decode_steps, 1e-6);
   const std::vector<double> rates = DefaultRates(capacity);
   ASSERT_EQ(rates.size(), 3u);
   EXPECT_NEAR(rates[0], 0.30 * capacity.requests_per_s, 0.05 * capacity.requests_per_s);

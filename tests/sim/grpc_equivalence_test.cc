@@ -10,8 +10,8 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "sim/experiment.h"
-#include "testing/process.h"
 #include "sim/workload.h"
+#include "testing/process.h"
 
 namespace eldr::sim {
 namespace {

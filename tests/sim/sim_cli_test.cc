@@ -13,9 +13,9 @@
 namespace eldr::sim {
 namespace {
 
-using ::testing::HasSubstr;
 using ::eldr::testing::BinaryPath;
 using ::eldr::testing::ProcessResult;
+using ::testing::HasSubstr;
 
 // The test harness runs a binary by path; argv[0] is the binary here.
 ProcessResult RunCommand(const std::vector<std::string>& argv, double timeout_s) {
@@ -30,9 +30,9 @@ std::string TraceDir() {
 
 // A small synthetic run: a few seconds.
 std::vector<std::string> SmallSynthetic(const std::string& seed) {
-  return {BinaryPath("eldr-sim"), "--synthetic=12x64x4", "--domains=2", "--topics_per_domain=2",
-          "--requests=300", "--calibration_requests=96", "--decoders=4", "--rates=15,40",
-          "--prompt_tokens_mean=64", "--output_tokens_mean=32", "--seed=" + seed, "--quiet"};
+  return {BinaryPath("eldr-sim"),    "--synthetic=12x64x4",       "--domains=2",    "--topics_per_domain=2",
+          "--requests=300",          "--calibration_requests=96", "--decoders=4",   "--rates=15,40",
+          "--prompt_tokens_mean=64", "--output_tokens_mean=32",   "--seed=" + seed, "--quiet"};
 }
 
 ProcessResult Sim(std::vector<std::string> argv, std::vector<std::string> extra = {}) {
@@ -71,9 +71,8 @@ TEST(SimCliTest, RealTracesTableCsvAndFigure) {
   const std::string dir = temp.path();
   const std::string png = dir + "/figure.png", csv = dir + "/out.csv";
   const ProcessResult run =
-      Sim({BinaryPath("eldr-sim"), "--trace=" + TraceDir(), "--prefill_fraction=0.5",
-           "--decoders=4", "--requests=400", "--rates=40,100", "--policies=jsq,eldr", "--quiet",
-           "--plot=" + png, "--csv_out=" + csv});
+      Sim({BinaryPath("eldr-sim"), "--trace=" + TraceDir(), "--prefill_fraction=0.5", "--decoders=4", "--requests=400",
+           "--rates=40,100", "--policies=jsq,eldr", "--quiet", "--plot=" + png, "--csv_out=" + csv});
   ASSERT_EQ(run.exit_code, 0) << run.stderr_text;
   EXPECT_THAT(run.stdout_text, HasSubstr("rate 40 req/s"));
   EXPECT_THAT(run.stdout_text, HasSubstr("rate 100 req/s"));
@@ -123,13 +122,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadInvocation{"BadRate", {"--synthetic=8x16x2", "--rates=5,fast"}, "'fast'"},
         BadInvocation{"UnknownPolicy", {"--synthetic=8x16x2", "--policies=rr,best"}, "unknown policy 'best'"},
         BadInvocation{"BadRouterUrl", {"--synthetic=8x16x2", "--router=http://127.0.0.1:1"}, "grpc://HOST:PORT"},
-        BadInvocation{"NegativeCost", {"--synthetic=8x16x2", "--prefill_fraction=0.5", "--t_expert_us=-2"},
-                      "t_expert_us"},
+        BadInvocation{
+            "NegativeCost", {"--synthetic=8x16x2", "--prefill_fraction=0.5", "--t_expert_us=-2"}, "t_expert_us"},
         BadInvocation{"BadPrefillFraction", {"--trace=" + TraceDir(), "--prefill_fraction=1"}, "--prefill_fraction"},
         BadInvocation{"TooFewRequests", {"--synthetic=8x16x2", "--requests=5"}, "--requests"},
         BadInvocation{"JsonAndCsv", {"--synthetic=8x16x2", "--json", "--csv"}, "pick one"},
         // Nothing listens on port 1 of the loopback.
-        BadInvocation{"RouterNotListening", {"--synthetic=8x16x2", "--router=grpc://127.0.0.1:1", "--rpc_timeout_s=1"},
+        BadInvocation{"RouterNotListening",
+                      {"--synthetic=8x16x2", "--router=grpc://127.0.0.1:1", "--rpc_timeout_s=1"},
                       "did not answer"}),
     [](const ::testing::TestParamInfo<BadInvocation>& info) { return info.param.name; });
 

@@ -38,8 +38,7 @@ TEST(TraceWorkloadTest, SplitIsDisjointPerDomainAndReplaysRealTokens) {
   // Every usable sequence is on exactly one side; every domain is on both.
   const int sequences = static_cast<int>(trace->sequences.size());
   EXPECT_EQ(static_cast<int>(workload->pool.size()) + workload->calibration.n, sequences);
-  std::set<int> calibration_domains(workload->calibration.labels.begin(),
-                                    workload->calibration.labels.end());
+  std::set<int> calibration_domains(workload->calibration.labels.begin(), workload->calibration.labels.end());
   EXPECT_EQ(calibration_domains.size(), trace->domains.size());
   std::set<int> pool_domains;
   for (const SimRequest& request : workload->pool) pool_domains.insert(request.domain);
@@ -93,8 +92,7 @@ TEST(TraceWorkloadTest, UnreadableFolderIsAClearError) {
   options.dir = "/nonexistent/eldr-traces";
   absl::StatusOr<Workload> workload = LoadTraceWorkload(options);
   ASSERT_FALSE(workload.ok());
-  EXPECT_NE(workload.status().message().find("/nonexistent/eldr-traces"), absl::string_view::npos)
-      << workload.status();
+  EXPECT_NE(workload.status().message().find("/nonexistent/eldr-traces"), absl::string_view::npos) << workload.status();
   options.dir = TraceDir();
   options.prefill_fraction = 1.5;
   EXPECT_EQ(LoadTraceWorkload(options).status().code(), absl::StatusCode::kInvalidArgument);

@@ -76,7 +76,7 @@ using eldr::testing::FakeLoad;
 using eldr::testing::FakeMetricsServer;
 namespace v1 = eldr::v1;
 
-constexpr int kLayers = 26;   // the bundled DeepSeek-V2-Lite traces that eldr-bench replays
+constexpr int kLayers = 26;  // the bundled DeepSeek-V2-Lite traces that eldr-bench replays
 constexpr int kExperts = 64;
 
 std::string EnvOr(const char* name, const std::string& fallback) {
@@ -242,8 +242,7 @@ void SendMalformed(int kind, v1::DecodeRouter::Stub& stub, int grpc_port, std::m
       v1::CompleteRequest complete;
       complete.set_lease_id((uint64_t{1} << 62) + rng() % 1000);
       v1::CompleteResponse done;
-      expect("unknown_lease",
-             WithDeadline([&](grpc::ClientContext* c) { return stub.Complete(c, complete, &done); }),
+      expect("unknown_lease", WithDeadline([&](grpc::ClientContext* c) { return stub.Complete(c, complete, &done); }),
              grpc::StatusCode::NOT_FOUND);
       break;
     }
@@ -328,8 +327,10 @@ double SumOf(const eldr::PromPage& page, const std::string& name, const std::str
 }
 
 int Run() {
-  const std::string bin_dir = absl::GetFlag(FLAGS_bin_dir).empty() ? EnvOr("ELDR_BIN_DIR", "") : absl::GetFlag(FLAGS_bin_dir);
-  const std::string data_dir = absl::GetFlag(FLAGS_data_dir).empty() ? EnvOr("ELDR_DATA_DIR", "data") : absl::GetFlag(FLAGS_data_dir);
+  const std::string bin_dir =
+      absl::GetFlag(FLAGS_bin_dir).empty() ? EnvOr("ELDR_BIN_DIR", "") : absl::GetFlag(FLAGS_bin_dir);
+  const std::string data_dir =
+      absl::GetFlag(FLAGS_data_dir).empty() ? EnvOr("ELDR_DATA_DIR", "data") : absl::GetFlag(FLAGS_data_dir);
   const double duration_s = absl::GetFlag(FLAGS_duration_s);
   const int workers = absl::GetFlag(FLAGS_workers);
   const absl::Duration lease_ttl = absl::Seconds(absl::GetFlag(FLAGS_lease_ttl_s));
@@ -410,12 +411,11 @@ int Run() {
 
   // ---- Load ----
   const std::string bench_json = dir.File("bench.json");
-  auto bench = ChildProcess::Spawn(
-      {bin_dir + "/eldr-bench", absl::StrCat("--target=127.0.0.1:", ports->grpc),
-       absl::StrCat("--duration_s=", duration_s), "--warmup_s=1",
-       absl::StrCat("--concurrency=", absl::GetFlag(FLAGS_concurrency)), "--trace=" + data_dir + "/esft-routing",
-       "--complete", "--json"},
-      dir.File("bench.log"), bench_json);
+  auto bench = ChildProcess::Spawn({bin_dir + "/eldr-bench", absl::StrCat("--target=127.0.0.1:", ports->grpc),
+                                    absl::StrCat("--duration_s=", duration_s), "--warmup_s=1",
+                                    absl::StrCat("--concurrency=", absl::GetFlag(FLAGS_concurrency)),
+                                    "--trace=" + data_dir + "/esft-routing", "--complete", "--json"},
+                                   dir.File("bench.log"), bench_json);
   if (!bench.ok()) {
     std::fprintf(stderr, "eldr-soak: %s\n", std::string(bench.status().message()).c_str());
     return 1;
@@ -427,10 +427,10 @@ int Run() {
   // Workers' metrics endpoints misbehave, one change at a time.
   threads.emplace_back([&] {
     std::mt19937_64 local(7);
-    const FakeMetricsServer::Mode modes[] = {
-        FakeMetricsServer::Mode::kServe, FakeMetricsServer::Mode::kServe, FakeMetricsServer::Mode::kServe,
-        FakeMetricsServer::Mode::kDown,  FakeMetricsServer::Mode::kHang,  FakeMetricsServer::Mode::kMalformed,
-        FakeMetricsServer::Mode::kHttpError};
+    const FakeMetricsServer::Mode modes[] = {FakeMetricsServer::Mode::kServe,    FakeMetricsServer::Mode::kServe,
+                                             FakeMetricsServer::Mode::kServe,    FakeMetricsServer::Mode::kDown,
+                                             FakeMetricsServer::Mode::kHang,     FakeMetricsServer::Mode::kMalformed,
+                                             FakeMetricsServer::Mode::kHttpError};
     while (!stop.load()) {
       absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_chaos_every_ms)));
       FakeMetricsServer& server = *servers[local() % servers.size()];
@@ -559,8 +559,8 @@ int Run() {
     threads.emplace_back([&] {
       std::mt19937_64 local(17);
       const char* methods[] = {"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "TRACE", "CONNECT", "BREW"};
-      const char* paths[] = {"/", "/metrics", "/healthz", "/readyz", "/favicon.ico", "/../../etc/passwd", "*",
-                             "/%00", "http://evil/", "/metrics?x=1"};
+      const char* paths[] = {"/", "/metrics", "/healthz",     "/readyz",     "/favicon.ico", "/../../etc/passwd",
+                             "*", "/%00",     "http://evil/", "/metrics?x=1"};
       std::vector<int> idle_http;
       struct IdleStream {
         std::unique_ptr<grpc::ClientContext> context;
@@ -572,13 +572,14 @@ int Run() {
       while (!stop.load()) {
         ++round;
         // Stray HTTP: every request answered with a status, the daemon alive.
-        const std::string request = absl::StrCat(methods[local() % std::size(methods)], " ",
-                                                 paths[local() % std::size(paths)],
-                                                 " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        const std::string request =
+            absl::StrCat(methods[local() % std::size(methods)], " ", paths[local() % std::size(paths)],
+                         " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
         absl::StatusOr<std::string> answer = eldr::testing::HttpExchange(ports->metrics, request, absl::Seconds(5));
         const int code = answer.ok() ? eldr::testing::HttpStatusOf(*answer) : -1;
         tally.Count("hostile.stray_http");
-        if (code < 200 || code >= 600) tally.Fail(absl::StrCat("stray HTTP '", request.substr(0, 40), "' got no status"));
+        if (code < 200 || code >= 600)
+          tally.Fail(absl::StrCat("stray HTTP '", request.substr(0, 40), "' got no status"));
         // Idle HTTP connections, up to 20 at a time, replaced now and then.
         if (idle_http.size() < 20) {
           const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -692,7 +693,8 @@ int Run() {
     tally.Fail(absl::StrCat("eldr-router died during the soak; its log:\n", (*router)->Log()));
   }
   if (!bench_exit.ok() || *bench_exit != 0) {
-    tally.Fail(absl::StrCat("eldr-bench failed (exit ", bench_exit.ok() ? *bench_exit : -1, "): ", (*bench)->Log(4000)));
+    tally.Fail(
+        absl::StrCat("eldr-bench failed (exit ", bench_exit.ok() ? *bench_exit : -1, "): ", (*bench)->Log(4000)));
   } else {
     std::string text;
     if (auto read = eldr::ReadFile(bench_json); read.ok()) text = *read;
@@ -721,9 +723,8 @@ int Run() {
     v1::GetStateRequest request;
     const grpc::Status status = AsAdmin([&](grpc::ClientContext* c) { return admin->GetState(c, request, &state); });
     if (status.ok()) {
-      drained = state.live_leases() == 0 &&
-                std::all_of(state.workers().begin(), state.workers().end(),
-                            [](const v1::WorkerState& w) { return w.inflight() == 0; });
+      drained = state.live_leases() == 0 && std::all_of(state.workers().begin(), state.workers().end(),
+                                                        [](const v1::WorkerState& w) { return w.inflight() == 0; });
       healthy = std::all_of(state.workers().begin(), state.workers().end(),
                             [](const v1::WorkerState& w) { return w.healthy(); });
       if (drained && healthy) break;
@@ -736,7 +737,8 @@ int Run() {
   figures.leases_expired = state.leases_expired_total();
   if (!drained) {
     std::string inflight;
-    for (const v1::WorkerState& w : state.workers()) absl::StrAppend(&inflight, " ", w.worker().id(), "=", w.inflight());
+    for (const v1::WorkerState& w : state.workers())
+      absl::StrAppend(&inflight, " ", w.worker().id(), "=", w.inflight());
     tally.Fail(absl::StrCat("in-flight did not return to zero: live_leases=", state.live_leases(), inflight));
   }
   if (!healthy) tally.Fail("not every worker is healthy again after its metrics came back");
@@ -787,12 +789,20 @@ int Run() {
       {"duration_s", duration_s},
       {"workers", workers},
       {"passed", failures.empty()},
-      {"rss_kib", {{"start", figures.rss_start_kib}, {"warm", figures.rss_warm_kib},
-                   {"max", figures.rss_max_kib}, {"end", figures.rss_end_kib}}},
-      {"bench", {{"routes", figures.bench_routes}, {"routes_per_s", figures.bench_rps},
-                 {"errors", figures.bench_errors}, {"p99_us", figures.bench_p99_us}}},
-      {"leases", {{"expired_total", figures.leases_expired}, {"live_at_end", figures.live_leases_end},
-                  {"seconds_to_drain", figures.seconds_to_drain}}},
+      {"rss_kib",
+       {{"start", figures.rss_start_kib},
+        {"warm", figures.rss_warm_kib},
+        {"max", figures.rss_max_kib},
+        {"end", figures.rss_end_kib}}},
+      {"bench",
+       {{"routes", figures.bench_routes},
+        {"routes_per_s", figures.bench_rps},
+        {"errors", figures.bench_errors},
+        {"p99_us", figures.bench_p99_us}}},
+      {"leases",
+       {{"expired_total", figures.leases_expired},
+        {"live_at_end", figures.live_leases_end},
+        {"seconds_to_drain", figures.seconds_to_drain}}},
       {"daemon", figures.daemon_metrics},
       {"driver", counts},
       {"failures", failures},
@@ -810,7 +820,8 @@ int Run() {
                 static_cast<long long>(figures.leases_expired), static_cast<long long>(figures.live_leases_end),
                 figures.seconds_to_drain);
     for (const auto& [name, value] : figures.daemon_metrics) std::printf("  daemon %s: %.0f\n", name.c_str(), value);
-    for (const auto& [name, value] : counts) std::printf("  driver %s: %lld\n", name.c_str(), static_cast<long long>(value));
+    for (const auto& [name, value] : counts)
+      std::printf("  driver %s: %lld\n", name.c_str(), static_cast<long long>(value));
     for (const std::string& failure : failures) std::printf("  FAILURE: %s\n", failure.c_str());
   }
   if (absl::GetFlag(FLAGS_keep_dir)) {

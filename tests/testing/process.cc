@@ -10,13 +10,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-#include <atomic>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -56,15 +56,17 @@ TempDir::~TempDir() {
 }
 
 absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(const std::vector<std::string>& argv,
-                                                                   const std::string& log_path,
-                                                                   const std::string& stdout_path) {
+                                                                  const std::string& log_path,
+                                                                  const std::string& stdout_path) {
   if (argv.empty()) return absl::InvalidArgumentError("Spawn: empty argv");
   if (access(argv[0].c_str(), X_OK) != 0) {
-    return absl::NotFoundError(absl::StrCat("not an executable: ", argv[0], " (is ELDR_BIN_DIR set and the target built?)"));
+    return absl::NotFoundError(
+        absl::StrCat("not an executable: ", argv[0], " (is ELDR_BIN_DIR set and the target built?)"));
   }
   const int log_fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (log_fd < 0) return absl::InternalError(absl::StrCat("cannot create ", log_path, ": ", std::strerror(errno)));
-  const int out_fd = stdout_path.empty() ? log_fd : open(stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int out_fd =
+      stdout_path.empty() ? log_fd : open(stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (out_fd < 0) {
     close(log_fd);
     return absl::InternalError(absl::StrCat("cannot create ", stdout_path, ": ", std::strerror(errno)));
@@ -125,7 +127,8 @@ absl::StatusOr<int> ChildProcess::Wait(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (Running()) {
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("pid ", pid_, " still runs after ", absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("pid ", pid_, " still runs after ", absl::FormatDuration(timeout)));
     }
     absl::SleepFor(absl::Milliseconds(10));
   }
@@ -170,8 +173,8 @@ absl::StatusOr<DaemonPorts> WaitForPortFile(const std::string& port_file, ChildP
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  return absl::DeadlineExceededError(absl::StrCat("no port file ", port_file, " after ",
-                                                  absl::FormatDuration(timeout), "; daemon log:\n", process.Log()));
+  return absl::DeadlineExceededError(absl::StrCat("no port file ", port_file, " after ", absl::FormatDuration(timeout),
+                                                  "; daemon log:\n", process.Log()));
 }
 
 absl::StatusOr<std::string> HttpExchange(int port, const std::string& request, absl::Duration timeout) {
@@ -186,7 +189,8 @@ absl::StatusOr<std::string> HttpExchange(int port, const std::string& request, a
     close(fd);
     return absl::UnavailableError(absl::StrCat("connect 127.0.0.1:", port, ": ", std::strerror(error)));
   }
-  if (!request.empty() && send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
+  if (!request.empty() &&
+      send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
     close(fd);
     return absl::UnavailableError("send failed");
   }
@@ -199,7 +203,8 @@ absl::StatusOr<std::string> HttpExchange(int port, const std::string& request, a
     if (left_ms <= 0 || poll(&entry, 1, static_cast<int>(left_ms)) <= 0) {
       close(fd);
       if (!response.empty()) return response;
-      return absl::DeadlineExceededError(absl::StrCat("no answer on port ", port, " within ", absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("no answer on port ", port, " within ", absl::FormatDuration(timeout)));
     }
     const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
     if (n < 0 && errno == EINTR) continue;
@@ -241,7 +246,8 @@ ProcessResult RunProcess(const std::string& binary, const std::vector<std::strin
   TempDir dir;
   std::vector<std::string> argv = {binary};
   argv.insert(argv.end(), args.begin(), args.end());
-  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(argv, dir.File("stderr"), dir.File("stdout"));
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child =
+      ChildProcess::Spawn(argv, dir.File("stderr"), dir.File("stdout"));
   if (!child.ok()) {
     result.stderr_text = std::string(child.status().message());
     return result;
@@ -268,7 +274,8 @@ absl::StatusOr<RouterChild> StartRouter(const TempDir& dir, std::vector<std::str
   args.push_back("--port_file=" + port_file);
   args.insert(args.begin(), BinaryPath("eldr-router"));
   RouterChild router;
-  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(args, dir.File(absl::StrCat("router-", id, ".log")));
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child =
+      ChildProcess::Spawn(args, dir.File(absl::StrCat("router-", id, ".log")));
   if (!child.ok()) return child.status();
   router.process = *std::move(child);
   absl::StatusOr<DaemonPorts> ports = WaitForPortFile(port_file, *router.process, timeout);
@@ -281,7 +288,8 @@ std::optional<double> SampleValue(const std::string& page, const std::string& se
   for (absl::string_view line : absl::StrSplit(page, '\n')) {
     if (!absl::ConsumePrefix(&line, series) || line.empty() || line[0] != ' ') continue;
     double value = 0;
-    const absl::string_view token = absl::StripAsciiWhitespace(line).substr(0, absl::StripAsciiWhitespace(line).find(' '));
+    const absl::string_view token =
+        absl::StripAsciiWhitespace(line).substr(0, absl::StripAsciiWhitespace(line).find(' '));
     if (absl::SimpleAtod(token, &value)) return value;
   }
   return std::nullopt;

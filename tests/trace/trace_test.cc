@@ -1,5 +1,5 @@
-#include "eldr/common/file.h"
 #include "eldr/trace/trace.h"
+#include "eldr/common/file.h"
 
 #include <unistd.h>
 
@@ -46,9 +46,7 @@ std::string Npy(const std::string& header_dict, const std::string& data, int maj
 }
 
 absl::StatusOr<NpyArray> Parse(const std::string& bytes, const std::string& name = "test.npy") {
-  return ParseNpy(absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                            bytes.size()),
-                  name);
+  return ParseNpy(absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), name);
 }
 
 std::string Int64Data(const std::vector<int64_t>& values) {
@@ -72,13 +70,11 @@ TEST(NpyTest, ParsesVersionsOneAndTwo) {
     EXPECT_EQ(array->elements(), 3);
     EXPECT_EQ(array->data.size(), 24u);
   }
-  absl::StatusOr<NpyArray> matrix =
-      Parse(Npy("{'descr': '|u1', 'fortran_order': False, 'shape': (2, 3), }", "abcdef"));
+  absl::StatusOr<NpyArray> matrix = Parse(Npy("{'descr': '|u1', 'fortran_order': False, 'shape': (2, 3), }", "abcdef"));
   ASSERT_TRUE(matrix.ok()) << matrix.status();
   EXPECT_EQ(matrix->shape, (std::vector<int64_t>{2, 3}));
   EXPECT_EQ(matrix->data[5], 'f');
-  absl::StatusOr<NpyArray> scalar =
-      Parse(Npy("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", "abcd"));
+  absl::StatusOr<NpyArray> scalar = Parse(Npy("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", "abcd"));
   ASSERT_TRUE(scalar.ok()) << scalar.status();
   EXPECT_EQ(scalar->elements(), 1);
 }
@@ -92,22 +88,15 @@ TEST(NpyTest, RejectsBrokenFilesWithClearErrors) {
   ExpectError(Parse(truncated_header), "truncated .npy header");
   ExpectError(Parse(Npy(good_header, data.substr(0, 20))), "truncated data");
   ExpectError(Parse(Npy(good_header, data + "x")), "unexpected trailing data");
-  ExpectError(Parse(Npy("{'descr': '<c8', 'fortran_order': False, 'shape': (3,), }", data)),
-              "unsupported dtype '<c8'");
-  ExpectError(Parse(Npy("{'descr': '>i8', 'fortran_order': False, 'shape': (3,), }", data)),
-              "big-endian");
-  ExpectError(Parse(Npy("{'descr': '<i8', 'fortran_order': True, 'shape': (3,), }", data)),
-              "Fortran-order");
+  ExpectError(Parse(Npy("{'descr': '<c8', 'fortran_order': False, 'shape': (3,), }", data)), "unsupported dtype '<c8'");
+  ExpectError(Parse(Npy("{'descr': '>i8', 'fortran_order': False, 'shape': (3,), }", data)), "big-endian");
+  ExpectError(Parse(Npy("{'descr': '<i8', 'fortran_order': True, 'shape': (3,), }", data)), "Fortran-order");
   ExpectError(Parse(Npy("{'descr': '<i8', 'shape': (3,), }", data)), "lacks one of");
-  ExpectError(Parse(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (3,,), }", data)),
-              "bad .npy header");
-  ExpectError(Parse(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': [3], }", data)),
-              "shape must be a tuple");
+  ExpectError(Parse(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (3,,), }", data)), "bad .npy header");
+  ExpectError(Parse(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': [3], }", data)), "shape must be a tuple");
   ExpectError(Parse(Npy("['descr']", data)), "header is not a dict");
-  ExpectError(
-      Parse(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (99999999999, 99999999999), }",
-                data)),
-      "truncated data");
+  ExpectError(Parse(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (99999999999, 99999999999), }", data)),
+              "truncated data");
   std::string bad_version = Npy(good_header, data);
   bad_version[6] = 9;
   ExpectError(Parse(bad_version), "unsupported .npy format version 9");
@@ -143,8 +132,7 @@ TEST(ExpertTraceTest, LoadsTheBundledTraces) {
   EXPECT_EQ(trace->layers, 26);
   EXPECT_EQ(trace->experts, 64);
   EXPECT_EQ(trace->top_k, 6);
-  EXPECT_EQ(trace->domains,
-            (std::vector<std::string>{"intent", "law", "summary", "translation"}));
+  EXPECT_EQ(trace->domains, (std::vector<std::string>{"intent", "law", "summary", "translation"}));
   // Sequence and token counts of the data README.
   const int expected_sequences[] = {127, 33, 13, 40};
   const int64_t expected_tokens[] = {8222, 8327, 8479, 8251};
@@ -187,10 +175,10 @@ TEST(ExpertTraceTest, AccumulateCountsConservesTokens) {
 
 TEST(ExpertTraceTest, PrefillTokens) {
   EXPECT_EQ(PrefillTokens(100, 0.5), 50);
-  EXPECT_EQ(PrefillTokens(47, 0.5), 24);   // 23.5 -> 24 (half to even)
-  EXPECT_EQ(PrefillTokens(49, 0.5), 24);   // 24.5 -> 24 (half to even, like Python)
-  EXPECT_EQ(PrefillTokens(10, 0.0), 1);    // at least one prompt token
-  EXPECT_EQ(PrefillTokens(10, 1.0), 9);    // at least one generated token
+  EXPECT_EQ(PrefillTokens(47, 0.5), 24);  // 23.5 -> 24 (half to even)
+  EXPECT_EQ(PrefillTokens(49, 0.5), 24);  // 24.5 -> 24 (half to even, like Python)
+  EXPECT_EQ(PrefillTokens(10, 0.0), 1);   // at least one prompt token
+  EXPECT_EQ(PrefillTokens(10, 1.0), 9);   // at least one generated token
   EXPECT_EQ(PrefillTokens(1, 0.5), 1);
   EXPECT_EQ(PrefillTokens(10, std::nan("")), 1);
 }
@@ -217,21 +205,18 @@ class TraceDir {
 TEST(ExpertTraceTest, LoadErrorsNameTheFile) {
   EXPECT_EQ(LoadExpertTrace("/nonexistent/trace").status().code(), absl::StatusCode::kNotFound);
   TraceDir empty;
-  EXPECT_THAT(std::string(LoadExpertTrace(empty.path()).status().message()),
-              HasSubstr("no <domain>_topk.npy files"));
+  EXPECT_THAT(std::string(LoadExpertTrace(empty.path()).status().message()), HasSubstr("no <domain>_topk.npy files"));
 
   // 3 tokens, 2 layers, top-2; ids below 4.
   const std::string topk = Npy("{'descr': '|u1', 'fortran_order': False, 'shape': (3, 2, 2), }",
                                std::string("\x00\x01\x02\x03\x01\x02\x00\x03\x03\x02\x01\x00", 12));
   TraceDir missing_offsets;
   missing_offsets.Write("x_topk.npy", topk);
-  EXPECT_THAT(std::string(LoadExpertTrace(missing_offsets.path(), 4).status().message()),
-              HasSubstr("x_offsets.npy"));
+  EXPECT_THAT(std::string(LoadExpertTrace(missing_offsets.path(), 4).status().message()), HasSubstr("x_offsets.npy"));
 
   TraceDir good;
   good.Write("x_topk.npy", topk);
-  good.Write("x_offsets.npy",
-             Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (3,), }", Int64Data({0, 1, 3})));
+  good.Write("x_offsets.npy", Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (3,), }", Int64Data({0, 1, 3})));
   absl::StatusOr<ExpertTrace> loaded = LoadExpertTrace(good.path(), 4);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   ASSERT_EQ(loaded->sequences.size(), 2u);
@@ -242,14 +227,12 @@ TEST(ExpertTraceTest, LoadErrorsNameTheFile) {
 
   TraceDir bad_offsets;
   bad_offsets.Write("x_topk.npy", topk);
-  bad_offsets.Write("x_offsets.npy", Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (3,), }",
-                                         Int64Data({0, 2, 2})));
-  EXPECT_THAT(std::string(LoadExpertTrace(bad_offsets.path(), 4).status().message()),
-              HasSubstr("end at the 3 tokens"));
-  bad_offsets.Write("x_offsets.npy", Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (4,), }",
-                                         Int64Data({0, 2, 2, 3})));
-  EXPECT_THAT(std::string(LoadExpertTrace(bad_offsets.path(), 4).status().message()),
-              HasSubstr("increase strictly"));
+  bad_offsets.Write("x_offsets.npy",
+                    Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (3,), }", Int64Data({0, 2, 2})));
+  EXPECT_THAT(std::string(LoadExpertTrace(bad_offsets.path(), 4).status().message()), HasSubstr("end at the 3 tokens"));
+  bad_offsets.Write("x_offsets.npy",
+                    Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (4,), }", Int64Data({0, 2, 2, 3})));
+  EXPECT_THAT(std::string(LoadExpertTrace(bad_offsets.path(), 4).status().message()), HasSubstr("increase strictly"));
   bad_offsets.Write("x_offsets.npy", Npy("{'descr': '<i4', 'fortran_order': False, 'shape': (2,), }",
                                          std::string("\0\0\0\0\3\0\0\0", 8)));
   EXPECT_THAT(std::string(LoadExpertTrace(bad_offsets.path(), 4).status().message()),

@@ -55,8 +55,7 @@ enum class AssignmentMethod {
 };
 
 absl::StatusOr<std::vector<int>> SolveBalancedAssignment(absl::Span<const double> cost, int n, int k,
-                                                         absl::Span<const int> capacities,
-                                                         AssignmentMethod method);
+                                                         absl::Span<const int> capacities, AssignmentMethod method);
 
 // Integer capacities for n points over clusters with relative weights (empty: equal weights):
 // proportional, rounded up so that they sum to at least n; equal weights give ceil(n / k) each.
@@ -83,13 +82,13 @@ struct BalancedKMeansOptions {
 };
 
 struct BalancedKMeansResult {
-  std::vector<float> centroids;   // clusters * dim unit rows
-  std::vector<int> assignment;    // cluster of each point
-  std::vector<int> sizes;         // points per cluster (each <= its capacity)
-  std::vector<int> capacities;    // the capacity of each cluster (ClusterCapacities)
-  double objective = 0;           // total cosine distance (1 - cos) of the final assignment
-  int iterations = 0;             // assignment steps run
-  bool converged = false;         // stopped by stability or tolerance, not by max_iterations
+  std::vector<float> centroids;                 // clusters * dim unit rows
+  std::vector<int> assignment;                  // cluster of each point
+  std::vector<int> sizes;                       // points per cluster (each <= its capacity)
+  std::vector<int> capacities;                  // the capacity of each cluster (ClusterCapacities)
+  double objective = 0;                         // total cosine distance (1 - cos) of the final assignment
+  int iterations = 0;                           // assignment steps run
+  bool converged = false;                       // stopped by stability or tolerance, not by max_iterations
   std::vector<double> objective_per_iteration;  // after each assignment step
   // Seconds per phase: seeding (k-means++ or warm start), scoring (sgemm), assignment (min-cost
   // flow), update (renormalised means).
@@ -100,23 +99,23 @@ struct BalancedKMeansResult {
 // against the current centroids, then each centroid becomes the renormalised mean of its points
 // (an emptied cluster is re-seeded at the worst-served point), until an assignment repeats the
 // previous one, the objective improves by at most `tolerance` (relative), or max_iterations. The
-// result always pairs the returned centroids with their exact balanced assignment. The objective never increases between iterations. Deterministic
-// for a given input and seed. INVALID_ARGUMENT when n < clusters, sizes mismatch, non-finite values,
-// rows that are not unit, bad weights or a bad warm start.
+// result always pairs the returned centroids with their exact balanced assignment. The objective never increases
+// between iterations. Deterministic for a given input and seed. INVALID_ARGUMENT when n < clusters, sizes mismatch,
+// non-finite values, rows that are not unit, bad weights or a bad warm start.
 absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> points, int n, int dim,
                                                        const BalancedKMeansOptions& options);
 
 // Aligns new centroids to old identities: the permutation p (new row p[i] takes old row i's worker)
 // maximising total similarity, by an exact K x K assignment. Both are k * dim row-major.
 // Returns an empty vector when the sizes do not match k * dim.
-std::vector<int> AlignCentroids(absl::Span<const float> old_centroids,
-                                absl::Span<const float> new_centroids, int k, int dim);
+std::vector<int> AlignCentroids(absl::Span<const float> old_centroids, absl::Span<const float> new_centroids, int k,
+                                int dim);
 
 // Rectangular form for elastic pools (old_k <= new_k): p[i] is the distinct new row that old row i's
 // worker takes, maximising total similarity; the new_k - old_k rows no old row takes are free for
 // added workers. Returns an empty vector when old_k > new_k or the sizes do not match.
-std::vector<int> AlignCentroids(absl::Span<const float> old_centroids, int old_k,
-                                absl::Span<const float> new_centroids, int new_k, int dim);
+std::vector<int> AlignCentroids(absl::Span<const float> old_centroids, int old_k, absl::Span<const float> new_centroids,
+                                int new_k, int dim);
 
 // ---- Calibration data set -----------------------------------------------------------------------
 // N captured requests: prefill counts [N][L][E], optionally decode counts [N][L][E] (used by the
@@ -126,10 +125,10 @@ struct CalibrationData {
   int experts = 0;
   int n = 0;
   std::vector<int32_t> prefill_counts;
-  std::vector<int32_t> decode_counts;   // empty when unknown (then no layer-mask search)
-  std::vector<float> gate_prob_sums;    // empty unless captured
-  std::vector<int> labels;              // optional ground-truth label per request (e.g. domain)
-  std::vector<std::string> label_names; // optional name of each label value (e.g. domain names)
+  std::vector<int32_t> decode_counts;    // empty when unknown (then no layer-mask search)
+  std::vector<float> gate_prob_sums;     // empty unless captured
+  std::vector<int> labels;               // optional ground-truth label per request (e.g. domain)
+  std::vector<std::string> label_names;  // optional name of each label value (e.g. domain names)
 };
 
 // Checks sizes against n * layers * experts, non-negative counts, finite non-negative gate sums and
@@ -148,14 +147,13 @@ struct CalibrationSplit {
   std::vector<int> calibration_indices;  // into the input
   std::vector<int> holdout_indices;
 };
-absl::StatusOr<CalibrationSplit> SplitCalibrationData(const CalibrationData& data,
-                                                      double holdout_fraction, uint64_t seed);
+absl::StatusOr<CalibrationSplit> SplitCalibrationData(const CalibrationData& data, double holdout_fraction,
+                                                      uint64_t seed);
 
 // Requests from the bundled trace format: the first PrefillTokens(tokens, prefill_fraction) tokens
 // of each selected sequence are the prompt, the rest its decode tokens. `sequences` indexes
 // trace.sequences; empty selects all. labels = domain.
-absl::StatusOr<CalibrationData> CalibrationDataFromTrace(const ExpertTrace& trace,
-                                                         double prefill_fraction,
+absl::StatusOr<CalibrationData> CalibrationDataFromTrace(const ExpertTrace& trace, double prefill_fraction,
                                                          absl::Span<const int> sequences);
 
 // Captured counts files (format in docs/calibration.md). Errors name the file and the record.
@@ -165,8 +163,7 @@ absl::StatusOr<CalibrationData> CalibrationDataFromTrace(const ExpertTrace& trac
 // layers * experts * 2, then that many bytes of int16 little-endian counts [L][E]). layers and
 // experts: the expected geometry; 0 takes it from the files' headers (plain frames then fail, as
 // they carry no geometry). Every file must agree on geometry and on which parts records carry.
-absl::StatusOr<CalibrationData> ReadCaptureFiles(const std::vector<std::string>& paths, int layers,
-                                                 int experts);
+absl::StatusOr<CalibrationData> ReadCaptureFiles(const std::vector<std::string>& paths, int layers, int experts);
 
 // Writes `data` in the ELDR capture format (atomically). Counts are stored as int16 when every
 // value fits, as int32 otherwise. With reference_framing, writes the reference's plain frames of
@@ -177,27 +174,26 @@ struct CaptureWriteOptions {
 absl::Status WriteCaptureFile(const std::string& path, const CalibrationData& data,
                               const CaptureWriteOptions& options = {});
 // The bytes WriteCaptureFile writes.
-absl::StatusOr<std::string> SerializeCaptureFile(const CalibrationData& data,
-                                                 const CaptureWriteOptions& options = {});
+absl::StatusOr<std::string> SerializeCaptureFile(const CalibrationData& data, const CaptureWriteOptions& options = {});
 
 // ---- Full calibration ---------------------------------------------------------------------------
 struct CalibrationOptions {
   int clusters = 16;
   SignatureVariant variant = SignatureVariant::kCountIdf;
-  std::vector<double> capacity_weights;   // empty: equal
-  std::vector<std::string> worker_ids;    // optional names for the rows (size clusters)
+  std::vector<double> capacity_weights;  // empty: equal
+  std::vector<std::string> worker_ids;   // optional names for the rows (size clusters)
   uint64_t seed = 0;
-  bool select_layers = true;              // greedy mask (count_idf, decode counts present)
-  int mask_pairs = 30000;                 // random request pairs for the Spearman search
+  bool select_layers = true;  // greedy mask (count_idf, decode counts present)
+  int mask_pairs = 30000;     // random request pairs for the Spearman search
   int max_iterations = 50;
-  double tolerance = 1e-4;                // see BalancedKMeansOptions
+  double tolerance = 1e-4;  // see BalancedKMeansOptions
   std::string model;
-  int seeding_sample = 4096;              // see BalancedKMeansOptions
+  int seeding_sample = 4096;  // see BalancedKMeansOptions
 };
 
 struct LayerMaskStep {
-  int layer = 0;          // layer added at this step
-  double correlation = 0; // Spearman correlation with the layers chosen so far
+  int layer = 0;           // layer added at this step
+  double correlation = 0;  // Spearman correlation with the layers chosen so far
 };
 
 struct CalibrationReport {
@@ -213,12 +209,12 @@ struct CalibrationReport {
   bool converged = false;
   std::vector<double> objective_per_iteration;
   double seconds_idf = 0, seconds_mask = 0, seconds_kmeans = 0, seconds_total = 0;
-  double seconds_signatures = 0;          // transforming every request
+  double seconds_signatures = 0;  // transforming every request
   // k-means phases (see BalancedKMeansResult).
   double seconds_seeding = 0, seconds_scoring = 0, seconds_assignment = 0, seconds_update = 0;
   // Requests left out because their signature is all zero on the chosen layers (no direction).
   std::vector<int> excluded_requests;
-  std::vector<int> assignment;            // cluster of each calibration request (-1: excluded)
+  std::vector<int> assignment;  // cluster of each calibration request (-1: excluded)
 };
 
 struct CalibrationResult {
@@ -228,22 +224,20 @@ struct CalibrationResult {
 
 // Errors: INVALID_ARGUMENT naming the problem (see ValidateCalibrationData; fewer usable requests
 // than clusters; variant gate_prob without gate sums; weights or worker ids of the wrong count).
-absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data,
-                                            const CalibrationOptions& options);
+absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data, const CalibrationOptions& options);
 
 // The greedy layer-mask search on its own (Calibrate runs it for count_idf when decode counts are
 // present). idf: all layers' weights [layers][experts] (ComputeIdf). Pairs of distinct requests are
 // all pairs when n * (n - 1) / 2 <= max_pairs, otherwise max_pairs seeded random pairs.
 struct LayerMaskSearchResult {
-  std::vector<int> layer_mask;            // sorted
-  std::vector<LayerMaskStep> steps;       // in the order layers were added
-  double correlation = 0;                 // at the peak (the last step)
+  std::vector<int> layer_mask;       // sorted
+  std::vector<LayerMaskStep> steps;  // in the order layers were added
+  double correlation = 0;            // at the peak (the last step)
   double all_layers_correlation = 0;
   int pairs = 0;
 };
-absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data,
-                                                      absl::Span<const float> idf, int max_pairs,
-                                                      uint64_t seed);
+absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data, absl::Span<const float> idf,
+                                                      int max_pairs, uint64_t seed);
 
 // Spearman rank correlation (average ranks for ties); 0 when either side is constant.
 double SpearmanCorrelation(absl::Span<const double> x, absl::Span<const double> y);
@@ -276,8 +270,7 @@ absl::StatusOr<CalibrationEvaluation> EvaluateCalibration(const CalibrationResul
 
 // The report as pretty JSON (docs/calibration.md lists the keys). evaluation may be null.
 std::string CalibrationReportJson(const CalibrationResult& result, const CalibrationOptions& options,
-                                  const CalibrationEvaluation* evaluation,
-                                  const CalibrationData& calibration);
+                                  const CalibrationEvaluation* evaluation, const CalibrationData& calibration);
 
 }  // namespace eldr
 

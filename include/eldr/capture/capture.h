@@ -97,16 +97,10 @@ ELDR_CAPTURE_API int eldr_capture_cuda_available(void);
 
 /* ---- Types of values --------------------------------------------------------------------------- */
 
-typedef enum eldr_capture_device {
-  ELDR_CAPTURE_DEVICE_CPU = 0,
-  ELDR_CAPTURE_DEVICE_CUDA = 1
-} eldr_capture_device;
+typedef enum eldr_capture_device { ELDR_CAPTURE_DEVICE_CPU = 0, ELDR_CAPTURE_DEVICE_CUDA = 1 } eldr_capture_device;
 
 /* Element type of an index array (expert ids, slots, request indices). */
-typedef enum eldr_capture_index_type {
-  ELDR_CAPTURE_INT32 = 0,
-  ELDR_CAPTURE_INT64 = 1
-} eldr_capture_index_type;
+typedef enum eldr_capture_index_type { ELDR_CAPTURE_INT32 = 0, ELDR_CAPTURE_INT64 = 1 } eldr_capture_index_type;
 
 /* Element type of finished counts. INT16 saturates at 32767 (the router's int16_le wire format);
  * INT32 saturates at 2147483647. */
@@ -207,17 +201,15 @@ ELDR_CAPTURE_API int eldr_capture_get_info(const eldr_capture_ctx* ctx, eldr_cap
  * as a duplicate, so a counter never exceeds block_size * top_k and cannot overflow.
  * Every MoE layer must be recorded for every batch whose tokens are to be counted.
  */
-ELDR_CAPTURE_API int eldr_capture_record(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids,
-                                         int32_t id_type, int32_t top_k, const void* slot_mapping,
-                                         int32_t slot_type, int64_t num_tokens, uint32_t flags,
-                                         void* stream);
+ELDR_CAPTURE_API int eldr_capture_record(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids, int32_t id_type,
+                                         int32_t top_k, const void* slot_mapping, int32_t slot_type, int64_t num_tokens,
+                                         uint32_t flags, void* stream);
 
 /* Zeroes, for every layer, every block whose offset-0 slot appears in `slot_mapping` (device,
  * [num_tokens] of slot_type). Call it once per batch before the batch's first record, then pass
  * ELDR_CAPTURE_RECORD_SKIP_RESET to the records of that batch. */
-ELDR_CAPTURE_API int eldr_capture_reset_batch_blocks(eldr_capture_ctx* ctx, const void* slot_mapping,
-                                                     int32_t slot_type, int64_t num_tokens,
-                                                     void* stream);
+ELDR_CAPTURE_API int eldr_capture_reset_batch_blocks(eldr_capture_ctx* ctx, const void* slot_mapping, int32_t slot_type,
+                                                     int64_t num_tokens, void* stream);
 
 /* Zeroes every per-block and direct-mode counter. */
 ELDR_CAPTURE_API int eldr_capture_clear(eldr_capture_ctx* ctx, void* stream);
@@ -236,15 +228,14 @@ typedef struct eldr_capture_result eldr_capture_result;
  * The counts are row-major [num_requests][L][E] of output_type, saturating. 1 <= num_requests <=
  * max_finish_requests. Blocks are read in stream order: record the batches first.
  */
-ELDR_CAPTURE_API int eldr_capture_finish(eldr_capture_ctx* ctx, const int32_t* block_tables,
-                                         int64_t block_table_stride, const int64_t* lengths,
-                                         int32_t num_requests, int32_t output_type, void* stream,
-                                         eldr_capture_result** out);
+ELDR_CAPTURE_API int eldr_capture_finish(eldr_capture_ctx* ctx, const int32_t* block_tables, int64_t block_table_stride,
+                                         const int64_t* lengths, int32_t num_requests, int32_t output_type,
+                                         void* stream, eldr_capture_result** out);
 
 /* Copies per-block counts of blocks [first_block, first_block + num_blocks) into `out` (host,
  * [num_blocks][L][E] int32) and waits for them: for tests and debugging, not the hot path. */
-ELDR_CAPTURE_API int eldr_capture_read_block_counts(eldr_capture_ctx* ctx, int64_t first_block,
-                                                    int64_t num_blocks, int32_t* out, void* stream);
+ELDR_CAPTURE_API int eldr_capture_read_block_counts(eldr_capture_ctx* ctx, int64_t first_block, int64_t num_blocks,
+                                                    int32_t* out, void* stream);
 
 /* ---- Direct mode (no KV blocks) ---------------------------------------------------------------- */
 
@@ -252,21 +243,20 @@ ELDR_CAPTURE_API int eldr_capture_read_block_counts(eldr_capture_ctx* ctx, int64
  * token_request[t] (device, [num_tokens] of request_type). Negative indices are padding; indices
  * >= max_direct_requests and bad ids are skipped and counted. Counters are 32-bit and saturate at
  * 2^31 - 1 (counted in saturated_adds). */
-ELDR_CAPTURE_API int eldr_capture_record_direct(eldr_capture_ctx* ctx, int32_t layer,
-                                                const void* topk_ids, int32_t id_type, int32_t top_k,
-                                                const void* token_request, int32_t request_type,
-                                                int64_t num_tokens, void* stream);
+ELDR_CAPTURE_API int eldr_capture_record_direct(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids,
+                                                int32_t id_type, int32_t top_k, const void* token_request,
+                                                int32_t request_type, int64_t num_tokens, void* stream);
 
 /* Copies the counts of request slots `request_slots` (host, [num_requests] distinct int32 slots) into
  * the result as [num_requests][L][E] and zeroes those slots for their next requests. */
 ELDR_CAPTURE_API int eldr_capture_finish_direct(eldr_capture_ctx* ctx, const int32_t* request_slots,
-                                                int32_t num_requests, int32_t output_type,
-                                                void* stream, eldr_capture_result** out);
+                                                int32_t num_requests, int32_t output_type, void* stream,
+                                                eldr_capture_result** out);
 
 /* Copies direct-mode counts of slots [first_slot, first_slot + num_slots) into `out` (host,
  * [num_slots][L][E] int32) and waits for them. */
-ELDR_CAPTURE_API int eldr_capture_read_direct_counts(eldr_capture_ctx* ctx, int32_t first_slot,
-                                                     int32_t num_slots, int32_t* out, void* stream);
+ELDR_CAPTURE_API int eldr_capture_read_direct_counts(eldr_capture_ctx* ctx, int32_t first_slot, int32_t num_slots,
+                                                     int32_t* out, void* stream);
 
 /* ---- Results ----------------------------------------------------------------------------------- */
 
@@ -319,12 +309,10 @@ typedef struct eldr_capture_stats {
 } eldr_capture_stats;
 
 /* Reads the counters, waiting for the work enqueued on `stream`. `stats->struct_size` must be set. */
-ELDR_CAPTURE_API int eldr_capture_get_stats(eldr_capture_ctx* ctx, eldr_capture_stats* stats,
-                                            void* stream);
+ELDR_CAPTURE_API int eldr_capture_get_stats(eldr_capture_ctx* ctx, eldr_capture_stats* stats, void* stream);
 
 /* The counters as they were when the result's finish ran (in stream order), ready with the result. */
-ELDR_CAPTURE_API int eldr_capture_result_stats(const eldr_capture_result* result,
-                                               eldr_capture_stats* stats);
+ELDR_CAPTURE_API int eldr_capture_result_stats(const eldr_capture_result* result, eldr_capture_stats* stats);
 
 /* Sets every counter to zero (in stream order). */
 ELDR_CAPTURE_API int eldr_capture_reset_stats(eldr_capture_ctx* ctx, void* stream);
@@ -351,8 +339,7 @@ typedef struct eldr_capture_client eldr_capture_client;
 /* Opens a channel to eldr-router's DecodeRouter service at `target` ("host:port", gRPC syntax).
  * Connecting is lazy: an unreachable router surfaces as ELDR_CAPTURE_UNAVAILABLE on the first call.
  * `options` may be NULL (defaults). */
-ELDR_CAPTURE_API int eldr_capture_client_create(const char* target,
-                                                const eldr_capture_client_options* options,
+ELDR_CAPTURE_API int eldr_capture_client_create(const char* target, const eldr_capture_client_options* options,
                                                 eldr_capture_client** out);
 
 ELDR_CAPTURE_API void eldr_capture_client_destroy(eldr_capture_client* client);
@@ -380,12 +367,10 @@ typedef struct eldr_capture_route_details {
  * to eldr_capture_client_complete) and ELDR_CAPTURE_BUFFER_TOO_SMALL is returned.
  */
 ELDR_CAPTURE_API int eldr_capture_client_route(eldr_capture_client* client, const char* request_id,
-                                               int64_t prompt_tokens, const void* counts,
-                                               int32_t counts_type, int32_t layers, int32_t experts,
-                                               char* worker_id, size_t worker_id_capacity,
-                                               char* address, size_t address_capacity,
-                                               uint64_t* lease_id,
-                                               eldr_capture_route_details* details);
+                                               int64_t prompt_tokens, const void* counts, int32_t counts_type,
+                                               int32_t layers, int32_t experts, char* worker_id,
+                                               size_t worker_id_capacity, char* address, size_t address_capacity,
+                                               uint64_t* lease_id, eldr_capture_route_details* details);
 
 /* Calls DecodeRouter.Complete: releases the lease once the request's decode finished. */
 ELDR_CAPTURE_API int eldr_capture_client_complete(eldr_capture_client* client, uint64_t lease_id,

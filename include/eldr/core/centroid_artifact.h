@@ -21,11 +21,11 @@ namespace eldr {
 
 struct CentroidArtifact {
   SignatureSpec spec;
-  int k = 0;                          // centroid rows
-  std::vector<float> centroids;       // k * spec.dim(), row-major, unit rows
-  std::vector<std::string> workers;   // empty, or k distinct worker ids naming the rows
-  std::string model;                  // free text, e.g. "DeepSeek-V2-Lite"
-  uint64_t seed = 0;                  // calibration seed, for reproducibility
+  int k = 0;                         // centroid rows
+  std::vector<float> centroids;      // k * spec.dim(), row-major, unit rows
+  std::vector<std::string> workers;  // empty, or k distinct worker ids naming the rows
+  std::string model;                 // free text, e.g. "DeepSeek-V2-Lite"
+  uint64_t seed = 0;                 // calibration seed, for reproducibility
 
   int dim() const { return spec.dim(); }
   absl::Span<const float> row(int i) const {
@@ -45,8 +45,7 @@ absl::StatusOr<CentroidArtifact> ParseCentroidArtifact(absl::string_view json_te
 // Reads `path` (a regular file of at most `max_bytes`, see eldr/common/file.h) and parses it. File
 // errors (NOT_FOUND, FAILED_PRECONDITION for a non-regular file, RESOURCE_EXHAUSTED over the limit,
 // ...) name the path; parse errors are those of ParseCentroidArtifact, prefixed with the path.
-absl::StatusOr<CentroidArtifact> LoadCentroidArtifact(const std::string& path,
-                                                      size_t max_bytes = kDefaultMaxFileBytes);
+absl::StatusOr<CentroidArtifact> LoadCentroidArtifact(const std::string& path, size_t max_bytes = kDefaultMaxFileBytes);
 
 // Pretty JSON with the reference keys plus `workers` (when set).
 std::string SerializeCentroidArtifact(const CentroidArtifact& artifact);

@@ -92,29 +92,27 @@ class CentroidIndex {
 
   // Exact scores of n queries against every row: scores[i * rows() + j]. Queries are row-major
   // n x dim(). Uses BLAS sgemm; for the simulator, refit and calibration.
-  virtual absl::Status ScoreBatch(absl::Span<const float> queries, int n,
-                                  absl::Span<float> scores) const = 0;
+  virtual absl::Status ScoreBatch(absl::Span<const float> queries, int n, absl::Span<float> scores) const = 0;
 };
 
 // Builds the index for `rows` unit centroids of `dim` floats (row-major). Validates dimensions and
 // finiteness (INVALID_ARGUMENT with a RejectReason) and the options (INVALID_ARGUMENT); FAISS
 // exceptions become INTERNAL errors, never escape. Columns that are zero in every centroid (e.g.
 // experts whose IDF weight is 0) are dropped internally: they add nothing to any score.
-absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndex(
-    absl::Span<const float> centroids, int rows, int dim, const CentroidIndexOptions& options);
+absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndex(absl::Span<const float> centroids, int rows, int dim,
+                                                                  const CentroidIndexOptions& options);
 
 // Forces one implementation regardless of pool size (benchmarks and tests).
 enum class CentroidIndexKind { kExact, kFaissReduced };
-absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(
-    CentroidIndexKind kind, absl::Span<const float> centroids, int rows, int dim,
-    const CentroidIndexOptions& options);
+absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(CentroidIndexKind kind,
+                                                                        absl::Span<const float> centroids, int rows,
+                                                                        int dim, const CentroidIndexOptions& options);
 
 // C = A * B^T for row-major A [n x d] and B [m x d] (BLAS sgemm): the batched cosine scores of
 // unit rows, C row-major [n x m]. Shared by the index, calibration and refit. Preconditions
 // (checked; a violation is a programming error and aborts with a message): n, m, d >= 0 and the
 // spans hold at least n*d, m*d and n*m values. OpenBLAS may use several threads for large inputs.
-void ScoreAllPairs(absl::Span<const float> a, int n, absl::Span<const float> b, int m, int d,
-                   absl::Span<float> c);
+void ScoreAllPairs(absl::Span<const float> a, int n, absl::Span<const float> b, int m, int d, absl::Span<float> c);
 
 }  // namespace eldr
 

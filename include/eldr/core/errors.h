@@ -14,15 +14,15 @@ namespace eldr {
 // Why an input was rejected. Each has a stable lower_snake_case label (RejectReasonLabel) that is
 // used as a Prometheus label value: keep the set small and closed.
 enum class RejectReason {
-  kGeometry,        // layers/experts/dimension do not match the calibrated transform
-  kNegativeCount,   // a count below zero
-  kNonFinite,       // NaN or Inf in a float input
-  kZeroSignature,   // nothing left after the layer mask (callers fall back to load balancing)
-  kWrongEncoding,   // e.g. counts sent to a gate_prob transform, odd byte length
-  kMalformed,       // unparsable artifact, worker file, config or payload
-  kUnknownWorker,   // a worker id that is not in the pool
-  kOversized,       // larger than the configured limit
-  kOutOfRange,      // a number outside its documented range (capacity, load, port, ...)
+  kGeometry,       // layers/experts/dimension do not match the calibrated transform
+  kNegativeCount,  // a count below zero
+  kNonFinite,      // NaN or Inf in a float input
+  kZeroSignature,  // nothing left after the layer mask (callers fall back to load balancing)
+  kWrongEncoding,  // e.g. counts sent to a gate_prob transform, odd byte length
+  kMalformed,      // unparsable artifact, worker file, config or payload
+  kUnknownWorker,  // a worker id that is not in the pool
+  kOversized,      // larger than the configured limit
+  kOutOfRange,     // a number outside its documented range (capacity, load, port, ...)
   kOther,
 };
 

@@ -26,12 +26,12 @@ absl::string_view PolicyKindName(PolicyKind kind);
 // Why a decision did not follow the requested policy. Labels are stable metric label values.
 enum class FallbackReason {
   kNone,
-  kNoSignature,        // eldr without a signature in the request -> jsq
-  kZeroSignature,      // signature all zero after the layer mask -> jsq
-  kNoCentroids,        // no centroids loaded -> jsq
-  kNoEligibleCentroid, // no routable worker has a centroid -> jsq
-  kOverload,           // every band member at its in-flight limit -> least loaded overall (spill)
-  kAllUnhealthy,       // every worker unhealthy -> route by leases among all non-draining (fail open)
+  kNoSignature,         // eldr without a signature in the request -> jsq
+  kZeroSignature,       // signature all zero after the layer mask -> jsq
+  kNoCentroids,         // no centroids loaded -> jsq
+  kNoEligibleCentroid,  // no routable worker has a centroid -> jsq
+  kOverload,            // every band member at its in-flight limit -> least loaded overall (spill)
+  kAllUnhealthy,        // every worker unhealthy -> route by leases among all non-draining (fail open)
 };
 absl::string_view FallbackReasonLabel(FallbackReason reason);  // "", "no_signature", ...
 
@@ -62,17 +62,16 @@ struct PolicyInput {
 
 // eldr: the band is every eligible candidate whose score >= best - tau (best = the highest score
 // among eligible candidates; band_size counts them); members at their in-flight limit cannot be
-// picked; the least load/capacity member wins, ties at random. If every band member is at its limit, the request spills to the
-// least loaded eligible worker overall (fallback kOverload, used = jsq). If `candidates` is empty,
-// fallback = no_scores_reason; if no candidate is eligible, fallback = kNoEligibleCentroid; both
-// decide as jsq.
-// rr: next eligible worker in index order. random: uniform over eligible workers. jsq: least
-// load/capacity, ties at random. p2c: two distinct eligible workers at random, the lower
-// load/capacity wins (ties at random); a single eligible worker is picked directly.
+// picked; the least load/capacity member wins, ties at random. If every band member is at its limit, the request spills
+// to the least loaded eligible worker overall (fallback kOverload, used = jsq). If `candidates` is empty, fallback =
+// no_scores_reason; if no candidate is eligible, fallback = kNoEligibleCentroid; both decide as jsq. rr: next eligible
+// worker in index order. random: uniform over eligible workers. jsq: least load/capacity, ties at random. p2c: two
+// distinct eligible workers at random, the lower load/capacity wins (ties at random); a single eligible worker is
+// picked directly.
 struct PolicyDecision {
-  int worker = -1;             // index into PolicyInput::workers; -1 when none is eligible
-  float best_similarity = 0;   // eldr: best score among eligible candidates; 0 otherwise
-  int band_size = 0;           // eldr: eligible workers within tau of the best; 0 otherwise
+  int worker = -1;            // index into PolicyInput::workers; -1 when none is eligible
+  float best_similarity = 0;  // eldr: best score among eligible candidates; 0 otherwise
+  int band_size = 0;          // eldr: eligible workers within tau of the best; 0 otherwise
   FallbackReason fallback = FallbackReason::kNone;
   PolicyKind used = PolicyKind::kEldr;  // the policy that actually decided (jsq on fallback)
 };

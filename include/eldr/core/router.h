@@ -38,11 +38,11 @@
 namespace eldr {
 
 struct WorkerSpec {
-  std::string id;           // unique; see ValidateWorkerSpec
-  std::string address;      // host:port the caller sends the KV handoff to
-  double capacity = 1.0;    // capacity weight: load is divided by it, clusters scale with it
-  int64_t max_inflight = 0; // 0: no limit; at the limit a worker leaves the band (overload guard)
-  std::string metrics_url;  // the worker's Prometheus page for load scraping; empty: none
+  std::string id;            // unique; see ValidateWorkerSpec
+  std::string address;       // host:port the caller sends the KV handoff to
+  double capacity = 1.0;     // capacity weight: load is divided by it, clusters scale with it
+  int64_t max_inflight = 0;  // 0: no limit; at the limit a worker leaves the band (overload guard)
+  std::string metrics_url;   // the worker's Prometheus page for load scraping; empty: none
 };
 
 // Limits of ValidateWorkerSpec.
@@ -68,9 +68,9 @@ enum class WorkerState { kActive, kDraining };
 
 struct RouterOptions {
   PolicyKind policy = PolicyKind::kEldr;
-  double tau = 0.1;          // locality band width, in [0, 1]
-  uint64_t seed = 0x5eed;    // tie-breaking and sampling generator seed
-  LoadOptions load;          // lease TTL, snapshot staleness
+  double tau = 0.1;            // locality band width, in [0, 1]
+  uint64_t seed = 0x5eed;      // tie-breaking and sampling generator seed
+  LoadOptions load;            // lease TTL, snapshot staleness
   CentroidIndexOptions index;  // exact vs FAISS crossover and its parameters
   // Live leases at most (>= 1). At the limit a new route first releases the oldest live lease of
   // the pool (counted in RouterState::leases_evicted_total), so a caller that never completes
@@ -103,9 +103,9 @@ struct RouteInput {
 struct RouteResult {
   std::string worker_id;
   std::string address;
-  uint64_t lease_id = 0;  // random, unguessable, never 0
-  float similarity = 0;   // best cosine score among eligible candidates (0 without locality)
-  int band_size = 0;      // eligible workers within tau of the best (0 without locality)
+  uint64_t lease_id = 0;                  // random, unguessable, never 0
+  float similarity = 0;                   // best cosine score among eligible candidates (0 without locality)
+  int band_size = 0;                      // eligible workers within tau of the best (0 without locality)
   PolicyKind policy = PolicyKind::kEldr;  // the policy that decided (jsq on fallback)
   FallbackReason fallback = FallbackReason::kNone;
   uint64_t centroid_generation = 0;
@@ -128,7 +128,7 @@ struct RouterState {
   std::vector<WorkerStatus> workers;  // in insertion order
   int64_t live_leases = 0;
   int64_t leases_expired_total = 0;
-  int64_t leases_evicted_total = 0;   // released at the max_live_leases limit
+  int64_t leases_evicted_total = 0;  // released at the max_live_leases limit
 };
 
 // What a mutation did, as returned to its caller and announced to observers.
@@ -137,10 +137,10 @@ absl::string_view PoolChangeKindLabel(PoolChangeKind kind);  // "added", "update
 
 struct PoolChange {
   PoolChangeKind kind = PoolChangeKind::kAdded;
-  WorkerSpec spec;                       // after the change (kRemoved: as it was)
+  WorkerSpec spec;                           // after the change (kRemoved: as it was)
   WorkerState state = WorkerState::kActive;  // after the change (kRemoved: as it was)
   bool healthy = true;
-  int64_t inflight = 0;                  // live leases after the change (kRemoved: dropped)
+  int64_t inflight = 0;  // live leases after the change (kRemoved: dropped)
 };
 
 struct CentroidInstall {
@@ -160,7 +160,7 @@ struct RoutedSignature {
   absl::string_view worker_id;
   uint64_t lease_id = 0;
   uint64_t centroid_generation = 0;
-  absl::string_view client;           // RouteInput::client
+  absl::string_view client;  // RouteInput::client
   absl::Time at;
 };
 
@@ -186,8 +186,7 @@ class RouterObserver {
 
 class Router {
  public:
-  static absl::StatusOr<std::unique_ptr<Router>> Create(RouterOptions options,
-                                                        std::vector<WorkerSpec> workers);
+  static absl::StatusOr<std::unique_ptr<Router>> Create(RouterOptions options, std::vector<WorkerSpec> workers);
   virtual ~Router() = default;
 
   // Routes one request. Errors: INVALID_ARGUMENT (with a RejectReason) for a malformed signature;

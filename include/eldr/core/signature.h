@@ -103,8 +103,7 @@ class SignatureTransform {
  private:
   explicit SignatureTransform(SignatureSpec spec);
   // Validates `input`, writes the weighted (unnormalised) vector into `out` and its squared norm.
-  absl::Status Convert(const SignatureInput& input, absl::Span<float> out,
-                       double* sum_of_squares) const;
+  absl::Status Convert(const SignatureInput& input, absl::Span<float> out, double* sum_of_squares) const;
 
   SignatureSpec spec_;
   int dim_ = 0;

@@ -46,7 +46,7 @@ struct WorkerLoad {
   int64_t leases_since_snapshot = 0;     // of which acquired after the last fresh snapshot
   std::optional<LoadSnapshot> snapshot;  // last snapshot, fresh or not
   bool snapshot_fresh = false;
-  double effective = 0;                  // the load policies see
+  double effective = 0;  // the load policies see
 };
 
 // One worker's load bookkeeping: its live leases ordered by acquisition time, its last snapshot,

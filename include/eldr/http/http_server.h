@@ -170,9 +170,9 @@ struct HttpServerStats {
   uint64_t responses_2xx = 0;          // every response written, by class (refusals excluded)
   uint64_t responses_4xx = 0;
   uint64_t responses_5xx = 0;
-  uint64_t malformed_requests = 0;     // answered 400, 501 or 505 by the request checks
-  uint64_t oversized_requests = 0;     // answered 413, 414 or 431
-  int64_t open_connections = 0;        // connections open now (refused ones excluded)
+  uint64_t malformed_requests = 0;  // answered 400, 501 or 505 by the request checks
+  uint64_t oversized_requests = 0;  // answered 413, 414 or 431
+  int64_t open_connections = 0;     // connections open now (refused ones excluded)
 };
 
 class HttpServer {

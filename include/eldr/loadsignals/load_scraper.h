@@ -35,8 +35,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "eldr/loadsignals/prom_text.h"
 #include "eldr/core/router.h"
+#include "eldr/loadsignals/prom_text.h"
 
 namespace eldr {
 
@@ -78,12 +78,12 @@ struct WorkerScrapeStats {
   std::string worker_id;
   std::string url;
   int64_t successes = 0;
-  int64_t transport_errors = 0;   // refused, reset, timed out, DNS, TLS
-  int64_t http_errors = 0;        // a status other than 200
-  int64_t malformed_pages = 0;    // unparsable text, missing gauges, bad values, page too large
-  int64_t rejected_reports = 0;   // the Router refused the snapshot (e.g. worker not in its pool)
+  int64_t transport_errors = 0;  // refused, reset, timed out, DNS, TLS
+  int64_t http_errors = 0;       // a status other than 200
+  int64_t malformed_pages = 0;   // unparsable text, missing gauges, bad values, page too large
+  int64_t rejected_reports = 0;  // the Router refused the snapshot (e.g. worker not in its pool)
   int consecutive_failures = 0;
-  bool healthy = true;            // false while this scraper holds the worker unhealthy
+  bool healthy = true;                // false while this scraper holds the worker unhealthy
   int64_t unhealthy_transitions = 0;  // times it was marked unhealthy
   std::optional<absl::Time> last_success;
   std::optional<EngineLoad> last_load;  // the last successfully scraped load

@@ -35,7 +35,7 @@ absl::string_view PromMetricTypeName(PromMetricType type);
 struct PromSample {
   std::string name;  // the series' metric name as written, e.g. "vllm:e2e_request_latency_seconds_bucket"
   std::vector<std::pair<std::string, std::string>> labels;  // unescaped, in page order, names distinct
-  double value = 0;                                          // may be NaN or +-Inf
+  double value = 0;                                         // may be NaN or +-Inf
   std::optional<int64_t> timestamp_ms;
 
   // The value of label `name`, or nullptr when the sample has no such label.
@@ -91,12 +91,12 @@ struct EngineLoadOptions {
 
 struct EngineLoad {
   EngineKind engine = EngineKind::kVllm;  // the engine that was recognised (never kAuto)
-  double running = 0;   // sum over the selected series (e.g. one per data-parallel engine)
-  double waiting = 0;   // sum over the selected series
+  double running = 0;                     // sum over the selected series (e.g. one per data-parallel engine)
+  double waiting = 0;                     // sum over the selected series
   // Mean over the selected series of the KV cache usage fraction, clamped to [0, 1]: usage is a
   // per-engine fraction, so a sum would exceed 1. nullopt when the page does not carry it.
   std::optional<double> kv_usage;
-  int series = 0;       // series that contributed to `running`
+  int series = 0;  // series that contributed to `running`
 };
 
 // The metric names EngineLoadFromPage reads for `engine` (kAuto: both engines'), for

@@ -61,16 +61,16 @@ namespace eldr {
 // What one refit did, for the owner's logs (RefitOptions::on_refit).
 struct RefitOutcome {
   enum class Kind { kInstalled, kSkipped, kFailed } kind = Kind::kSkipped;
-  std::string reason;            // why it was skipped or failed; empty when installed
-  uint64_t generation = 0;       // kInstalled: the router's new generation
-  int rows = 0;                  // kInstalled: centroid rows now in service
-  int window_signatures = 0;     // signatures the fit used
-  int iterations = 0;            // k-means iterations of the fit (0 when there was none)
-  bool converged = false;        // the fit stopped at its tolerance
-  int rows_step_bounded = 0;     // rows the per-refit bound held back
-  int rows_drift_bounded = 0;    // rows the total-drift bound held back
-  double seconds = 0;            // wall time of the refit
-  bool pool_change = false;      // triggered by a pool change (else periodic or RefitNow)
+  std::string reason;          // why it was skipped or failed; empty when installed
+  uint64_t generation = 0;     // kInstalled: the router's new generation
+  int rows = 0;                // kInstalled: centroid rows now in service
+  int window_signatures = 0;   // signatures the fit used
+  int iterations = 0;          // k-means iterations of the fit (0 when there was none)
+  bool converged = false;      // the fit stopped at its tolerance
+  int rows_step_bounded = 0;   // rows the per-refit bound held back
+  int rows_drift_bounded = 0;  // rows the total-drift bound held back
+  double seconds = 0;          // wall time of the refit
+  bool pool_change = false;    // triggered by a pool change (else periodic or RefitNow)
 };
 
 struct RefitOptions {
@@ -112,20 +112,20 @@ struct RefitOptions {
 // Counters for the server to export as metrics (monotonic unless noted).
 struct RefitStats {
   uint64_t refits_started = 0;
-  uint64_t refits_completed = 0;  // fitted and installed
-  uint64_t refits_failed = 0;     // a fit or install error (last_error says which)
-  uint64_t refits_skipped = 0;    // too few signatures, no centroids yet, or replaced meanwhile
-  uint64_t persist_failures = 0;  // installed, but the state file could not be written
-  uint64_t rows_step_bounded = 0;   // rows held back by max_step_distance
-  uint64_t rows_drift_bounded = 0;  // rows held back by max_drift_distance
-  double last_fit_seconds = 0;    // wall time of the last completed refit (fit + align + install)
+  uint64_t refits_completed = 0;     // fitted and installed
+  uint64_t refits_failed = 0;        // a fit or install error (last_error says which)
+  uint64_t refits_skipped = 0;       // too few signatures, no centroids yet, or replaced meanwhile
+  uint64_t persist_failures = 0;     // installed, but the state file could not be written
+  uint64_t rows_step_bounded = 0;    // rows held back by max_step_distance
+  uint64_t rows_drift_bounded = 0;   // rows held back by max_drift_distance
+  double last_fit_seconds = 0;       // wall time of the last completed refit (fit + align + install)
   uint64_t centroid_generation = 0;  // the router's generation after the last completed refit
   int64_t window_signatures = 0;     // gauge: signatures in the window now
   int64_t window_clients = 0;        // gauge: clients with signatures admitted in the last window
   uint64_t signatures_observed = 0;
-  uint64_t signatures_sampled_out = 0;   // not admitted: the window's token bucket was empty
-  uint64_t signatures_client_limited = 0;  // not admitted: their client had used its share
-  std::string last_error;            // why the last refit failed or was skipped; empty on success
+  uint64_t signatures_sampled_out = 0;                // not admitted: the window's token bucket was empty
+  uint64_t signatures_client_limited = 0;             // not admitted: their client had used its share
+  std::string last_error;                             // why the last refit failed or was skipped; empty on success
   absl::Time last_refit_time = absl::InfinitePast();  // of the last completed refit
 };
 

@@ -28,18 +28,18 @@ absl::StatusOr<NpyArray> ParseNpy(absl::Span<const uint8_t> bytes, const std::st
 
 // One request: its tokens' expert choices, row-major [tokens][layers][top_k].
 struct TraceSequence {
-  int domain = 0;                    // index into ExpertTrace::domains
-  int index_in_domain = 0;           // sequence number within its domain file
+  int domain = 0;           // index into ExpertTrace::domains
+  int index_in_domain = 0;  // sequence number within its domain file
   int tokens = 0;
-  std::vector<uint8_t> topk;         // tokens * layers * top_k expert ids
+  std::vector<uint8_t> topk;  // tokens * layers * top_k expert ids
 };
 
 struct ExpertTrace {
   int layers = 0;
-  int experts = 0;   // number of routed experts (ids are < experts)
+  int experts = 0;  // number of routed experts (ids are < experts)
   int top_k = 0;
-  std::vector<std::string> domains;        // file stems, sorted ("intent", "law", ...)
-  std::vector<TraceSequence> sequences;    // all domains, in domain then file order
+  std::vector<std::string> domains;      // file stems, sorted ("intent", "law", ...)
+  std::vector<TraceSequence> sequences;  // all domains, in domain then file order
 };
 
 // Loads every `<domain>_topk.npy` + `<domain>_offsets.npy` pair of `dir`. `experts` is the number of
