@@ -3,9 +3,11 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <memory>
@@ -17,26 +19,78 @@ namespace eldr {
 namespace {
 
 absl::Status ErrnoError(int error_number, absl::string_view what, const std::string& path) {
-  return absl::ErrnoToStatus(error_number, absl::StrCat(what, " ", path));
+  return absl::ErrnoToStatus(error_number, absl::StrCat(what, " '", path, "'"));
 }
 
-// Closes a descriptor when it goes out of scope.
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() {
-    if (fd_ >= 0) ::close(fd_);
+absl::string_view FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "something other than a file";
+}
+
+// What ReadFile accepts: a regular file of at most `max_bytes`.
+absl::Status CheckReadable(const std::string& path, const struct stat& info, size_t max_bytes) {
+  if (!S_ISREG(info.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("'", path, "' is ", FileKind(info.st_mode), ", not a regular file"));
   }
-  FdCloser(const FdCloser&) = delete;
-  FdCloser& operator=(const FdCloser&) = delete;
+  if (info.st_size < 0 || static_cast<uint64_t>(info.st_size) > max_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("'", path, "' is ", info.st_size, " bytes, over the limit of ", max_bytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
 
- private:
-  const int fd_;
-};
+// realpath(3) into a std::string; nullopt-style: empty on failure with errno set.
+std::string RealPath(const std::string& path) {
+  std::unique_ptr<char, decltype(&::free)> resolved(::realpath(path.c_str(), nullptr), &::free);
+  return resolved == nullptr ? std::string() : std::string(resolved.get());
+}
 
-absl::Status WriteAll(int fd, absl::string_view contents) {
-  const char* data = contents.data();
-  size_t left = contents.size();
+}  // namespace
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, size_t max_bytes) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) return ErrnoError(errno, "cannot read", path);
+  if (absl::Status readable = CheckReadable(path, info, max_bytes); !readable.ok()) return readable;
+  // O_NONBLOCK: should a FIFO or a device be swapped in after the stat, opening it does not block.
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
+  if (!fd.valid()) return ErrnoError(errno, "cannot read", path);
+  if (::fstat(fd.get(), &info) != 0) return ErrnoError(errno, "cannot read", path);
+  if (absl::Status readable = CheckReadable(path, info, max_bytes); !readable.ok()) return readable;
+  std::string contents;
+  const auto fail = [&contents](absl::Status status) {
+    ::explicit_bzero(contents.data(), contents.size());
+    return status;
+  };
+  // Sized for the file as fstat saw it; one byte more than the limit tells a file that grew past it.
+  contents.reserve(std::min(static_cast<size_t>(info.st_size), max_bytes) + 1);
+  while (true) {
+    const size_t used = contents.size();
+    const size_t room = std::min<size_t>(size_t{1} << 16, max_bytes + 1 - used);
+    contents.resize(used + room);
+    const ssize_t got = ::read(fd.get(), contents.data() + used, room);
+    const int read_error = errno;
+    contents.resize(used + static_cast<size_t>(std::max<ssize_t>(got, 0)));
+    if (got < 0) {
+      if (read_error == EINTR) continue;
+      return fail(ErrnoError(read_error, "cannot read", path));
+    }
+    if (got == 0) break;
+    if (contents.size() > max_bytes) {
+      return fail(absl::ResourceExhaustedError(
+          absl::StrCat("'", path, "' grew over the limit of ", max_bytes, " bytes while being read")));
+    }
+  }
+  return contents;
+}
+
+absl::Status WriteAll(int fd, absl::string_view bytes) {
+  const char* data = bytes.data();
+  size_t left = bytes.size();
   while (left > 0) {
     const ssize_t wrote = ::write(fd, data, left);
     if (wrote < 0) {
@@ -49,54 +103,16 @@ absl::Status WriteAll(int fd, absl::string_view contents) {
   return absl::OkStatus();
 }
 
-absl::string_view FileKind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
+ScopedFd& ScopedFd::operator=(ScopedFd&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.release();
+  }
+  return *this;
 }
 
-// realpath(3) into a std::string; nullopt-style: empty on failure with errno set.
-std::string RealPath(const std::string& path) {
-  std::unique_ptr<char, decltype(&::free)> resolved(::realpath(path.c_str(), nullptr), &::free);
-  return resolved == nullptr ? std::string() : std::string(resolved.get());
-}
-
-}  // namespace
-
-absl::StatusOr<std::string> ReadFile(const std::string& path, size_t max_bytes) {
-  // O_NONBLOCK: opening a FIFO without a writer, or a device, must not block; regular files
-  // ignore the flag.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (fd < 0) return ErrnoError(errno, "cannot open", path);
-  FdCloser closer(fd);
-  struct stat info;
-  if (::fstat(fd, &info) != 0) return ErrnoError(errno, "cannot stat", path);
-  if (!S_ISREG(info.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat("cannot read ", path, ": ", FileKind(info.st_mode)));
-  }
-  if (info.st_size < 0 || static_cast<uint64_t>(info.st_size) > max_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot read ", path, ": ", info.st_size, " bytes is over the limit of ", max_bytes));
-  }
-  std::string contents;
-  contents.reserve(static_cast<size_t>(info.st_size));
-  char buffer[1 << 16];
-  while (true) {
-    const ssize_t got = ::read(fd, buffer, sizeof(buffer));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError(errno, "cannot read", path);
-    }
-    if (got == 0) break;
-    if (contents.size() + static_cast<size_t>(got) > max_bytes) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot read ", path, ": it grew over the limit of ", max_bytes, " bytes while read"));
-    }
-    contents.append(buffer, static_cast<size_t>(got));
-  }
-  return contents;
+ScopedFd::~ScopedFd() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents, mode_t mode) {

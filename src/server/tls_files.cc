@@ -21,6 +21,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
+#include "eldr/common/file.h"
 #include "openssl/asn1.h"
 #include "openssl/bio.h"
 #include "openssl/crypto.h"
@@ -146,12 +147,6 @@ std::string KeyTypeName(const EVP_PKEY* key) {
 
 // ---- Errors ----
 
-std::string ErrnoText(int error_number) {
-  char buffer[256];
-  // GNU strerror_r: returns the message, which may or may not live in `buffer`.
-  return strerror_r(error_number, buffer, sizeof(buffer));
-}
-
 absl::Status SettingError(absl::string_view setting, absl::string_view problem) {
   return absl::InvalidArgumentError(absl::StrCat("setting '", setting, "': ", problem));
 }
@@ -163,80 +158,14 @@ absl::Status MirrorError(absl::string_view mirror_dir, absl::string_view what, i
 
 // ---- Reading the sources ----
 
-absl::string_view FileTypeName(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
-
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdCloser(const FdCloser&) = delete;
-  FdCloser& operator=(const FdCloser&) = delete;
-
- private:
-  const int fd_;
-};
-
-// Reads the whole regular file at `path` (at most kMaxTlsFileBytes). The type is checked with
-// stat() before opening, so that a device is not even opened, and again with fstat() on the open
-// descriptor, so that a path swapped in between is caught too. O_NONBLOCK keeps the open of a
-// FIFO swapped in between from waiting for a writer.
+// Reads the whole regular file at `path` (at most kMaxTlsFileBytes) with eldr_common's ReadFile:
+// type and size checked before the file is opened and again on the descriptor, nothing left of
+// the bytes on an error. Every failure is INVALID_ARGUMENT naming the setting.
 absl::StatusOr<std::string> ReadTlsFile(absl::string_view setting, const std::string& path) {
   if (path.empty()) return SettingError(setting, "no file given");
-  auto check_type = [&](const struct stat& st) -> absl::Status {
-    if (!S_ISREG(st.st_mode)) {
-      return SettingError(setting, absl::StrCat("'", path, "' is ", FileTypeName(st.st_mode), ", not a regular file"));
-    }
-    if (static_cast<uint64_t>(st.st_size) > kMaxTlsFileBytes) {
-      return SettingError(setting, absl::StrCat("'", path, "' is ", st.st_size, " bytes; TLS files are limited to ",
-                                                kMaxTlsFileBytes, " bytes"));
-    }
-    return absl::OkStatus();
-  };
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    return SettingError(setting, absl::StrCat("cannot read '", path, "': ", ErrnoText(errno)));
-  }
-  ELDR_RETURN_IF_ERROR(check_type(st));
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
-  if (fd < 0) return SettingError(setting, absl::StrCat("cannot open '", path, "': ", ErrnoText(errno)));
-  FdCloser closer(fd);
-  if (::fstat(fd, &st) != 0) {
-    return SettingError(setting, absl::StrCat("cannot read '", path, "': ", ErrnoText(errno)));
-  }
-  ELDR_RETURN_IF_ERROR(check_type(st));
-  // Read straight into the result (no stack copy of key bytes), sized for the file as stat() saw
-  // it; one byte more than the limit tells a file that grew past it.
-  std::string data;
-  data.reserve(std::min(static_cast<size_t>(st.st_size), kMaxTlsFileBytes) + 1);
-  while (true) {
-    const size_t used = data.size();
-    const size_t room = std::min<size_t>(64 * 1024, kMaxTlsFileBytes + 1 - used);
-    data.resize(used + room);
-    const ssize_t got = ::read(fd, data.data() + used, room);
-    data.resize(used + static_cast<size_t>(std::max<ssize_t>(got, 0)));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      const int error = errno;
-      OPENSSL_cleanse(data.data(), data.size());
-      return SettingError(setting, absl::StrCat("cannot read '", path, "': ", ErrnoText(error)));
-    }
-    if (got == 0) break;
-    if (data.size() > kMaxTlsFileBytes) {  // grew while being read
-      OPENSSL_cleanse(data.data(), data.size());
-      return SettingError(setting,
-                          absl::StrCat("'", path, "' is larger than the limit of ", kMaxTlsFileBytes, " bytes"));
-    }
-  }
-  if (data.empty()) return SettingError(setting, absl::StrCat("'", path, "' is empty"));
+  absl::StatusOr<std::string> data = ReadFile(path, kMaxTlsFileBytes);
+  if (!data.ok()) return SettingError(setting, data.status().message());
+  if (data->empty()) return SettingError(setting, absl::StrCat("'", path, "' is empty"));
   return data;
 }
 
@@ -563,21 +492,16 @@ absl::Status ClearPreviousMirror(int dir_fd, const std::string& mirror_dir) {
 // `mtime` (whole seconds).
 absl::Status WriteMirrorFile(int folder_fd, const std::string& mirror_dir, const std::string& name,
                              const std::string& bytes, std::time_t mtime) {
-  const int fd = ::openat(folder_fd, name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) return MirrorError(mirror_dir, "create " + name, errno);
-  FdCloser closer(fd);
+  const ScopedFd fd(::openat(folder_fd, name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (!fd.valid()) return MirrorError(mirror_dir, "create " + name, errno);
   // The umask can only clear bits of 0600; fchmod states the mode instead of relying on it.
-  if (::fchmod(fd, 0600) != 0) return MirrorError(mirror_dir, "chmod " + name, errno);
-  for (size_t written = 0; written < bytes.size();) {
-    const ssize_t put = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (put < 0) {
-      if (errno == EINTR) continue;
-      return MirrorError(mirror_dir, "write " + name, errno);
-    }
-    written += static_cast<size_t>(put);
+  if (::fchmod(fd.get(), 0600) != 0) return MirrorError(mirror_dir, "chmod " + name, errno);
+  if (absl::Status written = WriteAll(fd.get(), bytes); !written.ok()) {
+    return absl::Status(written.code(),
+                        absl::StrCat("TLS mirror folder '", mirror_dir, "': ", name, ": ", written.message()));
   }
   const timespec times[2] = {{0, UTIME_OMIT}, {mtime, 0}};  // access time left alone
-  if (::futimens(fd, times) != 0) return MirrorError(mirror_dir, "set the modification time of " + name, errno);
+  if (::futimens(fd.get(), times) != 0) return MirrorError(mirror_dir, "set the modification time of " + name, errno);
   return absl::OkStatus();
 }
 
@@ -670,9 +594,9 @@ absl::Status TlsFileMirror::Install(const TlsFileContents& contents) {
   ELDR_RETURN_IF_ERROR(RemoveSetFolder(dir_fd_, mirror_dir_, set_name));
   if (::mkdirat(dir_fd_, set_name.c_str(), 0700) != 0) return MirrorError(mirror_dir_, "create " + set_name, errno);
   absl::Status written = [&]() -> absl::Status {
-    const int set_fd = ::openat(dir_fd_, set_name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (set_fd < 0) return MirrorError(mirror_dir_, "open " + set_name, errno);
-    FdCloser closer(set_fd);
+    const ScopedFd set_folder(::openat(dir_fd_, set_name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (!set_folder.valid()) return MirrorError(mirror_dir_, "open " + set_name, errno);
+    const int set_fd = set_folder.get();
     if (::fchmod(set_fd, 0700) != 0) return MirrorError(mirror_dir_, "chmod " + set_name, errno);
     ELDR_RETURN_IF_ERROR(WriteMirrorFile(set_fd, mirror_dir_, kCertFileName, contents.cert, mtime));
     ELDR_RETURN_IF_ERROR(WriteMirrorFile(set_fd, mirror_dir_, kKeyFileName, contents.key, mtime));

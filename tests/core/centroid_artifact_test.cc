@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "testing/process.h"
 
 namespace eldr {
 namespace {
@@ -67,22 +68,7 @@ void ExpectSame(const CentroidArtifact& a, const CentroidArtifact& b) {
   EXPECT_EQ(a.seed, b.seed);
 }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "eldr-artifact-XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  std::string File(const std::string& name) const { return path_ + "/" + name; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ::eldr::testing::TempDir;
 
 absl::Status ParseStatus(const Json& doc) { return ParseCentroidArtifact(doc.dump()).status(); }
 
@@ -383,18 +369,13 @@ TEST(CentroidArtifactTest, EveryTruncationIsAMalformedError) {
 
 // ---- Files -------------------------------------------------------------------------------------
 
-TEST(FileTest, ReadFileErrorsNameThePath) {
-  const absl::StatusOr<std::string> missing = ReadFile("/nonexistent/eldr/centroids.json");
-  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("/nonexistent/eldr/centroids.json"));
-  TempDir dir;
-  EXPECT_EQ(ReadFile(dir.path()).status().code(), absl::StatusCode::kFailedPrecondition);
+TEST(CentroidArtifactFileTest, LoadErrorsNameThePath) {
   const absl::Status load = LoadCentroidArtifact("/nonexistent/x.json").status();
   EXPECT_EQ(load.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(load.message()), HasSubstr("/nonexistent/x.json"));
 }
 
-TEST(FileTest, LoadErrorsNamePathAndCheck) {
+TEST(CentroidArtifactFileTest, LoadErrorsNamePathAndCheck) {
   TempDir dir;
   const std::string path = dir.File("bad.json");
   ASSERT_TRUE(WriteFileAtomically(path, "{\"L\": 2}").ok());
@@ -403,24 +384,6 @@ TEST(FileTest, LoadErrorsNamePathAndCheck) {
   EXPECT_EQ(RejectReasonOf(status), RejectReason::kMalformed);
   EXPECT_THAT(std::string(status.message()), HasSubstr(path));
   EXPECT_THAT(std::string(status.message()), HasSubstr("missing required key `e`"));
-}
-
-TEST(FileTest, WriteFileAtomicallyReplacesContents) {
-  TempDir dir;
-  const std::string path = dir.File("state.txt");
-  ASSERT_TRUE(WriteFileAtomically(path, "first").ok());
-  EXPECT_EQ(*ReadFile(path), "first");
-  const std::string big(3 << 20, 'z');  // several write() calls
-  ASSERT_TRUE(WriteFileAtomically(path, big).ok());
-  EXPECT_EQ(*ReadFile(path), big);
-  ASSERT_TRUE(WriteFileAtomically(path, "").ok());
-  EXPECT_EQ(*ReadFile(path), "");
-}
-
-TEST(FileTest, WriteFileAtomicallyFailsCleanlyInAMissingFolder) {
-  const absl::Status status = WriteFileAtomically("/nonexistent/eldr/out.json", "x");
-  EXPECT_FALSE(status.ok());
-  EXPECT_THAT(std::string(status.message()), HasSubstr("/nonexistent/eldr/out.json"));
 }
 
 }  // namespace

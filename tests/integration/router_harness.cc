@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -284,6 +285,22 @@ const eldr::v1::WorkerState* FindWorker(const eldr::v1::GetStateResponse& state,
     if (w.worker().id() == id) return &w;
   }
   return nullptr;
+}
+
+std::shared_ptr<grpc::Channel> TlsChannel(int port, const std::string& ca, const std::string& cert,
+                                          const std::string& key) {
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = ReadTextFile(ca);
+  if (!cert.empty()) {
+    ssl.pem_cert_chain = ReadTextFile(cert);
+    ssl.pem_private_key = ReadTextFile(key);
+  }
+  grpc::ChannelArguments args;
+  args.SetSslTargetNameOverride("localhost");
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  static std::atomic<int> unique{0};
+  args.SetInt("eldr.test.unique", ++unique);
+  return grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port), grpc::SslCredentials(ssl), args);
 }
 
 }  // namespace eldr::testing

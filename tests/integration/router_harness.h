@@ -121,6 +121,12 @@ struct CertificateSet {
 // the CA, written under `dir` with file names prefixed by `prefix`. EC P-256 keys (fast).
 absl::StatusOr<CertificateSet> MakeCertificates(const TempDir& dir, const std::string& prefix);
 
+// A TLS channel to 127.0.0.1:port that verifies the server against the CA file `ca` (as
+// "localhost") and, when `cert` is given, presents that client certificate with `key`. Each
+// channel gets its own connection (no shared subchannel), so a handshake happens per channel.
+std::shared_ptr<grpc::Channel> TlsChannel(int port, const std::string& ca, const std::string& cert = "",
+                                          const std::string& key = "");
+
 }  // namespace eldr::testing
 
 #endif  // ELDR_TESTS_INTEGRATION_ROUTER_HARNESS_H_

@@ -19,24 +19,6 @@ using ::testing::HasSubstr;
 // Every RPC of these tests is bounded by this (a refused handshake must fail fast).
 constexpr absl::Duration kRpcTimeout = absl::Seconds(5);
 
-// A TLS channel to 127.0.0.1:port that verifies the server against `ca` and, when given,
-// presents a client certificate. Each channel gets its own connection.
-std::shared_ptr<grpc::Channel> TlsChannel(int port, const std::string& ca, const std::string& cert = "",
-                                          const std::string& key = "") {
-  grpc::SslCredentialsOptions ssl;
-  ssl.pem_root_certs = ReadTextFile(ca);
-  if (!cert.empty()) {
-    ssl.pem_cert_chain = ReadTextFile(cert);
-    ssl.pem_private_key = ReadTextFile(key);
-  }
-  grpc::ChannelArguments args;
-  args.SetSslTargetNameOverride("localhost");
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  static int unique = 0;
-  args.SetInt("eldr.test.unique", ++unique);
-  return grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port), grpc::SslCredentials(ssl), args);
-}
-
 grpc::Status Route(const std::shared_ptr<grpc::Channel>& channel, eldr::v1::RouteResponse* response) {
   auto stub = eldr::v1::DecodeRouter::NewStub(channel);
   auto ctx = Ctx(kRpcTimeout);

@@ -568,21 +568,18 @@ TEST_F(RefitTest, BackgroundThreadReconcilesAnnouncedPoolChanges) {
   RouteAll();
   ASSERT_TRUE(router_->UpsertWorker(Worker("w4")).ok());
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  bool zoned = false;
-  while (!zoned && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(10));
-    absl::StatusOr<CentroidArtifact> now = router_->CurrentCentroids();
-    zoned = now.ok() && std::count(now->workers.begin(), now->workers.end(), "w4") == 1;
-  }
-  EXPECT_TRUE(zoned) << refitter_->stats().last_error;
+  // Polls until the centroids in service have `rows` rows for `worker`, or the deadline passes.
+  const auto wait_for_rows = [&](const std::string& worker, long rows) {
+    while (absl::Now() < deadline) {
+      absl::StatusOr<CentroidArtifact> now = router_->CurrentCentroids();
+      if (now.ok() && std::count(now->workers.begin(), now->workers.end(), worker) == rows) return true;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return false;
+  };
+  EXPECT_TRUE(wait_for_rows("w4", 1)) << refitter_->stats().last_error;
   ASSERT_TRUE(router_->RemoveWorker("w1").ok());
-  bool absorbed = false;
-  while (!absorbed && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(10));
-    absl::StatusOr<CentroidArtifact> now = router_->CurrentCentroids();
-    absorbed = now.ok() && std::count(now->workers.begin(), now->workers.end(), "w1") == 0;
-  }
-  EXPECT_TRUE(absorbed) << refitter_->stats().last_error;
+  EXPECT_TRUE(wait_for_rows("w1", 0)) << refitter_->stats().last_error;
 }
 
 // An install by anyone else (an operator's reload) discards a window of another transform and

@@ -27,6 +27,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "openssl/err.h"
+#include "testing/process.h"
 
 extern char** environ;
 
@@ -67,26 +68,14 @@ std::time_t MtimeOf(const std::string& path) {
   return st.st_mtime;
 }
 
-// A fresh folder under the test temp dir, removed with everything in it.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string base = ::testing::TempDir();
-    while (base.size() > 1 && base.back() == '/') base.pop_back();
-    std::string pattern = absl::StrCat(base, "/tls_files_test.XXXXXX");
-    if (::mkdtemp(pattern.data()) == nullptr) std::abort();
-    path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-  std::string File(const std::string& name) const { return absl::StrCat(path_, "/", name); }
+using ScratchDir = ::eldr::testing::TempDir;
 
- private:
-  std::string path_;
-};
+// Writes `text` to the file `name` in `dir` and returns its path.
+std::string WriteScratch(const ScratchDir& dir, const std::string& name, const std::string& text) {
+  const std::string path = dir.File(name);
+  std::ofstream(path) << text;
+  return path;
+}
 
 // Runs `openssl args...`, output appended to `log`; the log's content explains a failure.
 absl::Status RunOpenssl(const std::string& log, const std::vector<std::string>& args) {
@@ -290,19 +279,16 @@ TEST(TlsValidate, MismatchedKeyTypesAreNamed) {
 TEST(TlsValidate, GarbageEmptyAndNonPemCertificatesAreRefused) {
   const Material& m = Material::Get();
   ScratchDir dir;
-  const std::string garbage = dir.File("garbage");
-  std::ofstream(garbage) << "this is not a certificate\n";
-  const std::string empty = dir.File("empty");
-  std::ofstream(empty).close();
-  const std::string truncated = dir.File("truncated.crt");
+  const std::string garbage = WriteScratch(dir, "garbage", "this is not a certificate\n");
+  const std::string empty = WriteScratch(dir, "empty", "");
   const std::string cert_text = ReadAll(m.ec.cert);
-  std::ofstream(truncated) << cert_text.substr(0, cert_text.size() / 2);
-  const std::string bad_base64 = dir.File("bad_base64.crt");
-  std::ofstream(bad_base64) << "-----BEGIN CERTIFICATE-----\n!!!! not base64 !!!!\n-----END CERTIFICATE-----\n";
-  const std::string not_x509 = dir.File("not_x509.crt");
-  std::ofstream(not_x509) << "-----BEGIN CERTIFICATE-----\nAAAAAAAA\n-----END CERTIFICATE-----\n";
-  const std::string bad_second = dir.File("bad_second.crt");
-  std::ofstream(bad_second) << cert_text << "-----BEGIN CERTIFICATE-----\nAAAAAAAA\n-----END CERTIFICATE-----\n";
+  const std::string truncated = WriteScratch(dir, "truncated.crt", cert_text.substr(0, cert_text.size() / 2));
+  const std::string bad_base64 = WriteScratch(
+      dir, "bad_base64.crt", "-----BEGIN CERTIFICATE-----\n!!!! not base64 !!!!\n-----END CERTIFICATE-----\n");
+  const std::string not_x509 =
+      WriteScratch(dir, "not_x509.crt", "-----BEGIN CERTIFICATE-----\nAAAAAAAA\n-----END CERTIFICATE-----\n");
+  const std::string bad_second = WriteScratch(
+      dir, "bad_second.crt", cert_text + "-----BEGIN CERTIFICATE-----\nAAAAAAAA\n-----END CERTIFICATE-----\n");
 
   EXPECT_THAT(Message(ValidateTlsFiles({garbage, m.ec.key, ""})),
               HasSubstr("setting 'tls_cert': '" + garbage + "' holds no PEM certificate"));
@@ -324,12 +310,10 @@ TEST(TlsValidate, GarbageEmptyAndNonPemCertificatesAreRefused) {
 TEST(TlsValidate, GarbageEmptyAndNonPemKeysAreRefused) {
   const Material& m = Material::Get();
   ScratchDir dir;
-  const std::string garbage = dir.File("garbage");
-  std::ofstream(garbage) << "this is not a key\n";
-  const std::string empty = dir.File("empty");
-  std::ofstream(empty).close();
-  const std::string corrupt = dir.File("corrupt.key");
-  std::ofstream(corrupt) << "-----BEGIN PRIVATE KEY-----\nAAAAAAAA\n-----END PRIVATE KEY-----\n";
+  const std::string garbage = WriteScratch(dir, "garbage", "this is not a key\n");
+  const std::string empty = WriteScratch(dir, "empty", "");
+  const std::string corrupt =
+      WriteScratch(dir, "corrupt.key", "-----BEGIN PRIVATE KEY-----\nAAAAAAAA\n-----END PRIVATE KEY-----\n");
 
   EXPECT_THAT(Message(ValidateTlsFiles({m.ec.cert, garbage, ""})),
               HasSubstr("setting 'tls_key': '" + garbage + "' holds no PEM block"));
@@ -369,7 +353,7 @@ TEST(TlsValidate, FilesOverTheSizeLimitAreRefused) {
     out << ReadAll(m.ec.cert) << std::string(kMaxTlsFileBytes, '#');
   }
   EXPECT_THAT(Message(ValidateTlsFiles({big, m.ec.key, ""})),
-              AllOf(HasSubstr("setting 'tls_cert'"), HasSubstr("limited to 1048576 bytes")));
+              AllOf(HasSubstr("setting 'tls_cert'"), HasSubstr("over the limit of 1048576 bytes")));
 }
 
 TEST(TlsValidate, EncryptedKeysAreRefusedAndSaySo) {

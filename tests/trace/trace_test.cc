@@ -14,6 +14,7 @@
 #include "eldr/core/centroid_artifact.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/process.h"
 
 namespace eldr {
 namespace {
@@ -183,23 +184,12 @@ TEST(ExpertTraceTest, PrefillTokens) {
   EXPECT_EQ(PrefillTokens(10, std::nan("")), 1);
 }
 
-class TraceDir {
+// A temporary folder of trace files.
+class TraceDir : public eldr::testing::TempDir {
  public:
-  TraceDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "eldr-trace-XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TraceDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
   void Write(const std::string& name, const std::string& bytes) {
-    ASSERT_TRUE(WriteFileAtomically(path_ + "/" + name, bytes).ok());
+    ASSERT_TRUE(WriteFileAtomically(File(name), bytes).ok());
   }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
 };
 
 TEST(ExpertTraceTest, LoadErrorsNameTheFile) {

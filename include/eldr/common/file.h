@@ -1,5 +1,6 @@
 // File utilities shared by every module: bounded, non-blocking whole-file reads of regular files,
-// atomic writes, and confinement of a caller-given path to a directory.
+// atomic writes, full writes to a descriptor, an owning descriptor, and confinement of a
+// caller-given path to a directory.
 //
 // Reads never hang and never run away: files are opened with O_NONBLOCK and must be regular files
 // (a FIFO, a device such as /dev/zero, a socket or a directory is refused before any byte is read),
@@ -26,11 +27,44 @@ namespace eldr {
 // low enough that a wrong path cannot make a process allocate without bound.
 inline constexpr size_t kDefaultMaxFileBytes = size_t{1} << 30;
 
-// Reads the whole regular file at `path` (symlinks followed).
-// Errors: the errno-derived code of open/read (NOT_FOUND, PERMISSION_DENIED, ...) naming the path;
-// FAILED_PRECONDITION when the path is not a regular file (directory, FIFO, device, socket);
-// RESOURCE_EXHAUSTED when it holds more than `max_bytes` (also when it grows past it while read).
+// Reads the whole regular file at `path` (symlinks followed). The type and size are checked with
+// stat() before the file is opened (a device is never opened) and again on the open descriptor (a
+// path swapped in between is caught too). The bytes are read straight into the result, and wiped
+// before an error is returned, so a secret (a TLS key) leaves no stray copy behind.
+// Errors, each naming the path in quotes: the errno-derived code of stat/open/read (NOT_FOUND,
+// PERMISSION_DENIED, ...; "cannot read 'PATH': <strerror>"); FAILED_PRECONDITION when the path is
+// not a regular file ("'PATH' is a FIFO, not a regular file"; likewise a directory, a character
+// device, a block device, a socket); RESOURCE_EXHAUSTED when it holds more than `max_bytes` ("'PATH'
+// is N bytes, over the limit of M bytes"; also when it grows past the limit while being read).
 absl::StatusOr<std::string> ReadFile(const std::string& path, size_t max_bytes = kDefaultMaxFileBytes);
+
+// Writes all of `bytes` to `fd`, retrying short writes and EINTR. Errors: the errno-derived code of
+// write(2), message "write: <strerror>".
+absl::Status WriteAll(int fd, absl::string_view bytes);
+
+// Owns a file descriptor and closes it on destruction (a negative one is not owned). Move-only.
+class ScopedFd {
+ public:
+  ScopedFd() = default;
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ScopedFd(ScopedFd&& other) noexcept : fd_(other.release()) {}
+  ScopedFd& operator=(ScopedFd&& other) noexcept;
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  ~ScopedFd();
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  // Gives up ownership without closing.
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
 
 // Writes `contents` to `path` atomically: a temporary file in the same folder, fsync, rename over
 // `path`, fsync of the folder. A reader sees either the old file or the complete new one. `mode`
