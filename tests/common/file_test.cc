@@ -171,13 +171,13 @@ TEST(ResolvePathInsideTest, EverythingElseGetsOneAnswer) {
   ASSERT_EQ(::symlink("loop", dir.File("loop").c_str()), 0);
   const std::string paths[] = {
       "../" + outside.path().substr(outside.path().rfind('/') + 1) + "/secret",  // .. out of the folder
-      outside.File("secret"),                                                   // absolute, outside
-      "escape",                                                                 // symlink out
-      "missing.json",                                                           // does not exist
-      "loop",                                                                   // symlink loop
-      "",                                                                       // nothing
-      ".",                                                                      // the folder itself
-      std::string("a\0b", 3),                                                   // NUL inside
+      outside.File("secret"),                                                    // absolute, outside
+      "escape",                                                                  // symlink out
+      "missing.json",                                                            // does not exist
+      "loop",                                                                    // symlink loop
+      "",                                                                        // nothing
+      ".",                                                                       // the folder itself
+      std::string("a\0b", 3),                                                    // NUL inside
   };
   std::string first_message;
   for (const std::string& path : paths) {
