@@ -125,6 +125,67 @@ struct HttpResponse {
 
 using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
 
+// ---- Streamed responses ---------------------------------------------------------------------------
+// A response that a streaming handler (HttpRouter::HandleStreaming) writes later and piece by
+// piece, from any thread: server-sent events, a proxied body, a response that waits for an
+// upstream call. The handler returns at once; the connection stays with the response until it is
+// finished, aborted, or the client goes away.
+//
+// Either Respond() once (a whole response, exactly as a non-streamed handler's), or Begin() once,
+// then any number of Write(), then Finish(). Begin sends the head at once (HTTP/1.1: with
+// `Transfer-Encoding: chunked`, each Write one chunk, Finish the last chunk, and the connection is
+// kept alive for the next request; HTTP/1.0: without a length, and Finish closes the connection).
+// Calls out of that order, and every call after Finish, Abort or the client's going away, are
+// ignored (never a crash). A response to HEAD sends the head only and ignores the writes.
+//
+// While a streamed response is open the server keeps reading the connection, so a client that
+// closes it or resets it is noticed at once: the OnClosed callback runs, later calls are ignored,
+// and the response's queued bytes are dropped. Bytes of a pipelined next request that arrive
+// meanwhile are kept (up to max_header_bytes + max_body_bytes) and served after Finish.
+//
+// Every write must be written to the socket within HttpServerOptions::write_timeout, else the
+// connection is closed (OnClosed runs). A response that is never finished holds its connection
+// until the client goes away or the server stops: the handler owns its own deadlines.
+//
+// Thread-safety: every method may be called from any thread, concurrently; the calls of one
+// response take effect in the order they were made. Callbacks run on an io thread of the server,
+// never inside a call of this interface, and must not block.
+class ResponseStream {
+ public:
+  virtual ~ResponseStream() = default;
+
+  // Sends a whole response (as HttpRouter::Dispatch would for a non-streamed handler's answer,
+  // HEAD handling included) and ends this response.
+  virtual void Respond(HttpResponse response) = 0;
+  // Sends the status line and the head: `status` 200..599 (else 500 is sent), `content_type`
+  // unless empty, `headers` filtered as HttpResponse::headers are.
+  virtual void Begin(int status, std::string content_type,
+                     std::vector<std::pair<std::string, std::string>> headers = {}) = 0;
+  // Queues `bytes` as the next piece of the body (an empty piece is a no-op). `written`, when set,
+  // runs once the piece was handed to the socket (true), or when it never will be (false: the
+  // client went away, the response was aborted, the server stopped). Never blocks.
+  virtual void Write(std::string bytes, std::function<void(bool written)> written = nullptr) = 0;
+  // Ends the body; the connection goes on with the next request (HTTP/1.1 keep-alive).
+  virtual void Finish() = 0;
+  // Ends the response abruptly: the connection is closed at once, without the last chunk (a client
+  // sees a truncated body). For upstream failures after the head was sent.
+  virtual void Abort() = 0;
+  // Runs `callback` once, when the response ends for any other reason than Finish or Respond: the
+  // client closed or reset the connection, a write timed out, Abort was called, the server stopped.
+  // Set it before Begin/Respond; a second call replaces the first callback. If the connection is
+  // already gone, `callback` runs soon (on an io thread).
+  virtual void OnClosed(std::function<void()> callback) = 0;
+  // Body bytes queued by Write and not yet handed to the socket (for backpressure).
+  virtual size_t queued_bytes() const = 0;
+  // True once the response ended (Finish, Respond, Abort, or the client went away).
+  virtual bool done() const = 0;
+};
+
+// Serves one request by writing to `stream`, now or later, from any thread. Runs on an io thread:
+// it must return quickly (start the work, do not wait for it). An exception thrown before the
+// response began is answered 500; after that, the connection is closed.
+using StreamingHandler = std::function<void(HttpRequest request, std::shared_ptr<ResponseStream> stream)>;
+
 // A routing table of exact paths with their allowed methods. Pure (no I/O), copyable.
 // Thread-safety: Dispatch is const and may run concurrently; Handle must not run concurrently
 // with anything else on the same router.
@@ -134,6 +195,10 @@ class HttpRouter {
   // percent-decoding; the query does not take part) with `methods` (case-sensitive, e.g.
   // {"GET"}). Registering a path again replaces its route.
   void Handle(std::string path, std::vector<std::string> methods, HttpHandler handler);
+  // The same for a streaming handler (see ResponseStream). Routing (404, 405, OPTIONS) is the same
+  // as for Handle; HEAD on a route allowing GET reaches the handler with method "HEAD" (its
+  // stream sends heads only). Dispatch answers such a route 500: only the server streams.
+  void HandleStreaming(std::string path, std::vector<std::string> methods, StreamingHandler handler);
 
   // Answers one request:
   //   unknown path                             404
