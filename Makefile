@@ -8,7 +8,7 @@ CMAKE_ARGS ?=
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: all deps deps-sanitizers configure build test demo bench sanitize-asan sanitize-tsan fuzz soak gpu clean
+.PHONY: all deps deps-sanitizers configure build test demo demo-sim bench sanitize-asan sanitize-tsan fuzz soak gpu clean
 
 all: build
 
@@ -31,6 +31,10 @@ test: build
 # The main job end to end on the bundled real traces.
 demo: build
 	scripts/demo.sh $(BUILD_DIR)
+
+# The simulator's comparison of eldr with the four load balancers, routed through eldr-router.
+demo-sim: build
+	scripts/demo.sh --simulator $(BUILD_DIR)
 
 bench: build
 	$(BUILD_DIR)/bin/eldr-microbench --benchmark_min_time=0.2

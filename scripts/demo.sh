@@ -1,25 +1,34 @@
 #!/usr/bin/env bash
-# The README's first command (`make demo`) ends here, after the build: run the main job end to end
-# on the bundled real traces (data/esft-routing) and print what ELDR decided and how fast.
+# The README's first command (`make demo`) ends here, after the build: the whole stack of a
+# prefill/decode-disaggregated deployment, end to end on the bundled real traces
+# (data/esft-routing), as real processes on loopback:
 #
-#   1. core_routing  the core library routes every request of the traces in-process;
+#   1. core_routing  the core library routes every request of the traces in-process (a glance at
+#                    what ELDR decides and how fast);
 #   2. calibrate     eldr-calibrate fits one centroid per decode worker on the traces;
-#   3. start_router  eldr-router starts on loopback (kernel-chosen ports) with those centroids;
-#   4. simulate      eldr-sim replays the traces onto simulated decode workers, every Route and
-#                    Complete of eldr going through the daemon over gRPC, and prints the
-#                    comparison table with the load balancers and where the figure was written;
-#   5. stop_router   the daemon is stopped with SIGTERM (also on any failure, by a trap).
-# It takes a few minutes on two cores.
+#   3. start_stack   eldr-engine-emu engines (2 prefill, 4 decode: continuous batching whose step
+#                    time follows the cost model on the real experts of each request), two
+#                    eldr-router daemons (policy eldr with the centroids, and jsq) and an eldr-proxy
+#                    in front of each;
+#   4. drive         eldr-loadgen sends the same streamed requests at the same Poisson arrival times
+#                    through each proxy (real HTTP clients, server-sent events) and measures what a
+#                    client observes: time to first token, time per output token;
+#   5. report        the eldr vs jsq table and a figure (build/demo/full-stack.png);
+#   6. stop_stack    every process is stopped with SIGTERM (also on any failure, by a trap).
+# About two minutes on two cores. The simulator's comparison of the four load balancers is its own
+# command: scripts/demo.sh --simulator (make demo-sim).
 #
-# Usage: scripts/demo.sh [BUILD_DIR]   (default: build; executables are in BUILD_DIR/bin)
-#
-# Each stage is a function named stage_<name>; STAGES lists them in order. To grow the demo, add a
-# function and append its name to STAGES. Extra arguments for the core routing stage can be passed
-# in ELDR_DEMO_ROUTE_ARGS (e.g. "--tau=0.2 --rounds=50"), for the simulation in ELDR_DEMO_SIM_ARGS
-# (e.g. "--rates=40,80 --requests=2000").
+# Usage: scripts/demo.sh [--simulator] [BUILD_DIR]   (default: build; executables in BUILD_DIR/bin)
+# Environment: ELDR_DEMO_RATE (requests/s, default 130), ELDR_DEMO_SECONDS (per policy, default 35),
+# ELDR_DEMO_ROUTE_ARGS (extra flags of the core routing stage), ELDR_DEMO_SIM_ARGS (of eldr-sim).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MODE=stack
+if [[ "${1:-}" == "--simulator" ]]; then
+  MODE=simulator
+  shift
+fi
 BUILD_DIR="${1:-build}"
 case "$BUILD_DIR" in
   /*) ;;
@@ -27,6 +36,17 @@ case "$BUILD_DIR" in
 esac
 BIN="$BUILD_DIR/bin"
 DATA_DIR="$ROOT/data/esft-routing"
+WORK_DIR="$BUILD_DIR/demo"
+PY=/usr/bin/python3
+RATE="${ELDR_DEMO_RATE:-130}"
+SECONDS_PER_POLICY="${ELDR_DEMO_SECONDS:-35}"
+
+# Four decode workers, one centroid each. The bundled traces hold 213 sequences, half of which
+# calibrate the centroids; four centroids keep ~27 calibration sequences each (docs/evaluation.md
+# explains the choice). A worker batches at most 64 requests, its overload guard in the router.
+DEMO_WORKERS=4
+DEMO_PREFILL=2
+DEMO_MAX_BATCH=64
 
 banner() {
   printf '\n==== %s ====\n\n' "$*"
@@ -40,6 +60,41 @@ need() {
   fi
 }
 
+PIDS=()
+stop_all() {
+  local pid
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for _ in $(seq 1 100); do
+    local alive=0
+    for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [[ $alive -eq 0 ]] && break
+    sleep 0.1
+  done
+  for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  PIDS=()
+}
+trap stop_all EXIT
+
+# Waits for a daemon's port file and prints the port under `key`; shows the log if it died first.
+wait_port() {  # wait_port PID PORT_FILE KEY LOG
+  local pid=$1 file=$2 key=$3 log=$4
+  for _ in $(seq 1 600); do
+    if [[ -s "$file" ]]; then
+      if $PY -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$file" "$key" 2>/dev/null; then
+        return 0
+      fi
+    fi
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "demo.sh: a process exited at start; its log ($log):" >&2
+      cat "$log" >&2
+      exit 1
+    fi
+    sleep 0.1
+  done
+  echo "demo.sh: no port in $file after 60 s" >&2
+  exit 1
+}
+
 # Stage 1: the core library alone. Every request of the bundled traces is routed in-process by
 # each policy on the same arrival order; prints per-domain routing, fallbacks and decision latency.
 stage_core_routing() {
@@ -49,46 +104,151 @@ stage_core_routing() {
   "$BIN/eldr-route-demo" --data_dir="$DATA_DIR" ${ELDR_DEMO_ROUTE_ARGS:-}
 }
 
-# The simulated pool: four decode workers, one centroid each. The bundled traces hold 213 sequences,
-# half of which calibrate eldr-sim's centroids; four centroids keep ~27 calibration sequences each
-# (docs/evaluation.md explains the choice). Each worker's overload guard is its batch limit, as
-# eldr-sim assumes (--max_batch 64).
-DEMO_WORKERS=4
-DEMO_MAX_BATCH=64
-WORK_DIR="$BUILD_DIR/demo"
-ROUTER_PID=""
-
-stop_router_quietly() {
-  if [[ -n "$ROUTER_PID" ]] && kill -0 "$ROUTER_PID" 2>/dev/null; then
-    kill -TERM "$ROUTER_PID" 2>/dev/null || true
-    for _ in $(seq 1 100); do
-      kill -0 "$ROUTER_PID" 2>/dev/null || break
-      sleep 0.1
-    done
-    kill -KILL "$ROUTER_PID" 2>/dev/null || true
-  fi
-  ROUTER_PID=""
-}
-trap stop_router_quietly EXIT
-
+WORKER_IDS=()
 # Stage 2: calibration with the offline tool, on the bundled traces.
 stage_calibrate() {
   banner "Calibration: eldr-calibrate on the bundled real traces"
   need eldr-calibrate
   mkdir -p "$WORK_DIR"
-  local workers=()
-  for ((i = 0; i < DEMO_WORKERS; i++)); do workers+=("decode-$i"); done
+  WORKER_IDS=()
+  for ((i = 0; i < DEMO_WORKERS; i++)); do WORKER_IDS+=("decode-$i"); done
   "$BIN/eldr-calibrate" --trace="$DATA_DIR" --prefill_fraction=0.5 --clusters="$DEMO_WORKERS" \
-    --workers="$(IFS=,; echo "${workers[*]}")" --out="$WORK_DIR/centroids.json" \
+    --workers="$(IFS=,; echo "${WORKER_IDS[*]}")" --out="$WORK_DIR/centroids.json" \
     --report="$WORK_DIR/calibration-report.json"
   echo "centroids written to $WORK_DIR/centroids.json"
 }
 
-# Stage 3: the daemon on loopback. Port 0 lets the kernel pick free ports; --port_file tells which.
+PROXY_PORTS=()
+# Stage 3: engines, two routers (eldr, jsq), a proxy in front of each.
+stage_start_stack() {
+  banner "The stack on loopback: $DEMO_PREFILL prefill and $DEMO_WORKERS decode engines, eldr-router (eldr, jsq), eldr-proxy"
+  need eldr-engine-emu
+  need eldr-router
+  need eldr-proxy
+  local prefill=() workers=() port pid
+  for ((i = 0; i < DEMO_WORKERS; i++)); do
+    "$BIN/eldr-engine-emu" --role=decode --listen=127.0.0.1:0 --port_file="$WORK_DIR/decode-$i.json" \
+      --engine_id="decode-$i" --trace="$DATA_DIR" --max_batch="$DEMO_MAX_BATCH" 2>"$WORK_DIR/decode-$i.log" &
+    pid=$!
+    PIDS+=($pid)
+    port=$(wait_port "$pid" "$WORK_DIR/decode-$i.json" port "$WORK_DIR/decode-$i.log")
+    workers+=("{\"id\": \"decode-$i\", \"address\": \"127.0.0.1:$port\", \"max_inflight\": $DEMO_MAX_BATCH, \"metrics_url\": \"http://127.0.0.1:$port/metrics\"}")
+  done
+  for ((i = 0; i < DEMO_PREFILL; i++)); do
+    "$BIN/eldr-engine-emu" --role=prefill --listen=127.0.0.1:0 --port_file="$WORK_DIR/prefill-$i.json" \
+      --engine_id="prefill-$i" --trace="$DATA_DIR" 2>"$WORK_DIR/prefill-$i.log" &
+    pid=$!
+    PIDS+=($pid)
+    port=$(wait_port "$pid" "$WORK_DIR/prefill-$i.json" port "$WORK_DIR/prefill-$i.log")
+    prefill+=("127.0.0.1:$port")
+  done
+  (
+    IFS=,
+    echo "{\"workers\": [${workers[*]}]}"
+  ) >"$WORK_DIR/workers.json"
+  PROXY_PORTS=()
+  for policy in eldr jsq; do
+    local centroids=()
+    [[ $policy == eldr ]] && centroids=(--centroids="$WORK_DIR/centroids.json")
+    rm -f "$WORK_DIR/router-$policy.json" "$WORK_DIR/proxy-$policy.json"
+    # The router scrapes each engine's vllm:* load series, as it does with vLLM.
+    "$BIN/eldr-router" --listen=127.0.0.1:0 --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
+      --port_file="$WORK_DIR/router-$policy.json" --workers="$WORK_DIR/workers.json" --policy="$policy" \
+      "${centroids[@]}" --tau=0.1 --refit_interval=0 --log_level=warning 2>"$WORK_DIR/router-$policy.log" &
+    pid=$!
+    PIDS+=($pid)
+    local router_port
+    router_port=$(wait_port "$pid" "$WORK_DIR/router-$policy.json" grpc_port "$WORK_DIR/router-$policy.log")
+    "$BIN/eldr-proxy" --listen=127.0.0.1:0 --port_file="$WORK_DIR/proxy-$policy.json" \
+      --prefill="$(IFS=,; echo "${prefill[*]}")" --router="127.0.0.1:$router_port" 2>"$WORK_DIR/proxy-$policy.log" &
+    pid=$!
+    PIDS+=($pid)
+    PROXY_PORTS+=("$(wait_port "$pid" "$WORK_DIR/proxy-$policy.json" port "$WORK_DIR/proxy-$policy.log")")
+    echo "policy $policy: eldr-proxy on http://127.0.0.1:${PROXY_PORTS[-1]}/v1/completions -> eldr-router :$router_port"
+  done
+}
+
+# Stage 4: the same requests, at the same times, through each proxy.
+stage_drive() {
+  banner "eldr-loadgen: $RATE requests/s for ${SECONDS_PER_POLICY}s through each proxy (streamed, real HTTP)"
+  need eldr-loadgen
+  local i=0
+  for policy in eldr jsq; do
+    "$BIN/eldr-loadgen" --target="127.0.0.1:${PROXY_PORTS[$i]}" --trace="$DATA_DIR" --rate="$RATE" \
+      --duration_s="$SECONDS_PER_POLICY" --warmup_s=5 --seed=7 --json \
+      --out_requests="$WORK_DIR/requests-$policy.jsonl" >"$WORK_DIR/loadgen-$policy.json" 2>"$WORK_DIR/loadgen-$policy.log"
+    echo "policy $policy: $($PY -c 'import json,sys; r=json.load(open(sys.argv[1])); print("%d requests ok, %d errors, %.0f tokens/s" % (r["requests_ok"], r["requests_error"], r["tokens_per_s"]))' "$WORK_DIR/loadgen-$policy.json")"
+    i=$((i + 1))
+    sleep 3  # the engines drain before the next policy
+  done
+}
+
+# Stage 5: what clients observed, eldr against jsq.
+stage_report() {
+  banner "What clients observed (client-side, eldr-loadgen), same arrivals for both policies"
+  "$PY" - "$WORK_DIR" "${PROXY_PORTS[0]}" <<'EOF'
+import json, os, sys, urllib.request
+work = sys.argv[1]
+# How eldr-router decided the eldr run's requests, from that proxy's own metrics.
+page = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[2]}/metrics", timeout=5).read().decode()
+decisions = {}
+for line in page.splitlines():
+    if line.startswith("eldr_proxy_e2e_seconds_count{"):
+        labels, value = line[len("eldr_proxy_e2e_seconds_count{"):].split("} ")
+        decision = dict(part.split("=") for part in labels.split(","))["decision"].strip('"')
+        decisions[decision] = decisions.get(decision, 0) + int(float(value))
+print("eldr run, decisions of eldr-router:", ", ".join(f"{k} {v}" for k, v in sorted(decisions.items())))
+runs = {p: json.load(open(os.path.join(work, f"loadgen-{p}.json"))) for p in ("eldr", "jsq")}
+print(f"{'policy':8} {'TPOT p50':>9} {'p90':>7} {'p99 ms':>7} {'TTFT p50':>9} {'p99 ms':>7} {'e2e p50 ms':>11} {'ok':>6} {'errors':>6}")
+for policy, run in runs.items():
+    t, f, e = run["tpot_ms"], run["ttft_ms"], run["e2e_ms"]
+    print(f"{policy:8} {t['p50']:9.2f} {t['p90']:7.2f} {t['p99']:7.2f} {f['p50']:9.1f} {f['p99']:7.1f} {e['p50']:11.1f} "
+          f"{run['requests_ok']:6d} {run['requests_error']:6d}")
+for q in ("p50", "p90", "p99"):
+    delta = runs["eldr"]["tpot_ms"][q] / runs["jsq"]["tpot_ms"][q] - 1
+    print(f"eldr vs jsq, TPOT {q}: {100 * delta:+.1f}%")
+json.dump({p: {"tpot_ms": r["tpot_ms"], "ttft_ms": r["ttft_ms"], "e2e_ms": r["e2e_ms"], "requests_ok": r["requests_ok"],
+               "requests_error": r["requests_error"]} for p, r in runs.items()},
+          open(os.path.join(work, "full-stack.json"), "w"), indent=1)
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for policy, color in (("eldr", "tab:blue"), ("jsq", "tab:orange")):
+        rows = [json.loads(line) for line in open(os.path.join(work, f"requests-{policy}.jsonl"))]
+        for ax, key in ((axes[0], "tpot_ms"), (axes[1], "ttft_ms")):
+            values = sorted(r[key] for r in rows if r.get(key) is not None and not r.get("warmup"))
+            if values:
+                ax.plot(values, [i / len(values) for i in range(1, len(values) + 1)], label=policy, color=color)
+    axes[0].set_xlabel("TPOT (ms), per request")
+    axes[1].set_xlabel("TTFT (ms), per request")
+    for ax in axes:
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Full stack on the bundled traces: eldr-proxy + eldr-router + emulated engines")
+    fig.tight_layout()
+    fig.savefig(os.path.join(work, "full-stack.png"), dpi=120)
+    print("figure written to", os.path.join(work, "full-stack.png"))
+except ImportError:
+    print("matplotlib is not installed: no figure")
+EOF
+  echo "results (JSON) written to $WORK_DIR/full-stack.json"
+}
+
+stage_stop_stack() {
+  banner "Stopping the stack"
+  stop_all
+  echo "every process stopped"
+}
+
+# --simulator: eldr-sim replays the traces onto simulated decode workers, every Route and Complete
+# of eldr going through eldr-router over gRPC, against the four load balancers.
 stage_start_router() {
   banner "eldr-router on loopback"
   need eldr-router
-  local workers_file="$WORK_DIR/workers.json" port_file="$WORK_DIR/ports.json"
+  local workers_file="$WORK_DIR/workers.json" port_file="$WORK_DIR/ports.json" pid
   {
     echo '{"workers": ['
     for ((i = 0; i < DEMO_WORKERS; i++)); do
@@ -100,56 +260,37 @@ stage_start_router() {
   } >"$workers_file"
   rm -f "$port_file"
   "$BIN/eldr-router" --listen=127.0.0.1:0 --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
-    --port_file="$port_file" \
-    --centroids="$WORK_DIR/centroids.json" --workers="$workers_file" --policy=eldr --tau=0.1 \
-    --log_level=warning 2>"$WORK_DIR/eldr-router.log" &
-  ROUTER_PID=$!
-  for _ in $(seq 1 200); do
-    [[ -s "$port_file" ]] && break
-    if ! kill -0 "$ROUTER_PID" 2>/dev/null; then
-      echo "demo.sh: eldr-router exited at start:" >&2
-      cat "$WORK_DIR/eldr-router.log" >&2
-      exit 1
-    fi
-    sleep 0.1
-  done
-  if [[ ! -s "$port_file" ]]; then
-    echo "demo.sh: eldr-router did not report its ports within 20 s" >&2
-    exit 1
-  fi
-  ROUTER_PORT=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["grpc_port"])' "$port_file")
-  METRICS_PORT=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["metrics_port"])' "$port_file")
-  ADMIN_PORT=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["admin_port"])' "$port_file")
-  echo "eldr-router (pid $ROUTER_PID) serves gRPC on 127.0.0.1:$ROUTER_PORT, metrics on http://127.0.0.1:$METRICS_PORT/metrics"
+    --port_file="$port_file" --centroids="$WORK_DIR/centroids.json" --workers="$workers_file" --policy=eldr \
+    --tau=0.1 --log_level=warning 2>"$WORK_DIR/eldr-router.log" &
+  pid=$!
+  PIDS+=($pid)
+  SIM_ROUTER_PORT=$(wait_port "$pid" "$port_file" grpc_port "$WORK_DIR/eldr-router.log")
+  SIM_ADMIN_PORT=$(wait_port "$pid" "$port_file" admin_port "$WORK_DIR/eldr-router.log")
+  echo "eldr-router (pid $pid) serves gRPC on 127.0.0.1:$SIM_ROUTER_PORT"
 }
 
-# Stage 4: the simulator, routing through the daemon.
 stage_simulate() {
   banner "eldr-sim: the bundled traces on $DEMO_WORKERS simulated decode workers, routed by eldr-router over gRPC"
   need eldr-sim
-  local figure="$WORK_DIR/eldr-sim-real-traces.png"
   # shellcheck disable=SC2086  # word splitting of the optional extra flags is intended
-  "$BIN/eldr-sim" --trace="$DATA_DIR" --prefill_fraction=0.5 --router="grpc://127.0.0.1:$ROUTER_PORT" \
-    --router_admin="grpc://127.0.0.1:$ADMIN_PORT" \
-    --max_batch="$DEMO_MAX_BATCH" --plot="$figure" --json_out="$WORK_DIR/eldr-sim-real-traces.json" \
-    ${ELDR_DEMO_SIM_ARGS:-}
+  "$BIN/eldr-sim" --trace="$DATA_DIR" --prefill_fraction=0.5 --router="grpc://127.0.0.1:$SIM_ROUTER_PORT" \
+    --router_admin="grpc://127.0.0.1:$SIM_ADMIN_PORT" \
+    --max_batch="$DEMO_MAX_BATCH" --plot="$WORK_DIR/eldr-sim-real-traces.png" \
+    --json_out="$WORK_DIR/eldr-sim-real-traces.json" ${ELDR_DEMO_SIM_ARGS:-}
   echo "results (JSON) written to $WORK_DIR/eldr-sim-real-traces.json"
 }
 
-# Stage 5: SIGTERM drains and stops the daemon.
-stage_stop_router() {
-  banner "Stopping eldr-router"
-  local pid="$ROUTER_PID"
-  stop_router_quietly
-  echo "eldr-router (pid $pid) stopped"
-}
-
-STAGES=(core_routing calibrate start_router simulate stop_router)
+if [[ $MODE == stack ]]; then
+  STAGES=(core_routing calibrate start_stack drive report stop_stack)
+else
+  STAGES=(calibrate start_router simulate stop_stack)
+fi
 
 if [[ ! -d "$DATA_DIR" ]]; then
   echo "demo.sh: bundled traces not found at $DATA_DIR" >&2
   exit 1
 fi
+mkdir -p "$WORK_DIR"
 for stage in "${STAGES[@]}"; do
   "stage_$stage"
 done

@@ -18,6 +18,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
@@ -203,8 +204,9 @@ absl::Status ValidateRouterOptions(const RouterOptions& options) {
 
 class RouterImpl final : public Router {
  public:
-  explicit RouterImpl(RouterOptions options)
-      : options_(std::move(options)), policy_(MakePolicy(options_.policy, options_.seed)) {}
+  explicit RouterImpl(RouterOptions options) : options_(std::move(options)) {
+    policies_[static_cast<size_t>(options_.policy)] = MakePolicy(options_.policy, options_.seed);
+  }
 
   absl::StatusOr<RouteResult> Route(const RouteInput& input) override;
   absl::StatusOr<std::string> Complete(uint64_t lease_id) override;
@@ -245,6 +247,7 @@ class RouterImpl final : public Router {
   absl::StatusOr<RouteResult> DecideLocked(const RouteInput& input, const CentroidSet* set, const Scoring& scoring,
                                            const RouteScratch& scratch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t TakeLeaseLocked(WorkerEntry* worker, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  RoutingPolicy& PolicyLocked(std::optional<PolicyKind> requested) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the pool's oldest live lease (the max_live_leases limit).
@@ -316,7 +319,9 @@ class RouterImpl final : public Router {
   mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(set_mu_);
   // Data-plane calls waiting for mu_ (DataPlaneLock); read by ExpireLeases between batches.
   std::atomic<int> data_plane_waiting_{0};
-  std::unique_ptr<RoutingPolicy> policy_ ABSL_GUARDED_BY(mu_);
+  // One policy object per kind, each with its own generator: the configured one from the start,
+  // the others made the first time a route asks for them (RouteInput::policy).
+  std::array<std::unique_ptr<RoutingPolicy>, kPolicyKinds> policies_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<WorkerEntry>> workers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, WorkerEntry*> by_id_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, LeaseRecord> leases_ ABSL_GUARDED_BY(mu_);
@@ -327,6 +332,7 @@ class RouterImpl final : public Router {
   uint64_t mapped_generation_ ABSL_GUARDED_BY(mu_) = 0;
   // Decision buffers, reused under mu_.
   std::vector<WorkerLoadView> views_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> excluded_ ABSL_GUARDED_BY(mu_);  // per worker, for the route being decided
   std::vector<WorkerScore> candidates_ ABSL_GUARDED_BY(mu_);
 
   // The centroid set in service. Only ever held to copy or swap the pointer.
@@ -363,6 +369,10 @@ absl::StatusOr<RouterImpl::Scoring> RouterImpl::ScoreSignature(const SignatureIn
 }
 
 absl::StatusOr<RouteResult> RouterImpl::Route(const RouteInput& input) {
+  if (input.exclude_workers.size() > kMaxExcludedWorkers) {
+    return InvalidInput(RejectReason::kOutOfRange, absl::StrCat("a route may exclude at most ", kMaxExcludedWorkers,
+                                                                " workers, got ", input.exclude_workers.size()));
+  }
   RouteScratch& scratch = ThreadScratch();
   const std::shared_ptr<const CentroidSet> set = CurrentSet();
   ELDR_ASSIGN_OR_RETURN(const Scoring scoring, ScoreSignature(input.signature, set.get(), scratch));
@@ -388,14 +398,32 @@ absl::StatusOr<RouteResult> RouterImpl::DecideLocked(const RouteInput& input, co
                                                      const Scoring& scoring, const RouteScratch& scratch) {
   const int n = static_cast<int>(workers_.size());
   if (n == 0) return absl::UnavailableError("no decode workers are registered");
+  // Workers the caller excluded; a set only when the list is long (usually it holds one id).
+  absl::flat_hash_set<absl::string_view> excluded_set;
+  if (input.exclude_workers.size() > 8) excluded_set.insert(input.exclude_workers.begin(), input.exclude_workers.end());
+  const auto excluded = [&](const std::string& id) {
+    if (input.exclude_workers.size() > 8) return excluded_set.contains(id);
+    return std::find(input.exclude_workers.begin(), input.exclude_workers.end(), id) != input.exclude_workers.end();
+  };
+  excluded_.assign(static_cast<size_t>(n), false);
   bool any_active = false;
   bool any_active_healthy = false;
-  for (const auto& worker : workers_) {
-    const bool active = worker->state == WorkerState::kActive;
+  bool any_excluded = false;
+  for (int i = 0; i < n; ++i) {
+    const WorkerEntry& worker = *workers_[i];
+    if (!input.exclude_workers.empty() && excluded(worker.spec.id)) {
+      excluded_[i] = true;
+      any_excluded = true;
+      continue;
+    }
+    const bool active = worker.state == WorkerState::kActive;
     any_active = any_active || active;
-    any_active_healthy = any_active_healthy || (active && worker->healthy);
+    any_active_healthy = any_active_healthy || (active && worker.healthy);
   }
-  if (!any_active) return absl::UnavailableError("every decode worker is draining");
+  if (!any_active) {
+    return absl::UnavailableError(any_excluded ? "every decode worker that could take the request is excluded"
+                                               : "every decode worker is draining");
+  }
   // Fail open: when health checks condemn every worker, routing by load beats refusing traffic.
   const bool fail_open = !any_active_healthy;
 
@@ -406,7 +434,7 @@ absl::StatusOr<RouteResult> RouterImpl::DecideLocked(const RouteInput& input, co
     view.load = worker.load.Effective(input.now, options_.load.snapshot_staleness);
     view.capacity = worker.spec.capacity;
     view.max_inflight = worker.spec.max_inflight;
-    view.eligible = worker.state == WorkerState::kActive && (worker.healthy || fail_open);
+    view.eligible = !excluded_[i] && worker.state == WorkerState::kActive && (worker.healthy || fail_open);
   }
   FallbackReason no_scores_reason = scoring.no_scores_reason;
   candidates_.clear();
@@ -423,7 +451,7 @@ absl::StatusOr<RouteResult> RouterImpl::DecideLocked(const RouteInput& input, co
   policy_input.candidates = candidates_;
   policy_input.tau = options_.tau;
   policy_input.no_scores_reason = no_scores_reason;
-  const PolicyDecision decision = policy_->Pick(policy_input);
+  const PolicyDecision decision = PolicyLocked(input.policy).Pick(policy_input);
   if (decision.worker < 0 || decision.worker >= n) return absl::UnavailableError("no decode worker is eligible");
 
   WorkerEntry* chosen = workers_[decision.worker].get();
@@ -437,6 +465,15 @@ absl::StatusOr<RouteResult> RouterImpl::DecideLocked(const RouteInput& input, co
   result.fallback = fail_open ? FallbackReason::kAllUnhealthy : decision.fallback;
   result.centroid_generation = set != nullptr ? set->generation : 0;
   return result;
+}
+
+RoutingPolicy& RouterImpl::PolicyLocked(std::optional<PolicyKind> requested) {
+  const PolicyKind kind = requested.value_or(options_.policy);
+  std::unique_ptr<RoutingPolicy>& policy = policies_[static_cast<size_t>(kind)];
+  // A seed of its own per kind, so the configured policy's sequence does not depend on whether
+  // other kinds were asked for.
+  if (policy == nullptr) policy = MakePolicy(kind, options_.seed + 1 + static_cast<uint64_t>(kind));
+  return *policy;
 }
 
 uint64_t RouterImpl::TakeLeaseLocked(WorkerEntry* worker, absl::Time now) {

@@ -41,6 +41,11 @@ int64_t FirstNegative(const float* src, size_t n) {
   return -1;
 }
 
+// The geometry of an input matches the transform's: equal, or 0 x 0 ("the calibrated geometry").
+bool GeometryMatches(int layers, int experts, const SignatureSpec& spec) {
+  return (layers == spec.layers && experts == spec.experts) || (layers == 0 && experts == 0);
+}
+
 absl::Status GeometryError(absl::string_view what, int layers, int experts, const SignatureSpec& spec) {
   return InvalidInput(RejectReason::kGeometry,
                       absl::StrFormat("%s geometry %dx%d does not match the calibrated transform "
@@ -91,7 +96,7 @@ absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16
   const SignatureSpec& spec = layout.spec;
   const size_t experts = static_cast<size_t>(spec.experts);
   if (!layout.wants_counts) return IntegerCountsForGateProbError();
-  if (counts.layers != spec.layers || counts.experts != spec.experts) {
+  if (!GeometryMatches(counts.layers, counts.experts, spec)) {
     return GeometryError("int16 counts", counts.layers, counts.experts, spec);
   }
   if (counts.bytes.size() % 2 != 0) {
@@ -134,7 +139,7 @@ absl::Status ConvertInt32Counts(const TransformLayout& layout, const CountsInt32
   const SignatureSpec& spec = layout.spec;
   const size_t experts = static_cast<size_t>(spec.experts);
   if (!layout.wants_counts) return IntegerCountsForGateProbError();
-  if (counts.layers != spec.layers || counts.experts != spec.experts) {
+  if (!GeometryMatches(counts.layers, counts.experts, spec)) {
     return GeometryError("int32 counts", counts.layers, counts.experts, spec);
   }
   const size_t cells = static_cast<size_t>(spec.layers) * experts;
@@ -179,7 +184,7 @@ absl::Status ConvertGateProbSums(const TransformLayout& layout, const GateProbSu
                         absl::StrCat("float gate-probability sums sent to a ", SignatureVariantName(spec.variant),
                                      " transform, which needs integer counts"));
   }
-  if (sums.layers != spec.layers || sums.experts != spec.experts) {
+  if (!GeometryMatches(sums.layers, sums.experts, spec)) {
     return GeometryError("gate-probability sums", sums.layers, sums.experts, spec);
   }
   const size_t cells = static_cast<size_t>(spec.layers) * experts;

@@ -4,12 +4,15 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <exception>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <memory>
 #include <new>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -21,6 +24,7 @@
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
@@ -58,6 +62,12 @@ constexpr int kMaxRefusalsInFlight = 64;
 // The read buffer holds at most one header plus one read of the parser; a chunk-size line (which
 // Beast does not limit) longer than this fails the request instead of growing the buffer.
 constexpr size_t kReadBufferSlack = 64 * 1024;
+// While a response is streamed, the bytes of pipelined requests kept at most are max_header_bytes
+// plus the larger of max_body_bytes and this.
+constexpr size_t kStreamReadSlack = 64 * 1024;
+// The terminating chunk of a chunked body (no trailer fields).
+constexpr absl::string_view kLastChunk = "0\r\n\r\n";
+constexpr absl::string_view kCrlf = "\r\n";
 // The most a 503 refusal may take to write.
 constexpr auto kRefusalWriteTimeout = std::chrono::seconds(1);
 // After an accept error that a retry cannot cure at once (out of descriptors or memory).
@@ -351,12 +361,13 @@ class Connection;
 // What connections need from the server. Connections hold it by shared_ptr: the last of them may be
 // destroyed inside ~io_context, after the server object's other members are gone.
 struct ServerShared {
-  ServerShared(HttpServerOptions options_in, HttpRouter router_in)
+  ServerShared(HttpServerOptions options_in, HttpRouter router_in, net::io_context::executor_type io_executor_in)
       : options(std::move(options_in)),
         router(std::move(router_in)),
         request_timeout(ToSteady(options.request_timeout)),
         idle_timeout(ToSteady(options.idle_timeout)),
-        write_timeout(ToSteady(options.write_timeout)) {}
+        write_timeout(ToSteady(options.write_timeout)),
+        io_executor(io_executor_in) {}
 
   bool Stopping() const { return stopping.load(std::memory_order_acquire); }
 
@@ -375,6 +386,15 @@ struct ServerShared {
   const SteadyClock::duration request_timeout;
   const SteadyClock::duration idle_timeout;
   const SteadyClock::duration write_timeout;
+  // For callbacks of streamed responses that have no connection left to run on. Only used while
+  // `accepting_posts` is true (the io_context exists then).
+  const net::io_context::executor_type io_executor;
+
+  // Posts from outside the io threads (ResponseStream calls, which may come from any thread and
+  // after the server is gone) happen under a reader lock while this is true; Stop sets it false
+  // before it closes the connections, so nothing is posted once the io_context may be destroyed.
+  absl::Mutex post_mu;
+  bool accepting_posts ABSL_GUARDED_BY(post_mu) = true;
 
   std::atomic<bool> stopping{false};
   std::atomic<uint64_t> connections_accepted{0};
@@ -395,8 +415,116 @@ struct ServerShared {
   std::unordered_map<uint64_t, std::weak_ptr<Connection>> connections ABSL_GUARDED_BY(mu);
 };
 
+// Runs a callback of a streamed response; what it throws goes nowhere (it must not unwind an io
+// thread, and the response it belongs to has no one to tell).
+void RunStreamCallback(const std::function<void()>& callback) {
+  if (!callback) return;
+  try {
+    callback();
+  } catch (...) {
+  }
+}
+
+void RunWrittenCallback(const std::function<void(bool)>& written, bool ok) {
+  if (!written) return;
+  try {
+    written(ok);
+  } catch (...) {
+  }
+}
+
+// ---- Streamed responses: the state shared by the handler's side and the connection's ----------------
+
+// The call-time state of one streamed response: what the handler has called so far (so that
+// calls out of order are refused at once, and done()/queued_bytes() are exact), and the OnClosed
+// callback. Accepted calls are posted to the connection's strand in the order they were made (the
+// post happens under `mu_`); the Connection applies them. Thread-safe.
+class StreamCore : public std::enable_shared_from_this<StreamCore> {
+ public:
+  StreamCore(std::shared_ptr<ServerShared> shared, std::weak_ptr<Connection> connection)
+      : shared_(std::move(shared)), connection_(std::move(connection)) {}
+
+  StreamCore(const StreamCore&) = delete;
+  StreamCore& operator=(const StreamCore&) = delete;
+
+  // ResponseStream's calls (any thread).
+  void Respond(HttpResponse response);
+  void Begin(int status, std::string content_type, std::vector<std::pair<std::string, std::string>> headers);
+  void Write(std::string bytes, std::function<void(bool)> written);
+  void Finish();
+  void Abort();
+  void OnClosed(std::function<void()> callback);
+  size_t queued_bytes() const { return queued_bytes_.load(std::memory_order_acquire); }
+  bool done() const { return done_.load(std::memory_order_acquire); }
+
+  // The handler's last reference went away: ends a response that has not ended (500 before Begin,
+  // Abort after it).
+  void Abandon();
+
+  // The connection's side (its strand). The response ended without Finish or Respond having been
+  // called: later calls are ignored; returns the OnClosed callback the caller must run (empty when
+  // none was set, or when Finish or Respond was called first).
+  std::function<void()> Closed();
+  // Bytes counted by Write that were handed to the socket or dropped.
+  void Unqueue(size_t bytes) {
+    if (bytes > 0) queued_bytes_.fetch_sub(bytes, std::memory_order_acq_rel);
+  }
+
+ private:
+  enum class Phase {
+    kFresh,  // neither Begin nor Respond yet
+    kBegun,  // Begin accepted: Write and Finish are
+    kEnded,  // Finish, Respond, Abort, or the connection's end
+  };
+
+  // Posts `make_apply()(connection, core)` to the connection's strand; false when it cannot (the
+  // server stopped, or the connection is gone), and then make_apply is not called (what it would
+  // have moved from stays with the caller).
+  template <typename MakeApply>
+  bool PostToConnection(MakeApply make_apply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs `callback` soon on an io thread (dropped once the server stopped).
+  void PostCallback(std::function<void()> callback);
+
+  const std::shared_ptr<ServerShared> shared_;
+  const std::weak_ptr<Connection> connection_;
+
+  mutable absl::Mutex mu_;
+  Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kFresh;
+  bool completed_ ABSL_GUARDED_BY(mu_) = false;  // Finish or Respond was accepted
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;     // Closed() ran
+  std::function<void()> on_closed_ ABSL_GUARDED_BY(mu_);
+  std::atomic<size_t> queued_bytes_{0};
+  std::atomic<bool> done_{false};
+};
+
+// What a streaming handler holds. Its destruction (the handler's last reference going away) ends a
+// response the handler left open, so that an abandoned stream cannot hold its connection forever.
+class StreamHandle final : public ResponseStream {
+ public:
+  explicit StreamHandle(std::shared_ptr<StreamCore> core) : core_(std::move(core)) {}
+  ~StreamHandle() override { core_->Abandon(); }
+
+  void Respond(HttpResponse response) override { core_->Respond(std::move(response)); }
+  void Begin(int status, std::string content_type, std::vector<std::pair<std::string, std::string>> headers) override {
+    core_->Begin(status, std::move(content_type), std::move(headers));
+  }
+  void Write(std::string bytes, std::function<void(bool written)> written) override {
+    core_->Write(std::move(bytes), std::move(written));
+  }
+  void Finish() override { core_->Finish(); }
+  void Abort() override { core_->Abort(); }
+  void OnClosed(std::function<void()> callback) override { core_->OnClosed(std::move(callback)); }
+  size_t queued_bytes() const override { return core_->queued_bytes(); }
+  bool done() const override { return core_->done(); }
+
+ private:
+  const std::shared_ptr<StreamCore> core_;
+};
+
 // One accepted TCP connection. Every method but CloseFromStop runs on the connection's strand
-// (the stream's executor), one at a time; the object lives as long as a completion handler holds it.
+// (the stream's executor), one at a time; the object lives as long as a completion handler holds it,
+// and while a streamed response is open (which may have no operation pending: see
+// self_while_streaming_).
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
   enum class Mode {
@@ -417,6 +545,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   ~Connection() {
+    // Only reached with a stream open when the io_context is destroyed with this connection's
+    // handlers unrun; its callbacks are dropped then, never run.
+    if (active_stream_.has_value()) active_stream_->core->Closed();
     if (mode_ == Mode::kServe) {
       shared_->open_connections.fetch_sub(1, std::memory_order_relaxed);
     } else {
@@ -442,8 +573,123 @@ class Connection : public std::enable_shared_from_this<Connection> {
     net::dispatch(stream_.get_executor(), beast::bind_front_handler(&Connection::Begin, shared_from_this()));
   }
 
-  // Closes the socket, cancelling every operation. Only for Stop, once no io thread runs.
-  void CloseFromStop() { stream_.close(); }
+  // The strand every method but CloseFromStop runs on.
+  beast::tcp_stream::executor_type executor() { return stream_.get_executor(); }
+
+  // Closes the socket, cancelling every operation, and ends an open streamed response (on the
+  // strand, which Stop runs next). Only for Stop, once no io thread runs (so the strand's state
+  // may be read here).
+  void CloseFromStop() {
+    stream_.close();
+    if (active_stream_.has_value()) {
+      net::post(stream_.get_executor(), [self = shared_from_this()] { self->StreamLost(); });
+    }
+  }
+
+  // ---- A streamed response's calls, as StreamCore posts them (on the strand). Each is ignored
+  // unless `core` is this connection's open stream.
+
+  void StreamBegin(const std::shared_ptr<StreamCore>& core, int status, std::string content_type,
+                   std::vector<std::pair<std::string, std::string>> headers) {
+    if (!IsOpenStream(core)) return;
+    ActiveStream& active = *active_stream_;
+    HttpResponse head;
+    head.status = status;
+    head.content_type = std::move(content_type);
+    head.headers = std::move(headers);
+    StreamPiece piece;
+    int sent_status = 500;
+    try {
+      bhttp::response<bhttp::string_body> wire;
+      BuildWireResponse(std::move(head), /*head_request=*/true, active.version, active.keep_alive, wire);
+      sent_status = static_cast<int>(wire.result_int());
+      const bool bodiless = StatusHasNoBody(sent_status);
+      active.discard_body = active.head_request || bodiless;
+      if (!bodiless) {
+        wire.content_length(boost::none);
+        if (active.version >= 11) {
+          wire.chunked(true);
+          active.chunked = true;
+        } else if (!active.head_request) {
+          // HTTP/1.0 has no chunks: the body ends with the connection.
+          wire.keep_alive(false);
+          active.close_after_end = true;
+        }
+      }
+      if (!active.keep_alive) active.close_after_end = true;
+      piece.framing = SerializeHead(wire);
+    } catch (...) {  // allocation failure
+      return StreamLost();
+    }
+    shared_->CountResponse(sent_status);
+    active.queue.push_back(std::move(piece));
+    PumpStreamWrites();
+  }
+
+  void StreamRespond(const std::shared_ptr<StreamCore>& core, HttpResponse response) {
+    if (!IsOpenStream(core)) return;
+    ActiveStream& active = *active_stream_;
+    bool keep_alive = active.keep_alive;
+    StreamPiece piece;
+    int sent_status = 500;
+    try {
+      bhttp::response<bhttp::string_body> wire;
+      try {
+        BuildWireResponse(std::move(response), active.head_request, active.version, keep_alive, wire);
+      } catch (...) {
+        keep_alive = false;
+        BuildWireResponse(ErrorResponse(500, "internal server error"), false, active.version, false, wire);
+      }
+      sent_status = static_cast<int>(wire.result_int());
+      piece.framing = SerializeHead(wire);
+      piece.payload = std::move(wire.body());
+    } catch (...) {  // allocation failure
+      return StreamLost();
+    }
+    shared_->CountResponse(sent_status);
+    active.close_after_end = !keep_alive;
+    active.end_queued = true;
+    active.queue.push_back(std::move(piece));
+    PumpStreamWrites();
+  }
+
+  void StreamWrite(const std::shared_ptr<StreamCore>& core, std::string bytes, std::function<void(bool)> written) {
+    if (!IsOpenStream(core)) {
+      core->Unqueue(bytes.size());
+      return RunWrittenCallback(written, false);
+    }
+    ActiveStream& active = *active_stream_;
+    StreamPiece piece;
+    piece.written = std::move(written);
+    if (active.discard_body || bytes.empty()) {
+      // Nothing goes on the wire; the callback still runs in order, after the pieces before it.
+      core->Unqueue(bytes.size());
+    } else {
+      if (active.chunked) {
+        piece.framing = absl::StrCat(absl::Hex(bytes.size()), kCrlf);
+        piece.trailer = kCrlf;
+      }
+      piece.payload = std::move(bytes);
+    }
+    active.queue.push_back(std::move(piece));
+    PumpStreamWrites();
+  }
+
+  void StreamFinish(const std::shared_ptr<StreamCore>& core) {
+    if (!IsOpenStream(core)) return;
+    ActiveStream& active = *active_stream_;
+    if (active.chunked && !active.discard_body) {
+      StreamPiece piece;
+      piece.framing = std::string(kLastChunk);
+      active.queue.push_back(std::move(piece));
+    }
+    active.end_queued = true;
+    PumpStreamWrites();
+  }
+
+  void StreamAbort(const std::shared_ptr<StreamCore>& core) {
+    if (IsOpenStream(core)) StreamLost();
+  }
 
  private:
   void Begin() {
@@ -459,6 +705,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // one is already buffered.
   void WaitForRequest() {
     if (shared_->Stopping()) return Close();
+    RestoreReadLimit();
     if (buffer_.size() > 0) return ReadHeader();
     stream_.expires_after(shared_->idle_timeout);
     stream_.async_read_some(buffer_.prepare(kReadChunk),
@@ -561,6 +808,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
     ++requests_served_;
     const bool keep_alive =
         request_keep_alive_ && requests_served_ < shared_->options.max_requests_per_connection && !shared_->Stopping();
+    RestoreReadLimit();
+    const StreamingHandler* streaming_handler = shared_->router.FindStreamingHandler(request);
+    if (streaming_handler != nullptr) return StartStream(std::move(request), *streaming_handler, keep_alive);
     HttpResponse response;
     try {
       response = shared_->router.Dispatch(request);
@@ -629,6 +879,244 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   void Close() { stream_.close(); }
 
+  // ---- Streamed responses -------------------------------------------------------------------------
+
+  // One piece of a streamed response on the wire: `framing` (a head, a chunk-size line, the last
+  // chunk), then `payload` (body bytes as the handler wrote them, counted in queued_bytes), then
+  // `trailer` (a chunk's CRLF). Any of them may be empty.
+  struct StreamPiece {
+    std::string framing;
+    std::string payload;
+    absl::string_view trailer;  // static storage
+    std::function<void(bool)> written;
+  };
+
+  struct ActiveStream {
+    std::shared_ptr<StreamCore> core;
+    bool head_request = false;
+    unsigned version = 11;
+    bool keep_alive = false;        // what the request and the server allow after this response
+    bool chunked = false;           // body pieces are framed as chunks (HTTP/1.1, once begun)
+    bool discard_body = false;      // HEAD, 204, 304: pieces never reach the wire
+    bool end_queued = false;        // Finish or Respond: once the queue is written, the response ended
+    bool close_after_end = false;   // HTTP/1.0 body, or no keep-alive: linger and close afterwards
+    bool peer_gone = false;         // a read failed while a write was in flight: end after that write
+    std::deque<StreamPiece> queue;  // not yet being written
+  };
+
+  // What follows once the read pending when a stream ended completes.
+  enum class AfterStream { kClose, kNextRequest, kLinger };
+
+  bool IsOpenStream(const std::shared_ptr<StreamCore>& core) const {
+    return active_stream_.has_value() && active_stream_->core == core;
+  }
+
+  size_t NormalReadLimit() const { return shared_->options.max_header_bytes + kReadBufferSlack; }
+  size_t StreamReadLimit() const {
+    return shared_->options.max_header_bytes + std::max(shared_->options.max_body_bytes, kStreamReadSlack);
+  }
+  // Back to the usual bound on the read buffer once what a stream let in beyond it was consumed.
+  void RestoreReadLimit() {
+    if (buffer_.size() <= NormalReadLimit()) buffer_.max_size(NormalReadLimit());
+  }
+
+  static std::string SerializeHead(const bhttp::response<bhttp::string_body>& wire) {
+    std::ostringstream head;
+    head << wire.base();
+    return std::move(head).str();
+  }
+
+  // Hands `request` to its streaming handler. The connection keeps reading meanwhile (to notice a
+  // client that goes away) and is kept alive by self_while_streaming_ until the response ends.
+  void StartStream(HttpRequest request, const StreamingHandler& handler, bool keep_alive) {
+    const bool head_request = request.method == "HEAD";
+    const auto version = static_cast<unsigned>(request.version);
+    std::shared_ptr<StreamCore> core;
+    std::shared_ptr<ResponseStream> handle;
+    try {
+      core = std::make_shared<StreamCore>(shared_, weak_from_this());
+      handle = std::make_shared<StreamHandle>(core);
+      active_stream_.emplace();
+    } catch (...) {  // allocation failure
+      return Respond(ErrorResponse(500, "internal server error"), head_request, version, /*keep_alive=*/false);
+    }
+    ActiveStream& active = *active_stream_;
+    active.core = core;
+    active.head_request = head_request;
+    active.version = version;
+    active.keep_alive = keep_alive;
+    self_while_streaming_ = shared_from_this();
+    after_stream_ = AfterStream::kClose;
+    buffer_.max_size(std::max(NormalReadLimit(), StreamReadLimit()));
+    ReadWhileStreaming();
+    try {
+      handler(std::move(request), handle);
+    } catch (...) {
+      // Before the response began: 500. After: the connection closes (Respond is then ignored).
+      try {
+        handle->Respond(ErrorResponse(500, "internal server error"));
+      } catch (...) {
+      }
+      handle->Abort();
+    }
+    // When the handler kept no reference, the handle's destruction ends the response it left open.
+  }
+
+  void ReadWhileStreaming() {
+    const size_t limit = StreamReadLimit();
+    if (buffer_.size() >= limit) return;  // full: the client waits (TCP flow control) until the end
+    try {
+      const net::mutable_buffer room = buffer_.prepare(std::min(kReadChunk, limit - buffer_.size()));
+      stream_read_in_flight_ = true;
+      // On the socket itself, not the tcp_stream: this read has no deadline, and the stream's
+      // write deadlines must not apply to it.
+      stream_.socket().async_read_some(
+          room, beast::bind_front_handler(&Connection::OnReadWhileStreaming, shared_from_this()));
+    } catch (...) {  // allocation failure
+      stream_read_in_flight_ = false;
+      StreamLost();
+    }
+  }
+
+  void OnReadWhileStreaming(beast::error_code error, size_t bytes) {
+    stream_read_in_flight_ = false;
+    if (!error) buffer_.commit(bytes);
+    if (!active_stream_.has_value()) {
+      // The response ended while this read was pending (and it was cancelled, or completed first).
+      if (shared_->Stopping() || (error && error != net::error::operation_aborted)) return Close();
+      switch (after_stream_) {
+        case AfterStream::kNextRequest:
+          return WaitForRequest();
+        case AfterStream::kLinger:
+          return LingerAndClose();
+        case AfterStream::kClose:
+          return Close();
+      }
+      return Close();
+    }
+    if (shared_->Stopping()) return StreamLost();
+    if (error) {
+      // EOF (the client closed), a reset, or the socket closed by a write timeout. A write in
+      // flight completes first, so that its callbacks tell the truth.
+      if (stream_write_in_flight_) {
+        active_stream_->peer_gone = true;
+        return;
+      }
+      return StreamLost();
+    }
+    ReadWhileStreaming();
+  }
+
+  // Writes everything queued, as one gather write; at most one write is in flight.
+  void PumpStreamWrites() {
+    if (stream_write_in_flight_ || !active_stream_.has_value()) return;
+    ActiveStream& active = *active_stream_;
+    if (active.queue.empty()) {
+      if (active.end_queued) CompleteStream();
+      return;
+    }
+    size_t total = 0;
+    try {
+      stream_writing_.clear();
+      stream_write_buffers_.clear();
+      while (!active.queue.empty()) {
+        stream_writing_.push_back(std::move(active.queue.front()));
+        active.queue.pop_front();
+      }
+      for (const StreamPiece& piece : stream_writing_) {
+        for (absl::string_view part :
+             {absl::string_view(piece.framing), absl::string_view(piece.payload), piece.trailer}) {
+          if (part.empty()) continue;
+          stream_write_buffers_.emplace_back(part.data(), part.size());
+          total += part.size();
+        }
+      }
+    } catch (...) {  // allocation failure
+      return StreamLost();
+    }
+    stream_write_in_flight_ = true;
+    if (total == 0) {
+      // Only callbacks (discarded pieces): complete without touching the socket.
+      net::post(stream_.get_executor(), beast::bind_front_handler(&Connection::OnStreamWritten, shared_from_this(),
+                                                                  beast::error_code(), size_t{0}));
+      return;
+    }
+    stream_.expires_after(shared_->write_timeout);
+    net::async_write(stream_, stream_write_buffers_,
+                     beast::bind_front_handler(&Connection::OnStreamWritten, shared_from_this()));
+  }
+
+  void OnStreamWritten(beast::error_code error, size_t /*bytes*/) {
+    stream_write_in_flight_ = false;
+    std::vector<StreamPiece> written = std::move(stream_writing_);
+    stream_writing_.clear();
+    stream_write_buffers_.clear();
+    if (error == beast::error::timeout) shared_->connections_timed_out.fetch_add(1, std::memory_order_relaxed);
+    // The write completed before the close, or was cancelled by it: its callbacks tell which.
+    ActiveStream* const stream = active_stream_.has_value() ? &*active_stream_
+                                 : lost_stream_.has_value() ? &*lost_stream_
+                                                            : nullptr;
+    if (stream == nullptr) return Close();
+    const std::shared_ptr<StreamCore> core = stream->core;
+    for (StreamPiece& piece : written) {
+      core->Unqueue(piece.payload.size());
+      RunWrittenCallback(piece.written, !error);
+    }
+    written.clear();
+    // The stream was lost while this write was in flight: the rest of its end is due now.
+    if (!active_stream_.has_value()) return EndLostStream();
+    if (error || active_stream_->peer_gone || shared_->Stopping()) return StreamLost();
+    PumpStreamWrites();
+  }
+
+  // The response ended as the handler asked (Finish or Respond, all written): on to the next
+  // request, or linger and close.
+  void CompleteStream() {
+    const std::shared_ptr<Connection> self = std::move(self_while_streaming_);
+    self_while_streaming_.reset();
+    after_stream_ = active_stream_->close_after_end ? AfterStream::kLinger : AfterStream::kNextRequest;
+    active_stream_.reset();
+    if (stream_read_in_flight_) {
+      // OnReadWhileStreaming goes on from here, once the read returns (cancelled, or with bytes
+      // that then stay buffered for the next request).
+      beast::error_code ignored;
+      stream_.socket().cancel(ignored);
+      return;
+    }
+    if (after_stream_ == AfterStream::kLinger) return LingerAndClose();
+    WaitForRequest();
+  }
+
+  // The response ended otherwise (the client went away, a write failed or timed out, Abort, Stop):
+  // the connection closes; the callbacks of what was not written report false, then OnClosed runs.
+  // The callbacks run in order: those of a write in flight (once it completes: the close cancels
+  // it, unless it had completed already), then false for the queued pieces, then OnClosed.
+  void StreamLost() {
+    if (!active_stream_.has_value()) return Close();
+    const std::shared_ptr<Connection> self = std::move(self_while_streaming_);
+    self_while_streaming_.reset();
+    lost_stream_ = std::move(active_stream_);
+    active_stream_.reset();
+    after_stream_ = AfterStream::kClose;
+    Close();
+    lost_on_closed_ = lost_stream_->core->Closed();
+    if (!stream_write_in_flight_) EndLostStream();  // else OnStreamWritten calls it
+  }
+
+  void EndLostStream() {
+    if (!lost_stream_.has_value()) return;
+    ActiveStream lost = std::move(*lost_stream_);
+    lost_stream_.reset();
+    const std::function<void()> on_closed = std::move(lost_on_closed_);
+    lost_on_closed_ = nullptr;
+    for (StreamPiece& piece : lost.queue) {
+      lost.core->Unqueue(piece.payload.size());
+      RunWrittenCallback(piece.written, false);
+    }
+    lost.queue.clear();
+    RunStreamCallback(on_closed);
+  }
+
   beast::tcp_stream stream_;
   const std::shared_ptr<ServerShared> shared_;
   const Mode mode_;
@@ -644,7 +1132,167 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bhttp::response<bhttp::string_body> wire_response_;
   std::optional<bhttp::response_serializer<bhttp::string_body>> serializer_;
   size_t lingered_bytes_ = 0;
+
+  std::optional<ActiveStream> active_stream_;
+  // A stream that ended abnormally while a write was in flight, and its OnClosed callback: both
+  // wait for that write's completion (EndLostStream).
+  std::optional<ActiveStream> lost_stream_;
+  std::function<void()> lost_on_closed_;
+  std::vector<StreamPiece> stream_writing_;  // the write in flight (its buffers point into it)
+  std::vector<net::const_buffer> stream_write_buffers_;
+  bool stream_write_in_flight_ = false;
+  bool stream_read_in_flight_ = false;
+  AfterStream after_stream_ = AfterStream::kClose;
+  // Set while a stream is open: the handler's calls may be the connection's only future, so it
+  // must not vanish while no operation is pending. Cleared when the stream ends (Stop ends it too).
+  std::shared_ptr<Connection> self_while_streaming_;
 };
+
+// ---- StreamCore (needs Connection) ---------------------------------------------------------------------
+
+// No user callback (which may hold the last reference to a StreamHandle, whose destruction calls
+// back into its core) is ever destroyed while `mu_` is held: what a call cannot use is moved to a
+// local declared before the lock, and released after it.
+
+template <typename MakeApply>
+bool StreamCore::PostToConnection(MakeApply make_apply) {
+  absl::ReaderMutexLock gate(&shared_->post_mu);
+  if (!shared_->accepting_posts) return false;
+  std::shared_ptr<Connection> connection = connection_.lock();
+  if (connection == nullptr) return false;
+  try {
+    const auto executor = connection->executor();
+    net::post(executor, [connection = std::move(connection), core = shared_from_this(),
+                         apply = make_apply()]() mutable { apply(*connection, core); });
+  } catch (...) {  // allocation failure: the call is lost
+    return false;
+  }
+  return true;
+}
+
+void StreamCore::PostCallback(std::function<void()> callback) {
+  if (!callback) return;
+  absl::ReaderMutexLock gate(&shared_->post_mu);
+  if (!shared_->accepting_posts) return;
+  try {
+    net::post(shared_->io_executor, [callback = std::move(callback)] { RunStreamCallback(callback); });
+  } catch (...) {  // allocation failure: the callback is lost
+  }
+}
+
+void StreamCore::Respond(HttpResponse response) {
+  absl::MutexLock lock(&mu_);
+  if (phase_ != Phase::kFresh) return;
+  phase_ = Phase::kEnded;
+  completed_ = true;
+  done_.store(true, std::memory_order_release);
+  PostToConnection([&response] {
+    return [response = std::move(response)](Connection& connection, const std::shared_ptr<StreamCore>& core) mutable {
+      connection.StreamRespond(core, std::move(response));
+    };
+  });
+}
+
+void StreamCore::Begin(int status, std::string content_type, std::vector<std::pair<std::string, std::string>> headers) {
+  absl::MutexLock lock(&mu_);
+  if (phase_ != Phase::kFresh) return;
+  phase_ = Phase::kBegun;
+  PostToConnection([&] {
+    return [status, content_type = std::move(content_type), headers = std::move(headers)](
+               Connection& connection, const std::shared_ptr<StreamCore>& core) mutable {
+      connection.StreamBegin(core, status, std::move(content_type), std::move(headers));
+    };
+  });
+}
+
+void StreamCore::Write(std::string bytes, std::function<void(bool)> written) {
+  std::function<void(bool)> not_written;  // released after the lock
+  {
+    absl::MutexLock lock(&mu_);
+    if (phase_ == Phase::kBegun) {
+      const size_t size = bytes.size();
+      queued_bytes_.fetch_add(size, std::memory_order_acq_rel);
+      const bool posted = PostToConnection([&] {
+        return [bytes = std::move(bytes), written = std::move(written)](
+                   Connection& connection, const std::shared_ptr<StreamCore>& core) mutable {
+          connection.StreamWrite(core, std::move(bytes), std::move(written));
+        };
+      });
+      if (posted) return;
+      Unqueue(size);
+    }
+    not_written = std::move(written);
+  }
+  if (not_written) PostCallback([not_written = std::move(not_written)] { not_written(false); });
+}
+
+void StreamCore::Finish() {
+  absl::MutexLock lock(&mu_);
+  if (phase_ != Phase::kBegun) return;
+  phase_ = Phase::kEnded;
+  completed_ = true;
+  done_.store(true, std::memory_order_release);
+  PostToConnection([] {
+    return [](Connection& connection, const std::shared_ptr<StreamCore>& core) { connection.StreamFinish(core); };
+  });
+}
+
+void StreamCore::Abort() {
+  absl::MutexLock lock(&mu_);
+  if (phase_ == Phase::kEnded) return;
+  phase_ = Phase::kEnded;
+  done_.store(true, std::memory_order_release);
+  PostToConnection([] {
+    return [](Connection& connection, const std::shared_ptr<StreamCore>& core) { connection.StreamAbort(core); };
+  });
+}
+
+void StreamCore::OnClosed(std::function<void()> callback) {
+  std::function<void()> released;  // the replaced callback, or one that can never run; after the lock
+  bool run_now = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (completed_) {
+      released = std::move(callback);
+    } else if (closed_) {
+      run_now = true;
+    } else {
+      released = std::exchange(on_closed_, std::move(callback));
+    }
+  }
+  if (run_now) PostCallback(std::move(callback));
+}
+
+void StreamCore::Abandon() {
+  bool fresh = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (phase_ == Phase::kEnded) return;
+    fresh = phase_ == Phase::kFresh;
+  }
+  if (fresh) {
+    try {
+      Respond(ErrorResponse(500, "internal server error"));
+    } catch (...) {  // allocation failure: close instead
+    }
+  }
+  Abort();  // ignored when Respond was accepted
+}
+
+std::function<void()> StreamCore::Closed() {
+  std::function<void()> callback;  // declared before the lock: released after it
+  bool completed = false;
+  {
+    absl::MutexLock lock(&mu_);
+    phase_ = Phase::kEnded;
+    closed_ = true;
+    done_.store(true, std::memory_order_release);
+    callback = std::exchange(on_closed_, nullptr);
+    completed = completed_;
+  }
+  if (completed) return nullptr;  // `callback` is released here, without the lock
+  return callback;
+}
 
 // The server whose io thread this is (null on other threads): Stop from inside a handler must not
 // join its own thread.
@@ -740,16 +1388,44 @@ HttpResponse NoContentWithAllow(std::string allow) {
 
 }  // namespace
 
-void HttpRouter::Handle(std::string path, std::vector<std::string> methods, HttpHandler handler) {
+namespace {
+
+// The methods without repeats, in their first order.
+std::vector<std::string> UniqueMethods(std::vector<std::string> methods) {
   std::vector<std::string> unique;
   for (std::string& method : methods) {
     if (!Contains(unique, method)) unique.push_back(std::move(method));
   }
+  return unique;
+}
+
+// Whether `method` reaches the route's handler: one of its methods, or HEAD on a GET route.
+bool ReachesHandler(const std::vector<std::string>& methods, absl::string_view method) {
+  return Contains(methods, method) || (method == "HEAD" && Contains(methods, "GET"));
+}
+
+}  // namespace
+
+void HttpRouter::Handle(std::string path, std::vector<std::string> methods, HttpHandler handler) {
   Route route;
-  route.allow = absl::StrJoin(AllowedMethods(unique), ", ");
-  route.methods = std::move(unique);
+  route.methods = UniqueMethods(std::move(methods));
+  route.allow = absl::StrJoin(AllowedMethods(route.methods), ", ");
   route.handler = std::move(handler);
   routes_.insert_or_assign(std::move(path), std::move(route));
+}
+
+void HttpRouter::HandleStreaming(std::string path, std::vector<std::string> methods, StreamingHandler handler) {
+  Route route;
+  route.methods = UniqueMethods(std::move(methods));
+  route.allow = absl::StrJoin(AllowedMethods(route.methods), ", ");
+  route.streaming_handler = std::move(handler);
+  routes_.insert_or_assign(std::move(path), std::move(route));
+}
+
+const StreamingHandler* HttpRouter::FindStreamingHandler(const HttpRequest& request) const {
+  const auto it = routes_.find(request.path);
+  if (it == routes_.end() || !it->second.streaming_handler) return nullptr;
+  return ReachesHandler(it->second.methods, request.method) ? &it->second.streaming_handler : nullptr;
 }
 
 std::string HttpRouter::AllowHeader(absl::string_view path) const {
@@ -772,6 +1448,9 @@ HttpResponse HttpRouter::Dispatch(const HttpRequest& request) const {
   const auto it = routes_.find(request.path);
   if (it == routes_.end()) return ErrorResponse(404, "not found");
   const Route& route = it->second;
+  if (route.streaming_handler && ReachesHandler(route.methods, request.method)) {
+    return ErrorResponse(500, "internal server error");  // only the server streams
+  }
   if (Contains(route.methods, request.method)) return CallHandler(route.handler, request);
   if (request.method == "HEAD" && Contains(route.methods, "GET")) {
     HttpResponse response = CallHandler(route.handler, request);
@@ -847,7 +1526,7 @@ class HttpServer::Impl {
  public:
   Impl(HttpServerOptions options, HttpRouter router)
       : io_context_(options.threads),
-        shared_(std::make_shared<ServerShared>(std::move(options), std::move(router))),
+        shared_(std::make_shared<ServerShared>(std::move(options), std::move(router), io_context_.get_executor())),
         acceptor_(io_context_),
         accept_retry_timer_(io_context_) {}
 
@@ -911,6 +1590,12 @@ class HttpServer::Impl {
     io_context_.stop();
     for (std::thread& thread : threads_) thread.join();
     threads_.clear();
+    {
+      // From here on, streamed responses' calls from other threads post nothing (this io_context
+      // may be destroyed soon); what they posted before is drained below.
+      absl::MutexLock gate(&shared_->post_mu);
+      shared_->accepting_posts = false;
+    }
 
     // No io thread runs from here on: the sockets may be closed from this thread.
     beast::error_code ignored;
@@ -926,10 +1611,14 @@ class HttpServer::Impl {
     for (const std::shared_ptr<Connection>& connection : live) connection->CloseFromStop();
     live.clear();
     // Run the cancelled operations' handlers (each sees `stopping` and returns), which releases the
-    // connections. Every operation was cancelled, so this ends; the bound is a safety net.
-    io_context_.restart();
+    // connections; streamed responses end here, running their callbacks on this thread (which
+    // counts as an io thread meanwhile, so that a callback calling Stop does not deadlock). Every
+    // operation was cancelled, so this ends; the bound is a safety net.
+    const void* const previous_owner = current_io_thread_owner;
+    current_io_thread_owner = this;
     for (int round = 0; round < 1000; ++round) {
       size_t ran = 0;
+      io_context_.restart();  // also after a callback's Stop stopped it
       try {
         ran = io_context_.poll();
       } catch (...) {
@@ -937,6 +1626,7 @@ class HttpServer::Impl {
       }
       if (ran == 0) break;
     }
+    current_io_thread_owner = previous_owner;
   }
 
   HttpServerStats stats() const {

@@ -9,12 +9,18 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "eldr/metrics/prometheus.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "server/logging.h"
-#include "server/prometheus_util.h"
 
 namespace eldr::server {
+
+using metrics::AddSample;
+using metrics::MetricFamily;
+using metrics::MetricLabel;
+using metrics::MetricLabels;
+using metrics::SingleSample;
 namespace {
 
 absl::Status BadSetting(absl::string_view key, absl::string_view why) {

@@ -15,12 +15,18 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "eldr/metrics/prometheus.h"
 #include "prometheus/family.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
-#include "server/prometheus_util.h"
 
 namespace eldr::server {
+
+using metrics::AddSample;
+using metrics::MetricFamily;
+using metrics::MetricLabel;
+using metrics::MetricLabels;
+using metrics::SingleSample;
 namespace {
 
 constexpr PolicyKind kPolicyKinds[] = {PolicyKind::kEldr, PolicyKind::kRoundRobin, PolicyKind::kRandom,
@@ -109,73 +115,6 @@ class RouterStateCollector : public prometheus::Collectable {
 
  private:
   const Router* router_;
-};
-
-// process_* metrics from /proc/self, the names the Prometheus client libraries use.
-class ProcessCollector : public prometheus::Collectable {
- public:
-  std::vector<prometheus::MetricFamily> Collect() const override {
-    using prometheus::MetricType;
-    std::vector<prometheus::MetricFamily> out;
-    std::ifstream stat_file("/proc/self/stat");
-    std::string stat((std::istreambuf_iterator<char>(stat_file)), std::istreambuf_iterator<char>());
-    // Fields after the parenthesised command name (which may contain spaces).
-    const size_t close = stat.rfind(')');
-    if (close == std::string::npos) return out;
-    std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ', absl::SkipEmpty());
-    // fields[0] is field 3 (state): field n is fields[n - 3].
-    if (fields.size() < 22) return out;
-    const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
-    const double page = static_cast<double>(sysconf(_SC_PAGESIZE));
-    const double utime = std::stod(fields[14 - 3]);
-    const double stime = std::stod(fields[15 - 3]);
-    const double start_ticks = std::stod(fields[22 - 3]);
-    const double vsize = std::stod(fields[23 - 3]);
-    const double rss_pages = std::stod(fields[24 - 3]);
-
-    auto cpu =
-        MetricFamily("process_cpu_seconds_total", "User and system CPU time spent in seconds.", MetricType::Counter);
-    AddSample(&cpu, (utime + stime) / ticks);
-    out.push_back(std::move(cpu));
-    auto rss = MetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.", MetricType::Gauge);
-    AddSample(&rss, rss_pages * page);
-    out.push_back(std::move(rss));
-    auto vms = MetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.", MetricType::Gauge);
-    AddSample(&vms, vsize);
-    out.push_back(std::move(vms));
-    if (boot_time_ > 0) {
-      auto start = MetricFamily("process_start_time_seconds", "Start time of the process since the Unix epoch.",
-                                MetricType::Gauge);
-      AddSample(&start, boot_time_ + start_ticks / ticks);
-      out.push_back(std::move(start));
-    }
-    auto fds = MetricFamily("process_open_fds", "Open file descriptors.", MetricType::Gauge);
-    AddSample(&fds, CountOpenFds());
-    out.push_back(std::move(fds));
-    return out;
-  }
-
- private:
-  static double ReadBootTime() {
-    std::ifstream in("/proc/stat");
-    std::string line;
-    while (std::getline(in, line)) {
-      if (line.rfind("btime ", 0) == 0) return std::stod(line.substr(6));
-    }
-    return 0;
-  }
-  static double CountOpenFds() {
-    DIR* dir = opendir("/proc/self/fd");
-    if (dir == nullptr) return 0;
-    double n = 0;
-    while (dirent* entry = readdir(dir)) {
-      if (entry->d_name[0] != '.') ++n;
-    }
-    closedir(dir);
-    return n - 1;  // the descriptor opendir itself holds
-  }
-
-  const double boot_time_ = ReadBootTime();
 };
 
 }  // namespace
@@ -345,7 +284,7 @@ void ServerMetrics::AddCollectable(std::shared_ptr<prometheus::Collectable> coll
 
 void ServerMetrics::AttachRouter(const Router* router) {
   AddCollectable(std::make_shared<RouterStateCollector>(router));
-  AddCollectable(std::make_shared<ProcessCollector>());
+  AddCollectable(metrics::NewProcessCollector());
 }
 
 std::vector<std::weak_ptr<prometheus::Collectable>> ServerMetrics::AllCollectables() const {

@@ -8,12 +8,18 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "eldr/metrics/prometheus.h"
 #include "eldr/refit/refit.h"
 #include "prometheus/collectable.h"
 #include "server/logging.h"
-#include "server/prometheus_util.h"
 
 namespace eldr::server {
+
+using metrics::AddSample;
+using metrics::MetricFamily;
+using metrics::MetricLabel;
+using metrics::MetricLabels;
+using metrics::SingleSample;
 namespace {
 
 // Exposes the refitter's stats at scrape time. Detach() before the refitter is destroyed; a

@@ -31,10 +31,14 @@ std::string Shown(absl::string_view text) {
   return text.size() <= kShown ? absl::CHexEscape(text) : absl::StrCat(absl::CHexEscape(text.substr(0, kShown)), "...");
 }
 
+// Counts name their geometry, or 0 x 0 for "the calibrated geometry" (eldr/core/signature.h).
 absl::Status CheckGeometry(int32_t layers, int32_t experts) {
+  if (layers == 0 && experts == 0) return absl::OkStatus();
   if (layers <= 0 || experts <= 0) {
     return InvalidInput(RejectReason::kGeometry,
-                        absl::StrCat("counts: layers and experts must be positive, got ", layers, "x", experts));
+                        absl::StrCat("counts: layers and experts must be positive (or both 0: the calibrated "
+                                     "geometry), got ",
+                                     layers, "x", experts));
   }
   if (int64_t{layers} * experts > kMaxSignatureCells) {
     return InvalidInput(RejectReason::kGeometry,
@@ -246,7 +250,23 @@ absl::Status DecodeRouterService::RouteOnce(grpc::CallbackServerContext* context
   bool present = false;
   ELDR_RETURN_IF_ERROR(SignatureFromProto(request, &input, &present));
   const std::string client = ctx_.route_client_keys ? ClientKey(*context, ctx_.mutual_tls) : std::string();
-  ELDR_ASSIGN_OR_RETURN(RouteResult r, ctx_.router->Route(RouteInput{present ? &input : nullptr, absl::Now(), client}));
+  RouteInput route{present ? &input : nullptr, absl::Now(), client};
+  for (const std::string& id : request.exclude_workers()) {
+    if (id.size() > kMaxWorkerIdBytes) {
+      return MakeInputError(
+          absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
+          absl::StrCat("exclude_workers holds an id of ", id.size(), " bytes; ids have at most ", kMaxWorkerIdBytes));
+    }
+  }
+  // Usually empty (a re-route excludes one worker): copied, since a repeated field is not contiguous.
+  const std::vector<std::string> excluded(request.exclude_workers().begin(), request.exclude_workers().end());
+  route.exclude_workers = excluded;
+  if (!request.policy().empty()) {
+    absl::StatusOr<PolicyKind> policy = ParsePolicyKind(request.policy());
+    if (!policy.ok()) return InvalidInput(RejectReason::kOutOfRange, policy.status().message());
+    route.policy = *policy;
+  }
+  ELDR_ASSIGN_OR_RETURN(RouteResult r, ctx_.router->Route(route));
   SetString(response->mutable_worker_id(), r.worker_id);
   SetString(response->mutable_address(), r.address);
   response->set_lease_id(r.lease_id);

@@ -467,6 +467,102 @@ TEST(RouterTest, BaselinePoliciesStillValidateSignatures) {
 }
 
 // Many threads route and complete while centroids are swapped and the worker table changes.
+// Counts without their geometry (0 x 0, the reference's bare `eldr_sig` bytes) take the
+// calibrated one; a wrong length is still refused.
+TEST(RouterTest, CountsWithoutGeometryUseTheCalibratedOne) {
+  auto router = MakeRouter({Worker("a"), Worker("b"), Worker("c")});
+  ASSERT_TRUE(router->InstallCentroids(Artifact(3)).ok());
+  const std::vector<int32_t> counts = Counts(1);
+  std::string bytes;
+  for (int32_t c : counts) {
+    bytes.push_back(static_cast<char>(c & 0xff));
+    bytes.push_back(static_cast<char>((c >> 8) & 0xff));
+  }
+  const SignatureInput bare = CountsInt16Le{0, 0, bytes};
+  absl::StatusOr<RouteResult> routed = router->Route(&bare, kT0);
+  ASSERT_TRUE(routed.ok()) << routed.status();
+  EXPECT_EQ(routed->worker_id, "b");
+  EXPECT_EQ(routed->fallback, FallbackReason::kNone);
+  const SignatureInput bare32 = CountsInt32{0, 0, counts};
+  EXPECT_EQ(router->Route(&bare32, kT0)->worker_id, "b");
+  const std::string short_bytes = bytes.substr(0, bytes.size() - 2);
+  const SignatureInput wrong = CountsInt16Le{0, 0, short_bytes};
+  EXPECT_EQ(RejectReasonOf(router->Route(&wrong, kT0).status()), RejectReason::kGeometry);
+  const SignatureInput half = CountsInt16Le{kLayers, 0, bytes};  // one of the two 0 is a mismatch
+  EXPECT_EQ(RejectReasonOf(router->Route(&half, kT0).status()), RejectReason::kGeometry);
+}
+
+// A caller that could not reach a worker re-routes without it; the locality pick moves to the
+// next best worker, and excluding every worker is UNAVAILABLE.
+TEST(RouterTest, ExcludedWorkersAreNeverPicked) {
+  auto router = MakeRouter({Worker("a"), Worker("b"), Worker("c")});
+  ASSERT_TRUE(router->InstallCentroids(Artifact(3)).ok());
+  const std::vector<int32_t> counts = Counts(1);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  RouteInput route{&input, kT0};
+  EXPECT_EQ(router->Route(route)->worker_id, "b");
+  const std::vector<std::string> not_b = {"b", "no-such-worker"};
+  route.exclude_workers = not_b;
+  for (int i = 0; i < 20; ++i) {
+    absl::StatusOr<RouteResult> routed = router->Route(route);
+    ASSERT_TRUE(routed.ok()) << routed.status();
+    EXPECT_NE(routed->worker_id, "b");
+  }
+  const std::vector<std::string> everyone = {"a", "b", "c"};
+  route.exclude_workers = everyone;
+  const absl::Status none = router->Route(route).status();
+  EXPECT_EQ(none.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(none.message()), HasSubstr("excluded"));
+  // A long list goes through the set path and behaves the same.
+  std::vector<std::string> long_list;
+  for (int i = 0; i < 50; ++i) long_list.push_back(absl::StrCat("other-", i));
+  long_list.push_back("a");
+  long_list.push_back("c");
+  route.exclude_workers = long_list;
+  EXPECT_EQ(router->Route(route)->worker_id, "b");
+  std::vector<std::string> too_many(kMaxExcludedWorkers + 1, "x");
+  route.exclude_workers = too_many;
+  EXPECT_EQ(router->Route(route).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// When the healthy workers are excluded, the route fails open over the unhealthy rest.
+TEST(RouterTest, ExclusionFailsOpenOverUnhealthyWorkers) {
+  auto router = MakeRouter({Worker("a"), Worker("b")});
+  ASSERT_TRUE(router->SetWorkerHealthy("b", false).ok());
+  const std::vector<std::string> not_a = {"a"};
+  RouteInput route{nullptr, kT0};
+  route.exclude_workers = not_a;
+  absl::StatusOr<RouteResult> routed = router->Route(route);
+  ASSERT_TRUE(routed.ok()) << routed.status();
+  EXPECT_EQ(routed->worker_id, "b");
+  EXPECT_EQ(routed->fallback, FallbackReason::kAllUnhealthy);
+}
+
+// A route may ask for another policy (the baseline arm of an A/B split); the leases are shared.
+TEST(RouterTest, ARouteMayAskForAnotherPolicy) {
+  auto router = MakeRouter({Worker("a"), Worker("b"), Worker("c")});
+  ASSERT_TRUE(router->InstallCentroids(Artifact(3)).ok());
+  const std::vector<int32_t> counts = Counts(0);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  RouteInput baseline{&input, kT0};
+  baseline.policy = PolicyKind::kRoundRobin;
+  std::map<std::string, int> picks;
+  for (int i = 0; i < 30; ++i) {
+    absl::StatusOr<RouteResult> routed = router->Route(baseline);
+    ASSERT_TRUE(routed.ok());
+    EXPECT_EQ(routed->policy, PolicyKind::kRoundRobin);
+    EXPECT_EQ(routed->band_size, 0);
+    ++picks[routed->worker_id];
+  }
+  EXPECT_EQ(picks, (std::map<std::string, int>{{"a", 10}, {"b", 10}, {"c", 10}}));
+  EXPECT_EQ(router->GetState(kT0).live_leases, 30);
+  // The configured policy still decides the others: locality to a.
+  absl::StatusOr<RouteResult> eldr = router->Route(RouteInput{&input, kT0});
+  ASSERT_TRUE(eldr.ok());
+  EXPECT_EQ(eldr->policy, PolicyKind::kEldr);
+  EXPECT_EQ(eldr->worker_id, "a");
+}
+
 TEST(RouterConcurrencyTest, RouteCompleteSwapAndChurn) {
   RouterOptions options;
   struct Counter : RouterObserver {

@@ -110,6 +110,44 @@ TEST(RouterIntegration, RoutesByLocalityAndCompletesOnce) {
   EXPECT_EQ(State(*router).live_leases(), 0);
 }
 
+// What a proxy needs of Route: counts without their geometry (the reference's bare `eldr_sig`),
+// re-routing without a worker it could not reach, and a baseline policy for an A/B arm.
+TEST(RouterIntegration, ProxyRouteOptionsExcludePolicyAndBareCounts) {
+  TempDir dir;
+  auto router = MustStart(dir, StandardArgs(dir));
+  ASSERT_NE(router, nullptr);
+  auto stub = router->RouterStub();
+
+  eldr::v1::RouteRequest bare = BlockRequest(2);
+  bare.mutable_counts()->set_layers(0);
+  bare.mutable_counts()->set_experts(0);
+  eldr::v1::RouteResponse response;
+  grpc::Status status = RouteOnce(stub.get(), bare, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.worker_id(), "w2");
+  EXPECT_EQ(response.policy(), "eldr");
+
+  eldr::v1::RouteRequest rerouted = BlockRequest(2);
+  rerouted.add_exclude_workers("w2");
+  ASSERT_TRUE(RouteOnce(stub.get(), rerouted, &response).ok());
+  EXPECT_NE(response.worker_id(), "w2");
+  for (int w = 0; w < 4; ++w) rerouted.add_exclude_workers(absl::StrCat("w", w));
+  EXPECT_EQ(RouteOnce(stub.get(), rerouted, &response).error_code(), grpc::StatusCode::UNAVAILABLE);
+  eldr::v1::RouteRequest long_id = BlockRequest(2);
+  long_id.add_exclude_workers(std::string(300, 'x'));
+  EXPECT_EQ(RouteOnce(stub.get(), long_id, &response).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  eldr::v1::RouteRequest baseline = BlockRequest(2);
+  baseline.set_policy("rr");
+  ASSERT_TRUE(RouteOnce(stub.get(), baseline, &response).ok());
+  EXPECT_EQ(response.policy(), "rr");
+  EXPECT_EQ(response.band_size(), 0);
+  baseline.set_policy("fastest");
+  status = RouteOnce(stub.get(), baseline, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("fastest"));
+}
+
 TEST(RouterIntegration, RequestsWithoutUsableSignatureFallBackToJsq) {
   TempDir dir;
   auto router = MustStart(dir, StandardArgs(dir));

@@ -8,11 +8,17 @@
 #include "absl/time/clock.h"
 #include "eldr/core/errors.h"
 #include "eldr/core/router.h"
+#include "eldr/metrics/prometheus.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/prometheus_util.h"
 
 namespace eldr::server {
+
+using metrics::AddSample;
+using metrics::MetricFamily;
+using metrics::MetricLabel;
+using metrics::MetricLabels;
+using metrics::SingleSample;
 namespace {
 
 using ::testing::HasSubstr;

@@ -152,8 +152,8 @@ std::optional<int64_t> ChildProcess::RssKib() const {
   return std::nullopt;
 }
 
-absl::StatusOr<DaemonPorts> WaitForPortFile(const std::string& port_file, ChildProcess& process,
-                                            absl::Duration timeout) {
+absl::StatusOr<int> WaitForPort(const std::string& port_file, const std::string& key, ChildProcess& process,
+                                absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (absl::Now() < deadline) {
     if (!process.Running()) {
@@ -163,18 +163,24 @@ absl::StatusOr<DaemonPorts> WaitForPortFile(const std::string& port_file, ChildP
     const std::string text = ReadWholeFile(port_file);
     if (!text.empty()) {
       const nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-      if (json.is_object() && json.contains("grpc_port")) {
-        DaemonPorts ports;
-        ports.grpc = json.value("grpc_port", 0);
-        ports.admin = json.value("admin_port", ports.grpc);
-        ports.metrics = json.value("metrics_port", 0);
-        return ports;
-      }
+      if (json.is_object() && json.contains(key) && json[key].is_number_integer()) return json[key].get<int>();
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  return absl::DeadlineExceededError(absl::StrCat("no port file ", port_file, " after ", absl::FormatDuration(timeout),
-                                                  "; daemon log:\n", process.Log()));
+  return absl::DeadlineExceededError(absl::StrCat("no \"", key, "\" in port file ", port_file, " after ",
+                                                  absl::FormatDuration(timeout), "; daemon log:\n", process.Log()));
+}
+
+absl::StatusOr<DaemonPorts> WaitForPortFile(const std::string& port_file, ChildProcess& process,
+                                            absl::Duration timeout) {
+  absl::StatusOr<int> grpc = WaitForPort(port_file, "grpc_port", process, timeout);
+  if (!grpc.ok()) return grpc.status();
+  const nlohmann::json json = nlohmann::json::parse(ReadWholeFile(port_file), nullptr, /*allow_exceptions=*/false);
+  DaemonPorts ports;
+  ports.grpc = *grpc;
+  ports.admin = json.value("admin_port", ports.grpc);
+  ports.metrics = json.value("metrics_port", 0);
+  return ports;
 }
 
 absl::StatusOr<std::string> HttpExchange(int port, const std::string& request, absl::Duration timeout) {

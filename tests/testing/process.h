@@ -72,6 +72,12 @@ struct DaemonPorts {
   int metrics = 0;
 };
 
+// Waits until `port_file` holds a JSON object whose `key` is an integer (a daemon's port file, as
+// eldr-proxy and eldr-engine-emu write it: {"port": N, ...}) and returns it. Fails early (with the
+// daemon's log) when the process exits first.
+absl::StatusOr<int> WaitForPort(const std::string& port_file, const std::string& key, ChildProcess& process,
+                                absl::Duration timeout = absl::Seconds(20));
+
 // Waits until `port_file` holds the daemon's port JSON ({"grpc_port","admin_port","metrics_port"}).
 // Fails early (with the daemon's log) when the process exits first.
 absl::StatusOr<DaemonPorts> WaitForPortFile(const std::string& port_file, ChildProcess& process,

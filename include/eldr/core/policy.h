@@ -18,6 +18,7 @@
 namespace eldr {
 
 enum class PolicyKind { kEldr, kRoundRobin, kRandom, kJsq, kP2c };
+inline constexpr int kPolicyKinds = 5;
 
 // Names: "eldr", "rr", "random", "jsq", "p2c".
 absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name);

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -98,7 +99,16 @@ struct RouteInput {
   // Who asked (a peer address or an authenticated identity), passed to observers for per-client
   // accounting; may be empty. Not used by the decision.
   absl::string_view client;
+  // Worker ids this route must not pick (a caller that failed to reach one re-routes without it).
+  // Ids of no worker are ignored. Every eligible worker excluded: UNAVAILABLE.
+  absl::Span<const std::string> exclude_workers;
+  // Decide with this policy instead of RouterOptions::policy (the baseline arm of an A/B split).
+  // The leases and loads are the same for every policy.
+  std::optional<PolicyKind> policy;
 };
+
+// Limits on RouteInput::exclude_workers, checked by Route (INVALID_ARGUMENT, reason kOutOfRange).
+inline constexpr size_t kMaxExcludedWorkers = 1024;
 
 struct RouteResult {
   std::string worker_id;

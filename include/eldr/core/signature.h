@@ -58,6 +58,9 @@ absl::Status ValidateSignatureSpec(const SignatureSpec& spec);
 bool SameTransform(const SignatureSpec& a, const SignatureSpec& b);
 
 // Raw inputs, as they arrive on the wire. Views: the caller keeps the data alive during the call.
+// The geometry (layers x experts) must equal the calibrated one, or be 0 x 0: "the calibrated
+// geometry" (for payloads that carry bare bytes, such as the reference implementation's
+// `eldr_sig`); the data's length must then match the calibrated geometry exactly.
 struct CountsInt16Le {  // int16 little-endian, row-major [layers][experts] (the reference engine's bytes)
   int layers = 0;
   int experts = 0;

@@ -82,17 +82,17 @@ struct ClientRequest {
 };
 
 struct ClientResponseHead {
-  int status = 0;      // 100..999 as sent
-  int version = 11;    // 10 or 11
+  int status = 0;                                            // 100..999 as sent
+  int version = 11;                                          // 10 or 11
   std::vector<std::pair<std::string, std::string>> headers;  // in order, values trimmed
   // The value of the first field named `name` (ASCII case-insensitive), or nullopt.
   std::optional<absl::string_view> Header(absl::string_view name) const;
 };
 
 struct ClientResult {
-  absl::Status status;          // see the top of this file
-  bool head_received = false;   // the response head arrived (the server saw the request)
-  uint64_t body_bytes = 0;      // de-chunked body bytes delivered to on_body
+  absl::Status status;             // see the top of this file
+  bool head_received = false;      // the response head arrived (the server saw the request)
+  uint64_t body_bytes = 0;         // de-chunked body bytes delivered to on_body
   bool connection_reused = false;  // the call ran on a pooled keep-alive connection
 };
 

@@ -12,7 +12,8 @@
 // Protocol: HTTP/1.0 and HTTP/1.1, keep-alive (HTTP/1.1 by default, HTTP/1.0 with
 // `Connection: keep-alive`), `Connection: close`, pipelined requests (answered one at a time, in
 // order), chunked request bodies, `Expect: 100-continue`. Every response carries `Server: eldr`,
-// `Date` and, except 204 and 304, `Content-Length` (RFC 9110 forbids it in a 204). Requests are
+// `Date` and, except 204 and 304, `Content-Length` (RFC 9110 forbids it in a 204); a streamed
+// response (see ResponseStream) is chunked instead (HTTP/1.0: ends with the connection). Requests are
 // checked strictly, the rules shared with ParseHttpRequest:
 //   400  unparsable bytes (bad method token, line endings, header syntax, chunk framing),
 //        a target that is not origin-form ("/path?query"; "*" only with OPTIONS; no absolute URLs,
@@ -136,20 +137,27 @@ using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
 // `Transfer-Encoding: chunked`, each Write one chunk, Finish the last chunk, and the connection is
 // kept alive for the next request; HTTP/1.0: without a length, and Finish closes the connection).
 // Calls out of that order, and every call after Finish, Abort or the client's going away, are
-// ignored (never a crash). A response to HEAD sends the head only and ignores the writes.
+// ignored (never a crash). A response to HEAD, and a 204 or 304, sends the head only and discards
+// the writes (their `written` callbacks report true). When the last reference to a stream goes
+// away before it ended, the server ends it: 500 before Begin, Abort after it.
 //
 // While a streamed response is open the server keeps reading the connection, so a client that
-// closes it or resets it is noticed at once: the OnClosed callback runs, later calls are ignored,
-// and the response's queued bytes are dropped. Bytes of a pipelined next request that arrive
-// meanwhile are kept (up to max_header_bytes + max_body_bytes) and served after Finish.
+// closes it (even half-closes it) or resets it is noticed at once: the OnClosed callback runs,
+// later calls are ignored, and the response's queued bytes are dropped. Bytes of a pipelined next
+// request that arrive meanwhile are kept (up to max_header_bytes + max(max_body_bytes, 64 KiB);
+// beyond that the server stops reading until the response ends, and then notices a client that
+// goes away only by a failed write) and served after Finish.
 //
 // Every write must be written to the socket within HttpServerOptions::write_timeout, else the
 // connection is closed (OnClosed runs). A response that is never finished holds its connection
 // until the client goes away or the server stops: the handler owns its own deadlines.
 //
 // Thread-safety: every method may be called from any thread, concurrently; the calls of one
-// response take effect in the order they were made. Callbacks run on an io thread of the server,
-// never inside a call of this interface, and must not block.
+// response take effect in the order they were made. Callbacks run on an io thread of the server
+// (the responses that HttpServer::Stop ends run theirs on Stop's thread, before Stop returns),
+// never inside a call of this interface, and must not block. Calls made once Stop has joined the
+// io threads (and after the server is destroyed) are ignored and their callbacks never run: there
+// is no io thread left to run them. A stream may outlive its server.
 class ResponseStream {
  public:
   virtual ~ResponseStream() = default;
@@ -173,7 +181,8 @@ class ResponseStream {
   // Runs `callback` once, when the response ends for any other reason than Finish or Respond: the
   // client closed or reset the connection, a write timed out, Abort was called, the server stopped.
   // Set it before Begin/Respond; a second call replaces the first callback. If the connection is
-  // already gone, `callback` runs soon (on an io thread).
+  // already gone, `callback` runs soon (on an io thread). Once Finish or Respond was called it
+  // never runs (a client that goes away after that shows in the `written` callbacks only).
   virtual void OnClosed(std::function<void()> callback) = 0;
   // Body bytes queued by Write and not yet handed to the socket (for backpressure).
   virtual size_t queued_bytes() const = 0;
@@ -200,6 +209,11 @@ class HttpRouter {
   // stream sends heads only). Dispatch answers such a route 500: only the server streams.
   void HandleStreaming(std::string path, std::vector<std::string> methods, StreamingHandler handler);
 
+  // The streaming handler that serves `request`: its path has a HandleStreaming route and its
+  // method is one of the route's (or HEAD on a route allowing GET). Null otherwise (Dispatch
+  // answers it: 404, 405, OPTIONS, "*"). The pointer is valid while the router is not changed.
+  const StreamingHandler* FindStreamingHandler(const HttpRequest& request) const;
+
   // Answers one request:
   //   unknown path                             404
   //   method of the route                      the handler's response
@@ -221,7 +235,8 @@ class HttpRouter {
   struct Route {
     std::vector<std::string> methods;
     std::string allow;
-    HttpHandler handler;
+    HttpHandler handler;                 // set for Handle routes
+    StreamingHandler streaming_handler;  // set for HandleStreaming routes
   };
   std::map<std::string, Route, std::less<>> routes_;
 };
@@ -261,8 +276,9 @@ class HttpServer {
   int port() const;
 
   // Closes the listening socket and every connection (requests in flight are abandoned without a
-  // response; a handler already running finishes first and Stop waits for it), and joins the io
-  // threads. Afterwards no handler runs and open_connections is 0. Takes well under a second
+  // response; a handler already running finishes first and Stop waits for it; open streamed
+  // responses end as if the client went away, their callbacks running on this thread), and joins
+  // the io threads. Afterwards no handler runs and open_connections is 0. Takes well under a second
   // unless a handler runs long. Idempotent; callable from any thread, also before Start. From
   // inside a handler it only initiates the stop (the io threads finish once the handlers return;
   // a later Stop or the destructor joins them).

@@ -45,7 +45,7 @@ class SseParser {
 
  private:
   size_t max_event_bytes_;
-  std::string line_;      // the incomplete current line
+  std::string line_;  // the incomplete current line
   bool last_was_cr_ = false;
   bool started_ = false;  // BOM check done
   bool failed_ = false;

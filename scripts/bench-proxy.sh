@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# eldr-proxy's cost, measured side by side in one run on the same emulated engines
+# (docs/benchmarks.md, "eldr-proxy"):
+#
+#   direct    eldr-loadgen -> a decode engine (it prefills locally: no proxy, no second hop)
+#   eldr      eldr-loadgen -> eldr-proxy -> prefill engine, eldr-router, decode engine
+#   python    eldr-loadgen -> bench/pd_proxy_baseline.py (aiohttp, round robin, no router) -> the same
+#
+# Each target gets the same closed-loop load (CONCURRENCY streams, MAX_TOKENS tokens each, the same
+# trace requests); the engines' KV transfer time is 0 so that "direct" and the proxied paths do
+# the same engine work and differ only by the proxy. Reported per target: TTFT, inter-token gap,
+# end-to-end latency (p50/p99), and the CPU seconds of the proxy process per request and per
+# token (from /proc/<pid>/stat). Then a hold test: HOLD_STREAMS concurrent streams through
+# eldr-proxy, which must all complete without an error.
+#
+# Usage: scripts/bench-proxy.sh [BUILD_DIR]   (default: build)
+# Environment: CONCURRENCY (default "100 1000"), MAX_TOKENS (64), DURATION_S (20), HOLD_STREAMS
+# (5000), OUT (BUILD_DIR/bench-proxy: JSON of every run and summary.json).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD_DIR="${1:-build}"
+case "$BUILD_DIR" in /*) ;; *) BUILD_DIR="$PWD/$BUILD_DIR" ;; esac
+BIN="$BUILD_DIR/bin"
+DATA="$ROOT/data/esft-routing"
+OUT="${OUT:-$BUILD_DIR/bench-proxy}"
+CONCURRENCY="${CONCURRENCY:-100 1000}"
+MAX_TOKENS="${MAX_TOKENS:-64}"
+DURATION_S="${DURATION_S:-20}"
+HOLD_STREAMS="${HOLD_STREAMS:-5000}"
+PY=/usr/bin/python3
+mkdir -p "$OUT"
+rm -f "$OUT"/*.json "$OUT"/*.log
+
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  sleep 0.5
+  for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+port_of() {  # port_of FILE KEY: waits for the port file
+  for _ in $(seq 1 600); do
+    if [[ -s "$1" ]]; then
+      $PY -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2" 2>/dev/null && return 0
+    fi
+    sleep 0.1
+  done
+  echo "bench-proxy.sh: no port in $1" >&2
+  exit 1
+}
+
+cpu_seconds() {  # utime + stime of a process, in seconds
+  $PY -c 'import os,sys; f=open(f"/proc/{sys.argv[1]}/stat").read().rsplit(")",1)[1].split(); print((int(f[11])+int(f[12]))/os.sysconf("SC_CLK_TCK"))' "$1"
+}
+
+# Engines: one prefill, two decode; big batches so the engines never queue the load.
+ENGINE_FLAGS=(--trace="$DATA" --kv_transfer_us=0 --prefill_fixed_us=0 --prefill_token_us=0 --max_batch=4096 --max_waiting=100000)
+start_engine() {  # start_engine ROLE NAME
+  "$BIN/eldr-engine-emu" --role="$1" --listen=127.0.0.1:0 --port_file="$OUT/$2.json" --engine_id="$2" \
+    "${ENGINE_FLAGS[@]}" 2>"$OUT/$2.log" &
+  PIDS+=($!)
+}
+start_engine prefill prefill0
+start_engine decode decode0
+start_engine decode decode1
+P0=$(port_of "$OUT/prefill0.json" port)
+D0=$(port_of "$OUT/decode0.json" port)
+D1=$(port_of "$OUT/decode1.json" port)
+
+"$BIN/eldr-calibrate" --trace="$DATA" --prefill_fraction=0.5 --clusters=2 --workers=d0,d1 \
+  --out="$OUT/centroids.json" >"$OUT/calibrate.log" 2>&1
+"$BIN/eldr-router" --listen=127.0.0.1:0 --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
+  --port_file="$OUT/router.json" --workers="d0=127.0.0.1:$D0,d1=127.0.0.1:$D1" \
+  --centroids="$OUT/centroids.json" --refit_interval=0 --log_level=warning 2>"$OUT/router.log" &
+PIDS+=($!)
+R=$(port_of "$OUT/router.json" grpc_port)
+
+"$BIN/eldr-proxy" --listen=127.0.0.1:0 --port_file="$OUT/eldr-proxy.json" --prefill="127.0.0.1:$P0" \
+  --decode="127.0.0.1:$D0,127.0.0.1:$D1" --router="127.0.0.1:$R" 2>"$OUT/eldr-proxy.log" &
+ELDR_PID=$!
+PIDS+=($ELDR_PID)
+E=$(port_of "$OUT/eldr-proxy.json" port)
+
+$PY "$ROOT/bench/pd_proxy_baseline.py" --port=0 --port_file="$OUT/python-proxy.json" --prefill="127.0.0.1:$P0" \
+  --decode="127.0.0.1:$D0,127.0.0.1:$D1" 2>"$OUT/python-proxy.log" &
+PYTHON_PID=$!
+PIDS+=($PYTHON_PID)
+Y=$(port_of "$OUT/python-proxy.json" port)
+
+run() {  # run NAME PORT PID CONCURRENCY: one closed-loop run, the proxy's CPU around it
+  local name=$1 port=$2 pid=$3 concurrency=$4 before after
+  before=$( [[ -n "$pid" ]] && cpu_seconds "$pid" || echo 0)
+  "$BIN/eldr-loadgen" --target="127.0.0.1:$port" --trace="$DATA" --concurrency="$concurrency" \
+    --duration_s="$DURATION_S" --warmup_s=2 --max_tokens="$MAX_TOKENS" --json \
+    >"$OUT/$name-c$concurrency.json" 2>"$OUT/$name-c$concurrency.log"
+  after=$( [[ -n "$pid" ]] && cpu_seconds "$pid" || echo 0)
+  $PY - "$OUT/$name-c$concurrency.json" "$before" "$after" <<'EOF'
+import json, sys
+path, before, after = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+run = json.load(open(path))
+run["proxy_cpu_s"] = after - before
+json.dump(run, open(path, "w"), indent=1)
+EOF
+  echo "  $name c=$concurrency done"
+}
+
+echo "== side by side (closed loop, $MAX_TOKENS tokens per request, ${DURATION_S}s each)"
+for c in $CONCURRENCY; do
+  run direct "$D0" "" "$c"
+  run eldr "$E" "$ELDR_PID" "$c"
+  run python "$Y" "$PYTHON_PID" "$c"
+done
+
+echo "== hold: $HOLD_STREAMS concurrent streams through eldr-proxy"
+before=$(cpu_seconds "$ELDR_PID")
+"$BIN/eldr-loadgen" --target="127.0.0.1:$E" --trace="$DATA" --concurrency="$HOLD_STREAMS" --requests="$HOLD_STREAMS" \
+  --max_tokens=256 --json >"$OUT/hold.json" 2>"$OUT/hold.log"
+after=$(cpu_seconds "$ELDR_PID")
+rss_kib=$(awk '/VmHWM/ {print $2}' "/proc/$ELDR_PID/status")
+
+$PY - "$OUT" "$CONCURRENCY" "$before" "$after" "$rss_kib" <<'EOF'
+import json, os, sys
+out, levels = sys.argv[1], [int(c) for c in sys.argv[2].split()]
+hold_cpu = float(sys.argv[4]) - float(sys.argv[3])
+summary = {"runs": [], "hold": {}}
+for c in levels:
+    direct = json.load(open(os.path.join(out, f"direct-c{c}.json")))
+    for name in ("direct", "eldr", "python"):
+        run = json.load(open(os.path.join(out, f"{name}-c{c}.json")))
+        requests, tokens = max(run["requests_ok"], 1), max(run["tokens"], 1)
+        row = {
+            "target": name, "concurrency": c, "requests_ok": run["requests_ok"],
+            "errors": run["requests_error"], "tokens_per_s": round(run["tokens_per_s"]),
+            "ttft_p50_ms": run["ttft_ms"]["p50"], "ttft_p99_ms": run["ttft_ms"]["p99"],
+            "itl_p50_ms": run["inter_token_ms"]["p50"], "itl_p99_ms": run["inter_token_ms"]["p99"],
+            "e2e_p50_ms": run["e2e_ms"]["p50"], "e2e_p99_ms": run["e2e_ms"]["p99"],
+        }
+        if name != "direct":
+            # The run's whole window (warm-up included) for CPU; requests and tokens of that window.
+            all_requests = run["requests_ok"] + run.get("warmup_requests", 0)
+            cpu = run["proxy_cpu_s"]
+            row["proxy_cpu_s"] = cpu
+            row["cpu_us_per_request"] = 1e6 * cpu / max(all_requests, 1)
+            row["cpu_us_per_token"] = 1e6 * cpu / max(run["tokens"] * all_requests / requests, 1)
+            row["added_ttft_p50_ms"] = run["ttft_ms"]["p50"] - direct["ttft_ms"]["p50"]
+            row["added_ttft_p99_ms"] = run["ttft_ms"]["p99"] - direct["ttft_ms"]["p99"]
+            row["added_itl_p50_ms"] = run["inter_token_ms"]["p50"] - direct["inter_token_ms"]["p50"]
+            row["added_itl_p99_ms"] = run["inter_token_ms"]["p99"] - direct["inter_token_ms"]["p99"]
+        summary["runs"].append(row)
+hold = json.load(open(os.path.join(out, "hold.json")))
+summary["hold"] = {"streams": hold["requests_sent"], "ok": hold["requests_ok"], "errors": hold["requests_error"],
+                   "error_kinds": hold["errors"], "max_concurrent_streams": hold["max_concurrent_streams"],
+                   "tokens": hold["tokens"], "proxy_cpu_s": hold_cpu, "proxy_peak_rss_mib": int(sys.argv[5]) / 1024}
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+cols = ["target", "concurrency", "requests_ok", "errors", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
+        "itl_p50_ms", "itl_p99_ms", "added_itl_p99_ms", "cpu_us_per_request", "cpu_us_per_token"]
+print(" ".join(f"{c:>14}" for c in cols))
+for row in summary["runs"]:
+    print(" ".join(f"{row.get(c, ''):>14.2f}" if isinstance(row.get(c), float) else f"{str(row.get(c, '-')):>14}"
+                   for c in cols))
+print("hold:", json.dumps(summary["hold"]))
+EOF
+echo "results: $OUT/summary.json"

@@ -1,0 +1,475 @@
+// The whole stack as real processes on loopback: eldr-engine-emu prefill and decode engines,
+// eldr-router with centroids calibrated on the bundled traces, eldr-proxy in front, and real HTTP
+// clients (eldr::http::HttpClient) for what a user sends.
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "eldr/http/http_client.h"
+#include "eldr/http/sse.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "testing/process.h"
+
+namespace eldr::proxy {
+namespace {
+
+using ::eldr::testing::BinaryPath;
+using ::eldr::testing::ChildProcess;
+using ::eldr::testing::HttpGet;
+using ::eldr::testing::RunProcess;
+using ::eldr::testing::SampleValue;
+using ::eldr::testing::TempDir;
+using ::eldr::testing::WaitForPort;
+using ::testing::HasSubstr;
+
+std::string DataDir() {
+  const char* dir = std::getenv("ELDR_DATA_DIR");
+  return absl::StrCat(dir != nullptr ? dir : "data", "/esft-routing");
+}
+
+// A loopback port nobody listens on (bound, then closed).
+int DeadPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  socklen_t length = sizeof(address);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  close(fd);
+  return ntohs(address.sin_port);
+}
+
+// Centroids for two decode workers d0, d1, calibrated once on the bundled traces.
+const std::string& CentroidsFile() {
+  static const std::string* path = [] {
+    static TempDir dir;
+    auto* file = new std::string(dir.File("centroids.json"));
+    eldr::testing::ProcessResult calibrated =
+        RunProcess(BinaryPath("eldr-calibrate"), {"--trace=" + DataDir(), "--prefill_fraction=0.5", "--clusters=2",
+                                                  "--workers=d0,d1", "--out=" + *file},
+                   absl::Seconds(120));
+    if (calibrated.exit_code != 0) {
+      ADD_FAILURE() << "eldr-calibrate failed: " << calibrated.stderr_text;
+    }
+    return file;
+  }();
+  return *path;
+}
+
+struct StackOptions {
+  int prefill = 1;
+  int decode = 2;
+  std::string signature_key = "eldr_expert_counts";
+  bool router = true;
+  std::string router_policy = "eldr";
+  bool dead_prefill_first = false;  // a dead instance listed before the live one(s)
+  bool dead_decode_worker = false;  // the router's pool holds a worker nobody listens on
+  std::vector<std::string> proxy_args;
+  double time_scale = 0.02;
+};
+
+// One full stack; every process is killed when it goes out of scope.
+class Stack {
+ public:
+  explicit Stack(StackOptions options) : options_(std::move(options)) {}
+
+  void Start() {
+    for (int i = 0; i < options_.decode; ++i) decode_ports_.push_back(StartEngine("decode", i));
+    for (int i = 0; i < options_.prefill; ++i) prefill_ports_.push_back(StartEngine("prefill", i));
+    if (options_.router) {
+      std::vector<std::string> workers;
+      for (int i = 0; i < options_.decode; ++i) workers.push_back(absl::StrCat("d", i, "=127.0.0.1:", decode_ports_[i]));
+      if (options_.dead_decode_worker) workers.push_back(absl::StrCat("dead=127.0.0.1:", DeadPort()));
+      absl::StatusOr<eldr::testing::RouterChild> router = eldr::testing::StartRouter(
+          dir_, {"--workers=" + absl::StrJoin(workers, ","), "--centroids=" + CentroidsFile(),
+                 "--policy=" + options_.router_policy, "--refit_interval=0", "--log_level=warning"});
+      ASSERT_TRUE(router.ok()) << router.status();
+      router_ = std::move(router->process);
+      router_ports_ = router->ports;
+    }
+    std::vector<std::string> prefill;
+    if (options_.dead_prefill_first) prefill.push_back(absl::StrCat("127.0.0.1:", DeadPort()));
+    for (int port : prefill_ports_) prefill.push_back(absl::StrCat("127.0.0.1:", port));
+    std::vector<std::string> decode;
+    for (int port : decode_ports_) decode.push_back(absl::StrCat("127.0.0.1:", port));
+    std::vector<std::string> args = {BinaryPath("eldr-proxy"),
+                                     "--listen=127.0.0.1:0",
+                                     "--port_file=" + dir_.File("proxy.json"),
+                                     "--prefill=" + absl::StrJoin(prefill, ","),
+                                     "--decode=" + absl::StrJoin(decode, ","),
+                                     "--retry_backoff=1ms",
+                                     "--shutdown_grace=5s"};
+    if (options_.router) args.push_back(absl::StrCat("--router=127.0.0.1:", router_ports_.grpc));
+    args.insert(args.end(), options_.proxy_args.begin(), options_.proxy_args.end());
+    absl::StatusOr<std::unique_ptr<ChildProcess>> proxy = ChildProcess::Spawn(args, dir_.File("proxy.log"));
+    ASSERT_TRUE(proxy.ok()) << proxy.status();
+    proxy_ = *std::move(proxy);
+    absl::StatusOr<int> port = WaitForPort(dir_.File("proxy.json"), "port", *proxy_);
+    ASSERT_TRUE(port.ok()) << port.status();
+    proxy_port_ = *port;
+  }
+
+  int proxy_port() const { return proxy_port_; }
+  int decode_port(int i) const { return decode_ports_[i]; }
+  ChildProcess& proxy() { return *proxy_; }
+  ChildProcess& router() { return *router_; }
+
+  double RouterMetric(const std::string& series) const {
+    absl::StatusOr<std::string> page = HttpGet(router_ports_.metrics, "/metrics");
+    if (!page.ok()) return -1;
+    return SampleValue(*page, series).value_or(0);
+  }
+  double ProxyMetric(const std::string& series) const {
+    absl::StatusOr<std::string> page = HttpGet(proxy_port_, "/metrics");
+    if (!page.ok()) return -1;
+    return SampleValue(*page, series).value_or(0);
+  }
+  double EngineMetric(int port, const std::string& series) const {
+    absl::StatusOr<std::string> page = HttpGet(port, "/metrics");
+    if (!page.ok()) return -1;
+    return SampleValue(*page, series).value_or(0);
+  }
+  // Waits (bounded) until the router holds no lease: every Complete arrived.
+  bool LeasesBackToZero() const {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      if (RouterMetric("eldr_live_leases") == 0) return true;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return false;
+  }
+  std::string Logs() const {
+    std::string out = absl::StrCat("--- proxy ---\n", proxy_ != nullptr ? proxy_->Log() : "");
+    for (const auto& engine : engines_) absl::StrAppend(&out, "--- ", engine->log_path(), " ---\n", engine->Log(4096));
+    return out;
+  }
+
+ private:
+  int StartEngine(const std::string& role, int index) {
+    const std::string port_file = dir_.File(absl::StrCat(role, index, ".json"));
+    std::vector<std::string> args = {BinaryPath("eldr-engine-emu"),
+                                     "--role=" + role,
+                                     "--listen=127.0.0.1:0",
+                                     "--port_file=" + port_file,
+                                     "--trace=" + DataDir(),
+                                     absl::StrCat("--time_scale=", options_.time_scale),
+                                     "--engine_id=" + role + std::to_string(index)};
+    if (role == "prefill") args.push_back("--signature_key=" + options_.signature_key);
+    absl::StatusOr<std::unique_ptr<ChildProcess>> engine =
+        ChildProcess::Spawn(args, dir_.File(absl::StrCat(role, index, ".log")));
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (!engine.ok()) return 0;
+    absl::StatusOr<int> port = WaitForPort(port_file, "port", **engine, absl::Seconds(60));
+    EXPECT_TRUE(port.ok()) << port.status();
+    engines_.push_back(*std::move(engine));
+    return port.ok() ? *port : 0;
+  }
+
+  StackOptions options_;
+  TempDir dir_;
+  std::vector<std::unique_ptr<ChildProcess>> engines_;
+  std::vector<int> prefill_ports_;
+  std::vector<int> decode_ports_;
+  std::unique_ptr<ChildProcess> router_;
+  eldr::testing::DaemonPorts router_ports_;
+  std::unique_ptr<ChildProcess> proxy_;
+  int proxy_port_ = 0;
+};
+
+std::unique_ptr<http::HttpClient> NewClient() {
+  http::HttpClientOptions options;
+  absl::StatusOr<std::unique_ptr<http::HttpClient>> client = http::HttpClient::Create(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return *std::move(client);
+}
+
+absl::StatusOr<http::FetchedResponse> Post(http::HttpClient& client, int port, const std::string& path,
+                                           const std::string& body) {
+  http::ClientRequest request;
+  request.method = "POST";
+  request.host = "127.0.0.1";
+  request.port = port;
+  request.target = path;
+  request.headers = {{"Content-Type", "application/json"}};
+  request.body = body;
+  request.total_timeout = absl::Seconds(60);
+  return http::FetchAndWait(client, std::move(request));
+}
+
+// The data of every event of an SSE body.
+std::vector<std::string> EventData(const std::string& body) {
+  std::vector<std::string> data;
+  http::SseParser parser;
+  EXPECT_TRUE(parser.Feed(body, [&](const http::SseEvent& event) { data.push_back(event.data); }).ok());
+  return data;
+}
+
+// The generated pieces of a streamed completions or chat answer, in order.
+std::vector<std::string> StreamedTokens(const std::string& body, bool chat) {
+  std::vector<std::string> tokens;
+  for (const std::string& data : EventData(body)) {
+    if (data == "[DONE]") continue;
+    const nlohmann::json chunk = nlohmann::json::parse(data, nullptr, false);
+    if (!chunk.is_object() || !chunk.contains("choices") || chunk["choices"].empty()) continue;
+    const nlohmann::json& choice = chunk["choices"][0];
+    const std::string text = chat ? choice["delta"].value("content", "") : choice.value("text", "");
+    if (!text.empty()) tokens.push_back(text);
+  }
+  return tokens;
+}
+
+std::vector<std::string> ExpectedTokens(int trace, int count) {
+  std::vector<std::string> tokens;
+  for (int k = 1; k <= count; ++k) tokens.push_back(absl::StrCat(" t", trace, "_", k));
+  return tokens;
+}
+
+std::string CompletionBody(int trace, int max_tokens, bool stream) {
+  nlohmann::json body = {{"prompt", absl::StrCat("eldr-trace:", trace, " tell me more")},
+                         {"max_tokens", max_tokens},
+                         {"stream", stream}};
+  if (stream) body["stream_options"] = {{"include_usage", true}};
+  return body.dump();
+}
+
+TEST(ProxyIntegration, CompletionsAndChatStreamedAndNotInOrderWithOneCompletePerRequest) {
+  Stack stack({});
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  int requests = 0;
+  for (int trace : {3, 17, 42}) {
+    absl::StatusOr<http::FetchedResponse> streamed =
+        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 8, true));
+    ++requests;
+    ASSERT_TRUE(streamed.ok()) << streamed.status() << stack.Logs();
+    ASSERT_EQ(streamed->head.status, 200) << streamed->body << stack.Logs();
+    EXPECT_THAT(std::string(streamed->head.Header("Content-Type").value_or("")), HasSubstr("text/event-stream"));
+    EXPECT_EQ(StreamedTokens(streamed->body, false), ExpectedTokens(trace, 8));
+    const std::vector<std::string> events = EventData(streamed->body);
+    ASSERT_FALSE(events.empty());
+    EXPECT_EQ(events.back(), "[DONE]");
+    EXPECT_THAT(streamed->body, HasSubstr("\"completion_tokens\":8"));
+
+    absl::StatusOr<http::FetchedResponse> whole =
+        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 5, false));
+    ++requests;
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    ASSERT_EQ(whole->head.status, 200) << whole->body;
+    const nlohmann::json answer = nlohmann::json::parse(whole->body);
+    EXPECT_EQ(answer["choices"][0]["text"], absl::StrJoin(ExpectedTokens(trace, 5), ""));
+    EXPECT_EQ(answer["usage"]["completion_tokens"], 5);
+  }
+  nlohmann::json chat = {{"messages", {{{"role", "user"}, {"content", "eldr-trace:9 hi"}}}},
+                         {"max_tokens", 6},
+                         {"stream", true}};
+  absl::StatusOr<http::FetchedResponse> chat_streamed =
+      Post(*client, stack.proxy_port(), "/v1/chat/completions", chat.dump());
+  ++requests;
+  ASSERT_TRUE(chat_streamed.ok()) << chat_streamed.status();
+  ASSERT_EQ(chat_streamed->head.status, 200) << chat_streamed->body;
+  EXPECT_EQ(StreamedTokens(chat_streamed->body, true), ExpectedTokens(9, 6));
+  chat["stream"] = false;
+  absl::StatusOr<http::FetchedResponse> chat_whole =
+      Post(*client, stack.proxy_port(), "/v1/chat/completions", chat.dump());
+  ++requests;
+  ASSERT_TRUE(chat_whole.ok()) << chat_whole.status();
+  ASSERT_EQ(chat_whole->head.status, 200) << chat_whole->body;
+  EXPECT_EQ(nlohmann::json::parse(chat_whole->body)["choices"][0]["message"]["content"],
+            absl::StrJoin(ExpectedTokens(9, 6), ""));
+
+  // Every request was routed by eldr-router on its signature, and released exactly once.
+  EXPECT_TRUE(stack.LeasesBackToZero());
+  EXPECT_EQ(stack.RouterMetric("eldr_complete_requests_total{outcome=\"released\"}"), requests);
+  EXPECT_EQ(stack.RouterMetric("eldr_complete_requests_total{outcome=\"not_found\"}"), 0);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_signatures_total{source=\"eldr_expert_counts\"}"), requests);
+  EXPECT_GT(stack.ProxyMetric("eldr_proxy_e2e_seconds_count{decision=\"locality\",policy=\"eldr\"}"), 0);
+  EXPECT_GT(stack.ProxyMetric("eldr_proxy_ttft_seconds_count{decision=\"locality\",policy=\"eldr\"}"), 0);
+
+  stack.proxy().Signal(SIGTERM);
+  EXPECT_EQ(stack.proxy().Wait(absl::Seconds(10)).value_or(-1), 0) << stack.Logs();
+}
+
+TEST(ProxyIntegration, AClientThatLeavesMidStreamAbortsTheEngineAndReleasesTheLease) {
+  StackOptions options;
+  options.time_scale = 0.2;  // ~3 ms steps: a 5000-token answer lasts long enough to leave it
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  http::ClientRequest request;
+  request.method = "POST";
+  request.host = "127.0.0.1";
+  request.port = stack.proxy_port();
+  request.target = "/v1/completions";
+  request.headers = {{"Content-Type", "application/json"}};
+  request.body = CompletionBody(5, 5000, true);
+  absl::Notification got_tokens;
+  absl::Notification done;
+  absl::Mutex mu;
+  std::string received;
+  std::shared_ptr<http::ClientCall> call;
+  http::ClientCallbacks callbacks;
+  callbacks.on_body = [&](absl::string_view piece) {
+    absl::MutexLock lock(&mu);
+    received.append(piece.data(), piece.size());
+    if (StreamedTokens(received, false).size() >= 3 && !got_tokens.HasBeenNotified()) got_tokens.Notify();
+  };
+  callbacks.on_done = [&](const http::ClientResult&) { done.Notify(); };
+  call = client->Start(std::move(request), std::move(callbacks));
+  ASSERT_TRUE(got_tokens.WaitForNotificationWithTimeout(absl::Seconds(30))) << stack.Logs();
+  call->Cancel();
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  // The proxy cancelled the engine's call (the emulator counts the abort) and completed the lease.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const auto aborted = [&] {
+    return stack.EngineMetric(stack.decode_port(0), "eldr_emu_requests_aborted_total{role=\"decode\"}") +
+           stack.EngineMetric(stack.decode_port(1), "eldr_emu_requests_aborted_total{role=\"decode\"}");
+  };
+  while (absl::Now() < deadline && aborted() < 1) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(aborted(), 1) << stack.Logs();
+  EXPECT_TRUE(stack.LeasesBackToZero());
+  EXPECT_EQ(stack.RouterMetric("eldr_complete_requests_total{outcome=\"released\"}"), 1);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_requests_total{endpoint=\"completions\",outcome=\"client_gone\"}"), 1);
+}
+
+TEST(ProxyIntegration, ADeadPrefillInstanceIsRetriedOnAnother) {
+  StackOptions options;
+  options.dead_prefill_first = true;
+  options.proxy_args = {"--prefill_policy=round_robin"};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 6; ++trace) {
+    absl::StatusOr<http::FetchedResponse> answer =
+        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 3, true));
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    ASSERT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
+    EXPECT_EQ(StreamedTokens(answer->body, false), ExpectedTokens(trace, 3));
+  }
+  EXPECT_GE(stack.ProxyMetric("eldr_proxy_prefill_retries_total"), 3);
+  EXPECT_GE(stack.ProxyMetric("eldr_proxy_upstream_errors_total{kind=\"connect\",phase=\"prefill\"}"), 3);
+  EXPECT_TRUE(stack.LeasesBackToZero());
+}
+
+TEST(ProxyIntegration, ADeadDecodeWorkerIsReroutedBeforeTheFirstByte) {
+  StackOptions options;
+  options.dead_decode_worker = true;
+  options.router_policy = "rr";  // the dead worker gets its turns
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 6; ++trace) {
+    absl::StatusOr<http::FetchedResponse> answer =
+        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 3, true));
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    ASSERT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
+    EXPECT_EQ(StreamedTokens(answer->body, false), ExpectedTokens(trace, 3));
+  }
+  EXPECT_GE(stack.ProxyMetric("eldr_proxy_decode_reroutes_total"), 2);
+  EXPECT_TRUE(stack.LeasesBackToZero());
+  // Each route that went to the dead worker was completed before the re-route: released == routes.
+  EXPECT_EQ(stack.RouterMetric("eldr_complete_requests_total{outcome=\"released\"}"),
+            6 + stack.ProxyMetric("eldr_proxy_decode_reroutes_total"));
+}
+
+TEST(ProxyIntegration, TheReferenceSignatureKeyIsRoutedByLocality) {
+  StackOptions options;
+  options.signature_key = "eldr_sig";
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 4; ++trace) {
+    absl::StatusOr<http::FetchedResponse> answer =
+        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 2, false));
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    ASSERT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
+  }
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_signatures_total{source=\"eldr_sig\"}"), 4);
+  EXPECT_EQ(stack.RouterMetric("eldr_route_requests_total{outcome=\"ok\",policy=\"eldr\"}"), 4);
+}
+
+TEST(ProxyIntegration, MalformedBodiesGet400WithTheReason) {
+  Stack stack({});
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"{", "parse error"},
+      {"[1, 2]", "object"},
+      {"{\"max_tokens\": 3}", "prompt"},
+      {"{\"prompt\": \"x\", \"n\": 2}", "n"},
+      {"{\"prompt\": \"x\", \"max_tokens\": 0}", "max_tokens"},
+  };
+  for (const auto& [body, reason] : cases) {
+    absl::StatusOr<http::FetchedResponse> answer = Post(*client, stack.proxy_port(), "/v1/completions", body);
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    EXPECT_EQ(answer->head.status, 400) << body;
+    EXPECT_THAT(answer->body, HasSubstr(reason)) << body;
+    EXPECT_THAT(answer->body, HasSubstr("\"code\":400")) << body;
+  }
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_requests_total{endpoint=\"completions\",outcome=\"client_error\"}"),
+            static_cast<double>(cases.size()));
+  // Nothing reached the router.
+  EXPECT_EQ(stack.RouterMetric("eldr_route_requests_total{outcome=\"ok\",policy=\"eldr\"}"), 0);
+  // Other endpoints.
+  EXPECT_TRUE(HttpGet(stack.proxy_port(), "/health").ok());
+  EXPECT_TRUE(HttpGet(stack.proxy_port(), "/readyz").ok());
+  absl::StatusOr<std::string> models = HttpGet(stack.proxy_port(), "/v1/models");
+  ASSERT_TRUE(models.ok()) << models.status();
+  EXPECT_THAT(*models, HasSubstr("\"object\":\"list\""));
+}
+
+TEST(ProxyIntegration, TheAbSplitRoutesItsBaselineArmByTheBaselinePolicy) {
+  StackOptions options;
+  options.proxy_args = {"--ab_baseline_fraction=0.5", "--ab_baseline_policy=rr"};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 24; ++trace) {
+    absl::StatusOr<http::FetchedResponse> answer =
+        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 2, true));
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    ASSERT_EQ(answer->head.status, 200) << answer->body;
+  }
+  const double baseline = stack.ProxyMetric("eldr_proxy_e2e_seconds_count{decision=\"baseline\",policy=\"rr\"}");
+  const double locality = stack.ProxyMetric("eldr_proxy_e2e_seconds_count{decision=\"locality\",policy=\"eldr\"}");
+  EXPECT_GT(baseline, 0);
+  EXPECT_GT(locality, 0);
+  EXPECT_EQ(baseline + locality, 24);
+  EXPECT_EQ(stack.RouterMetric("eldr_route_requests_total{outcome=\"ok\",policy=\"rr\"}"), baseline);
+}
+
+TEST(ProxyIntegration, WithoutTheRouterTheProxyRoutesByItsStaticList) {
+  StackOptions options;
+  options.router = false;
+  options.proxy_args = {absl::StrCat("--router=127.0.0.1:", DeadPort()), "--route_timeout=200ms"};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 4; ++trace) {
+    absl::StatusOr<http::FetchedResponse> answer =
+        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 2, true));
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    ASSERT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
+    EXPECT_EQ(StreamedTokens(answer->body, false), ExpectedTokens(trace, 2));
+  }
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 4);
+}
+
+}  // namespace
+}  // namespace eldr::proxy
