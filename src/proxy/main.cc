@@ -13,8 +13,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "eldr/common/file.h"
 #include "eldr/proxy/proxy.h"
@@ -35,8 +35,9 @@ ABSL_FLAG(std::string, router_token_file, "", "File with the router's data-plane
 ABSL_FLAG(absl::Duration, route_timeout, absl::Seconds(1), "Deadline of one Route call.");
 ABSL_FLAG(std::string, prefill_policy, "prefix_hash", "prefix_hash, least_loaded or round_robin.");
 ABSL_FLAG(int64_t, prefill_prefix_bytes, 1024, "prefix_hash: bytes of the prompt that pick the instance.");
-ABSL_FLAG(double, prefill_load_factor, 1.25, "prefix_hash: bounded-load factor (an instance holds at most "
-                                             "factor x the mean in flight).");
+ABSL_FLAG(double, prefill_load_factor, 1.25,
+          "prefix_hash: bounded-load factor (an instance holds at most "
+          "factor x the mean in flight).");
 ABSL_FLAG(double, ab_baseline_fraction, 0,
           "Share of requests routed by --ab_baseline_policy instead of eldr (live A/B comparison).");
 ABSL_FLAG(std::string, ab_baseline_policy, "jsq", "The A/B baseline: rr, random, jsq or p2c.");
@@ -141,8 +142,9 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "eldr-proxy: listening on port %d (%zu prefill instances, router %s)\n", (*proxy)->port(),
                options.prefill.size(), options.router.target.empty() ? "none" : options.router.target.c_str());
   if (const std::string port_file = absl::GetFlag(FLAGS_port_file); !port_file.empty()) {
-    const std::string text = absl::StrCat("{\"port\": ", (*proxy)->port(), ", \"metrics_port\": ",
-                                          (*proxy)->metrics_port(), ", \"pid\": ", getpid(), "}\n");
+    const std::string text =
+        absl::StrCat("{\"port\": ", (*proxy)->port(), ", \"metrics_port\": ", (*proxy)->metrics_port(),
+                     ", \"pid\": ", getpid(), "}\n");
     if (absl::Status written = eldr::WriteFileAtomically(port_file, text); !written.ok()) {
       std::fprintf(stderr, "eldr-proxy: --port_file: %s\n", std::string(written.message()).c_str());
       return 1;

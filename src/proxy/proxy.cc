@@ -17,8 +17,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "boost/asio/io_context.hpp"
 #include "boost/asio/executor_work_guard.hpp"
+#include "boost/asio/io_context.hpp"
 #include "boost/asio/post.hpp"
 #include "boost/asio/steady_timer.hpp"
 #include "eldr/http/sse.h"
@@ -121,15 +121,14 @@ absl::Status ValidateProxyOptions(const ProxyOptions& options) {
   if (options.ab.baseline_fraction > 0 && options.router.target.empty()) {
     return absl::InvalidArgumentError("ProxyOptions.ab: an A/B split needs eldr-router (router.target)");
   }
-  for (const auto& [name, value] :
-       {std::pair<const char*, absl::Duration>{"connect_timeout", options.connect_timeout},
-        {"prefill_timeout", options.prefill_timeout},
-        {"first_token_timeout", options.first_token_timeout},
-        {"stream_idle_timeout", options.stream_idle_timeout},
-        {"request_timeout", options.request_timeout},
-        {"shutdown_grace", options.shutdown_grace},
-        {"router.route_timeout", options.router.route_timeout},
-        {"router.complete_timeout", options.router.complete_timeout}}) {
+  for (const auto& [name, value] : {std::pair<const char*, absl::Duration>{"connect_timeout", options.connect_timeout},
+                                    {"prefill_timeout", options.prefill_timeout},
+                                    {"first_token_timeout", options.first_token_timeout},
+                                    {"stream_idle_timeout", options.stream_idle_timeout},
+                                    {"request_timeout", options.request_timeout},
+                                    {"shutdown_grace", options.shutdown_grace},
+                                    {"router.route_timeout", options.router.route_timeout},
+                                    {"router.complete_timeout", options.router.complete_timeout}}) {
     if (value <= absl::ZeroDuration() && std::string(name) != "shutdown_grace") {
       return absl::InvalidArgumentError(absl::StrCat("ProxyOptions.", name, " must be > 0"));
     }
@@ -210,7 +209,8 @@ class SerialExecutor {
 // it.
 class ProxyCall : public std::enable_shared_from_this<ProxyCall> {
  public:
-  ProxyCall(ProxyImpl* proxy, Endpoint endpoint, http::HttpRequest request, std::shared_ptr<http::ResponseStream> stream);
+  ProxyCall(ProxyImpl* proxy, Endpoint endpoint, http::HttpRequest request,
+            std::shared_ptr<http::ResponseStream> stream);
   ~ProxyCall();
 
   void Start();
@@ -439,7 +439,7 @@ void ProxyCall::OnPrefillAnswer(absl::StatusOr<http::FetchedResponse> answer, co
   if (ended_) return;
   if (!answer.ok()) {
     const bool timeout = absl::IsDeadlineExceeded(answer.status());
-    proxy_->metrics().RecordUpstreamError("prefill", timeout ? "timeout"
+    proxy_->metrics().RecordUpstreamError("prefill", timeout                                ? "timeout"
                                                      : absl::IsUnavailable(answer.status()) ? "connect"
                                                                                             : "malformed");
     RetryPrefillOrFail(instance, timeout ? 504 : 502,
@@ -458,7 +458,8 @@ void ProxyCall::OnPrefillAnswer(absl::StatusOr<http::FetchedResponse> answer, co
     http::HttpResponse response;
     response.status = status >= 200 && status <= 599 ? status : 502;
     response.content_type = std::string(answer->head.Header("Content-Type").value_or("application/json"));
-    response.body = answer->body.size() <= kMaxErrorBodyBytes ? std::move(answer->body) : answer->body.substr(0, kMaxErrorBodyBytes);
+    response.body = answer->body.size() <= kMaxErrorBodyBytes ? std::move(answer->body)
+                                                              : answer->body.substr(0, kMaxErrorBodyBytes);
     if (std::optional<absl::string_view> retry = answer->head.Header("Retry-After")) {
       response.headers.emplace_back("Retry-After", std::string(*retry));
     }
@@ -568,8 +569,7 @@ void ProxyCall::OnRouted(absl::StatusOr<eldr::v1::RouteResponse> routed) {
 void ProxyCall::RouteStatically(absl::string_view why) {
   std::optional<std::string> worker = proxy_->NextStaticWorker(decode_tried_);
   if (!worker.has_value()) {
-    FailBeforeAnswer(503, absl::StrCat("no decode worker can take the request: ", why),
-                     RequestOutcome::kUpstreamError);
+    FailBeforeAnswer(503, absl::StrCat("no decode worker can take the request: ", why), RequestOutcome::kUpstreamError);
     return;
   }
   proxy_->metrics().RecordStaticRoute();
@@ -626,10 +626,9 @@ void ProxyCall::OnDecodeHead(const http::ClientResponseHead& head) {
   began_ = true;
   std::vector<std::pair<std::string, std::string>> headers = {{"X-Request-Id", request_id_},
                                                               {"Cache-Control", "no-cache"}};
-  stream_->Begin(200,
-                 std::string(head.Header("Content-Type")
-                                 .value_or(client_.stream ? "text/event-stream" : "application/json")),
-                 std::move(headers));
+  stream_->Begin(
+      200, std::string(head.Header("Content-Type").value_or(client_.stream ? "text/event-stream" : "application/json")),
+      std::move(headers));
 }
 
 void ProxyCall::OnDecodeBody(std::string piece) {
@@ -684,8 +683,8 @@ void ProxyCall::OnDecodeDone(const http::ClientResult& result) {
     ended_ = true;
     stream_->Respond(std::move(response));
     CompleteLease();
-    proxy_->metrics().RecordRequest(EndpointLabel(endpoint_), decode_status_ >= 500 ? RequestOutcome::kUpstreamError
-                                                                                    : RequestOutcome::kOk);
+    proxy_->metrics().RecordRequest(EndpointLabel(endpoint_),
+                                    decode_status_ >= 500 ? RequestOutcome::kUpstreamError : RequestOutcome::kOk);
     proxy_->Count(decode_status_ >= 500 ? &ProxyStats::upstream_errors : &ProxyStats::completed);
     return;
   }
@@ -711,8 +710,7 @@ void ProxyCall::OnDecodeDone(const http::ClientResult& result) {
                        RequestOutcome::kUpstreamError);
       return;
     }
-    proxy_->metrics().RecordUpstreamError("decode",
-                                          absl::IsDeadlineExceeded(result.status) ? "timeout" : "malformed");
+    proxy_->metrics().RecordUpstreamError("decode", absl::IsDeadlineExceeded(result.status) ? "timeout" : "malformed");
     FailBeforeAnswer(absl::IsDeadlineExceeded(result.status) ? 504 : 502,
                      absl::StrCat("decode worker ", worker_id_, ": ", result.status.message()),
                      RequestOutcome::kUpstreamError);
@@ -879,10 +877,9 @@ absl::Status ProxyImpl::Start() {
                          [this](http::HttpRequest request, std::shared_ptr<http::ResponseStream> stream) {
                            HandleCompletions(Endpoint::kChatCompletions, std::move(request), std::move(stream));
                          });
-  routes.HandleStreaming("/v1/models", {"GET"},
-                         [this](http::HttpRequest, std::shared_ptr<http::ResponseStream> stream) {
-                           HandleModels(std::move(stream), 0);
-                         });
+  routes.HandleStreaming(
+      "/v1/models", {"GET"},
+      [this](http::HttpRequest, std::shared_ptr<http::ResponseStream> stream) { HandleModels(std::move(stream), 0); });
   AddOpsRoutes(routes);
   http::HttpServerOptions server_options = options_.server;
   server_options.max_body_bytes = std::min(server_options.max_body_bytes, options_.max_request_bytes);
@@ -898,7 +895,8 @@ absl::Status ProxyImpl::Start() {
     http::HttpServerOptions ops_options;
     ops_options.listen = options_.metrics_listen;
     ops_options.max_connections = 64;
-    absl::StatusOr<std::unique_ptr<http::HttpServer>> ops_server = http::HttpServer::Create(ops_options, std::move(ops));
+    absl::StatusOr<std::unique_ptr<http::HttpServer>> ops_server =
+        http::HttpServer::Create(ops_options, std::move(ops));
     if (!ops_server.ok()) return ops_server.status();
     metrics_server_ = *std::move(ops_server);
     if (absl::Status started = metrics_server_->Start(); !started.ok()) return started;

@@ -35,8 +35,8 @@ const prometheus::Histogram::BucketBoundaries& TtftBuckets() {
 }
 const prometheus::Histogram::BucketBoundaries& TpotBuckets() {
   static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
-      0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.0225, 0.025, 0.0275, 0.03, 0.035,
-      0.04,  0.05,   0.06,  0.075,  0.1,  0.15,   0.2,   0.3,    0.5,  0.75,   1,     2};
+      0.001, 0.0025, 0.005, 0.0075, 0.01,  0.0125, 0.015, 0.0175, 0.02, 0.0225, 0.025, 0.0275, 0.03,
+      0.035, 0.04,   0.05,  0.06,   0.075, 0.1,    0.15,  0.2,    0.3,  0.5,    0.75,  1,      2};
   return *buckets;
 }
 

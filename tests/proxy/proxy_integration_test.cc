@@ -61,10 +61,10 @@ const std::string& CentroidsFile() {
   static const std::string* path = [] {
     static TempDir dir;
     auto* file = new std::string(dir.File("centroids.json"));
-    eldr::testing::ProcessResult calibrated =
-        RunProcess(BinaryPath("eldr-calibrate"), {"--trace=" + DataDir(), "--prefill_fraction=0.5", "--clusters=2",
-                                                  "--workers=d0,d1", "--out=" + *file},
-                   absl::Seconds(120));
+    eldr::testing::ProcessResult calibrated = RunProcess(
+        BinaryPath("eldr-calibrate"),
+        {"--trace=" + DataDir(), "--prefill_fraction=0.5", "--clusters=2", "--workers=d0,d1", "--out=" + *file},
+        absl::Seconds(120));
     if (calibrated.exit_code != 0) {
       ADD_FAILURE() << "eldr-calibrate failed: " << calibrated.stderr_text;
     }
@@ -95,7 +95,8 @@ class Stack {
     for (int i = 0; i < options_.prefill; ++i) prefill_ports_.push_back(StartEngine("prefill", i));
     if (options_.router) {
       std::vector<std::string> workers;
-      for (int i = 0; i < options_.decode; ++i) workers.push_back(absl::StrCat("d", i, "=127.0.0.1:", decode_ports_[i]));
+      for (int i = 0; i < options_.decode; ++i)
+        workers.push_back(absl::StrCat("d", i, "=127.0.0.1:", decode_ports_[i]));
       if (options_.dead_decode_worker) workers.push_back(absl::StrCat("dead=127.0.0.1:", DeadPort()));
       absl::StatusOr<eldr::testing::RouterChild> router = eldr::testing::StartRouter(
           dir_, {"--workers=" + absl::StrJoin(workers, ","), "--centroids=" + CentroidsFile(),
@@ -242,9 +243,8 @@ std::vector<std::string> ExpectedTokens(int trace, int count) {
 }
 
 std::string CompletionBody(int trace, int max_tokens, bool stream) {
-  nlohmann::json body = {{"prompt", absl::StrCat("eldr-trace:", trace, " tell me more")},
-                         {"max_tokens", max_tokens},
-                         {"stream", stream}};
+  nlohmann::json body = {
+      {"prompt", absl::StrCat("eldr-trace:", trace, " tell me more")}, {"max_tokens", max_tokens}, {"stream", stream}};
   if (stream) body["stream_options"] = {{"include_usage", true}};
   return body.dump();
 }
@@ -276,9 +276,8 @@ TEST(ProxyIntegration, CompletionsAndChatStreamedAndNotInOrderWithOneCompletePer
     EXPECT_EQ(answer["choices"][0]["text"], absl::StrJoin(ExpectedTokens(trace, 5), ""));
     EXPECT_EQ(answer["usage"]["completion_tokens"], 5);
   }
-  nlohmann::json chat = {{"messages", {{{"role", "user"}, {"content", "eldr-trace:9 hi"}}}},
-                         {"max_tokens", 6},
-                         {"stream", true}};
+  nlohmann::json chat = {
+      {"messages", {{{"role", "user"}, {"content", "eldr-trace:9 hi"}}}}, {"max_tokens", 6}, {"stream", true}};
   absl::StatusOr<http::FetchedResponse> chat_streamed =
       Post(*client, stack.proxy_port(), "/v1/chat/completions", chat.dump());
   ++requests;
