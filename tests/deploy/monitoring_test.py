@@ -16,7 +16,7 @@ import deploy_testlib as lib
 def metrics_defined_in_source():
     """Metric family names the daemon's sources register (string literals "eldr_..." and "process_...")."""
     names = set()
-    for folder in ("src/server", "src/core", "src/loadsignals", "src/calib"):
+    for folder in ("src/server", "src/core", "src/loadsignals", "src/calib", "src/refit", "src/metrics", "src/proxy"):
         root = os.path.join(lib.SOURCE_DIR, folder)
         if not os.path.isdir(root):
             continue

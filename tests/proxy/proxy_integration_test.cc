@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -82,6 +83,7 @@ struct StackOptions {
   bool dead_prefill_first = false;  // a dead instance listed before the live one(s)
   bool dead_decode_worker = false;  // the router's pool holds a worker nobody listens on
   std::vector<std::string> proxy_args;
+  std::vector<std::string> prefill_args;  // appended to every prefill engine's flags (later flags win)
   double time_scale = 0.02;
 };
 
@@ -156,6 +158,12 @@ class Stack {
     }
     return false;
   }
+  // SIGKILLs every decode engine (an engine crash in the middle of answers).
+  void KillDecodeEngines() {
+    for (auto& engine : engines_) {
+      if (absl::StrContains(engine->log_path(), "/decode")) engine->Signal(SIGKILL);
+    }
+  }
   std::string Logs() const {
     std::string out = absl::StrCat("--- proxy ---\n", proxy_ != nullptr ? proxy_->Log() : "");
     for (const auto& engine : engines_) absl::StrAppend(&out, "--- ", engine->log_path(), " ---\n", engine->Log(4096));
@@ -172,7 +180,10 @@ class Stack {
                                      "--trace=" + DataDir(),
                                      absl::StrCat("--time_scale=", options_.time_scale),
                                      "--engine_id=" + role + std::to_string(index)};
-    if (role == "prefill") args.push_back("--signature_key=" + options_.signature_key);
+    if (role == "prefill") {
+      args.push_back("--signature_key=" + options_.signature_key);
+      args.insert(args.end(), options_.prefill_args.begin(), options_.prefill_args.end());
+    }
     absl::StatusOr<std::unique_ptr<ChildProcess>> engine =
         ChildProcess::Spawn(args, dir_.File(absl::StrCat(role, index, ".log")));
     EXPECT_TRUE(engine.ok()) << engine.status();
@@ -468,6 +479,146 @@ TEST(ProxyIntegration, WithoutTheRouterTheProxyRoutesByItsStaticList) {
     EXPECT_EQ(StreamedTokens(answer->body, false), ExpectedTokens(trace, 2));
   }
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 4);
+}
+
+// An engine that dies mid-answer: the client's stream ends with an error event and [DONE] (it
+// never looks like a complete answer), and the lease is released.
+TEST(ProxyIntegration, AnEngineThatDiesMidStreamEndsTheStreamWithAnErrorEvent) {
+  StackOptions options;
+  options.time_scale = 0.2;
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  http::ClientRequest request;
+  request.method = "POST";
+  request.host = "127.0.0.1";
+  request.port = stack.proxy_port();
+  request.target = "/v1/completions";
+  request.headers = {{"Content-Type", "application/json"}};
+  request.body = CompletionBody(11, 5000, true);
+  absl::Notification got_tokens;
+  absl::Notification done;
+  absl::Mutex mu;
+  std::string received;
+  http::ClientResult result;
+  http::ClientCallbacks callbacks;
+  callbacks.on_body = [&](absl::string_view piece) {
+    absl::MutexLock lock(&mu);
+    received.append(piece.data(), piece.size());
+    if (StreamedTokens(received, false).size() >= 3 && !got_tokens.HasBeenNotified()) got_tokens.Notify();
+  };
+  callbacks.on_done = [&](const http::ClientResult& r) {
+    {
+      absl::MutexLock lock(&mu);
+      result = r;
+    }
+    done.Notify();
+  };
+  auto call = client->Start(std::move(request), std::move(callbacks));
+  ASSERT_TRUE(got_tokens.WaitForNotificationWithTimeout(absl::Seconds(30))) << stack.Logs();
+  stack.KillDecodeEngines();
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(20))) << stack.Logs();
+  absl::MutexLock lock(&mu);
+  EXPECT_TRUE(result.status.ok()) << result.status;  // the proxy ended its stream properly
+  const std::vector<std::string> events = EventData(received);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  EXPECT_THAT(events[events.size() - 2], HasSubstr("\"error\""));
+  EXPECT_THAT(events[events.size() - 2], HasSubstr("broke off"));
+  EXPECT_TRUE(stack.LeasesBackToZero());
+  EXPECT_GE(stack.ProxyMetric("eldr_proxy_upstream_errors_total{kind=\"mid_stream\",phase=\"decode\"}"), 1);
+}
+
+// A body over --max_request_bytes is 413; an engine's 429 reaches the client as it came.
+TEST(ProxyIntegration, LimitsAnswer413AndAnEnginesOverloadPasses429Through) {
+  StackOptions options;
+  options.proxy_args = {"--max_request_bytes=4096"};
+  // One prefill at a time, 1.5 s each, at most one waiting: concurrent requests overflow it.
+  options.prefill_args = {"--max_waiting=1", "--time_scale=1", "--prefill_fixed_us=1500000"};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  nlohmann::json big = {{"prompt", std::string(8000, 'x')}, {"max_tokens", 2}};
+  absl::StatusOr<http::FetchedResponse> oversized = Post(*client, stack.proxy_port(), "/v1/completions", big.dump());
+  ASSERT_TRUE(oversized.ok()) << oversized.status();
+  EXPECT_EQ(oversized->head.status, 413);
+
+  absl::Mutex mu;
+  std::vector<int> statuses;
+  std::vector<std::string> bodies;
+  absl::BlockingCounter finished(4);
+  for (int i = 0; i < 4; ++i) {
+    http::ClientRequest request;
+    request.method = "POST";
+    request.host = "127.0.0.1";
+    request.port = stack.proxy_port();
+    request.target = "/v1/completions";
+    request.headers = {{"Content-Type", "application/json"}};
+    request.body = CompletionBody(i, 2, false);
+    http::Fetch(*client, std::move(request), 1 << 20, [&](absl::StatusOr<http::FetchedResponse> answer) {
+      absl::MutexLock lock(&mu);
+      statuses.push_back(answer.ok() ? answer->head.status : -1);
+      bodies.push_back(answer.ok() ? answer->body : std::string(answer.status().message()));
+      finished.DecrementCount();
+    });
+  }
+  finished.Wait();
+  absl::MutexLock lock(&mu);
+  int ok = 0;
+  int overloaded = 0;
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    if (statuses[i] == 200) ++ok;
+    if (statuses[i] == 429) {
+      ++overloaded;
+      EXPECT_THAT(bodies[i], HasSubstr("TooManyRequestsError"));
+    }
+  }
+  EXPECT_GE(ok, 1) << absl::StrJoin(statuses, ",");
+  EXPECT_GE(overloaded, 1) << absl::StrJoin(statuses, ",");
+  EXPECT_EQ(ok + overloaded, 4) << absl::StrJoin(statuses, ",");
+  EXPECT_TRUE(stack.LeasesBackToZero());
+}
+
+// SIGTERM: new requests are refused (or find the port closed), the answer in flight finishes, the
+// proxy exits 0.
+TEST(ProxyIntegration, SigtermLetsAnswersInFlightFinish) {
+  StackOptions options;
+  options.time_scale = 0.5;  // ~8 ms steps: 100 tokens take most of a second
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  http::ClientRequest request;
+  request.method = "POST";
+  request.host = "127.0.0.1";
+  request.port = stack.proxy_port();
+  request.target = "/v1/completions";
+  request.headers = {{"Content-Type", "application/json"}};
+  request.body = CompletionBody(21, 100, true);
+  absl::Notification got_tokens;
+  absl::Notification done;
+  absl::Mutex mu;
+  std::string received;
+  http::ClientCallbacks callbacks;
+  callbacks.on_body = [&](absl::string_view piece) {
+    absl::MutexLock lock(&mu);
+    received.append(piece.data(), piece.size());
+    if (!got_tokens.HasBeenNotified()) got_tokens.Notify();
+  };
+  callbacks.on_done = [&](const http::ClientResult&) { done.Notify(); };
+  auto call = client->Start(std::move(request), std::move(callbacks));
+  ASSERT_TRUE(got_tokens.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  stack.proxy().Signal(SIGTERM);
+  absl::SleepFor(absl::Milliseconds(100));
+  absl::StatusOr<http::FetchedResponse> late =
+      Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(1, 2, false));
+  if (late.ok()) EXPECT_EQ(late->head.status, 503);
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(StreamedTokens(received, false), ExpectedTokens(21, 100));
+  }
+  EXPECT_EQ(stack.proxy().Wait(absl::Seconds(10)).value_or(-1), 0) << stack.Logs();
+  EXPECT_TRUE(stack.LeasesBackToZero());
 }
 
 }  // namespace
