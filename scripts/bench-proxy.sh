@@ -55,7 +55,8 @@ cpu_seconds() {  # utime + stime of a process, in seconds
   $PY -c 'import os,sys; f=open(f"/proc/{sys.argv[1]}/stat").read().rsplit(")",1)[1].split(); print((int(f[11])+int(f[12]))/os.sysconf("SC_CLK_TCK"))' "$1"
 }
 
-# Engines: one prefill, two decode; big batches so the engines never queue the load.
+# Engines: one prefill, one decode (every target loads the same decode engine the same way); big
+# batches so the engines never queue the load.
 ENGINE_FLAGS=(--trace="$DATA" --kv_transfer_us=0 --prefill_fixed_us=0 --prefill_token_us=0 --max_batch=4096 --max_waiting=100000)
 start_engine() {  # start_engine ROLE NAME
   "$BIN/eldr-engine-emu" --role="$1" --listen=127.0.0.1:0 --port_file="$OUT/$2.json" --engine_id="$2" \
@@ -64,27 +65,25 @@ start_engine() {  # start_engine ROLE NAME
 }
 start_engine prefill prefill0
 start_engine decode decode0
-start_engine decode decode1
 P0=$(port_of "$OUT/prefill0.json" port)
 D0=$(port_of "$OUT/decode0.json" port)
-D1=$(port_of "$OUT/decode1.json" port)
 
-"$BIN/eldr-calibrate" --trace="$DATA" --prefill_fraction=0.5 --clusters=2 --workers=d0,d1 \
+"$BIN/eldr-calibrate" --trace="$DATA" --prefill_fraction=0.5 --clusters=1 --workers=d0 \
   --out="$OUT/centroids.json" >"$OUT/calibrate.log" 2>&1
 "$BIN/eldr-router" --listen=127.0.0.1:0 --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
-  --port_file="$OUT/router.json" --workers="d0=127.0.0.1:$D0,d1=127.0.0.1:$D1" \
+  --port_file="$OUT/router.json" --workers="d0=127.0.0.1:$D0" \
   --centroids="$OUT/centroids.json" --refit_interval=0 --log_level=warning 2>"$OUT/router.log" &
 PIDS+=($!)
 R=$(port_of "$OUT/router.json" grpc_port)
 
 "$BIN/eldr-proxy" --listen=127.0.0.1:0 --port_file="$OUT/eldr-proxy.json" --prefill="127.0.0.1:$P0" \
-  --decode="127.0.0.1:$D0,127.0.0.1:$D1" --router="127.0.0.1:$R" 2>"$OUT/eldr-proxy.log" &
+  --decode="127.0.0.1:$D0" --router="127.0.0.1:$R" 2>"$OUT/eldr-proxy.log" &
 ELDR_PID=$!
 PIDS+=($ELDR_PID)
 E=$(port_of "$OUT/eldr-proxy.json" port)
 
 $PY "$ROOT/bench/pd_proxy_baseline.py" --port=0 --port_file="$OUT/python-proxy.json" --prefill="127.0.0.1:$P0" \
-  --decode="127.0.0.1:$D0,127.0.0.1:$D1" 2>"$OUT/python-proxy.log" &
+  --decode="127.0.0.1:$D0" 2>"$OUT/python-proxy.log" &
 PYTHON_PID=$!
 PIDS+=($PYTHON_PID)
 Y=$(port_of "$OUT/python-proxy.json" port)

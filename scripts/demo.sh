@@ -5,7 +5,8 @@
 #
 #   1. core_routing  the core library routes every request of the traces in-process (a glance at
 #                    what ELDR decides and how fast);
-#   2. calibrate     eldr-calibrate fits one centroid per decode worker on the traces;
+#   2. calibrate     one centroid per decode worker, fitted on the calibration half of the traces
+#                    (eldr-loadgen sends requests of the other half);
 #   3. start_stack   eldr-engine-emu engines (2 prefill, 4 decode: continuous batching whose step
 #                    time follows the cost model on the real experts of each request), two
 #                    eldr-router daemons (policy eldr with the centroids, and jsq) and an eldr-proxy
@@ -104,17 +105,15 @@ stage_core_routing() {
   "$BIN/eldr-route-demo" --data_dir="$DATA_DIR" ${ELDR_DEMO_ROUTE_ARGS:-}
 }
 
-WORKER_IDS=()
-# Stage 2: calibration with the offline tool, on the bundled traces.
+# Stage 2: eldr's centroids, one per decode worker, calibrated on the calibration half of the
+# traces (the split eldr-sim and eldr-loadgen share: the requests sent later are the other half,
+# so no request is routed by centroids it helped to fit).
 stage_calibrate() {
-  banner "Calibration: eldr-calibrate on the bundled real traces"
-  need eldr-calibrate
+  banner "Calibration: one centroid per decode worker on the calibration half of the bundled traces"
+  need eldr-sim
   mkdir -p "$WORK_DIR"
-  WORKER_IDS=()
-  for ((i = 0; i < DEMO_WORKERS; i++)); do WORKER_IDS+=("decode-$i"); done
-  "$BIN/eldr-calibrate" --trace="$DATA_DIR" --prefill_fraction=0.5 --clusters="$DEMO_WORKERS" \
-    --workers="$(IFS=,; echo "${WORKER_IDS[*]}")" --out="$WORK_DIR/centroids.json" \
-    --report="$WORK_DIR/calibration-report.json"
+  "$BIN/eldr-sim" --trace="$DATA_DIR" --prefill_fraction=0.5 --decoders="$DEMO_WORKERS" --policies=eldr \
+    --rates=10 --requests=50 --centroids_out="$WORK_DIR/centroids.json" 2>&1 | grep -E "^(workload|calibrated)"
   echo "centroids written to $WORK_DIR/centroids.json"
 }
 
@@ -243,6 +242,18 @@ stage_stop_stack() {
   echo "every process stopped"
 }
 
+# --simulator, stage 1: calibration with the offline tool, on the bundled traces.
+stage_calibrate_offline() {
+  banner "Calibration: eldr-calibrate on the bundled real traces"
+  need eldr-calibrate
+  local workers=()
+  for ((i = 0; i < DEMO_WORKERS; i++)); do workers+=("decode-$i"); done
+  "$BIN/eldr-calibrate" --trace="$DATA_DIR" --prefill_fraction=0.5 --clusters="$DEMO_WORKERS" \
+    --workers="$(IFS=,; echo "${workers[*]}")" --out="$WORK_DIR/centroids.json" \
+    --report="$WORK_DIR/calibration-report.json"
+  echo "centroids written to $WORK_DIR/centroids.json"
+}
+
 # --simulator: eldr-sim replays the traces onto simulated decode workers, every Route and Complete
 # of eldr going through eldr-router over gRPC, against the four load balancers.
 stage_start_router() {
@@ -283,7 +294,7 @@ stage_simulate() {
 if [[ $MODE == stack ]]; then
   STAGES=(core_routing calibrate start_stack drive report stop_stack)
 else
-  STAGES=(calibrate start_router simulate stop_stack)
+  STAGES=(calibrate_offline start_router simulate stop_stack)
 fi
 
 if [[ ! -d "$DATA_DIR" ]]; then

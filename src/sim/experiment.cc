@@ -343,6 +343,7 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload, const E
                                            [](const PolicySpec& p) { return p.kind == PolicyKind::kEldr; });
   if (needs_centroids) {
     ELDR_ASSIGN_OR_RETURN(centroids, CalibrateCentroids(workload, options, &result));
+    result.centroids = centroids;
   }
 
   for (double rate : result.rates) {

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "eldr/calib/calibration.h"
+#include "eldr/core/centroid_artifact.h"
 #include "eldr/core/policy.h"
 #include "eldr/core/signature.h"
 #include "sim/simulator.h"
@@ -87,6 +88,9 @@ struct ExperimentResult {
   double tau = 0;
   std::vector<double> rates;
   std::vector<ExperimentCell> cells;  // rate-major, policies in the given order
+  // eldr's centroids as calibrated on the calibration split (rows unnamed: the pool's order);
+  // empty (k == 0) when no eldr policy ran.
+  CentroidArtifact centroids;
 };
 
 absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload, const ExperimentOptions& options);

@@ -105,6 +105,9 @@ ABSL_FLAG(double, cooldown_fraction, kCluster.cooldown_fraction, "Share of last 
 ABSL_FLAG(bool, json, false, "Print one JSON object on stdout instead of the table");
 ABSL_FLAG(bool, csv, false, "Print CSV on stdout instead of the table");
 ABSL_FLAG(std::string, json_out, "", "Also write the JSON object to this file");
+ABSL_FLAG(std::string, centroids_out, "",
+          "Also write eldr's centroids, calibrated on the calibration split, to this file (a centroid artifact "
+          "eldr-router loads; rows in pool order)");
 ABSL_FLAG(std::string, csv_out, "", "Also write the CSV to this file");
 ABSL_FLAG(std::string, plot, "", "Write the figure (PNG: TPOT CDFs, median/P99 bars) to this file");
 ABSL_FLAG(std::string, plot_script, ELDR_SIM_DEFAULT_PLOT_SCRIPT, "The plotting script");
@@ -296,6 +299,10 @@ int main(int argc, char** argv) {
   if (!result.ok()) return Fail(result.status());
 
   // Outputs.
+  if (const std::string path = absl::GetFlag(FLAGS_centroids_out); !path.empty()) {
+    if (result->centroids.k == 0) return Fail(absl::InvalidArgumentError("--centroids_out needs policy eldr"));
+    if (absl::Status s = eldr::SaveCentroidArtifact(result->centroids, path); !s.ok()) return Fail(s);
+  }
   if (const std::string path = absl::GetFlag(FLAGS_json_out); !path.empty()) {
     if (absl::Status s = eldr::WriteFileAtomically(path, eldr::sim::ToJson(*result, false).dump(2) + "\n"); !s.ok()) {
       return Fail(s);
