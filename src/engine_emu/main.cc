@@ -6,7 +6,6 @@
 // Startup errors (bad flags, traces not found, address in use) print one line and exit 2.
 // SIGTERM or SIGINT: stop accepting, close the connections, exit 0.
 #include <signal.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
+#include "eldr/common/daemon.h"
 #include "eldr/common/file.h"
 #include "engine_emu/catalog.h"
 #include "engine_emu/service.h"
@@ -193,20 +193,9 @@ absl::StatusOr<eldr::engine_emu::EmuServiceOptions> OptionsFromFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Blocked in every thread created from here on, so the main thread's sigwait receives them.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  // A peer that closed its connection must cost an error code, never the process.
-  signal(SIGPIPE, SIG_IGN);
-  // Thousands of concurrent streams need as many descriptors: the soft limit (often 1024) is
-  // raised to the hard one, best effort.
-  if (struct rlimit files; getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
-    files.rlim_cur = files.rlim_max;
-    setrlimit(RLIMIT_NOFILE, &files);
-  }
+  // Stop signals reach the main thread's wait only; thousands of streams need as many descriptors.
+  const sigset_t stop_signals = eldr::BlockStopSignals();
+  eldr::RaiseOpenFilesLimit();
 
   absl::SetProgramUsageMessage(
       "Emulates a vLLM prefill or decode engine (OpenAI API, kv_transfer_params) without a GPU.\n"
@@ -239,9 +228,7 @@ int main(int argc, char** argv) {
   std::cerr << kProgram << ": " << role << " engine " << (*service)->engine_id() << " serving "
             << absl::GetFlag(FLAGS_model) << " on port " << port << " (" << description << ")" << std::endl;
 
-  int signal_number = 0;
-  while (sigwait(&stop_signals, &signal_number) != 0) {
-  }
+  const int signal_number = eldr::WaitForStopSignal(stop_signals);
   std::cerr << kProgram << ": " << (signal_number == SIGINT ? "SIGINT" : "SIGTERM") << ", stopping" << std::endl;
   (*service)->Stop();
   return 0;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "eldr/openai/errors.h"
 #include "nlohmann/json.hpp"
 
 namespace eldr::engine_emu {
@@ -130,23 +131,6 @@ absl::StatusOr<RemotePrefill> ParseRemotePrefill(const json& params) {
   return remote;
 }
 
-absl::string_view ErrorType(int status) {
-  switch (status) {
-    case 400:
-      return "BadRequestError";
-    case 404:
-      return "NotFoundError";
-    case 409:
-      return "ConflictError";
-    case 429:
-      return "TooManyRequestsError";
-    case 503:
-      return "ServiceUnavailableError";
-    default:
-      return "InternalServerError";
-  }
-}
-
 }  // namespace
 
 absl::string_view RoleName(EngineRole role) { return role == EngineRole::kPrefill ? "prefill" : "decode"; }
@@ -256,15 +240,7 @@ int HttpStatusForError(const absl::Status& status) {
 }
 
 std::string ErrorBody(const absl::Status& status) {
-  const int code = HttpStatusForError(status);
-  nlohmann::ordered_json body;
-  body["object"] = "error";
-  body["message"] = std::string(status.message());
-  body["type"] = std::string(ErrorType(code));
-  body["param"] = nullptr;
-  body["code"] = code;
-  // Replacement of invalid UTF-8 keeps a message quoting a client's bytes serialisable.
-  return body.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+  return openai::ErrorBody(HttpStatusForError(status), status.message());
 }
 
 http::HttpResponse JsonResponse(int status, std::string body, absl::string_view request_id) {

@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "eldr/common/daemon.h"
 #include "eldr/common/file.h"
 #include "eldr/proxy/proxy.h"
 
@@ -74,13 +75,9 @@ int main(int argc, char** argv) {
   // percent of the CPU of each streamed token); the tests run with it, the daemon without.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
-  // Signals go to the main thread only (sigwait below): block them before any thread starts.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  signal(SIGPIPE, SIG_IGN);
+  // Stop signals reach the wait at the end only; thousands of streams need as many descriptors.
+  const sigset_t signals = eldr::BlockStopSignals();
+  eldr::RaiseOpenFilesLimit();
 
   eldr::proxy::ProxyOptions options;
   options.server.listen = absl::GetFlag(FLAGS_listen);
@@ -150,8 +147,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  int received = 0;
-  sigwait(&signals, &received);
+  const int received = eldr::WaitForStopSignal(signals);
   std::fprintf(stderr, "eldr-proxy: signal %d: draining for at most %s\n", received,
                absl::FormatDuration(options.shutdown_grace).c_str());
   (*proxy)->Shutdown(options.shutdown_grace);

@@ -23,6 +23,7 @@
 #include "boost/asio/steady_timer.hpp"
 #include "eldr/http/sse.h"
 #include "eldr/metrics/prometheus.h"
+#include "eldr/openai/errors.h"
 #include "eldr/proxy/openai_protocol.h"
 #include "eldr/proxy/request_id.h"
 #include "eldr/proxy/stream_accounting.h"
@@ -68,7 +69,7 @@ http::HttpResponse JsonError(int status, absl::string_view message) {
   http::HttpResponse response;
   response.status = status;
   response.content_type = "application/json";
-  response.body = OpenAiErrorBody(status, message);
+  response.body = openai::ErrorBody(status, message);
   return response;
 }
 
@@ -720,8 +721,9 @@ void ProxyCall::OnDecodeDone(const http::ClientResult& result) {
   proxy_->metrics().RecordUpstreamError("decode", absl::IsDeadlineExceeded(result.status) ? "timeout" : "mid_stream");
   ended_ = true;
   if (began_ && client_.stream) {
-    stream_->Write(SseErrorEvent(absl::StrCat("the decode worker's answer broke off: ", result.status.message()),
-                                 ErrorTypeForStatus(502), 502));
+    stream_->Write(
+        openai::SseErrorEvent(absl::StrCat("the decode worker's answer broke off: ", result.status.message()),
+                              openai::ErrorTypeForStatus(502), 502));
     stream_->Finish();
   } else if (began_) {
     stream_->Abort();

@@ -77,6 +77,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "eldr/common/daemon.h"
 #include "eldr/http/http_client.h"
 #include "eldr/http/sse.h"
 #include "nlohmann/json.hpp"
@@ -1014,16 +1015,6 @@ absl::Status LoadGenerator::WriteRequests(const std::string& path) {
   return absl::OkStatus();
 }
 
-// Thousands of streams need thousands of descriptors: the soft limit goes up to the hard one.
-void RaiseDescriptorLimit() {
-  rlimit limit{};
-  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
-  if (limit.rlim_cur < limit.rlim_max) {
-    limit.rlim_cur = limit.rlim_max;
-    setrlimit(RLIMIT_NOFILE, &limit);
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1046,7 +1037,7 @@ int main(int argc, char** argv) {
     std::cerr << "eldr-loadgen: --trace: the evaluation pool is empty\n";
     return kExitBadFlags;
   }
-  RaiseDescriptorLimit();
+  eldr::RaiseOpenFilesLimit();
   HttpClientOptions client_options;
   client_options.threads = config->threads;
   client_options.max_idle_per_origin = config->keepalive ? 100000 : 0;

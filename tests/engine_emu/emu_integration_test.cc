@@ -6,11 +6,8 @@
 #include <signal.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,7 +16,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine_emu/catalog.h"
@@ -33,10 +29,13 @@ namespace eldr::engine_emu {
 namespace {
 
 using eldr::testing::BinaryPath;
+using eldr::testing::BundledTraceDir;
 using eldr::testing::ChildProcess;
 using eldr::testing::TempDir;
+using eldr::testing::WaitForPort;
 using nlohmann::json;
 using ::testing::HasSubstr;
+using testing::SseData;
 
 constexpr char kModel[] = "deepseek-v2-lite-esft";
 
@@ -44,11 +43,6 @@ const bool curl_initialised = [] {
   curl_global_init(CURL_GLOBAL_DEFAULT);
   return true;
 }();
-
-std::string TraceDir() {
-  const char* data = std::getenv("ELDR_DATA_DIR");
-  return absl::StrCat(data != nullptr ? data : "data", "/esft-routing");
-}
 
 struct HttpAnswer {
   int status = 0;
@@ -115,15 +109,6 @@ HttpAnswer Call(int port, const std::string& method, const std::string& path, co
   return answer;
 }
 
-// The `data:` payloads of an SSE body.
-std::vector<std::string> SseData(const std::string& body) {
-  std::vector<std::string> events;
-  for (absl::string_view event : absl::StrSplit(body, "\n\n", absl::SkipEmpty())) {
-    if (absl::ConsumePrefix(&event, "data: ")) events.emplace_back(event);
-  }
-  return events;
-}
-
 // An emulator started by the test; its port from --port_file.
 struct Emulator {
   std::unique_ptr<ChildProcess> process;
@@ -132,32 +117,21 @@ struct Emulator {
 
 absl::StatusOr<Emulator> StartEmulator(const TempDir& dir, const std::string& name, std::vector<std::string> args) {
   const std::string port_file = dir.File(name + ".port.json");
-  std::vector<std::string> argv = {BinaryPath("eldr-engine-emu"), "--port_file=" + port_file, "--trace=" + TraceDir()};
+  std::vector<std::string> argv = {BinaryPath("eldr-engine-emu"), "--port_file=" + port_file,
+                                   "--trace=" + BundledTraceDir()};
   argv.insert(argv.end(), args.begin(), args.end());
   absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Spawn(argv, dir.File(name + ".log"));
   if (!child.ok()) return child.status();
   Emulator emulator;
   emulator.process = *std::move(child);
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (absl::Now() < deadline) {
-    std::ifstream in(port_file);
-    std::stringstream text;
-    text << in.rdbuf();
-    const json parsed = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-    if (parsed.is_object() && parsed.contains("port") && parsed["port"].is_number_integer()) {
-      if (parsed["pid"] != emulator.process->pid()) return absl::InternalError("port file names another pid");
-      emulator.port = parsed["port"].get<int>();
-      return emulator;
-    }
-    if (!emulator.process->Running()) {
-      return absl::UnavailableError(absl::StrCat(name, " exited early: ", emulator.process->Log()));
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return absl::DeadlineExceededError(absl::StrCat(name, " wrote no port file: ", emulator.process->Log()));
+  absl::StatusOr<int> port = WaitForPort(port_file, "port", *emulator.process, absl::Seconds(30));
+  if (!port.ok()) return absl::Status(port.status().code(), absl::StrCat(name, ": ", port.status().message()));
+  emulator.port = *port;
+  return emulator;
 }
 
-std::string PrefillBody(int trace, const std::string& api = "completions") {
+// A completions (or, with api "chat", chat) request body for trace request `trace`.
+json RequestBody(int trace, const std::string& api, int max_tokens, bool stream) {
   json body;
   body["model"] = kModel;
   if (api == "chat") {
@@ -165,8 +139,13 @@ std::string PrefillBody(int trace, const std::string& api = "completions") {
   } else {
     body["prompt"] = absl::StrCat("hello eldr-trace:", trace);
   }
-  body["max_tokens"] = 1;
-  body["stream"] = false;
+  body["max_tokens"] = max_tokens;
+  body["stream"] = stream;
+  return body;
+}
+
+std::string PrefillBody(int trace, const std::string& api = "completions") {
+  json body = RequestBody(trace, api, /*max_tokens=*/1, /*stream=*/false);
   body["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
                                 {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
                                 {"remote_host", nullptr},      {"remote_port", nullptr}};
@@ -211,15 +190,7 @@ class EngineEmuIntegrationTest : public ::testing::Test {
 
   static std::string DecodeBody(int trace, const json& kv, bool stream, int max_tokens,
                                 const std::string& api = "completions") {
-    json body;
-    body["model"] = kModel;
-    if (api == "chat") {
-      body["messages"] = json::array({{{"role", "user"}, {"content", absl::StrCat("hello eldr-trace:", trace)}}});
-    } else {
-      body["prompt"] = absl::StrCat("hello eldr-trace:", trace);
-    }
-    body["max_tokens"] = max_tokens;
-    body["stream"] = stream;
+    json body = RequestBody(trace, api, max_tokens, stream);
     if (stream) body["stream_options"] = {{"include_usage", true}};
     if (!kv.is_null()) body["kv_transfer_params"] = kv;
     return body.dump();
@@ -473,7 +444,7 @@ TEST(EngineEmuProcessTest, StartupErrorsExit2WithOneLine) {
   for (const std::vector<std::string>& args : bad) {
     std::vector<std::string> with_trace = args;
     if (std::none_of(args.begin(), args.end(), [](const std::string& a) { return absl::StartsWith(a, "--trace"); })) {
-      with_trace.push_back("--trace=" + TraceDir());
+      with_trace.push_back("--trace=" + BundledTraceDir());
     }
     const eldr::testing::ProcessResult result = eldr::testing::RunProcess(BinaryPath("eldr-engine-emu"), with_trace);
     EXPECT_EQ(result.exit_code, 2) << absl::StrJoin(args, " ") << "\n" << result.stderr_text;

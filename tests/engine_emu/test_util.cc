@@ -6,14 +6,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "sim/workload.h"
+#include "testing/process.h"
 
 namespace eldr::engine_emu::testing {
 
 std::shared_ptr<const TraceCatalog> BundledCatalog() {
   static const std::shared_ptr<const TraceCatalog> catalog = [] {
-    const char* data = std::getenv("ELDR_DATA_DIR");
     sim::TraceWorkloadOptions options;
-    options.dir = std::string(data != nullptr ? data : "data") + "/esft-routing";
+    options.dir = ::eldr::testing::BundledTraceDir();
     absl::StatusOr<sim::Workload> workload = sim::LoadTraceWorkload(options);
     if (!workload.ok()) std::abort();
     absl::StatusOr<std::shared_ptr<const TraceCatalog>> made = TraceCatalog::Create(*std::move(workload));
@@ -84,9 +84,9 @@ std::string FakeStream::body() const {
   return all;
 }
 
-std::vector<std::string> FakeStream::Events() const {
+std::vector<std::string> SseData(absl::string_view body) {
   std::vector<std::string> events;
-  for (absl::string_view event : absl::StrSplit(body(), "\n\n", absl::SkipEmpty())) {
+  for (absl::string_view event : absl::StrSplit(body, "\n\n", absl::SkipEmpty())) {
     if (absl::ConsumePrefix(&event, "data: ")) events.emplace_back(event);
   }
   return events;

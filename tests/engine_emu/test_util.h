@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "eldr/http/http_server.h"
 #include "engine_emu/catalog.h"
 #include "engine_emu/decode_engine.h"
@@ -23,6 +24,9 @@ namespace eldr::engine_emu::testing {
 
 // The bundled traces ($ELDR_DATA_DIR/esft-routing) with eldr-sim's default split, loaded once.
 std::shared_ptr<const TraceCatalog> BundledCatalog();
+
+// The `data:` payloads of the events of an SSE body, in order (events split at blank lines).
+std::vector<std::string> SseData(absl::string_view body);
 
 // An EngineClock whose time moves only in AdvanceTo/AdvanceBy; callbacks run in order of their
 // times (equal times: in the order they were scheduled), each with NowUs() equal to its time.
@@ -82,8 +86,8 @@ class FakeStream : public http::ResponseStream {
   bool finished() const { return finished_; }
   // Every piece concatenated.
   std::string body() const;
-  // The `data:` payloads of the events written so far, in order (events split at blank lines).
-  std::vector<std::string> Events() const;
+  // The `data:` payloads of the events written so far (SseData of body()).
+  std::vector<std::string> Events() const { return SseData(body()); }
   // Calls made after the stream ended (Finish or Respond): an engine must make none.
   int calls_after_end() const { return calls_after_end_; }
 

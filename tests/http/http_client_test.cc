@@ -9,16 +9,12 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -28,9 +24,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -40,10 +34,18 @@
 #include "eldr/http/http_server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/process.h"
+#include "testing/raw_http_client.h"
+#include "testing/raw_http_server.h"
 
 namespace eldr::http {
 namespace {
 
+using ::eldr::testing::RawHttpServer;
+using ::eldr::testing::RawRequestReader;
+using ::eldr::testing::SendAll;
+using ::eldr::testing::UnusedLoopbackPort;
+using ::eldr::testing::WaitForPeerClose;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -51,148 +53,32 @@ constexpr absl::Duration kWait = absl::Seconds(10);  // the most any test waits 
 
 // ---- Raw sockets -------------------------------------------------------------------------------------
 
-bool WriteAll(int fd, absl::string_view data) {
-  while (!data.empty()) {
-    const ssize_t sent = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
-    if (sent < 0 && errno == EINTR) continue;
-    if (sent <= 0) return false;
-    data.remove_prefix(static_cast<size_t>(sent));
-  }
-  return true;
-}
-
-// Waits until `fd` is readable; false on timeout.
-bool WaitReadable(int fd, absl::Duration timeout) {
-  pollfd entry{fd, POLLIN, 0};
-  const int ready = ::poll(&entry, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
-  return ready > 0;
-}
-
-// True once the peer closed or reset the connection (read returns 0 or an error), within `timeout`.
-bool WaitForPeerClose(int fd, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  char buffer[4096];
-  while (absl::Now() < deadline) {
-    if (!WaitReadable(fd, absl::Milliseconds(50))) continue;
-    const ssize_t got = ::recv(fd, buffer, sizeof(buffer), 0);
-    if (got <= 0) return true;
-  }
-  return false;
-}
-
-// The requests of one connection, read one at a time.
-class RequestReader {
+// eldr_testing's RawHttpServer, failing the test when it cannot listen.
+class RawServer : public RawHttpServer {
  public:
-  explicit RequestReader(int fd) : fd_(fd) {}
-
-  // The next request (head and Content-Length body), or nullopt when the peer closed, or nothing
-  // arrived within `timeout`.
-  std::optional<std::string> Next(absl::Duration timeout = kWait) {
-    const absl::Time deadline = absl::Now() + timeout;
-    for (;;) {
-      const size_t end = buffer_.find("\r\n\r\n");
-      if (end != std::string::npos) {
-        size_t length = 0;
-        const std::string head = absl::AsciiStrToLower(buffer_.substr(0, end));
-        const size_t field = head.find("\r\ncontent-length:");
-        if (field != std::string::npos) {
-          const size_t line_end = head.find("\r\n", field + 2);
-          (void)absl::SimpleAtoi(
-              absl::StripAsciiWhitespace(
-                  head.substr(field + 17, line_end == std::string::npos ? std::string::npos : line_end - field - 17)),
-              &length);
-        }
-        if (buffer_.size() >= end + 4 + length) {
-          std::string request = buffer_.substr(0, end + 4 + length);
-          buffer_.erase(0, end + 4 + length);
-          return request;
-        }
-      }
-      const absl::Duration left = deadline - absl::Now();
-      if (left <= absl::ZeroDuration() || !WaitReadable(fd_, left)) return std::nullopt;
-      char chunk[16384];
-      const ssize_t got = ::recv(fd_, chunk, sizeof(chunk), 0);
-      if (got <= 0) return std::nullopt;
-      buffer_.append(chunk, static_cast<size_t>(got));
-    }
-  }
-
- private:
-  int fd_;
-  std::string buffer_;
-};
-
-// A TCP server on 127.0.0.1 that runs `handler` for every accepted connection, each on its own
-// thread; the connection is closed when the handler returns. The destructor shuts every
-// connection down (unblocking handlers that read) and joins the threads.
-class RawServer {
- public:
-  using Handler = std::function<void(int fd, int connection_index)>;
-
   explicit RawServer(Handler handler, int backlog = 512, bool accept_connections = true)
-      : handler_(std::move(handler)) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    const int one = 1;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    address.sin_port = 0;
-    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-        ::listen(listen_fd_, backlog) != 0) {
-      ADD_FAILURE() << "raw server: bind/listen failed: " << std::strerror(errno);
-      return;
-    }
-    socklen_t length = sizeof(address);
-    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&address), &length);
-    port_ = ntohs(address.sin_port);
-    if (accept_connections) accept_thread_ = std::thread([this] { AcceptLoop(); });
+      : RawHttpServer(std::move(handler), backlog, accept_connections) {
+    if (port() == 0) ADD_FAILURE() << error();
   }
-
-  ~RawServer() {
-    stop_.store(true);
-    if (accept_thread_.joinable()) accept_thread_.join();
-    {
-      absl::MutexLock lock(&mu_);
-      for (int fd : open_fds_) ::shutdown(fd, SHUT_RDWR);
-    }
-    for (std::thread& thread : threads_) thread.join();
-    ::close(listen_fd_);
-  }
-
-  int port() const { return port_; }
-  int accepted() const { return accepted_.load(); }
-
- private:
-  void AcceptLoop() {
-    while (!stop_.load()) {
-      if (!WaitReadable(listen_fd_, absl::Milliseconds(20))) continue;
-      const int fd = ::accept(listen_fd_, nullptr, nullptr);
-      if (fd < 0) continue;
-      const int index = accepted_.fetch_add(1);
-      absl::MutexLock lock(&mu_);
-      open_fds_.push_back(fd);
-      threads_.emplace_back([this, fd, index] {
-        handler_(fd, index);
-        {
-          absl::MutexLock lock(&mu_);
-          open_fds_.erase(std::find(open_fds_.begin(), open_fds_.end(), fd));
-        }
-        ::close(fd);
-      });
-    }
-  }
-
-  Handler handler_;
-  int listen_fd_ = -1;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::atomic<int> accepted_{0};
-  std::thread accept_thread_;
-  absl::Mutex mu_;
-  std::vector<int> open_fds_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> threads_;  // only touched by the accept thread, then the destructor
 };
+
+// A RawServer handler that answers the first request of each connection with `response`, then
+// waits for the client to close the connection (or, without `wait_for_close`, closes it at once).
+RawServer::Handler AnswerFirstRequest(std::string response, bool wait_for_close = true) {
+  return [response = std::move(response), wait_for_close](int fd, int) {
+    RawRequestReader reader(fd);
+    if (reader.Next()) SendAll(fd, response);
+    if (wait_for_close) WaitForPeerClose(fd, kWait);
+  };
+}
+
+// A RawServer handler that answers every request of a connection with `response` (keep-alive).
+RawServer::Handler AnswerEveryRequest(std::string response) {
+  return [response = std::move(response)](int fd, int) {
+    RawRequestReader reader(fd);
+    while (reader.Next()) SendAll(fd, response);
+  };
+}
 
 std::string Chunk(absl::string_view data) { return absl::StrCat(absl::Hex(data.size()), "\r\n", data, "\r\n"); }
 
@@ -575,7 +461,7 @@ TEST_F(ServerTest, ThousandConcurrentCallsOnOneThread) {
 
 TEST_F(ServerTest, DestroyingTheClientCancelsCallsInFlight) {
   RawServer silent([](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     reader.Next();
     WaitForPeerClose(fd, kWait);
   });
@@ -643,17 +529,17 @@ TEST(HttpClientTest, ChunkedPiecesArriveBeforeTheEnd) {
   const std::vector<std::string> pieces = {"data: one\n\n", "data: two\n\n", "data: three\n\n"};
   std::atomic<bool> server_ok{true};
   RawServer server([&](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
-    WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n");
+    SendAll(fd, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n");
     size_t sent = 0;
     for (const std::string& piece : pieces) {
-      WriteAll(fd, Chunk(piece));
+      SendAll(fd, Chunk(piece));
       sent += piece.size();
       // The next piece goes only once the client has delivered this one: streaming, not buffering.
       if (!recording->WaitForBodyBytes(sent)) server_ok = false;
     }
-    WriteAll(fd, "0\r\n\r\n");
+    SendAll(fd, "0\r\n\r\n");
     WaitForPeerClose(fd, kWait);
   });
   std::unique_ptr<HttpClient> client = MakeClient();
@@ -672,11 +558,11 @@ TEST(HttpClientTest, ContentLengthBodyInPieces) {
   std::shared_ptr<Recording> recording = std::make_shared<Recording>();
   std::atomic<bool> server_ok{true};
   RawServer server([&](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
-    WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234");
+    SendAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234");
     if (!recording->WaitForBodyBytes(5)) server_ok = false;
-    WriteAll(fd, "56789");
+    SendAll(fd, "56789");
     WaitForPeerClose(fd, kWait);
   });
   std::unique_ptr<HttpClient> client = MakeClient();
@@ -690,11 +576,11 @@ TEST(HttpClientTest, ContentLengthBodyInPieces) {
 TEST(HttpClientTest, BodyUntilCloseIsComplete) {
   std::shared_ptr<Recording> recording = std::make_shared<Recording>();
   RawServer server([&](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
-    WriteAll(fd, "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nfirst ");
+    SendAll(fd, "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nfirst ");
     recording->WaitForBodyBytes(6);
-    WriteAll(fd, "second");
+    SendAll(fd, "second");
   });
   std::unique_ptr<HttpClient> client = MakeClient();
   client->Start(Get(server.port()), Record(recording));
@@ -705,10 +591,7 @@ TEST(HttpClientTest, BodyUntilCloseIsComplete) {
 }
 
 TEST(HttpClientTest, Http10ResponseIsNotReused) {
-  RawServer server([](int fd, int) {
-    RequestReader reader(fd);
-    while (reader.Next()) WriteAll(fd, "HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok");
-  });
+  RawServer server(AnswerEveryRequest("HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"));
   std::unique_ptr<HttpClient> client = MakeClient();
   for (int i = 0; i < 2; ++i) {
     std::shared_ptr<Recording> call = RunCall(*client, Get(server.port()));
@@ -721,11 +604,11 @@ TEST(HttpClientTest, Http10ResponseIsNotReused) {
 
 TEST(HttpClientTest, InterimResponsesAreSkipped) {
   RawServer server([](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
-    WriteAll(fd,
-             "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
-             "HTTP/1.1 201 Created\r\nContent-Length: 4\r\n\r\ndone");
+    SendAll(fd,
+            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+            "HTTP/1.1 201 Created\r\nContent-Length: 4\r\n\r\ndone");
     WaitForPeerClose(fd, kWait);
   });
   std::unique_ptr<HttpClient> client = MakeClient();
@@ -738,10 +621,7 @@ TEST(HttpClientTest, InterimResponsesAreSkipped) {
 }
 
 TEST(HttpClientTest, HeadResponseHasNoBodyAndIsReused) {
-  RawServer server([](int fd, int) {
-    RequestReader reader(fd);
-    while (reader.Next()) WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n");
-  });
+  RawServer server(AnswerEveryRequest("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n"));
   std::unique_ptr<HttpClient> client = MakeClient();
   ClientRequest request = Get(server.port());
   request.method = "HEAD";
@@ -756,7 +636,7 @@ TEST(HttpClientTest, HeadResponseHasNoBodyAndIsReused) {
 
 TEST(HttpClientTest, CloseBeforeHeadIsUnavailable) {
   RawServer server([](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     reader.Next();
   });
   std::unique_ptr<HttpClient> client = MakeClient();
@@ -773,10 +653,7 @@ TEST(HttpClientTest, CloseMidBodyIsInternal) {
   for (const std::string& response :
        {std::string("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten.."),
         std::string("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n").append(Chunk("only ten.."))}) {
-    RawServer server([&](int fd, int) {
-      RequestReader reader(fd);
-      if (reader.Next()) WriteAll(fd, response);
-    });
+    RawServer server(AnswerFirstRequest(response, /*wait_for_close=*/false));
     std::unique_ptr<HttpClient> client = MakeClient();
     std::shared_ptr<Recording> call = RunCall(*client, Get(server.port()));
     const ClientResult result = call->WaitDone();
@@ -788,11 +665,7 @@ TEST(HttpClientTest, CloseMidBodyIsInternal) {
 }
 
 TEST(HttpClientTest, MalformedResponseIsInternal) {
-  RawServer server([](int fd, int) {
-    RequestReader reader(fd);
-    if (reader.Next()) WriteAll(fd, "SMTP ready\r\n\r\n");
-    WaitForPeerClose(fd, kWait);
-  });
+  RawServer server(AnswerFirstRequest("SMTP ready\r\n\r\n"));
   std::unique_ptr<HttpClient> client = MakeClient();
   const ClientResult result = RunCall(*client, Get(server.port()))->WaitDone();
   EXPECT_EQ(result.status.code(), absl::StatusCode::kInternal) << result.status;
@@ -802,7 +675,7 @@ TEST(HttpClientTest, MalformedResponseIsInternal) {
 
 TEST(HttpClientTest, FirstByteTimeout) {
   RawServer server([](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     reader.Next();
     WaitForPeerClose(fd, kWait);
   });
@@ -820,11 +693,7 @@ TEST(HttpClientTest, FirstByteTimeout) {
 }
 
 TEST(HttpClientTest, IdleTimeoutMidBody) {
-  RawServer server([](int fd, int) {
-    RequestReader reader(fd);
-    if (reader.Next()) WriteAll(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + Chunk("first"));
-    WaitForPeerClose(fd, kWait);
-  });
+  RawServer server(AnswerFirstRequest("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + Chunk("first")));
   std::unique_ptr<HttpClient> client = MakeClient();
   ClientRequest request = Get(server.port());
   request.idle_timeout = absl::Milliseconds(200);
@@ -839,14 +708,14 @@ TEST(HttpClientTest, IdleTimeoutMidBody) {
 TEST(HttpClientTest, IdleTimeoutIsBetweenPiecesNotTotal) {
   // Pieces every 50 ms for 600 ms: a 300 ms idle timeout never passes although the body takes longer.
   RawServer server([](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
-    WriteAll(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
+    SendAll(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
     for (int i = 0; i < 12; ++i) {
-      if (!WriteAll(fd, Chunk("x"))) return;
+      if (!SendAll(fd, Chunk("x"))) return;
       absl::SleepFor(absl::Milliseconds(50));
     }
-    WriteAll(fd, "0\r\n\r\n");
+    SendAll(fd, "0\r\n\r\n");
     WaitForPeerClose(fd, kWait);
   });
   std::unique_ptr<HttpClient> client = MakeClient();
@@ -860,11 +729,11 @@ TEST(HttpClientTest, IdleTimeoutIsBetweenPiecesNotTotal) {
 
 TEST(HttpClientTest, TotalTimeout) {
   RawServer server([](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
-    WriteAll(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
+    SendAll(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
     for (int i = 0; i < 200; ++i) {
-      if (!WriteAll(fd, Chunk("x"))) return;
+      if (!SendAll(fd, Chunk("x"))) return;
       absl::SleepFor(absl::Milliseconds(20));
     }
   });
@@ -904,16 +773,8 @@ TEST(HttpClientTest, ConnectTimeout) {
 }
 
 TEST(HttpClientTest, RefusedPortIsUnavailable) {
-  // A port that was just free: bind, note it, close.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  const int port = ntohs(address.sin_port);
-  ::close(fd);
+  const int port = UnusedLoopbackPort();
+  ASSERT_NE(port, 0);
   std::unique_ptr<HttpClient> client = MakeClient();
   const ClientResult result = RunCall(*client, Get(port))->WaitDone();
   EXPECT_EQ(result.status.code(), absl::StatusCode::kUnavailable) << result.status;
@@ -922,13 +783,8 @@ TEST(HttpClientTest, RefusedPortIsUnavailable) {
 }
 
 TEST(HttpClientTest, OversizedHeadIsInternal) {
-  RawServer server([](int fd, int) {
-    RequestReader reader(fd);
-    if (reader.Next()) {
-      WriteAll(fd, absl::StrCat("HTTP/1.1 200 OK\r\nX-Big: ", std::string(4000, 'h'), "\r\nContent-Length: 0\r\n\r\n"));
-    }
-    WaitForPeerClose(fd, kWait);
-  });
+  RawServer server(AnswerFirstRequest(
+      absl::StrCat("HTTP/1.1 200 OK\r\nX-Big: ", std::string(4000, 'h'), "\r\nContent-Length: 0\r\n\r\n")));
   HttpClientOptions options;
   options.max_response_header_bytes = 1024;
   std::unique_ptr<HttpClient> client = MakeClient(options);
@@ -940,25 +796,15 @@ TEST(HttpClientTest, OversizedHeadIsInternal) {
 
 TEST(HttpClientTest, FieldTooLongForBeastIsInternal) {
   // Within a 1 MiB head limit, but one field longer than Beast can store (64 KiB).
-  RawServer server([](int fd, int) {
-    RequestReader reader(fd);
-    if (reader.Next()) {
-      WriteAll(fd,
-               absl::StrCat("HTTP/1.1 200 OK\r\nX-Huge: ", std::string(70000, 'h'), "\r\nContent-Length: 0\r\n\r\n"));
-    }
-    WaitForPeerClose(fd, kWait);
-  });
+  RawServer server(AnswerFirstRequest(
+      absl::StrCat("HTTP/1.1 200 OK\r\nX-Huge: ", std::string(70000, 'h'), "\r\nContent-Length: 0\r\n\r\n")));
   HttpClientOptions options;
   options.max_response_header_bytes = 1 << 20;
   std::unique_ptr<HttpClient> client = MakeClient(options);
   const ClientResult result = RunCall(*client, Get(server.port()))->WaitDone();
   EXPECT_EQ(result.status.code(), absl::StatusCode::kInternal) << result.status;
   // The client still works.
-  RawServer fine([](int fd, int) {
-    RequestReader reader(fd);
-    if (reader.Next()) WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
-    WaitForPeerClose(fd, absl::Seconds(1));
-  });
+  RawServer fine(AnswerFirstRequest("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"));
   EXPECT_TRUE(RunCall(*client, Get(fine.port()))->WaitDone().status.ok());
 }
 
@@ -968,11 +814,7 @@ TEST(HttpClientTest, OversizedBodyIsInternal) {
         std::string("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n") + Chunk(std::string(60, 'b')) +
             Chunk(std::string(60, 'b')) + "0\r\n\r\n",
         std::string("HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n") + std::string(1000, 'b')}) {
-    RawServer server([&](int fd, int) {
-      RequestReader reader(fd);
-      if (reader.Next()) WriteAll(fd, response);
-      WaitForPeerClose(fd, kWait);
-    });
+    RawServer server(AnswerFirstRequest(response));
     HttpClientOptions options;
     options.max_response_body_bytes = 100;
     std::unique_ptr<HttpClient> client = MakeClient(options);
@@ -988,9 +830,9 @@ TEST(HttpClientTest, CancelMidBodyClosesTheConnection) {
   std::shared_ptr<Recording> recording = std::make_shared<Recording>();
   absl::Notification server_saw_close;
   RawServer server([&](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
-    WriteAll(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + Chunk("first"));
+    SendAll(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + Chunk("first"));
     if (WaitForPeerClose(fd, kWait)) server_saw_close.Notify();
   });
   std::unique_ptr<HttpClient> client = MakeClient();
@@ -1010,12 +852,12 @@ TEST(HttpClientTest, CancelMidBodyClosesTheConnection) {
 TEST(HttpClientTest, CancelFromInsideACallbackStopsThePieces) {
   std::shared_ptr<Recording> recording = std::make_shared<Recording>();
   RawServer server([](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
     // Several chunks in one write: all of them reach the client in one read.
-    WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 30\r\n\r\n" + std::string(10, 'a'));
+    SendAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 30\r\n\r\n" + std::string(10, 'a'));
     absl::SleepFor(absl::Milliseconds(50));
-    WriteAll(fd, std::string(10, 'b'));
+    SendAll(fd, std::string(10, 'b'));
     WaitForPeerClose(fd, kWait);
   });
   std::unique_ptr<HttpClient> client = MakeClient();
@@ -1050,9 +892,9 @@ TEST(HttpClientTest, CancelBeforeConnectEnds) {
 
 TEST(HttpClientTest, KeepAliveReuseOnRawServer) {
   RawServer server([](int fd, int) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     int served = 0;
-    while (reader.Next()) WriteAll(fd, absl::StrCat("HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n", ++served));
+    while (reader.Next()) SendAll(fd, absl::StrCat("HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n", ++served));
   });
   std::unique_ptr<HttpClient> client = MakeClient();
   std::shared_ptr<Recording> first = RunCall(*client, Get(server.port()));
@@ -1068,9 +910,9 @@ TEST(HttpClientTest, KeepAliveReuseOnRawServer) {
 TEST(HttpClientTest, PooledConnectionClosedWhileIdleIsNotUsed) {
   absl::Notification first_closed;
   RawServer server([&](int fd, int index) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
-    WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+    SendAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
     if (index == 0) {
       // Closes the kept-alive connection while the client holds it idle.
       ::shutdown(fd, SHUT_RDWR);
@@ -1092,9 +934,9 @@ TEST(HttpClientTest, StaleConnectionIsRetriedTransparently) {
   // of answer (as a server whose keep-alive timer fired just then): the client retries once on a
   // new connection.
   RawServer server([](int fd, int index) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
-    WriteAll(fd, absl::StrCat("HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n", index));
+    SendAll(fd, absl::StrCat("HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n", index));
     if (index == 0) {
       reader.Next();
       return;
@@ -1118,10 +960,10 @@ TEST(HttpClientTest, NoRetryOnceResponseBytesArrived) {
   // A reused connection that fails after part of the head arrived is not retried (the server saw
   // the request).
   RawServer server([](int fd, int index) {
-    RequestReader reader(fd);
+    RawRequestReader reader(fd);
     if (!reader.Next()) return;
-    WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx");
-    if (index == 0 && reader.Next()) WriteAll(fd, "HTTP/1.1 200 O");
+    SendAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx");
+    if (index == 0 && reader.Next()) SendAll(fd, "HTTP/1.1 200 O");
   });
   std::unique_ptr<HttpClient> client = MakeClient();
   ASSERT_TRUE(RunCall(*client, Get(server.port()))->WaitDone().status.ok());
@@ -1134,8 +976,8 @@ TEST(HttpClientTest, NoRetryOnceResponseBytesArrived) {
 TEST(HttpClientTest, IdleConnectionTimeoutClosesPooledConnections) {
   absl::Notification closed;
   RawServer server([&](int fd, int) {
-    RequestReader reader(fd);
-    if (reader.Next()) WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+    RawRequestReader reader(fd);
+    if (reader.Next()) SendAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
     if (WaitForPeerClose(fd, kWait)) closed.Notify();
   });
   HttpClientOptions options;
@@ -1149,10 +991,7 @@ TEST(HttpClientTest, IdleConnectionTimeoutClosesPooledConnections) {
 }
 
 TEST(HttpClientTest, IdleLimitPerOrigin) {
-  RawServer server([](int fd, int) {
-    RequestReader reader(fd);
-    while (reader.Next()) WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
-  });
+  RawServer server(AnswerEveryRequest("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"));
   HttpClientOptions options;
   options.max_idle_per_origin = 2;
   options.threads = 2;

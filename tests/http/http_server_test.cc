@@ -4,16 +4,9 @@
 // milliseconds) so the whole binary runs in a few seconds.
 #include "eldr/http/http_server.h"
 
-#include <arpa/inet.h>
 #include <curl/curl.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -32,24 +25,27 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/raw_http_client.h"
 
 namespace eldr::http {
 namespace {
 
+using ::eldr::testing::RawHttpClient;
+using ::eldr::testing::RawHttpResponse;
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
 using ::testing::Not;
 
 constexpr absl::string_view kMetricsBody = "# TYPE eldr_up gauge\neldr_up 1\n";
+// The most a test waits for the server to close a raw connection.
+constexpr absl::Duration kCloseWait = absl::Seconds(3);
 
 const bool curl_initialised = [] {
   curl_global_init(CURL_GLOBAL_DEFAULT);
@@ -156,126 +152,6 @@ class CurlClient {
   }
 
   CURL* handle_;
-};
-
-// A response read off a raw socket.
-struct RawResponse {
-  std::string version;  // "HTTP/1.1"
-  int status = 0;
-  std::vector<std::pair<std::string, std::string>> headers;  // names lower-cased
-  std::string body;
-
-  std::optional<std::string> Header(absl::string_view name) const {
-    for (const auto& [header, value] : headers) {
-      if (header == name) return value;
-    }
-    return std::nullopt;
-  }
-};
-
-// A blocking TCP client with deadlines (poll), for what curl will not send.
-class RawClient {
- public:
-  // Connects to 127.0.0.1:port; `receive_buffer` > 0 shrinks SO_RCVBUF first.
-  explicit RawClient(int port, int receive_buffer = 0) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (receive_buffer > 0) ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof(receive_buffer));
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_port = htons(static_cast<uint16_t>(port));
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
-    const int one = 1;
-    ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  }
-  ~RawClient() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  RawClient(const RawClient&) = delete;
-  RawClient& operator=(const RawClient&) = delete;
-
-  bool connected() const { return connected_; }
-
-  bool Send(absl::string_view bytes) {
-    while (!bytes.empty()) {
-      const ssize_t sent = ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-      if (sent < 0 && errno == EINTR) continue;
-      if (sent <= 0) return false;
-      bytes.remove_prefix(static_cast<size_t>(sent));
-    }
-    return true;
-  }
-
-  // Reads one response (Content-Length framed; no body for HEAD, 1xx, 204, 304), or nullopt when
-  // the connection closes or `timeout` passes first.
-  std::optional<RawResponse> ReadResponse(bool head_request = false, absl::Duration timeout = absl::Seconds(5)) {
-    const absl::Time deadline = absl::Now() + timeout;
-    size_t end = std::string::npos;
-    while ((end = pending_.find("\r\n\r\n")) == std::string::npos) {
-      if (!Fill(deadline)) return std::nullopt;
-    }
-    RawResponse response;
-    const std::vector<absl::string_view> lines = absl::StrSplit(absl::string_view(pending_).substr(0, end), "\r\n");
-    const std::vector<absl::string_view> status_line = absl::StrSplit(lines[0], absl::MaxSplits(' ', 2));
-    if (status_line.size() < 2 || !absl::SimpleAtoi(status_line[1], &response.status)) return std::nullopt;
-    response.version = std::string(status_line[0]);
-    size_t content_length = 0;
-    for (size_t i = 1; i < lines.size(); ++i) {
-      const size_t colon = lines[i].find(':');
-      if (colon == absl::string_view::npos) return std::nullopt;
-      response.headers.emplace_back(absl::AsciiStrToLower(lines[i].substr(0, colon)),
-                                    std::string(absl::StripAsciiWhitespace(lines[i].substr(colon + 1))));
-      if (response.headers.back().first == "content-length") {
-        if (!absl::SimpleAtoi(response.headers.back().second, &content_length)) return std::nullopt;
-      }
-    }
-    pending_.erase(0, end + 4);
-    const bool bodiless = head_request || response.status < 200 || response.status == 204 || response.status == 304;
-    if (!bodiless) {
-      while (pending_.size() < content_length) {
-        if (!Fill(deadline)) return std::nullopt;
-      }
-      response.body = pending_.substr(0, content_length);
-      pending_.erase(0, content_length);
-    }
-    return response;
-  }
-
-  // True when the server closes the connection (EOF or reset) within `timeout`; what arrives
-  // meanwhile is kept in leftover().
-  bool WaitClosed(absl::Duration timeout = absl::Seconds(3)) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (!closed_) {
-      if (!Fill(deadline) && !closed_) return false;
-    }
-    return true;
-  }
-
-  const std::string& leftover() const { return pending_; }
-
- private:
-  // Reads what is available before `deadline` into pending_; false on timeout or close.
-  bool Fill(absl::Time deadline) {
-    if (closed_) return false;
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) return false;
-    pollfd descriptor{fd_, POLLIN, 0};
-    const int ready = ::poll(&descriptor, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
-    if (ready <= 0) return false;
-    char chunk[16384];
-    const ssize_t got = ::recv(fd_, chunk, sizeof(chunk), 0);
-    if (got <= 0) {
-      closed_ = true;
-      return false;
-    }
-    pending_.append(chunk, static_cast<size_t>(got));
-    return true;
-  }
-
-  int fd_ = -1;
-  bool connected_ = false;
-  bool closed_ = false;
-  std::string pending_;
 };
 
 // ---- Servers ------------------------------------------------------------------------------------------
@@ -698,12 +574,12 @@ TEST(HttpServerTest, EveryMethodOnEveryPathGetsTheRightStatus) {
   EXPECT_EQ(too_long.Header("connection"), "close");
   EXPECT_EQ(too_long.body, "request line too long\n");
   // A method that is not a token: 400.
-  RawClient garbage(server->port());
+  RawHttpClient garbage(server->port());
   ASSERT_TRUE(garbage.Send("G@T /metrics HTTP/1.1\r\nHost: x\r\n\r\n"));
-  const std::optional<RawResponse> bad_method = garbage.ReadResponse();
+  const std::optional<RawHttpResponse> bad_method = garbage.ReadResponse();
   ASSERT_TRUE(bad_method.has_value());
   EXPECT_EQ(bad_method->status, 400);
-  EXPECT_TRUE(garbage.WaitClosed());
+  EXPECT_TRUE(garbage.WaitClosed(kCloseWait));
   ExpectServes(*server);
   const HttpServerStats stats = server->stats();
   EXPECT_EQ(stats.oversized_requests, 1u);
@@ -724,23 +600,23 @@ TEST(HttpServerTest, HeadGivesHeadersOnly) {
               MatchesRegex("[A-Z][a-z][a-z], [0-9][0-9] [A-Z][a-z][a-z] [0-9][0-9][0-9][0-9] "
                            "[0-9][0-9]:[0-9][0-9]:[0-9][0-9] GMT"));
   // On the wire: a HEAD response followed directly by the next response, no body bytes between.
-  RawClient raw(server->port());
+  RawHttpClient raw(server->port());
   ASSERT_TRUE(raw.Send("HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"));
-  const std::optional<RawResponse> first = raw.ReadResponse(/*head_request=*/true);
+  const std::optional<RawHttpResponse> first = raw.ReadResponse(/*head_request=*/true);
   ASSERT_TRUE(first.has_value());
   EXPECT_EQ(first->status, 200);
   EXPECT_EQ(first->Header("content-length"), absl::StrCat(kMetricsBody.size()));
-  const std::optional<RawResponse> second = raw.ReadResponse();
+  const std::optional<RawHttpResponse> second = raw.ReadResponse();
   ASSERT_TRUE(second.has_value());
   EXPECT_EQ(second->status, 200);
   EXPECT_EQ(second->body, "ok\n");
   // HEAD of an unknown path: a 404 head, still without body.
   ASSERT_TRUE(raw.Send("HEAD /nope HTTP/1.1\r\nHost: x\r\n\r\nGET /readyz HTTP/1.1\r\nHost: x\r\n\r\n"));
-  const std::optional<RawResponse> missing = raw.ReadResponse(/*head_request=*/true);
+  const std::optional<RawHttpResponse> missing = raw.ReadResponse(/*head_request=*/true);
   ASSERT_TRUE(missing.has_value());
   EXPECT_EQ(missing->status, 404);
   EXPECT_EQ(missing->Header("content-length"), "10");
-  const std::optional<RawResponse> ready = raw.ReadResponse();
+  const std::optional<RawHttpResponse> ready = raw.ReadResponse();
   ASSERT_TRUE(ready.has_value());
   EXPECT_EQ(ready->body, "ready\n");
 }
@@ -766,26 +642,26 @@ TEST(HttpServerTest, KeepAliveServesSeveralRequestsOnOneConnection) {
 TEST(HttpServerTest, PipelinedRequestsAreAnsweredInOrder) {
   std::unique_ptr<HttpServer> server = MustStart(TestOptions());
   ASSERT_NE(server, nullptr);
-  RawClient raw(server->port());
+  RawHttpClient raw(server->port());
   std::string batch;
   for (int i = 0; i < 20; ++i) absl::StrAppend(&batch, "GET /whoami?n=", i, " HTTP/1.1\r\nHost: x\r\n\r\n");
   absl::StrAppend(&batch, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nbody");
   absl::StrAppend(&batch, "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   ASSERT_TRUE(raw.Send(batch));
   for (int i = 0; i < 20; ++i) {
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value()) << i;
     EXPECT_EQ(response->status, 200);
     EXPECT_THAT(response->body, HasSubstr(absl::StrCat(" n=", i, " ")));
   }
-  const std::optional<RawResponse> echo = raw.ReadResponse();
+  const std::optional<RawHttpResponse> echo = raw.ReadResponse();
   ASSERT_TRUE(echo.has_value());
   EXPECT_EQ(echo->body, "body");
-  const std::optional<RawResponse> last = raw.ReadResponse();
+  const std::optional<RawHttpResponse> last = raw.ReadResponse();
   ASSERT_TRUE(last.has_value());
   EXPECT_EQ(last->body, "ok\n");
   EXPECT_EQ(last->Header("connection"), "close");
-  EXPECT_TRUE(raw.WaitClosed());
+  EXPECT_TRUE(raw.WaitClosed(kCloseWait));
   EXPECT_EQ(raw.leftover(), "");
 }
 
@@ -793,32 +669,32 @@ TEST(HttpServerTest, Http10AndConnectionHeaders) {
   std::unique_ptr<HttpServer> server = MustStart(TestOptions());
   ASSERT_NE(server, nullptr);
   {  // HTTP/1.0 closes by default.
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     ASSERT_TRUE(raw.Send("GET /metrics HTTP/1.0\r\n\r\n"));
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->version, "HTTP/1.0");
     EXPECT_EQ(response->status, 200);
     EXPECT_EQ(response->body, kMetricsBody);
-    EXPECT_TRUE(raw.WaitClosed());
+    EXPECT_TRUE(raw.WaitClosed(kCloseWait));
   }
   {  // HTTP/1.0 with keep-alive stays open.
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     for (int i = 0; i < 3; ++i) {
       ASSERT_TRUE(raw.Send("GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"));
-      const std::optional<RawResponse> response = raw.ReadResponse();
+      const std::optional<RawHttpResponse> response = raw.ReadResponse();
       ASSERT_TRUE(response.has_value());
       EXPECT_EQ(response->Header("connection"), "keep-alive");
       EXPECT_EQ(response->body, "ok\n");
     }
   }
   {  // HTTP/1.1 with Connection: close.
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     ASSERT_TRUE(raw.Send("GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->Header("connection"), "close");
-    EXPECT_TRUE(raw.WaitClosed());
+    EXPECT_TRUE(raw.WaitClosed(kCloseWait));
   }
   CurlClient client;
   const Reply reply = client.Request("GET", Url(*server, "/healthz"), Http10());
@@ -846,27 +722,27 @@ TEST(HttpServerTest, MalformedRequestsGetAnErrorAndTheConnectionCloses) {
   };
   for (const auto& [input, status] : cases) {
     SCOPED_TRACE(absl::CEscape(input));
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     ASSERT_TRUE(raw.Send(input));
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->status, status);
     EXPECT_EQ(response->Header("connection"), "close");
     EXPECT_EQ(response->Header("server"), "eldr");
     EXPECT_EQ(response->Header("content-length"), absl::StrCat(response->body.size()));
     EXPECT_THAT(response->body, Not(HasSubstr(marker)));
-    EXPECT_TRUE(raw.WaitClosed());
+    EXPECT_TRUE(raw.WaitClosed(kCloseWait));
   }
   {  // OPTIONS * is the one asterisk request.
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     ASSERT_TRUE(raw.Send("OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n"));
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->status, 204);
     EXPECT_THAT(response->Header("allow").value_or(""), HasSubstr("GET"));
   }
   {  // A client that goes away after a partial request: nothing to answer, the server is fine.
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     ASSERT_TRUE(raw.Send("GET /metr"));
   }
   ExpectServes(*server);
@@ -880,27 +756,27 @@ TEST(HttpServerTest, HeaderLimitGives431AndBodyLimitGives413) {
   std::unique_ptr<HttpServer> server = MustStart(options);
   ASSERT_NE(server, nullptr);
   {
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     ASSERT_TRUE(
         raw.Send(absl::StrCat("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(5000, 'b'), "\r\n\r\n")));
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->status, 431);
-    EXPECT_TRUE(raw.WaitClosed());
+    EXPECT_TRUE(raw.WaitClosed(kCloseWait));
   }
   {  // Many small headers add up.
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n";
     for (int i = 0; i < 200; ++i) absl::StrAppend(&request, "X-H", i, ": v\r\n");
     ASSERT_TRUE(raw.Send(absl::StrCat(request, "\r\n")));
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->status, 431);
   }
   {
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     ASSERT_TRUE(raw.Send(absl::StrCat("GET /", std::string(3000, 'a'), " HTTP/1.1\r\nHost: x\r\n\r\n")));
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->status, 414);
   }
@@ -918,14 +794,14 @@ TEST(HttpServerTest, HeaderLimitGives431AndBodyLimitGives413) {
   ASSERT_EQ(expect.code, CURLE_OK) << curl_easy_strerror(expect.code);
   EXPECT_EQ(expect.status, 413);
   {  // A chunked body that grows past the limit.
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     std::string request = "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
     for (int i = 0; i < 20; ++i) absl::StrAppend(&request, "64\r\n", std::string(100, 'c'), "\r\n");
     ASSERT_TRUE(raw.Send(absl::StrCat(request, "0\r\n\r\n")));
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->status, 413);
-    EXPECT_TRUE(raw.WaitClosed());
+    EXPECT_TRUE(raw.WaitClosed(kCloseWait));
   }
   ExpectServes(*server);
   EXPECT_EQ(server->stats().oversized_requests, 6u);
@@ -951,22 +827,22 @@ TEST(HttpServerTest, BodiesArriveWhole) {
   ASSERT_EQ(continued.code, CURLE_OK);
   EXPECT_EQ(continued.body, std::string(3000, 'z'));
   {  // Expect: 100-continue by hand: the interim response comes before the body is sent.
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     ASSERT_TRUE(raw.Send("PUT /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"));
-    const std::optional<RawResponse> interim = raw.ReadResponse();
+    const std::optional<RawHttpResponse> interim = raw.ReadResponse();
     ASSERT_TRUE(interim.has_value());
     EXPECT_EQ(interim->status, 100);
     ASSERT_TRUE(raw.Send("hello"));
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->body, "hello");
   }
   {  // Chunked, sent in pieces.
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     ASSERT_TRUE(raw.Send("POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"));
     absl::SleepFor(absl::Milliseconds(20));
     ASSERT_TRUE(raw.Send("4;name=value\r\ndefg\r\n0\r\nX-Trailer: t\r\n\r\n"));
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->status, 200);
     EXPECT_EQ(response->body, "abcdefg");
@@ -996,9 +872,9 @@ TEST(HttpServerTest, FragmentedRequestsAreReadLikeWholeOnes) {
   for (const std::string& seed : seeds) {
     SCOPED_TRACE(absl::CEscape(seed.substr(0, 60)));
     const absl::StatusOr<HttpRequest> parsed = ParseHttpRequest(seed, HttpServerOptions());
-    std::optional<RawResponse> first_responses[2];
+    std::optional<RawHttpResponse> first_responses[2];
     for (int fragmented = 0; fragmented < 2; ++fragmented) {
-      RawClient raw(server->port());
+      RawHttpClient raw(server->port());
       if (fragmented == 0) {
         ASSERT_TRUE(raw.Send(seed));
       } else {
@@ -1063,14 +939,14 @@ TEST(HttpServerTest, IdleConnectionsDoNotDelayAScrape) {
   options.threads = 1;
   std::unique_ptr<HttpServer> server = MustStart(options);
   ASSERT_NE(server, nullptr);
-  std::vector<std::unique_ptr<RawClient>> idle;
+  std::vector<std::unique_ptr<RawHttpClient>> idle;
   for (int i = 0; i < 300; ++i) {
-    idle.push_back(std::make_unique<RawClient>(server->port()));
+    idle.push_back(std::make_unique<RawHttpClient>(server->port()));
     ASSERT_TRUE(idle.back()->connected());
   }
   // And some that started a request and stalled (within request_timeout).
   for (int i = 0; i < 20; ++i) {
-    idle.push_back(std::make_unique<RawClient>(server->port()));
+    idle.push_back(std::make_unique<RawHttpClient>(server->port()));
     ASSERT_TRUE(idle.back()->Send("GET /metrics HTTP/1.1\r\nHo"));
   }
   ASSERT_TRUE(WaitForStats(*server, [](const HttpServerStats& s) { return s.open_connections == 320; }));
@@ -1090,24 +966,24 @@ TEST(HttpServerTest, ConnectionsBeyondTheLimitGetA503) {
   options.max_connections = 4;
   std::unique_ptr<HttpServer> server = MustStart(options);
   ASSERT_NE(server, nullptr);
-  std::vector<std::unique_ptr<RawClient>> held;
-  for (int i = 0; i < 4; ++i) held.push_back(std::make_unique<RawClient>(server->port()));
+  std::vector<std::unique_ptr<RawHttpClient>> held;
+  for (int i = 0; i < 4; ++i) held.push_back(std::make_unique<RawHttpClient>(server->port()));
   ASSERT_TRUE(WaitForStats(*server, [](const HttpServerStats& s) { return s.open_connections == 4; }));
   for (int i = 0; i < 3; ++i) {
-    RawClient refused(server->port());
+    RawHttpClient refused(server->port());
     ASSERT_TRUE(refused.Send("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"));
-    const std::optional<RawResponse> response = refused.ReadResponse();
+    const std::optional<RawHttpResponse> response = refused.ReadResponse();
     ASSERT_TRUE(response.has_value());
     EXPECT_EQ(response->status, 503);
     EXPECT_EQ(response->body, "too many connections\n");
-    EXPECT_TRUE(refused.WaitClosed());
+    EXPECT_TRUE(refused.WaitClosed(kCloseWait));
   }
   CurlClient client;
   EXPECT_EQ(client.Request("GET", Url(*server, "/metrics")).status, 503);
   EXPECT_EQ(server->stats().connections_refused, 4u);
   // A held connection still works, and once one closes a new client is served again.
   ASSERT_TRUE(held[0]->Send("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"));
-  const std::optional<RawResponse> served = held[0]->ReadResponse();
+  const std::optional<RawHttpResponse> served = held[0]->ReadResponse();
   ASSERT_TRUE(served.has_value());
   EXPECT_EQ(served->status, 200);
   held.pop_back();
@@ -1125,7 +1001,7 @@ TEST(HttpServerTest, SlowlorisIsCutAfterTheRequestTimeout) {
   std::atomic<bool> cut{false};
   std::atomic<int64_t> cut_after_ms{-1};
   std::thread slowloris([&] {
-    RawClient raw(server->port());
+    RawHttpClient raw(server->port());
     const std::string request = absl::StrCat("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ", std::string(200, 's'));
     const absl::Time start = absl::Now();
     for (char byte : request) {
@@ -1151,7 +1027,7 @@ TEST(HttpServerTest, SlowlorisIsCutAfterTheRequestTimeout) {
   EXPECT_LT(cut_after_ms.load(), 2000);
   EXPECT_EQ(server->stats().connections_timed_out, 1u);
   // A request whose head arrived but whose body dribbles is cut as well.
-  RawClient body_dribbler(server->port());
+  RawHttpClient body_dribbler(server->port());
   ASSERT_TRUE(body_dribbler.Send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab"));
   EXPECT_TRUE(body_dribbler.WaitClosed(absl::Seconds(2)));
   EXPECT_EQ(body_dribbler.leftover(), "");
@@ -1163,13 +1039,13 @@ TEST(HttpServerTest, IdleKeepAliveConnectionsAreClosedAfterTheIdleTimeout) {
   options.idle_timeout = absl::Milliseconds(300);
   std::unique_ptr<HttpServer> server = MustStart(options);
   ASSERT_NE(server, nullptr);
-  RawClient raw(server->port());
+  RawHttpClient raw(server->port());
   ASSERT_TRUE(raw.Send("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"));
   ASSERT_TRUE(raw.ReadResponse().has_value());
   const absl::Time start = absl::Now();
   EXPECT_TRUE(raw.WaitClosed(absl::Seconds(3)));
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
-  RawClient silent(server->port());
+  RawHttpClient silent(server->port());
   EXPECT_TRUE(silent.WaitClosed(absl::Seconds(3)));
   ASSERT_TRUE(WaitForStats(
       *server, [](const HttpServerStats& s) { return s.connections_timed_out == 2 && s.open_connections == 0; }));
@@ -1182,7 +1058,7 @@ TEST(HttpServerTest, AClientThatDoesNotReadIsCutAfterTheWriteTimeout) {
   options.write_timeout = absl::Milliseconds(300);
   std::unique_ptr<HttpServer> server = MustStart(options, std::move(router));
   ASSERT_NE(server, nullptr);
-  RawClient raw(server->port(), /*receive_buffer=*/4096);
+  RawHttpClient raw(server->port(), /*receive_buffer=*/4096);
   ASSERT_TRUE(raw.Send("GET /big HTTP/1.1\r\nHost: x\r\n\r\n"));
   ASSERT_TRUE(WaitForStats(
       *server, [](const HttpServerStats& s) { return s.connections_timed_out == 1 && s.open_connections == 0; }));
@@ -1194,16 +1070,16 @@ TEST(HttpServerTest, MaxRequestsPerConnectionClosesAfterTheLast) {
   options.max_requests_per_connection = 3;
   std::unique_ptr<HttpServer> server = MustStart(options);
   ASSERT_NE(server, nullptr);
-  RawClient raw(server->port());
+  RawHttpClient raw(server->port());
   std::string batch;
   for (int i = 0; i < 5; ++i) absl::StrAppend(&batch, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
   ASSERT_TRUE(raw.Send(batch));
   for (int i = 0; i < 3; ++i) {
-    const std::optional<RawResponse> response = raw.ReadResponse();
+    const std::optional<RawHttpResponse> response = raw.ReadResponse();
     ASSERT_TRUE(response.has_value()) << i;
     EXPECT_EQ(response->Header("connection"), i == 2 ? std::optional<std::string>("close") : std::nullopt);
   }
-  EXPECT_TRUE(raw.WaitClosed());
+  EXPECT_TRUE(raw.WaitClosed(kCloseWait));
   EXPECT_EQ(raw.leftover(), "");
   EXPECT_EQ(server->stats().requests, 3u);
 }
@@ -1254,14 +1130,14 @@ TEST(HttpServerTest, StopWithOpenConnectionsIsPrompt) {
   options.request_timeout = absl::Seconds(30);
   std::unique_ptr<HttpServer> server = MustStart(options);
   ASSERT_NE(server, nullptr);
-  std::vector<std::unique_ptr<RawClient>> clients;
+  std::vector<std::unique_ptr<RawHttpClient>> clients;
   for (int i = 0; i < 100; ++i) {
-    clients.push_back(std::make_unique<RawClient>(server->port()));
+    clients.push_back(std::make_unique<RawHttpClient>(server->port()));
     if (i % 2 == 0) {
       ASSERT_TRUE(clients.back()->Send("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Half: "));
     }
   }
-  RawClient keep_alive(server->port());
+  RawHttpClient keep_alive(server->port());
   ASSERT_TRUE(keep_alive.Send("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"));
   ASSERT_TRUE(keep_alive.ReadResponse().has_value());
   ASSERT_TRUE(WaitForStats(*server, [](const HttpServerStats& s) { return s.open_connections == 101; }));
@@ -1271,7 +1147,7 @@ TEST(HttpServerTest, StopWithOpenConnectionsIsPrompt) {
   EXPECT_EQ(server->stats().open_connections, 0);
   for (const auto& client : clients) EXPECT_TRUE(client->WaitClosed(absl::Seconds(1)));
   EXPECT_TRUE(keep_alive.WaitClosed(absl::Seconds(1)));
-  RawClient after(server->port());
+  RawHttpClient after(server->port());
   EXPECT_FALSE(after.connected());
   server->Stop();  // idempotent
 }

@@ -3,17 +3,10 @@
 // framing, when the head and each piece arrive, when the connection closes), and by libcurl for
 // many concurrent streams. The handlers hand their streams to the test thread, which drives them
 // from outside the server's io threads, as a proxy's upstream callbacks do.
-#include <arpa/inet.h>
 #include <curl/curl.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -24,7 +17,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -35,10 +27,14 @@
 #include "eldr/http/http_server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/raw_http_client.h"
 
 namespace eldr::http {
 namespace {
 
+using ::eldr::testing::RawHttpClient;
+using ::eldr::testing::RawHttpHead;
+using ::eldr::testing::RawHttpResponse;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -50,179 +46,6 @@ const bool curl_initialised = [] {
 
 // Generous: only a broken server waits this long.
 constexpr absl::Duration kWait = absl::Seconds(5);
-
-// ---- A raw client that reads chunked bodies ---------------------------------------------------------
-
-struct Head {
-  std::string version;  // "HTTP/1.1"
-  int status = 0;
-  std::vector<std::pair<std::string, std::string>> headers;  // names lower-cased
-
-  std::optional<std::string> Header(absl::string_view name) const {
-    for (const auto& [header, value] : headers) {
-      if (header == name) return value;
-    }
-    return std::nullopt;
-  }
-};
-
-class RawClient {
- public:
-  // Connects to 127.0.0.1:port; `receive_buffer` > 0 shrinks SO_RCVBUF first.
-  explicit RawClient(int port, int receive_buffer = 0) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (receive_buffer > 0) ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof(receive_buffer));
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_port = htons(static_cast<uint16_t>(port));
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
-    const int one = 1;
-    ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  }
-  ~RawClient() { CloseNow(); }
-  RawClient(const RawClient&) = delete;
-  RawClient& operator=(const RawClient&) = delete;
-
-  bool connected() const { return connected_; }
-
-  bool Send(absl::string_view bytes) {
-    while (!bytes.empty()) {
-      const ssize_t sent = ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-      if (sent < 0 && errno == EINTR) continue;
-      if (sent <= 0) return false;
-      bytes.remove_prefix(static_cast<size_t>(sent));
-    }
-    return true;
-  }
-
-  // Closes the socket; `reset` makes the kernel send RST instead of FIN.
-  void CloseNow(bool reset = false) {
-    if (fd_ < 0) return;
-    if (reset) {
-      const linger hard{1, 0};
-      ::setsockopt(fd_, SOL_SOCKET, SO_LINGER, &hard, sizeof(hard));
-    }
-    ::close(fd_);
-    fd_ = -1;
-  }
-
-  // The response head, or nullopt when the connection closes or `timeout` passes first.
-  std::optional<Head> ReadHead(absl::Duration timeout = kWait) {
-    const absl::Time deadline = absl::Now() + timeout;
-    size_t end = std::string::npos;
-    while ((end = pending_.find("\r\n\r\n")) == std::string::npos) {
-      if (!Fill(deadline)) return std::nullopt;
-    }
-    Head head;
-    const std::vector<absl::string_view> lines = absl::StrSplit(absl::string_view(pending_).substr(0, end), "\r\n");
-    const std::vector<absl::string_view> status_line = absl::StrSplit(lines[0], absl::MaxSplits(' ', 2));
-    if (status_line.size() < 2 || !absl::SimpleAtoi(status_line[1], &head.status)) return std::nullopt;
-    head.version = std::string(status_line[0]);
-    for (size_t i = 1; i < lines.size(); ++i) {
-      const size_t colon = lines[i].find(':');
-      if (colon == absl::string_view::npos) return std::nullopt;
-      head.headers.emplace_back(absl::AsciiStrToLower(lines[i].substr(0, colon)),
-                                std::string(absl::StripAsciiWhitespace(lines[i].substr(colon + 1))));
-    }
-    pending_.erase(0, end + 4);
-    return head;
-  }
-
-  // One chunk of a chunked body: its payload ("" for the last chunk, whose empty trailer is
-  // consumed too), or nullopt on close, timeout or bad framing.
-  std::optional<std::string> ReadChunk(absl::Duration timeout = kWait) {
-    const absl::Time deadline = absl::Now() + timeout;
-    size_t line_end = std::string::npos;
-    while ((line_end = pending_.find("\r\n")) == std::string::npos) {
-      if (!Fill(deadline)) return std::nullopt;
-    }
-    size_t size = 0;
-    if (!absl::SimpleHexAtoi(absl::string_view(pending_).substr(0, line_end), &size)) return std::nullopt;
-    const size_t needed = line_end + 2 + size + 2;
-    while (pending_.size() < needed) {
-      if (!Fill(deadline)) return std::nullopt;
-    }
-    if (pending_.compare(needed - 2, 2, "\r\n") != 0) return std::nullopt;
-    std::string payload = pending_.substr(line_end + 2, size);
-    pending_.erase(0, needed);
-    return payload;
-  }
-
-  // `size` bytes (an unframed body), or nullopt.
-  std::optional<std::string> ReadBytes(size_t size, absl::Duration timeout = kWait) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (pending_.size() < size) {
-      if (!Fill(deadline)) return std::nullopt;
-    }
-    std::string bytes = pending_.substr(0, size);
-    pending_.erase(0, size);
-    return bytes;
-  }
-
-  // True when the server closes the connection (EOF or reset) within `timeout`; what arrives
-  // meanwhile is kept in leftover().
-  bool WaitClosed(absl::Duration timeout = kWait) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (!closed_) {
-      if (!Fill(deadline) && !closed_) return false;
-    }
-    return true;
-  }
-
-  // Whether nothing arrives (and the connection stays open) for `quiet`.
-  bool StaysQuiet(absl::Duration quiet) {
-    const size_t before = pending_.size();
-    Fill(absl::Now() + quiet);
-    return pending_.size() == before && !closed_;
-  }
-
-  const std::string& leftover() const { return pending_; }
-
- private:
-  // Reads what is available before `deadline` into pending_; false on timeout or close.
-  bool Fill(absl::Time deadline) {
-    if (closed_ || fd_ < 0) return false;
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) return false;
-    pollfd descriptor{fd_, POLLIN, 0};
-    const int ready = ::poll(&descriptor, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
-    if (ready <= 0) return false;
-    char chunk[16384];
-    const ssize_t got = ::recv(fd_, chunk, sizeof(chunk), 0);
-    if (got <= 0) {
-      closed_ = true;
-      return false;
-    }
-    pending_.append(chunk, static_cast<size_t>(got));
-    return true;
-  }
-
-  int fd_ = -1;
-  bool connected_ = false;
-  bool closed_ = false;
-  std::string pending_;
-};
-
-// Reads a Content-Length framed response (no body for HEAD, 204, 304) off `client`.
-struct WholeResponse {
-  Head head;
-  std::string body;
-};
-
-std::optional<WholeResponse> ReadWholeResponse(RawClient& client, bool head_request = false) {
-  std::optional<Head> head = client.ReadHead();
-  if (!head.has_value()) return std::nullopt;
-  WholeResponse response{*std::move(head), ""};
-  if (head_request || response.head.status == 204 || response.head.status == 304) return response;
-  size_t length = 0;
-  const std::optional<std::string> content_length = response.head.Header("content-length");
-  if (!content_length.has_value() || !absl::SimpleAtoi(*content_length, &length)) return std::nullopt;
-  std::optional<std::string> body = client.ReadBytes(length);
-  if (!body.has_value()) return std::nullopt;
-  response.body = *std::move(body);
-  return response;
-}
 
 // ---- Handing streams to the test -------------------------------------------------------------------
 
@@ -339,14 +162,15 @@ std::unique_ptr<HttpServer> MustStart(HttpServerOptions options, HttpRouter rout
 }
 
 constexpr absl::string_view kGetStream = "GET /stream HTTP/1.1\r\nHost: x\r\n\r\n";
+constexpr absl::string_view kHeadStream = "HEAD /stream HTTP/1.1\r\nHost: x\r\n\r\n";
 constexpr absl::string_view kGetHealthz = "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
 
 // Asserts that `client`'s connection still serves an ordinary request.
-void ExpectServesHealthz(RawClient& client) {
+void ExpectServesHealthz(RawHttpClient& client) {
   ASSERT_TRUE(client.Send(kGetHealthz));
-  const std::optional<WholeResponse> response = ReadWholeResponse(client);
+  const std::optional<RawHttpResponse> response = client.ReadResponse();
   ASSERT_TRUE(response.has_value());
-  EXPECT_EQ(response->head.status, 200);
+  EXPECT_EQ(response->status, 200);
   EXPECT_EQ(response->body, "ok\n");
 }
 
@@ -357,6 +181,30 @@ HttpRequest Request(std::string method, std::string path) {
   request.target = request.path;
   return request;
 }
+
+// A server on StreamRouter: its handlers hand their streams to inbox_.
+class HttpStreamTest : public ::testing::Test {
+ protected:
+  // Starts server_ (it ASSERTs: call it in ASSERT_NO_FATAL_FAILURE).
+  void StartServer(HttpServerOptions options = TestOptions()) {
+    server_ = MustStart(std::move(options), StreamRouter(inbox_));
+    ASSERT_NE(server_, nullptr);
+  }
+
+  // Sends `request` on `client` and takes the stream its handler received (and the request, into
+  // `received`); nullptr when the send fails or no stream comes.
+  std::shared_ptr<ResponseStream> Open(RawHttpClient& client, absl::string_view request = kGetStream,
+                                       HttpRequest* received = nullptr) {
+    if (!client.Send(request)) {
+      ADD_FAILURE() << "cannot send " << request;
+      return nullptr;
+    }
+    return inbox_.Take(received);
+  }
+
+  StreamInbox inbox_;
+  std::unique_ptr<HttpServer> server_;
+};
 
 // ---- HttpRouter --------------------------------------------------------------------------------------
 
@@ -404,14 +252,11 @@ TEST(HttpRouterStreamingTest, RegisteringAPathAgainReplacesItsKind) {
 
 // ---- The server: chunked streams ----------------------------------------------------------------------
 
-TEST(HttpStreamTest, PiecesArriveOneByOneAsChunksAndTheConnectionIsKeptAlive) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send(kGetStream));
+TEST_F(HttpStreamTest, PiecesArriveOneByOneAsChunksAndTheConnectionIsKeptAlive) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient client(server_->port());
   HttpRequest request;
-  const std::shared_ptr<ResponseStream> stream = inbox.Take(&request);
+  const std::shared_ptr<ResponseStream> stream = Open(client, kGetStream, &request);
   ASSERT_NE(stream, nullptr);
   EXPECT_EQ(request.method, "GET");
   EXPECT_EQ(request.path, "/stream");
@@ -421,7 +266,7 @@ TEST(HttpStreamTest, PiecesArriveOneByOneAsChunksAndTheConnectionIsKeptAlive) {
   // Nothing is sent before Begin.
   EXPECT_TRUE(client.StaysQuiet(absl::Milliseconds(50)));
   stream->Begin(200, "text/event-stream", {{"Cache-Control", "no-cache"}, {"X-Request-Id", "r-1"}});
-  const std::optional<Head> head = client.ReadHead();
+  const std::optional<RawHttpHead> head = client.ReadHead();
   ASSERT_TRUE(head.has_value());
   EXPECT_EQ(head->version, "HTTP/1.1");
   EXPECT_EQ(head->status, 200);
@@ -463,20 +308,17 @@ TEST(HttpStreamTest, PiecesArriveOneByOneAsChunksAndTheConnectionIsKeptAlive) {
   // The same connection serves the next request.
   ExpectServesHealthz(client);
   EXPECT_TRUE(Eventually([&] {
-    const HttpServerStats stats = server->stats();
+    const HttpServerStats stats = server_->stats();
     return stats.requests == 2 && stats.responses_2xx == 2 && stats.open_connections == 1;
   }));
 }
 
-TEST(HttpStreamTest, WritesFromManyThreadsAllArriveEachInOrder) {
-  StreamInbox inbox;
+TEST_F(HttpStreamTest, WritesFromManyThreadsAllArriveEachInOrder) {
   HttpServerOptions options = TestOptions();
   options.threads = 2;
-  std::unique_ptr<HttpServer> server = MustStart(options, StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send(kGetStream));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  RawHttpClient client(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(client);
   ASSERT_NE(stream, nullptr);
   stream->Begin(200, "text/plain");
   constexpr int kWriters = 4;
@@ -521,15 +363,13 @@ TEST(HttpStreamTest, WritesFromManyThreadsAllArriveEachInOrder) {
   EXPECT_EQ(stream->queued_bytes(), 0u);
 }
 
-TEST(HttpStreamTest, RespondSendsAWholeResponseAndHeadGetsItsHead) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
+TEST_F(HttpStreamTest, RespondSendsAWholeResponseAndHeadGetsItsHead) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient client(server_->port());
 
-  ASSERT_TRUE(client.Send("POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"));
   HttpRequest request;
-  std::shared_ptr<ResponseStream> stream = inbox.Take(&request);
+  std::shared_ptr<ResponseStream> stream =
+      Open(client, "POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello", &request);
   ASSERT_NE(stream, nullptr);
   EXPECT_EQ(request.body, "hello");
   HttpResponse answer = Text(201, "{\"ok\":true}");
@@ -537,44 +377,40 @@ TEST(HttpStreamTest, RespondSendsAWholeResponseAndHeadGetsItsHead) {
   answer.headers.emplace_back("X-Answer", "42");
   stream->Respond(answer);
   EXPECT_TRUE(stream->done());
-  std::optional<WholeResponse> response = ReadWholeResponse(client);
+  std::optional<RawHttpResponse> response = client.ReadResponse();
   ASSERT_TRUE(response.has_value());
-  EXPECT_EQ(response->head.status, 201);
-  EXPECT_EQ(response->head.Header("content-length"), "11");
-  EXPECT_EQ(response->head.Header("transfer-encoding"), std::nullopt);
-  EXPECT_EQ(response->head.Header("content-type"), "application/json");
-  EXPECT_EQ(response->head.Header("x-answer"), "42");
+  EXPECT_EQ(response->status, 201);
+  EXPECT_EQ(response->Header("content-length"), "11");
+  EXPECT_EQ(response->Header("transfer-encoding"), std::nullopt);
+  EXPECT_EQ(response->Header("content-type"), "application/json");
+  EXPECT_EQ(response->Header("x-answer"), "42");
   EXPECT_EQ(response->body, "{\"ok\":true}");
   // Begin after Respond is ignored: nothing more arrives, and the connection goes on.
   stream->Begin(200, "text/plain");
   EXPECT_TRUE(client.StaysQuiet(absl::Milliseconds(50)));
 
-  ASSERT_TRUE(client.Send("HEAD /stream HTTP/1.1\r\nHost: x\r\n\r\n"));
-  stream = inbox.Take(&request);
+  stream = Open(client, kHeadStream, &request);
   ASSERT_NE(stream, nullptr);
   EXPECT_EQ(request.method, "HEAD");
   stream->Respond(Text(200, "twelve bytes"));
-  response = ReadWholeResponse(client, /*head_request=*/true);
+  response = client.ReadResponse(/*head_request=*/true);
   ASSERT_TRUE(response.has_value());
-  EXPECT_EQ(response->head.status, 200);
-  EXPECT_EQ(response->head.Header("content-length"), "12");
+  EXPECT_EQ(response->status, 200);
+  EXPECT_EQ(response->Header("content-length"), "12");
   ExpectServesHealthz(client);  // no body bytes were sent to HEAD
 }
 
-TEST(HttpStreamTest, HeadAnd204SendTheHeadOnlyAndDiscardTheWrites) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
+TEST_F(HttpStreamTest, HeadAnd204SendTheHeadOnlyAndDiscardTheWrites) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient client(server_->port());
   EventLog log;
 
-  ASSERT_TRUE(client.Send("HEAD /stream HTTP/1.1\r\nHost: x\r\n\r\n"));
-  std::shared_ptr<ResponseStream> stream = inbox.Take();
+  std::shared_ptr<ResponseStream> stream = Open(client, kHeadStream);
   ASSERT_NE(stream, nullptr);
   stream->Begin(200, "text/event-stream");
   stream->Write("data: x\n\n", Record(log, "head-piece"));
   stream->Finish();
-  std::optional<Head> head = client.ReadHead();
+  std::optional<RawHttpHead> head = client.ReadHead();
   ASSERT_TRUE(head.has_value());
   EXPECT_EQ(head->status, 200);
   EXPECT_EQ(head->Header("transfer-encoding"), "chunked");  // what a GET would get
@@ -582,8 +418,7 @@ TEST(HttpStreamTest, HeadAnd204SendTheHeadOnlyAndDiscardTheWrites) {
   EXPECT_EQ(stream->queued_bytes(), 0u);
   ExpectServesHealthz(client);  // no chunk, not even the last one, reached the wire
 
-  ASSERT_TRUE(client.Send(kGetStream));
-  stream = inbox.Take();
+  stream = Open(client);
   ASSERT_NE(stream, nullptr);
   stream->Begin(204, "text/plain", {{"X-Empty", "yes"}});
   stream->Write("ignored", Record(log, "no-content-piece"));
@@ -599,17 +434,14 @@ TEST(HttpStreamTest, HeadAnd204SendTheHeadOnlyAndDiscardTheWrites) {
   ExpectServesHealthz(client);
 }
 
-TEST(HttpStreamTest, Http10StreamsWithoutLengthAndCloses) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send("GET /stream HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+TEST_F(HttpStreamTest, Http10StreamsWithoutLengthAndCloses) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient client(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(client, "GET /stream HTTP/1.0\r\nConnection: keep-alive\r\n\r\n");
   ASSERT_NE(stream, nullptr);
   stream->Begin(200, "text/plain");
   stream->Write("first ");
-  const std::optional<Head> head = client.ReadHead();
+  const std::optional<RawHttpHead> head = client.ReadHead();
   ASSERT_TRUE(head.has_value());
   EXPECT_EQ(head->version, "HTTP/1.0");
   EXPECT_EQ(head->Header("transfer-encoding"), std::nullopt);
@@ -622,13 +454,10 @@ TEST(HttpStreamTest, Http10StreamsWithoutLengthAndCloses) {
   EXPECT_EQ(client.leftover(), "second");
 }
 
-TEST(HttpStreamTest, BeginFiltersFieldsAndFixesBadStatuses) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send(kGetStream));
-  std::shared_ptr<ResponseStream> stream = inbox.Take();
+TEST_F(HttpStreamTest, BeginFiltersFieldsAndFixesBadStatuses) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient client(server_->port());
+  std::shared_ptr<ResponseStream> stream = Open(client);
   ASSERT_NE(stream, nullptr);
   stream->Begin(299, "text/plain\r\nX-Injected: 1",
                 {{"Content-Length", "5"},
@@ -638,7 +467,7 @@ TEST(HttpStreamTest, BeginFiltersFieldsAndFixesBadStatuses) {
                  {"X-Split", "a\r\nX-Injected: 2"},
                  {"X-Fine", "fine"}});
   stream->Finish();
-  std::optional<Head> head = client.ReadHead();
+  std::optional<RawHttpHead> head = client.ReadHead();
   ASSERT_TRUE(head.has_value());
   EXPECT_EQ(head->status, 299);
   EXPECT_EQ(head->Header("transfer-encoding"), "chunked");
@@ -650,8 +479,7 @@ TEST(HttpStreamTest, BeginFiltersFieldsAndFixesBadStatuses) {
   EXPECT_EQ(head->Header("x-fine"), "fine");
   EXPECT_EQ(client.ReadChunk(), "");
 
-  ASSERT_TRUE(client.Send(kGetStream));
-  stream = inbox.Take();
+  stream = Open(client);
   ASSERT_NE(stream, nullptr);
   stream->Begin(99, "text/plain");  // outside 200..599
   stream->Finish();
@@ -660,16 +488,13 @@ TEST(HttpStreamTest, BeginFiltersFieldsAndFixesBadStatuses) {
   EXPECT_EQ(head->status, 500);
   EXPECT_EQ(client.ReadChunk(), "");
   ExpectServesHealthz(client);
-  EXPECT_TRUE(Eventually([&] { return server->stats().responses_5xx == 1 && server->stats().responses_2xx == 2; }));
+  EXPECT_TRUE(Eventually([&] { return server_->stats().responses_5xx == 1 && server_->stats().responses_2xx == 2; }));
 }
 
-TEST(HttpStreamTest, CallsOutOfOrderAreIgnored) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send(kGetStream));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+TEST_F(HttpStreamTest, CallsOutOfOrderAreIgnored) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient client(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(client);
   ASSERT_NE(stream, nullptr);
   EventLog log;
   stream->Write("too early", Record(log, "early"));  // before Begin
@@ -681,7 +506,7 @@ TEST(HttpStreamTest, CallsOutOfOrderAreIgnored) {
   stream->Respond(Text(500, "no"));  // Respond after Begin
   stream->Write("body", Record(log, "body"));
   stream->Finish();
-  const std::optional<Head> head = client.ReadHead();
+  const std::optional<RawHttpHead> head = client.ReadHead();
   ASSERT_TRUE(head.has_value());
   EXPECT_EQ(head->status, 200);
   EXPECT_EQ(client.ReadChunk(), "body");
@@ -692,15 +517,13 @@ TEST(HttpStreamTest, CallsOutOfOrderAreIgnored) {
 
 // ---- The client goes away ------------------------------------------------------------------------------
 
-class ClientGoesAwayTest : public ::testing::TestWithParam<bool> {};  // true: reset, false: close
+class ClientGoesAwayTest : public HttpStreamTest,
+                           public ::testing::WithParamInterface<bool> {};  // true: reset, false: close
 
 TEST_P(ClientGoesAwayTest, OnClosedRunsAndLaterCallsAreIgnored) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  auto client = std::make_unique<RawClient>(server->port());
-  ASSERT_TRUE(client->Send(kGetStream));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  auto client = std::make_unique<RawHttpClient>(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(*client);
   ASSERT_NE(stream, nullptr);
   EventLog log;
   stream->OnClosed([&log] { log.Add("closed"); });
@@ -721,24 +544,21 @@ TEST_P(ClientGoesAwayTest, OnClosedRunsAndLaterCallsAreIgnored) {
   stream->OnClosed([&log] { log.Add("closed-again"); });
   EXPECT_EQ(log.WaitForCount(4).back(), "closed-again");
   stream->Finish();
-  EXPECT_TRUE(Eventually([&] { return server->stats().open_connections == 0; }));
+  EXPECT_TRUE(Eventually([&] { return server_->stats().open_connections == 0; }));
   EXPECT_EQ(log.events().size(), 4u);
   // No callback ran on the test thread, i.e. inside a call.
   for (const std::thread::id& thread : log.threads()) EXPECT_NE(thread, std::this_thread::get_id());
-  RawClient other(server->port());
+  RawHttpClient other(server_->port());
   ExpectServesHealthz(other);
 }
 
 INSTANTIATE_TEST_SUITE_P(CloseOrReset, ClientGoesAwayTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Reset" : "Close"; });
 
-TEST(HttpStreamTest, ClientGoingAwayBeforeBeginIsNoticed) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  auto client = std::make_unique<RawClient>(server->port());
-  ASSERT_TRUE(client->Send(kGetStream));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+TEST_F(HttpStreamTest, ClientGoingAwayBeforeBeginIsNoticed) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  auto client = std::make_unique<RawHttpClient>(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(*client);
   ASSERT_NE(stream, nullptr);
   EventLog log;
   stream->OnClosed([&log] { log.Add("closed"); });
@@ -746,16 +566,13 @@ TEST(HttpStreamTest, ClientGoingAwayBeforeBeginIsNoticed) {
   EXPECT_EQ(log.WaitForCount(1), std::vector<std::string>{"closed"});
   EXPECT_TRUE(stream->done());
   stream->Respond(Text(200, "too late"));  // ignored
-  EXPECT_TRUE(Eventually([&] { return server->stats().open_connections == 0; }));
+  EXPECT_TRUE(Eventually([&] { return server_->stats().open_connections == 0; }));
 }
 
-TEST(HttpStreamTest, FinishedStreamsDoNotRunOnClosed) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  auto client = std::make_unique<RawClient>(server->port());
-  ASSERT_TRUE(client->Send(kGetStream));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+TEST_F(HttpStreamTest, FinishedStreamsDoNotRunOnClosed) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  auto client = std::make_unique<RawHttpClient>(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(*client);
   ASSERT_NE(stream, nullptr);
   EventLog log;
   stream->OnClosed([&log] { log.Add("closed"); });
@@ -766,21 +583,18 @@ TEST(HttpStreamTest, FinishedStreamsDoNotRunOnClosed) {
   ASSERT_EQ(client->ReadChunk(), "x");
   ASSERT_EQ(client->ReadChunk(), "");
   client.reset();
-  EXPECT_TRUE(Eventually([&] { return server->stats().open_connections == 0; }));
+  EXPECT_TRUE(Eventually([&] { return server_->stats().open_connections == 0; }));
   stream->OnClosed([&log] { log.Add("closed-late"); });
   // A callback that would run is posted at once; give it the chance, then check it did not come.
-  RawClient other(server->port());
+  RawHttpClient other(server_->port());
   ExpectServesHealthz(other);
   EXPECT_EQ(log.events(), std::vector<std::string>{"x:true"});
 }
 
-TEST(HttpStreamTest, AbortClosesWithoutTheLastChunk) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send(kGetStream));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+TEST_F(HttpStreamTest, AbortClosesWithoutTheLastChunk) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient client(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(client);
   ASSERT_NE(stream, nullptr);
   EventLog log;
   stream->OnClosed([&log] { log.Add("closed"); });
@@ -803,15 +617,12 @@ TEST(HttpStreamTest, AbortClosesWithoutTheLastChunk) {
   }
 }
 
-TEST(HttpStreamTest, AClientThatDoesNotReadIsCutAfterTheWriteTimeout) {
-  StreamInbox inbox;
+TEST_F(HttpStreamTest, AClientThatDoesNotReadIsCutAfterTheWriteTimeout) {
   HttpServerOptions options = TestOptions();
   options.write_timeout = absl::Milliseconds(300);
-  std::unique_ptr<HttpServer> server = MustStart(options, StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port(), /*receive_buffer=*/4096);
-  ASSERT_TRUE(client.Send(kGetStream));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  RawHttpClient client(server_->port(), /*receive_buffer=*/4096);
+  const std::shared_ptr<ResponseStream> stream = Open(client);
   ASSERT_NE(stream, nullptr);
   EventLog log;
   stream->OnClosed([&log] { log.Add("closed"); });
@@ -827,19 +638,16 @@ TEST(HttpStreamTest, AClientThatDoesNotReadIsCutAfterTheWriteTimeout) {
   EXPECT_GT(stream->queued_bytes(), 0u);
   EXPECT_THAT(log.WaitForCount(1), ElementsAre("closed"));
   EXPECT_TRUE(Eventually([&] { return failed.load() > 0 && stream->queued_bytes() == 0; }));
-  EXPECT_TRUE(Eventually([&] { return server->stats().connections_timed_out == 1; }));
-  EXPECT_TRUE(Eventually([&] { return server->stats().open_connections == 0; }));
+  EXPECT_TRUE(Eventually([&] { return server_->stats().connections_timed_out == 1; }));
+  EXPECT_TRUE(Eventually([&] { return server_->stats().open_connections == 0; }));
 }
 
 // ---- Pipelining -------------------------------------------------------------------------------------------
 
-TEST(HttpStreamTest, APipelinedRequestIsServedAfterTheStream) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send(kGetStream));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+TEST_F(HttpStreamTest, APipelinedRequestIsServedAfterTheStream) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient client(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(client);
   ASSERT_NE(stream, nullptr);
   stream->Begin(200, "text/plain");
   ASSERT_TRUE(client.ReadHead().has_value());
@@ -851,56 +659,50 @@ TEST(HttpStreamTest, APipelinedRequestIsServedAfterTheStream) {
   stream->Finish();
   EXPECT_EQ(client.ReadChunk(), "streamed");
   EXPECT_EQ(client.ReadChunk(), "");
-  const std::optional<WholeResponse> healthz = ReadWholeResponse(client);
+  const std::optional<RawHttpResponse> healthz = client.ReadResponse();
   ASSERT_TRUE(healthz.has_value());
   EXPECT_EQ(healthz->body, "ok\n");
   HttpRequest request;
-  const std::shared_ptr<ResponseStream> second = inbox.Take(&request);
+  const std::shared_ptr<ResponseStream> second = inbox_.Take(&request);
   ASSERT_NE(second, nullptr);
   EXPECT_EQ(request.body, "abc");
   second->Respond(Text(200, "second"));
-  const std::optional<WholeResponse> answer = ReadWholeResponse(client);
+  const std::optional<RawHttpResponse> answer = client.ReadResponse();
   ASSERT_TRUE(answer.has_value());
   EXPECT_EQ(answer->body, "second");
 }
 
-TEST(HttpStreamTest, ALargePipelinedRequestWithinTheLimitsIsKept) {
-  StreamInbox inbox;
+TEST_F(HttpStreamTest, ALargePipelinedRequestWithinTheLimitsIsKept) {
   HttpServerOptions options = TestOptions();
   options.max_body_bytes = 512 * 1024;
-  std::unique_ptr<HttpServer> server = MustStart(options, StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send(kGetStream));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  RawHttpClient client(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(client);
   ASSERT_NE(stream, nullptr);
   const std::string body(400 * 1024, 'b');
   ASSERT_TRUE(
       client.Send(absl::StrCat("POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: ", body.size(), "\r\n\r\n", body)));
   stream->Respond(Text(200, "first"));
-  std::optional<WholeResponse> answer = ReadWholeResponse(client);
+  std::optional<RawHttpResponse> answer = client.ReadResponse();
   ASSERT_TRUE(answer.has_value());
   EXPECT_EQ(answer->body, "first");
   HttpRequest request;
-  const std::shared_ptr<ResponseStream> second = inbox.Take(&request);
+  const std::shared_ptr<ResponseStream> second = inbox_.Take(&request);
   ASSERT_NE(second, nullptr);
   EXPECT_EQ(request.body, body);
   second->Respond(Text(200, "second"));
-  answer = ReadWholeResponse(client);
+  answer = client.ReadResponse();
   ASSERT_TRUE(answer.has_value());
   EXPECT_EQ(answer->body, "second");
 }
 
-TEST(HttpStreamTest, PipeliningBeyondTheKeptBytesIsFlowControlledNotCut) {
-  StreamInbox inbox;
+TEST_F(HttpStreamTest, PipeliningBeyondTheKeptBytesIsFlowControlledNotCut) {
   HttpServerOptions options = TestOptions();
   options.max_header_bytes = 1024;
   options.max_body_bytes = 16 * 1024;  // the server keeps 1 KiB + 64 KiB while streaming
-  std::unique_ptr<HttpServer> server = MustStart(options, StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send(kGetStream));
-  std::shared_ptr<ResponseStream> stream = inbox.Take();
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  RawHttpClient client(server_->port());
+  std::shared_ptr<ResponseStream> stream = Open(client);
   ASSERT_NE(stream, nullptr);
   stream->Begin(200, "text/plain");
   ASSERT_TRUE(client.ReadHead().has_value());
@@ -919,29 +721,27 @@ TEST(HttpStreamTest, PipeliningBeyondTheKeptBytesIsFlowControlledNotCut) {
   EXPECT_EQ(client.ReadChunk(), "");
   for (int i = 0; i < kPipelined; ++i) {
     HttpRequest request;
-    stream = inbox.Take(&request);
+    stream = inbox_.Take(&request);
     ASSERT_NE(stream, nullptr) << i;
     EXPECT_EQ(request.body, body) << i;
     stream->Respond(Text(200, absl::StrCat("answer ", i)));
-    const std::optional<WholeResponse> answer = ReadWholeResponse(client);
+    const std::optional<RawHttpResponse> answer = client.ReadResponse();
     ASSERT_TRUE(answer.has_value()) << i;
     EXPECT_EQ(answer->body, absl::StrCat("answer ", i));
   }
   ExpectServesHealthz(client);
 }
 
-TEST(HttpStreamTest, ConnectionCloseEndsTheConnectionAfterTheStream) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send("GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+TEST_F(HttpStreamTest, ConnectionCloseEndsTheConnectionAfterTheStream) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient client(server_->port());
+  const std::shared_ptr<ResponseStream> stream =
+      Open(client, "GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   ASSERT_NE(stream, nullptr);
   stream->Begin(200, "text/plain");
   stream->Write("only");
   stream->Finish();
-  const std::optional<Head> head = client.ReadHead();
+  const std::optional<RawHttpHead> head = client.ReadHead();
   ASSERT_TRUE(head.has_value());
   EXPECT_EQ(head->Header("connection"), "close");
   EXPECT_EQ(head->Header("transfer-encoding"), "chunked");
@@ -953,7 +753,7 @@ TEST(HttpStreamTest, ConnectionCloseEndsTheConnectionAfterTheStream) {
 
 // ---- Handlers that fail or leave ---------------------------------------------------------------------------
 
-TEST(HttpStreamTest, HandlerExceptionsAndAbandonedStreams) {
+TEST_F(HttpStreamTest, HandlerExceptionsAndAbandonedStreams) {
   std::atomic<int> mode{0};
   HttpRouter router;
   router.HandleStreaming("/s", {"GET"}, [&mode](HttpRequest, std::shared_ptr<ResponseStream> stream) {
@@ -977,25 +777,25 @@ TEST(HttpStreamTest, HandlerExceptionsAndAbandonedStreams) {
 
   for (int m : {0, 2}) {
     mode = m;
-    RawClient client(server->port());
+    RawHttpClient client(server->port());
     ASSERT_TRUE(client.Send("GET /s HTTP/1.1\r\nHost: x\r\n\r\n"));
-    const std::optional<WholeResponse> response = ReadWholeResponse(client);
+    const std::optional<RawHttpResponse> response = client.ReadResponse();
     ASSERT_TRUE(response.has_value()) << m;
-    EXPECT_EQ(response->head.status, 500) << m;
+    EXPECT_EQ(response->status, 500) << m;
     EXPECT_THAT(response->body, Not(HasSubstr("secret")));
     ExpectServesHealthz(client);  // the connection goes on
   }
   for (int m : {1, 3}) {
     mode = m;
-    RawClient client(server->port());
+    RawHttpClient client(server->port());
     ASSERT_TRUE(client.Send("GET /s HTTP/1.1\r\nHost: x\r\n\r\n"));
-    const std::optional<Head> head = client.ReadHead();
+    const std::optional<RawHttpHead> head = client.ReadHead();
     ASSERT_TRUE(head.has_value()) << m;
     EXPECT_EQ(head->status, 200);
     ASSERT_TRUE(client.WaitClosed()) << m;
     EXPECT_EQ(client.leftover().find("0\r\n\r\n"), std::string::npos) << m;
   }
-  RawClient after(server->port());
+  RawHttpClient after(server->port());
   ExpectServesHealthz(after);
 }
 
@@ -1006,7 +806,7 @@ size_t AppendToString(char* data, size_t size, size_t count, void* user) {
   return size * count;
 }
 
-TEST(HttpStreamTest, ConcurrentStreamsReadByCurlArriveWhole) {
+TEST_F(HttpStreamTest, ConcurrentStreamsReadByCurlArriveWhole) {
   // Each handler answers from a thread of its own, with the SSE framing of OpenAI streams.
   std::vector<std::thread> producers;
   absl::Mutex producers_mu;
@@ -1063,17 +863,13 @@ TEST(HttpStreamTest, ConcurrentStreamsReadByCurlArriveWhole) {
 
 // ---- Stop -------------------------------------------------------------------------------------------------
 
-TEST(HttpStreamTest, StopEndsOpenStreamsAndStreamsOutliveTheServer) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient begun_client(server->port());
-  RawClient fresh_client(server->port());
-  ASSERT_TRUE(begun_client.Send(kGetStream));
-  const std::shared_ptr<ResponseStream> begun = inbox.Take();
+TEST_F(HttpStreamTest, StopEndsOpenStreamsAndStreamsOutliveTheServer) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient begun_client(server_->port());
+  RawHttpClient fresh_client(server_->port());
+  const std::shared_ptr<ResponseStream> begun = Open(begun_client);
   ASSERT_NE(begun, nullptr);
-  ASSERT_TRUE(fresh_client.Send(kGetStream));
-  const std::shared_ptr<ResponseStream> fresh = inbox.Take();
+  const std::shared_ptr<ResponseStream> fresh = Open(fresh_client);
   ASSERT_NE(fresh, nullptr);
   EventLog log;
   begun->OnClosed([&log] { log.Add("begun-closed"); });
@@ -1083,19 +879,19 @@ TEST(HttpStreamTest, StopEndsOpenStreamsAndStreamsOutliveTheServer) {
   ASSERT_TRUE(begun_client.ReadHead().has_value());
   ASSERT_EQ(begun_client.ReadChunk(), "x");
 
-  server->Stop();
+  server_->Stop();
   // Both ended before Stop returned, their callbacks run by then.
   std::vector<std::string> events = log.events();
   std::sort(events.begin(), events.end());
   EXPECT_THAT(events, ElementsAre("begun-closed", "fresh-closed"));
   EXPECT_TRUE(begun->done());
   EXPECT_TRUE(fresh->done());
-  EXPECT_EQ(server->stats().open_connections, 0);
+  EXPECT_EQ(server_->stats().open_connections, 0);
   EXPECT_TRUE(begun_client.WaitClosed());
   EXPECT_TRUE(fresh_client.WaitClosed());
 
   // Calls after Stop, and after the server is gone, are ignored.
-  server.reset();
+  server_.reset();
   std::atomic<bool> ran{false};
   begun->Write("y", [&ran](bool) { ran = true; });
   begun->Finish();
@@ -1106,23 +902,20 @@ TEST(HttpStreamTest, StopEndsOpenStreamsAndStreamsOutliveTheServer) {
   EXPECT_FALSE(ran.load());
 }
 
-TEST(HttpStreamTest, AStopFromAnOnClosedCallbackDuringStopDoesNotHang) {
-  StreamInbox inbox;
-  std::unique_ptr<HttpServer> server = MustStart(TestOptions(), StreamRouter(inbox));
-  ASSERT_NE(server, nullptr);
-  RawClient client(server->port());
-  ASSERT_TRUE(client.Send(kGetStream));
-  const std::shared_ptr<ResponseStream> stream = inbox.Take();
+TEST_F(HttpStreamTest, AStopFromAnOnClosedCallbackDuringStopDoesNotHang) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  RawHttpClient client(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(client);
   ASSERT_NE(stream, nullptr);
-  HttpServer* raw = server.get();
+  HttpServer* raw = server_.get();
   std::atomic<bool> ran{false};
   stream->OnClosed([raw, &ran] {
     raw->Stop();
     ran = true;
   });
-  server->Stop();
+  server_->Stop();
   EXPECT_TRUE(ran.load());
-  EXPECT_EQ(server->stats().open_connections, 0);
+  EXPECT_EQ(server_->stats().open_connections, 0);
 }
 
 }  // namespace

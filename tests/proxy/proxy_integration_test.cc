@@ -1,14 +1,11 @@
 // The whole stack as real processes on loopback: eldr-engine-emu prefill and decode engines,
 // eldr-router with centroids calibrated on the bundled traces, eldr-proxy in front, and real HTTP
 // clients (eldr::http::HttpClient) for what a user sends.
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
-#include <cstdlib>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,8 +14,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "eldr/http/http_client.h"
 #include "eldr/http/sse.h"
 #include "gmock/gmock.h"
@@ -30,32 +27,15 @@ namespace eldr::proxy {
 namespace {
 
 using ::eldr::testing::BinaryPath;
+using ::eldr::testing::BundledTraceDir;
 using ::eldr::testing::ChildProcess;
 using ::eldr::testing::HttpGet;
 using ::eldr::testing::RunProcess;
 using ::eldr::testing::SampleValue;
 using ::eldr::testing::TempDir;
+using ::eldr::testing::UnusedLoopbackPort;
 using ::eldr::testing::WaitForPort;
 using ::testing::HasSubstr;
-
-std::string DataDir() {
-  const char* dir = std::getenv("ELDR_DATA_DIR");
-  return absl::StrCat(dir != nullptr ? dir : "data", "/esft-routing");
-}
-
-// A loopback port nobody listens on (bound, then closed).
-int DeadPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  socklen_t length = sizeof(address);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  close(fd);
-  return ntohs(address.sin_port);
-}
 
 // Centroids for two decode workers d0, d1, calibrated once on the bundled traces.
 const std::string& CentroidsFile() {
@@ -64,7 +44,7 @@ const std::string& CentroidsFile() {
     auto* file = new std::string(dir.File("centroids.json"));
     eldr::testing::ProcessResult calibrated = RunProcess(
         BinaryPath("eldr-calibrate"),
-        {"--trace=" + DataDir(), "--prefill_fraction=0.5", "--clusters=2", "--workers=d0,d1", "--out=" + *file},
+        {"--trace=" + BundledTraceDir(), "--prefill_fraction=0.5", "--clusters=2", "--workers=d0,d1", "--out=" + *file},
         absl::Seconds(120));
     if (calibrated.exit_code != 0) {
       ADD_FAILURE() << "eldr-calibrate failed: " << calibrated.stderr_text;
@@ -99,7 +79,7 @@ class Stack {
       std::vector<std::string> workers;
       for (int i = 0; i < options_.decode; ++i)
         workers.push_back(absl::StrCat("d", i, "=127.0.0.1:", decode_ports_[i]));
-      if (options_.dead_decode_worker) workers.push_back(absl::StrCat("dead=127.0.0.1:", DeadPort()));
+      if (options_.dead_decode_worker) workers.push_back(absl::StrCat("dead=127.0.0.1:", UnusedLoopbackPort()));
       absl::StatusOr<eldr::testing::RouterChild> router = eldr::testing::StartRouter(
           dir_, {"--workers=" + absl::StrJoin(workers, ","), "--centroids=" + CentroidsFile(),
                  "--policy=" + options_.router_policy, "--refit_interval=0", "--log_level=warning"});
@@ -108,7 +88,7 @@ class Stack {
       router_ports_ = router->ports;
     }
     std::vector<std::string> prefill;
-    if (options_.dead_prefill_first) prefill.push_back(absl::StrCat("127.0.0.1:", DeadPort()));
+    if (options_.dead_prefill_first) prefill.push_back(absl::StrCat("127.0.0.1:", UnusedLoopbackPort()));
     for (int port : prefill_ports_) prefill.push_back(absl::StrCat("127.0.0.1:", port));
     std::vector<std::string> decode;
     for (int port : decode_ports_) decode.push_back(absl::StrCat("127.0.0.1:", port));
@@ -177,7 +157,7 @@ class Stack {
                                      "--role=" + role,
                                      "--listen=127.0.0.1:0",
                                      "--port_file=" + port_file,
-                                     "--trace=" + DataDir(),
+                                     "--trace=" + BundledTraceDir(),
                                      absl::StrCat("--time_scale=", options_.time_scale),
                                      "--engine_id=" + role + std::to_string(index)};
     if (role == "prefill") {
@@ -212,15 +192,21 @@ std::unique_ptr<http::HttpClient> NewClient() {
   return *std::move(client);
 }
 
-absl::StatusOr<http::FetchedResponse> Post(http::HttpClient& client, int port, const std::string& path,
-                                           const std::string& body) {
+// A JSON POST of `body` to 127.0.0.1:<port><path>.
+http::ClientRequest JsonPost(int port, const std::string& path, std::string body) {
   http::ClientRequest request;
   request.method = "POST";
   request.host = "127.0.0.1";
   request.port = port;
   request.target = path;
   request.headers = {{"Content-Type", "application/json"}};
-  request.body = body;
+  request.body = std::move(body);
+  return request;
+}
+
+absl::StatusOr<http::FetchedResponse> Post(http::HttpClient& client, int port, const std::string& path,
+                                           const std::string& body) {
+  http::ClientRequest request = JsonPost(port, path, body);
   request.total_timeout = absl::Seconds(60);
   return http::FetchAndWait(client, std::move(request));
 }
@@ -259,6 +245,77 @@ std::string CompletionBody(int trace, int max_tokens, bool stream) {
   if (stream) body["stream_options"] = {{"include_usage", true}};
   return body.dump();
 }
+
+// POSTs a streamed completion of trace request `trace` to the stack's proxy; expects a 200 whose
+// stream carries the trace's first `max_tokens` tokens in order.
+void ExpectStreamedTokens(http::HttpClient& client, const Stack& stack, int trace, int max_tokens) {
+  absl::StatusOr<http::FetchedResponse> answer =
+      Post(client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, max_tokens, true));
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  ASSERT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
+  EXPECT_EQ(StreamedTokens(answer->body, false), ExpectedTokens(trace, max_tokens));
+}
+
+// A streamed completions request in flight: what arrived so far, and how it ended. The destructor
+// cancels the call and waits for its end, so the callbacks never outlive the object.
+class StreamingCall {
+ public:
+  // Starts a streamed POST /v1/completions of CompletionBody(trace, max_tokens, true) on `port`.
+  StreamingCall(http::HttpClient& client, int port, int trace, int max_tokens) {
+    http::ClientCallbacks callbacks;
+    callbacks.on_body = [this](absl::string_view piece) {
+      absl::MutexLock lock(&mu_);
+      received_.append(piece.data(), piece.size());
+    };
+    callbacks.on_done = [this](const http::ClientResult& result) {
+      absl::MutexLock lock(&mu_);
+      result_ = result;
+    };
+    call_ =
+        client.Start(JsonPost(port, "/v1/completions", CompletionBody(trace, max_tokens, true)), std::move(callbacks));
+  }
+  ~StreamingCall() {
+    call_->Cancel();
+    WaitDone(absl::Seconds(10));
+  }
+  StreamingCall(const StreamingCall&) = delete;
+  StreamingCall& operator=(const StreamingCall&) = delete;
+
+  // Whether `tokens` generated pieces arrived within `timeout` (false when the call ends first).
+  bool WaitForTokens(size_t tokens, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    const auto enough = [this, tokens]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return StreamedTokens(received_, false).size() >= tokens;
+    };
+    const auto enough_or_done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return enough() || result_.has_value(); };
+    mu_.AwaitWithTimeout(absl::Condition(&enough_or_done), timeout);
+    return enough();
+  }
+  // Whether the call ended within `timeout`.
+  bool WaitDone(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    const auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return result_.has_value(); };
+    return mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
+  }
+  void Cancel() { call_->Cancel(); }
+
+  // The body so far.
+  std::string received() const {
+    absl::MutexLock lock(&mu_);
+    return received_;
+  }
+  // How the call ended (nullopt while it runs).
+  std::optional<http::ClientResult> result() const {
+    absl::MutexLock lock(&mu_);
+    return result_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::string received_ ABSL_GUARDED_BY(mu_);
+  std::optional<http::ClientResult> result_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<http::ClientCall> call_;
+};
 
 TEST(ProxyIntegration, CompletionsAndChatStreamedAndNotInOrderWithOneCompletePerRequest) {
   Stack stack({});
@@ -322,29 +379,10 @@ TEST(ProxyIntegration, AClientThatLeavesMidStreamAbortsTheEngineAndReleasesTheLe
   Stack stack(options);
   ASSERT_NO_FATAL_FAILURE(stack.Start());
   auto client = NewClient();
-  http::ClientRequest request;
-  request.method = "POST";
-  request.host = "127.0.0.1";
-  request.port = stack.proxy_port();
-  request.target = "/v1/completions";
-  request.headers = {{"Content-Type", "application/json"}};
-  request.body = CompletionBody(5, 5000, true);
-  absl::Notification got_tokens;
-  absl::Notification done;
-  absl::Mutex mu;
-  std::string received;
-  std::shared_ptr<http::ClientCall> call;
-  http::ClientCallbacks callbacks;
-  callbacks.on_body = [&](absl::string_view piece) {
-    absl::MutexLock lock(&mu);
-    received.append(piece.data(), piece.size());
-    if (StreamedTokens(received, false).size() >= 3 && !got_tokens.HasBeenNotified()) got_tokens.Notify();
-  };
-  callbacks.on_done = [&](const http::ClientResult&) { done.Notify(); };
-  call = client->Start(std::move(request), std::move(callbacks));
-  ASSERT_TRUE(got_tokens.WaitForNotificationWithTimeout(absl::Seconds(30))) << stack.Logs();
-  call->Cancel();
-  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  StreamingCall call(*client, stack.proxy_port(), /*trace=*/5, /*max_tokens=*/5000);
+  ASSERT_TRUE(call.WaitForTokens(3, absl::Seconds(30))) << stack.Logs();
+  call.Cancel();
+  ASSERT_TRUE(call.WaitDone(absl::Seconds(10)));
   // The proxy cancelled the engine's call (the emulator counts the abort) and completed the lease.
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   const auto aborted = [&] {
@@ -366,11 +404,7 @@ TEST(ProxyIntegration, ADeadPrefillInstanceIsRetriedOnAnother) {
   ASSERT_NO_FATAL_FAILURE(stack.Start());
   auto client = NewClient();
   for (int trace = 0; trace < 6; ++trace) {
-    absl::StatusOr<http::FetchedResponse> answer =
-        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 3, true));
-    ASSERT_TRUE(answer.ok()) << answer.status();
-    ASSERT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
-    EXPECT_EQ(StreamedTokens(answer->body, false), ExpectedTokens(trace, 3));
+    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
   }
   EXPECT_GE(stack.ProxyMetric("eldr_proxy_prefill_retries_total"), 3);
   EXPECT_GE(stack.ProxyMetric("eldr_proxy_upstream_errors_total{kind=\"connect\",phase=\"prefill\"}"), 3);
@@ -385,11 +419,7 @@ TEST(ProxyIntegration, ADeadDecodeWorkerIsReroutedBeforeTheFirstByte) {
   ASSERT_NO_FATAL_FAILURE(stack.Start());
   auto client = NewClient();
   for (int trace = 0; trace < 6; ++trace) {
-    absl::StatusOr<http::FetchedResponse> answer =
-        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 3, true));
-    ASSERT_TRUE(answer.ok()) << answer.status();
-    ASSERT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
-    EXPECT_EQ(StreamedTokens(answer->body, false), ExpectedTokens(trace, 3));
+    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
   }
   EXPECT_GE(stack.ProxyMetric("eldr_proxy_decode_reroutes_total"), 2);
   EXPECT_TRUE(stack.LeasesBackToZero());
@@ -467,16 +497,12 @@ TEST(ProxyIntegration, TheAbSplitRoutesItsBaselineArmByTheBaselinePolicy) {
 TEST(ProxyIntegration, WithoutTheRouterTheProxyRoutesByItsStaticList) {
   StackOptions options;
   options.router = false;
-  options.proxy_args = {absl::StrCat("--router=127.0.0.1:", DeadPort()), "--route_timeout=200ms"};
+  options.proxy_args = {absl::StrCat("--router=127.0.0.1:", UnusedLoopbackPort()), "--route_timeout=200ms"};
   Stack stack(options);
   ASSERT_NO_FATAL_FAILURE(stack.Start());
   auto client = NewClient();
   for (int trace = 0; trace < 4; ++trace) {
-    absl::StatusOr<http::FetchedResponse> answer =
-        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 2, true));
-    ASSERT_TRUE(answer.ok()) << answer.status();
-    ASSERT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
-    EXPECT_EQ(StreamedTokens(answer->body, false), ExpectedTokens(trace, 2));
+    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/2));
   }
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 4);
 }
@@ -489,38 +515,13 @@ TEST(ProxyIntegration, AnEngineThatDiesMidStreamEndsTheStreamWithAnErrorEvent) {
   Stack stack(options);
   ASSERT_NO_FATAL_FAILURE(stack.Start());
   auto client = NewClient();
-  http::ClientRequest request;
-  request.method = "POST";
-  request.host = "127.0.0.1";
-  request.port = stack.proxy_port();
-  request.target = "/v1/completions";
-  request.headers = {{"Content-Type", "application/json"}};
-  request.body = CompletionBody(11, 5000, true);
-  absl::Notification got_tokens;
-  absl::Notification done;
-  absl::Mutex mu;
-  std::string received;
-  http::ClientResult result;
-  http::ClientCallbacks callbacks;
-  callbacks.on_body = [&](absl::string_view piece) {
-    absl::MutexLock lock(&mu);
-    received.append(piece.data(), piece.size());
-    if (StreamedTokens(received, false).size() >= 3 && !got_tokens.HasBeenNotified()) got_tokens.Notify();
-  };
-  callbacks.on_done = [&](const http::ClientResult& r) {
-    {
-      absl::MutexLock lock(&mu);
-      result = r;
-    }
-    done.Notify();
-  };
-  auto call = client->Start(std::move(request), std::move(callbacks));
-  ASSERT_TRUE(got_tokens.WaitForNotificationWithTimeout(absl::Seconds(30))) << stack.Logs();
+  StreamingCall call(*client, stack.proxy_port(), /*trace=*/11, /*max_tokens=*/5000);
+  ASSERT_TRUE(call.WaitForTokens(3, absl::Seconds(30))) << stack.Logs();
   stack.KillDecodeEngines();
-  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(20))) << stack.Logs();
-  absl::MutexLock lock(&mu);
+  ASSERT_TRUE(call.WaitDone(absl::Seconds(20))) << stack.Logs();
+  const http::ClientResult result = *call.result();
   EXPECT_TRUE(result.status.ok()) << result.status;  // the proxy ended its stream properly
-  const std::vector<std::string> events = EventData(received);
+  const std::vector<std::string> events = EventData(call.received());
   ASSERT_GE(events.size(), 2u);
   EXPECT_EQ(events.back(), "[DONE]");
   EXPECT_THAT(events[events.size() - 2], HasSubstr("\"error\""));
@@ -548,19 +549,13 @@ TEST(ProxyIntegration, LimitsAnswer413AndAnEnginesOverloadPasses429Through) {
   std::vector<std::string> bodies;
   absl::BlockingCounter finished(4);
   for (int i = 0; i < 4; ++i) {
-    http::ClientRequest request;
-    request.method = "POST";
-    request.host = "127.0.0.1";
-    request.port = stack.proxy_port();
-    request.target = "/v1/completions";
-    request.headers = {{"Content-Type", "application/json"}};
-    request.body = CompletionBody(i, 2, false);
-    http::Fetch(*client, std::move(request), 1 << 20, [&](absl::StatusOr<http::FetchedResponse> answer) {
-      absl::MutexLock lock(&mu);
-      statuses.push_back(answer.ok() ? answer->head.status : -1);
-      bodies.push_back(answer.ok() ? answer->body : std::string(answer.status().message()));
-      finished.DecrementCount();
-    });
+    http::Fetch(*client, JsonPost(stack.proxy_port(), "/v1/completions", CompletionBody(i, 2, false)), 1 << 20,
+                [&](absl::StatusOr<http::FetchedResponse> answer) {
+                  absl::MutexLock lock(&mu);
+                  statuses.push_back(answer.ok() ? answer->head.status : -1);
+                  bodies.push_back(answer.ok() ? answer->body : std::string(answer.status().message()));
+                  finished.DecrementCount();
+                });
   }
   finished.Wait();
   absl::MutexLock lock(&mu);
@@ -587,36 +582,15 @@ TEST(ProxyIntegration, SigtermLetsAnswersInFlightFinish) {
   Stack stack(options);
   ASSERT_NO_FATAL_FAILURE(stack.Start());
   auto client = NewClient();
-  http::ClientRequest request;
-  request.method = "POST";
-  request.host = "127.0.0.1";
-  request.port = stack.proxy_port();
-  request.target = "/v1/completions";
-  request.headers = {{"Content-Type", "application/json"}};
-  request.body = CompletionBody(21, 100, true);
-  absl::Notification got_tokens;
-  absl::Notification done;
-  absl::Mutex mu;
-  std::string received;
-  http::ClientCallbacks callbacks;
-  callbacks.on_body = [&](absl::string_view piece) {
-    absl::MutexLock lock(&mu);
-    received.append(piece.data(), piece.size());
-    if (!got_tokens.HasBeenNotified()) got_tokens.Notify();
-  };
-  callbacks.on_done = [&](const http::ClientResult&) { done.Notify(); };
-  auto call = client->Start(std::move(request), std::move(callbacks));
-  ASSERT_TRUE(got_tokens.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  StreamingCall call(*client, stack.proxy_port(), /*trace=*/21, /*max_tokens=*/100);
+  ASSERT_TRUE(call.WaitForTokens(1, absl::Seconds(30)));
   stack.proxy().Signal(SIGTERM);
   absl::SleepFor(absl::Milliseconds(100));
   absl::StatusOr<http::FetchedResponse> late =
       Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(1, 2, false));
   if (late.ok()) EXPECT_EQ(late->head.status, 503);
-  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(20)));
-  {
-    absl::MutexLock lock(&mu);
-    EXPECT_EQ(StreamedTokens(received, false), ExpectedTokens(21, 100));
-  }
+  ASSERT_TRUE(call.WaitDone(absl::Seconds(20)));
+  EXPECT_EQ(StreamedTokens(call.received(), false), ExpectedTokens(21, 100));
   EXPECT_EQ(stack.proxy().Wait(absl::Seconds(10)).value_or(-1), 0) << stack.Logs();
   EXPECT_TRUE(stack.LeasesBackToZero());
 }

@@ -7,6 +7,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "eldr/http/sse.h"
+#include "eldr/openai/errors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -240,40 +241,11 @@ TEST(OutputTokensOfResponseTest, ReadsUsage) {
   EXPECT_FALSE(OutputTokensOfResponse("[1]").ok());
 }
 
-// ---- Error bodies and events ------------------------------------------------------------------------
-
-TEST(ErrorTypeForStatusTest, VllmTypes) {
-  struct Case {
-    int status;
-    const char* type;
-  };
-  const Case cases[] = {
-      {400, "BadRequestError"},         {401, "AuthenticationError"},     {403, "PermissionDeniedError"},
-      {404, "NotFoundError"},           {405, "BadRequestError"},         {413, "BadRequestError"},
-      {422, "BadRequestError"},         {429, "TooManyRequestsError"},    {500, "InternalServerError"},
-      {501, "InternalServerError"},     {502, "ServiceUnavailableError"}, {503, "ServiceUnavailableError"},
-      {504, "ServiceUnavailableError"}, {200, "InternalServerError"},
-  };
-  for (const Case& c : cases) EXPECT_EQ(ErrorTypeForStatus(c.status), c.type) << c.status;
-}
-
-TEST(OpenAiErrorBodyTest, VllmShape) {
-  const Json body = Json::parse(OpenAiErrorBody(400, "prompt is required"));
-  EXPECT_EQ(body, Json({{"object", "error"},
-                        {"message", "prompt is required"},
-                        {"type", "BadRequestError"},
-                        {"param", nullptr},
-                        {"code", 400}}));
-  const Json unavailable = Json::parse(OpenAiErrorBody(503, "no prefill instance is configured"));
-  EXPECT_EQ(unavailable["type"], "ServiceUnavailableError");
-  EXPECT_EQ(unavailable["code"], 503);
-  // Messages are escaped, and invalid UTF-8 is replaced rather than breaking the body.
-  const Json quoted = Json::parse(OpenAiErrorBody(400, "bad \"x\"\n\xff"));
-  EXPECT_EQ(quoted["message"], "bad \"x\"\n\xef\xbf\xbd");
-}
+// ---- The error event the proxy ends a broken stream with, read back -------------------------------
 
 TEST(SseErrorEventTest, ErrorThenDone) {
-  const std::string events = SseErrorEvent("decode engine 10.0.0.3:8200 failed", "ServiceUnavailableError", 502);
+  const std::string events =
+      openai::SseErrorEvent("decode engine 10.0.0.3:8200 failed", "ServiceUnavailableError", 502);
   EXPECT_TRUE(absl::StartsWith(events, "data: {"));
   EXPECT_TRUE(absl::EndsWith(events, "}\n\ndata: [DONE]\n\n"));
   const std::vector<std::string> data = EventData(events);
@@ -290,7 +262,7 @@ TEST(SseErrorEventTest, ErrorThenDone) {
   EXPECT_TRUE(observer.OnEventData(data[1]).done);
   EXPECT_EQ(observer.error_message(), "decode engine 10.0.0.3:8200 failed");
   // A message with line breaks stays on one data line.
-  EXPECT_EQ(EventData(SseErrorEvent("a\nb", "InternalServerError", 500)).size(), 2u);
+  EXPECT_EQ(EventData(openai::SseErrorEvent("a\nb", "InternalServerError", 500)).size(), 2u);
 }
 
 }  // namespace

@@ -43,6 +43,11 @@ std::string BinaryPath(const std::string& name) {
   return absl::StrCat(dir != nullptr ? dir : ".", "/", name);
 }
 
+std::string BundledTraceDir() {
+  const char* dir = std::getenv("ELDR_DATA_DIR");
+  return absl::StrCat(dir != nullptr ? dir : "data", "/esft-routing");
+}
+
 TempDir::TempDir() {
   std::string pattern = (std::filesystem::temp_directory_path() / "eldr-test-XXXXXX").string();
   char* made = mkdtemp(pattern.data());
@@ -163,7 +168,14 @@ absl::StatusOr<int> WaitForPort(const std::string& port_file, const std::string&
     const std::string text = ReadWholeFile(port_file);
     if (!text.empty()) {
       const nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-      if (json.is_object() && json.contains(key) && json[key].is_number_integer()) return json[key].get<int>();
+      if (json.is_object() && json.contains(key) && json[key].is_number_integer()) {
+        const nlohmann::json pid = json.value("pid", nlohmann::json());
+        if (pid != static_cast<int64_t>(process.pid())) {
+          return absl::InternalError(
+              absl::StrCat("port file ", port_file, " names pid ", pid.dump(), ", not the daemon's ", process.pid()));
+        }
+        return json[key].get<int>();
+      }
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
@@ -219,6 +231,20 @@ absl::StatusOr<std::string> HttpExchange(int port, const std::string& request, a
   }
   close(fd);
   return response;
+}
+
+int UnusedLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 0;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+                     getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  close(fd);
+  return bound ? ntohs(address.sin_port) : 0;
 }
 
 int HttpStatusOf(const std::string& response) {

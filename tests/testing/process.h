@@ -23,6 +23,9 @@ namespace eldr::testing {
 // <ELDR_BIN_DIR>/<name> (ELDR_BIN_DIR is set by CTest; "." without it).
 std::string BinaryPath(const std::string& name);
 
+// The bundled traces: <ELDR_DATA_DIR>/esft-routing (ELDR_DATA_DIR is set by CTest; "data" without it).
+std::string BundledTraceDir();
+
 // A fresh, empty temporary folder removed (recursively) on destruction.
 class TempDir {
  public:
@@ -73,13 +76,14 @@ struct DaemonPorts {
 };
 
 // Waits until `port_file` holds a JSON object whose `key` is an integer (a daemon's port file, as
-// eldr-proxy and eldr-engine-emu write it: {"port": N, ...}) and returns it. Fails early (with the
-// daemon's log) when the process exits first.
+// eldr-proxy and eldr-engine-emu write it: {"port": N, "pid": P, ...}) and returns it. Fails early
+// (with the daemon's log) when the process exits first, and when the file does not name the
+// process's "pid" (e.g. a stale file of another run).
 absl::StatusOr<int> WaitForPort(const std::string& port_file, const std::string& key, ChildProcess& process,
                                 absl::Duration timeout = absl::Seconds(20));
 
-// Waits until `port_file` holds the daemon's port JSON ({"grpc_port","admin_port","metrics_port"}).
-// Fails early (with the daemon's log) when the process exits first.
+// Waits until `port_file` holds the daemon's port JSON ({"grpc_port","admin_port","metrics_port",
+// "pid"}). Fails early (with the daemon's log) when the process exits first, or as WaitForPort.
 absl::StatusOr<DaemonPorts> WaitForPortFile(const std::string& port_file, ChildProcess& process,
                                             absl::Duration timeout = absl::Seconds(20));
 
@@ -117,6 +121,10 @@ absl::StatusOr<std::string> HttpExchange(int port, const std::string& request,
                                          absl::Duration timeout = absl::Seconds(5));
 // The status code of an HTTP response text, or -1 when it is not one.
 int HttpStatusOf(const std::string& response);
+
+// A loopback port that was just free (bound to 127.0.0.1:0, noted, closed): nobody listens there,
+// so a connection to it is refused. 0 when no socket could be bound.
+int UnusedLoopbackPort();
 
 }  // namespace eldr::testing
 

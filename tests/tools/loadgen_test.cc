@@ -3,23 +3,12 @@
 // trace requests named in the prompts, closed loop, warm-up), and a raw-socket server that streams
 // server-sent events in chunks with small pauses (tokens, TTFT, TPOT, inter-token gaps, usage,
 // chat deltas, stream errors). Assertions are on counts and orderings, never on absolute timings.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
-#include <cstdlib>
-#include <cstring>
 #include <fstream>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -39,6 +28,8 @@
 #include "nlohmann/json.hpp"
 #include "sim/workload.h"
 #include "testing/process.h"
+#include "testing/raw_http_client.h"
+#include "testing/raw_http_server.h"
 
 namespace {
 
@@ -47,13 +38,9 @@ using ::eldr::http::HttpResponse;
 using ::eldr::http::HttpRouter;
 using ::eldr::http::HttpServer;
 using ::eldr::http::HttpServerOptions;
+using ::eldr::testing::SendAll;
 using ::nlohmann::json;
 using ::testing::HasSubstr;
-
-std::string TracePath() {
-  const char* data = std::getenv("ELDR_DATA_DIR");
-  return absl::StrCat(data != nullptr ? data : "data", "/esft-routing");
-}
 
 struct LoadgenRun {
   eldr::testing::ProcessResult process;
@@ -62,7 +49,7 @@ struct LoadgenRun {
 
 // Runs eldr-loadgen with `args` plus --trace and --json; parses the report.
 LoadgenRun RunLoadgen(std::vector<std::string> args) {
-  args.push_back("--trace=" + TracePath());
+  args.push_back("--trace=" + eldr::testing::BundledTraceDir());
   args.push_back("--json");
   LoadgenRun run;
   run.process = eldr::testing::RunProcess(eldr::testing::BinaryPath("eldr-loadgen"), args, absl::Seconds(120));
@@ -84,7 +71,7 @@ int TraceMarker(absl::string_view text) {
 // The trace requests eldr-loadgen must name, in order: the workload and arrivals of eldr-sim.
 std::vector<int> ExpectedTraceRequests(int count) {
   eldr::sim::TraceWorkloadOptions options;
-  options.dir = TracePath();
+  options.dir = eldr::testing::BundledTraceDir();
   absl::StatusOr<eldr::sim::Workload> workload = eldr::sim::LoadTraceWorkload(options);
   EXPECT_TRUE(workload.ok()) << workload.status();
   std::vector<int> requests;
@@ -161,16 +148,6 @@ class CompletionServer {
 
 // ---- A raw-socket streaming server -------------------------------------------------------------------
 
-bool WriteAll(int fd, absl::string_view data) {
-  while (!data.empty()) {
-    const ssize_t sent = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
-    if (sent < 0 && errno == EINTR) continue;
-    if (sent <= 0) return false;
-    data.remove_prefix(static_cast<size_t>(sent));
-  }
-  return true;
-}
-
 std::string Chunk(absl::string_view data) { return absl::StrCat(absl::Hex(data.size()), "\r\n", data, "\r\n"); }
 
 std::string Event(const json& payload) { return absl::StrCat("data: ", payload.dump(), "\n\n"); }
@@ -188,85 +165,24 @@ enum class StreamStyle {
 // `tokens` token events, `pause` apart, one event per chunk.
 class StreamServer {
  public:
-  StreamServer(StreamStyle style, int tokens, absl::Duration pause) : style_(style), tokens_(tokens), pause_(pause) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-    EXPECT_EQ(::listen(listen_fd_, 256), 0);
-    socklen_t length = sizeof(address);
-    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&address), &length);
-    port_ = ntohs(address.sin_port);
-    accept_thread_ = std::thread([this] { AcceptLoop(); });
+  StreamServer(StreamStyle style, int tokens, absl::Duration pause)
+      : style_(style), tokens_(tokens), pause_(pause), server_([this](int fd, int) { Serve(fd); }, /*backlog=*/256) {
+    EXPECT_NE(server_.port(), 0) << server_.error();
   }
 
-  ~StreamServer() {
-    stop_.store(true);
-    accept_thread_.join();
-    {
-      absl::MutexLock lock(&mu_);
-      for (int fd : fds_) ::shutdown(fd, SHUT_RDWR);
-    }
-    for (std::thread& thread : threads_) thread.join();
-    ::close(listen_fd_);
-  }
-
-  std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
+  std::string target() const { return absl::StrCat("127.0.0.1:", server_.port()); }
   int requests() const { return requests_.load(); }
 
  private:
-  void AcceptLoop() {
-    while (!stop_.load()) {
-      pollfd entry{listen_fd_, POLLIN, 0};
-      if (::poll(&entry, 1, 20) <= 0) continue;
-      const int fd = ::accept(listen_fd_, nullptr, nullptr);
-      if (fd < 0) continue;
-      absl::MutexLock lock(&mu_);
-      fds_.push_back(fd);
-      threads_.emplace_back([this, fd] {
-        Serve(fd);
-        ::close(fd);
-      });
-    }
-  }
-
-  // Reads one request (head + Content-Length body); false at the end of the connection.
-  bool ReadRequest(int fd, std::string& buffer, std::string& request) {
-    for (;;) {
-      const size_t end = buffer.find("\r\n\r\n");
-      if (end != std::string::npos) {
-        const std::string head = absl::AsciiStrToLower(buffer.substr(0, end));
-        size_t length = 0;
-        const size_t field = head.find("content-length:");
-        if (field != std::string::npos) {
-          (void)absl::SimpleAtoi(
-              absl::StripAsciiWhitespace(head.substr(field + 15, head.find("\r\n", field) - field - 15)), &length);
-        }
-        if (buffer.size() >= end + 4 + length) {
-          request = buffer.substr(0, end + 4 + length);
-          buffer.erase(0, end + 4 + length);
-          return true;
-        }
-      }
-      pollfd entry{fd, POLLIN, 0};
-      if (::poll(&entry, 1, 10000) <= 0) return false;
-      char chunk[8192];
-      const ssize_t got = ::recv(fd, chunk, sizeof(chunk), 0);
-      if (got <= 0) return false;
-      buffer.append(chunk, static_cast<size_t>(got));
-    }
-  }
-
   void Serve(int fd) {
-    std::string buffer, request;
-    while (!stop_.load() && ReadRequest(fd, buffer, request)) {
+    eldr::testing::RawRequestReader reader(fd);
+    while (const std::optional<std::string> request = reader.Next()) {
       requests_.fetch_add(1);
-      const bool chat = absl::StartsWith(request, "POST /v1/chat/completions ");
-      if (!WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")) {
+      const bool chat = absl::StartsWith(*request, "POST /v1/chat/completions ");
+      if (!SendAll(fd, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")) {
         return;
       }
-      const auto send_event = [&](const json& payload) { return WriteAll(fd, Chunk(Event(payload))); };
+      const auto send_event = [&](const json& payload) { return SendAll(fd, Chunk(Event(payload))); };
       const auto token = [&](int k) {
         json choice = {{"index", 0}, {"finish_reason", nullptr}};
         if (chat) {
@@ -289,7 +205,7 @@ class StreamServer {
       if (style_ == StreamStyle::kErrorEvent) {
         send_event(json{{"error", {{"message", "engine failed"}, {"code", 500}}}});
       } else if (style_ == StreamStyle::kBadJson) {
-        WriteAll(fd, Chunk("data: {not json\n\n"));
+        SendAll(fd, Chunk("data: {not json\n\n"));
       }
       if (style_ == StreamStyle::kCompletions || style_ == StreamStyle::kChat) {
         send_event(
@@ -297,22 +213,16 @@ class StreamServer {
                  {"choices", json::array()},
                  {"usage", {{"prompt_tokens", 3}, {"completion_tokens", tokens_}, {"total_tokens", 3 + tokens_}}}});
       }
-      if (style_ != StreamStyle::kNoDone) WriteAll(fd, Chunk("data: [DONE]\n\n"));
-      if (!WriteAll(fd, "0\r\n\r\n")) return;
+      if (style_ != StreamStyle::kNoDone) SendAll(fd, Chunk("data: [DONE]\n\n"));
+      if (!SendAll(fd, "0\r\n\r\n")) return;
     }
   }
 
   const StreamStyle style_;
   const int tokens_;
   const absl::Duration pause_;
-  int listen_fd_ = -1;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
   std::atomic<int> requests_{0};
-  std::thread accept_thread_;
-  absl::Mutex mu_;
-  std::vector<int> fds_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> threads_;  // the accept thread's, then the destructor's
+  eldr::testing::RawHttpServer server_;  // last: its threads run Serve until it is destroyed
 };
 
 // ---- Tests -------------------------------------------------------------------------------------------
@@ -482,16 +392,8 @@ TEST(LoadgenTest, StreamErrorsByKind) {
 }
 
 TEST(LoadgenTest, UnreachableTargetExitsOne) {
-  // A port that was just free.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  const int port = ntohs(address.sin_port);
-  ::close(fd);
+  const int port = eldr::testing::UnusedLoopbackPort();
+  ASSERT_NE(port, 0);
   const LoadgenRun run = RunLoadgen({absl::StrCat("--target=127.0.0.1:", port), "--rate=100", "--requests=3"});
   EXPECT_EQ(run.process.exit_code, 1) << run.process.stderr_text;
   ASSERT_TRUE(run.report.is_object());

@@ -1,7 +1,7 @@
 // What eldr-proxy learns from a decode engine's answer while passing it to the client unchanged:
 // when the first token arrived (TTFT), how many tokens came (TPOT, and output_tokens for the
-// router's Complete), whether the stream ended with [DONE] or an error. And the error bodies and
-// events the proxy itself sends, in the shapes vLLM uses.
+// router's Complete), whether the stream ended with [DONE] or an error. (The error bodies and
+// events the proxy itself sends are eldr/openai/errors.h's.)
 //
 // Streamed answers are OpenAI chunk events ("data: {...}\n\n", docs/engine-emulator.md), parsed
 // by eldr::http::SseParser (include/eldr/http/sse.h) and handed to DecodeStreamObserver one event
@@ -89,27 +89,6 @@ struct ResponseTokens {
 // Reads usage.completion_tokens from a decode engine's JSON answer. INVALID_ARGUMENT when the
 // body is not a JSON object; an answer without usage is OK with from_usage false.
 absl::StatusOr<ResponseTokens> OutputTokensOfResponse(absl::string_view body);
-
-// The `type` of vLLM's error bodies for an HTTP status: 400 and other 4xx "BadRequestError",
-// 401 "AuthenticationError", 403 "PermissionDeniedError", 404 "NotFoundError",
-// 429 "TooManyRequestsError", 502/503/504 "ServiceUnavailableError", 500 and other 5xx
-// "InternalServerError" (anything else also "InternalServerError").
-absl::string_view ErrorTypeForStatus(int http_status);
-
-// vLLM's error body (the one docs/engine-emulator.md specifies):
-//   {"object":"error","message":<message>,"type":ErrorTypeForStatus(status),"param":null,"code":<status>}
-// OpenAI's clients read it (openai-python takes the message from the body, the class from the
-// status).
-std::string OpenAiErrorBody(int http_status, absl::string_view message);
-
-// The events that end a stream the proxy has already started answering, when the upstream fails
-// mid-stream (the status line is sent, so only the body can say it):
-//   data: {"error":{"message":<message>,"type":<type>,"param":null,"code":<code>}}\n\n
-//   data: [DONE]\n\n
-// This is what vLLM sends for an error during a stream. openai-python raises APIError on a chunk
-// whose `error` is set (it checks before reading choices); clients that do not look for it still
-// see [DONE] and end cleanly instead of hanging or failing to parse.
-std::string SseErrorEvent(absl::string_view message, absl::string_view type, int code);
 
 }  // namespace eldr::proxy
 
