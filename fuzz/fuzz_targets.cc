@@ -21,6 +21,12 @@
 #include "eldr/http/http_server.h"
 #include "eldr/loadsignals/prom_text.h"
 #include "eldr/trace/trace.h"
+#ifdef ELDR_FUZZ_HAVE_PROXY
+#include "eldr/http/sse.h"
+#include "eldr/proxy/openai_protocol.h"
+#include "eldr/proxy/stream_accounting.h"
+#include "nlohmann/json.hpp"
+#endif
 #ifdef ELDR_FUZZ_HAVE_SERVER_CONFIG
 #include "eldr/v1/router.pb.h"
 #include "server/config.h"
@@ -411,14 +417,140 @@ int FuzzHttpRequest(const uint8_t* data, size_t size) {
   return 0;
 }
 
+#ifdef ELDR_FUZZ_HAVE_PROXY
+int FuzzOpenAiRequest(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const proxy::Endpoint endpoint = (data[0] & 1) ? proxy::Endpoint::kChatCompletions : proxy::Endpoint::kCompletions;
+  const absl::string_view body(reinterpret_cast<const char*>(data) + 1, size - 1);
+  constexpr size_t kLimit = 1 << 16;
+  const absl::StatusOr<proxy::ClientRequest> parsed = proxy::ParseClientRequest(endpoint, body, kLimit);
+  if (!parsed.ok()) {
+    const absl::StatusCode code = parsed.status().code();
+    ELDR_FUZZ_CHECK(code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kResourceExhausted,
+                    "a refused client body must be INVALID_ARGUMENT or RESOURCE_EXHAUSTED");
+    ELDR_FUZZ_CHECK(!parsed.status().message().empty(), "a refusal must say why");
+    return 0;
+  }
+  ELDR_FUZZ_CHECK(body.size() <= kLimit, "a body over the limit was accepted");
+  ELDR_FUZZ_CHECK(!parsed->max_tokens.has_value() || *parsed->max_tokens >= 1, "max_tokens below 1 was accepted");
+
+  const absl::StatusOr<nlohmann::json> prefill = proxy::ParseJson(proxy::MakePrefillBody(*parsed));
+  ELDR_FUZZ_CHECK(prefill.ok() && prefill->is_object(), "the prefill body is not a JSON object");
+  ELDR_FUZZ_CHECK(prefill->value("max_tokens", nlohmann::json()) == 1, "the prefill body must ask for one token");
+  ELDR_FUZZ_CHECK(prefill->value("stream", nlohmann::json()) == false, "the prefill body must not stream");
+  ELDR_FUZZ_CHECK(!prefill->contains("stream_options"), "the prefill body must drop stream_options");
+  const nlohmann::json& prefill_kv = (*prefill)["kv_transfer_params"];
+  ELDR_FUZZ_CHECK(prefill_kv.is_object() && prefill_kv.value("do_remote_decode", false) == true,
+                  "the prefill body must set do_remote_decode");
+
+  const nlohmann::json kv = {{"do_remote_prefill", true},
+                             {"remote_engine_id", "e"},
+                             {"remote_block_ids", {1, 2}},
+                             {"remote_host", "10.0.0.1"},
+                             {"remote_port", 5600}};
+  const std::string decode_body = proxy::MakeDecodeBody(*parsed, kv);
+  const absl::StatusOr<nlohmann::json> decode = proxy::ParseJson(decode_body);
+  ELDR_FUZZ_CHECK(decode.ok() && decode->is_object(), "the decode body is not a JSON object");
+  ELDR_FUZZ_CHECK((*decode)["kv_transfer_params"] == kv, "the decode body must carry the prefill's kv_transfer_params");
+  // The decode body is the client's body but for kv_transfer_params, so the same rules accept it
+  // (its size may grow by the parameters and by canonical JSON escapes).
+  const absl::StatusOr<proxy::ClientRequest> again = proxy::ParseClientRequest(endpoint, decode_body, 1 << 22);
+  ELDR_FUZZ_CHECK(again.ok(), "the decode body breaks the client request rules");
+  ELDR_FUZZ_CHECK(again->stream == parsed->stream && again->include_usage == parsed->include_usage &&
+                      again->max_tokens == parsed->max_tokens && again->model == parsed->model &&
+                      again->prompt_key == parsed->prompt_key,
+                  "the decode body reads as another request");
+  return 0;
+}
+
+int FuzzPrefillResponse(const uint8_t* data, size_t size) {
+  const absl::string_view body(reinterpret_cast<const char*>(data), size);
+  const absl::StatusOr<proxy::PrefillResult> parsed = proxy::ParsePrefillResponse(body);
+  if (!parsed.ok()) {
+    const absl::StatusCode code = parsed.status().code();
+    ELDR_FUZZ_CHECK(code == absl::StatusCode::kInternal || code == absl::StatusCode::kFailedPrecondition,
+                    "a refused prefill answer must be INTERNAL (not a JSON object) or FAILED_PRECONDITION");
+    ELDR_FUZZ_CHECK(!parsed.status().message().empty(), "a refusal must say why");
+    return 0;
+  }
+  ELDR_FUZZ_CHECK(parsed->kv_transfer_params.is_object(), "kv_transfer_params must be an object");
+  ELDR_FUZZ_CHECK(
+      !parsed->kv_transfer_params.contains("eldr_expert_counts") && !parsed->kv_transfer_params.contains("eldr_sig"),
+      "the signature keys must not be forwarded to the decode engine");
+  ELDR_FUZZ_CHECK(parsed->prompt_tokens >= 0, "prompt_tokens is negative");
+  if (!parsed->signature.has_value()) return 0;
+  const proxy::Signature& signature = *parsed->signature;
+  ELDR_FUZZ_CHECK(!signature.int16_le.empty() && signature.int16_le.size() % 2 == 0,
+                  "a signature must be whole int16 values");
+  ELDR_FUZZ_CHECK(signature.source == "eldr_expert_counts" || signature.source == "eldr_sig", "unknown source");
+  if (signature.source == "eldr_expert_counts") {
+    ELDR_FUZZ_CHECK(signature.layers >= 1 && signature.experts >= 1 &&
+                        signature.int16_le.size() ==
+                            2 * static_cast<size_t>(signature.layers) * static_cast<size_t>(signature.experts),
+                    "eldr_expert_counts must hold layers x experts values");
+  } else {
+    ELDR_FUZZ_CHECK(signature.layers == 0 && signature.experts == 0, "eldr_sig has no geometry");
+  }
+  for (size_t i = 0; i + 1 < signature.int16_le.size(); i += 2) {
+    const auto high = static_cast<uint8_t>(signature.int16_le[i + 1]);
+    ELDR_FUZZ_CHECK(high < 0x80, "a negative count was taken");
+  }
+  return 0;
+}
+
+int FuzzSseStream(const uint8_t* data, size_t size) {
+  ByteReader reader(data, size);
+  const size_t max_event_bytes = 64 + reader.Byte() * 16;
+  const absl::string_view stream(reinterpret_cast<const char*>(data), size);
+
+  std::vector<http::SseEvent> whole;
+  http::SseParser whole_parser(max_event_bytes);
+  const absl::Status whole_status =
+      whole_parser.Feed(stream, [&whole](const http::SseEvent& event) { whole.push_back(event); });
+
+  std::vector<http::SseEvent> pieces;
+  http::SseParser piece_parser(max_event_bytes);
+  absl::Status piece_status;
+  for (size_t at = 0, draw = 0; at < stream.size() && piece_status.ok(); ++draw) {
+    const size_t length = std::min<size_t>(stream.size() - at, 1 + data[draw % size] % 37);
+    piece_status = piece_parser.Feed(stream.substr(at, length),
+                                     [&pieces](const http::SseEvent& event) { pieces.push_back(event); });
+    at += length;
+  }
+  ELDR_FUZZ_CHECK(whole_status.ok() == piece_status.ok(), "splitting the stream changed whether it fails");
+  if (!whole_status.ok()) {
+    ELDR_FUZZ_CHECK(whole_status.code() == absl::StatusCode::kResourceExhausted, "an SSE failure is a size limit");
+    return 0;
+  }
+  ELDR_FUZZ_CHECK(whole.size() == pieces.size(), "splitting the stream changed the number of events");
+  proxy::DecodeStreamObserver observer;
+  for (size_t i = 0; i < whole.size(); ++i) {
+    ELDR_FUZZ_CHECK(whole[i].event == pieces[i].event && whole[i].data == pieces[i].data &&
+                        whole[i].id == pieces[i].id && whole[i].retry_ms == pieces[i].retry_ms,
+                    "splitting the stream changed an event");
+    ELDR_FUZZ_CHECK(whole[i].data.size() <= max_event_bytes, "an event over the limit was dispatched");
+    observer.OnEvent(whole[i]);
+  }
+  ELDR_FUZZ_CHECK(observer.events() == static_cast<int64_t>(whole.size()), "every event is observed");
+  ELDR_FUZZ_CHECK(observer.token_events() + observer.malformed_events() <= observer.events(),
+                  "more token or malformed events than events");
+  ELDR_FUZZ_CHECK(observer.output_tokens() >= 0, "negative output tokens");
+  return 0;
+}
+#endif
+
 const std::vector<FuzzTarget>& AllFuzzTargets() {
   static const auto* targets = new std::vector<FuzzTarget>{
-      {"signature", &FuzzSignature},        {"centroid_artifact", &FuzzCentroidArtifact},
-      {"prom_text", &FuzzPromText},         {"npy", &FuzzNpy},
+      {"signature", &FuzzSignature},          {"centroid_artifact", &FuzzCentroidArtifact},
+      {"prom_text", &FuzzPromText},           {"npy", &FuzzNpy},
       {"http_request", &FuzzHttpRequest},
 #ifdef ELDR_FUZZ_HAVE_SERVER_CONFIG
-      {"worker_file", &FuzzWorkerFile},     {"config", &FuzzConfig},
+      {"worker_file", &FuzzWorkerFile},       {"config", &FuzzConfig},
       {"route_request", &FuzzRouteRequest},
+#endif
+#ifdef ELDR_FUZZ_HAVE_PROXY
+      {"openai_request", &FuzzOpenAiRequest}, {"prefill_response", &FuzzPrefillResponse},
+      {"sse_stream", &FuzzSseStream},
 #endif
   };
   return *targets;

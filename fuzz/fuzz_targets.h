@@ -38,6 +38,25 @@ int FuzzRouteRequest(const uint8_t* data, size_t size);
 // RESOURCE_EXHAUSTED), and a canonical re-serialisation must parse back to the same request.
 int FuzzHttpRequest(const uint8_t* data, size_t size);
 
+#ifdef ELDR_FUZZ_HAVE_PROXY
+// eldr-proxy's client request rules (ParseClientRequest; the first byte picks completions or chat,
+// the rest is the body): a refusal is INVALID_ARGUMENT or RESOURCE_EXHAUSTED with a message; an
+// accepted request yields a prefill body (JSON object, max_tokens 1, not streamed, do_remote_decode)
+// and a decode body that parses back to the same request with the kv_transfer_params it was given.
+int FuzzOpenAiRequest(const uint8_t* data, size_t size);
+
+// A prefill engine's answer through ParsePrefillResponse: refusals are INTERNAL or
+// FAILED_PRECONDITION; an accepted answer never forwards eldr_expert_counts or eldr_sig, and a
+// signature it takes is non-empty, whole int16 values (exactly layers x experts of them when the
+// geometry is given), none negative.
+int FuzzPrefillResponse(const uint8_t* data, size_t size);
+
+// A decode engine's event stream: SseParser fed in pieces (sizes drawn from the input) dispatches
+// exactly the events it dispatches on the whole stream, and DecodeStreamObserver's counts over them
+// stay consistent (tokens and malformed events at most the events, output tokens never negative).
+int FuzzSseStream(const uint8_t* data, size_t size);
+#endif
+
 struct FuzzTarget {
   const char* name;  // fuzz_<name> is the libFuzzer binary; fuzz/corpus/<name>/ its seeds
   int (*body)(const uint8_t* data, size_t size);

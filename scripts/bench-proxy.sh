@@ -10,7 +10,7 @@
 # trace requests); the engines' KV transfer time is 0 so that "direct" and the proxied paths do
 # the same engine work and differ only by the proxy. Reported per target: TTFT, inter-token gap,
 # end-to-end latency (p50/p99), and the CPU seconds of the proxy process per request and per
-# token (from /proc/<pid>/stat). Then a hold test: HOLD_STREAMS concurrent streams through
+# token, user and kernel apart (from /proc/<pid>/stat). Then a hold test: HOLD_STREAMS concurrent streams through
 # eldr-proxy, which must all complete without an error.
 #
 # Usage: scripts/bench-proxy.sh [BUILD_DIR]   (default: build)
@@ -51,8 +51,8 @@ port_of() {  # port_of FILE KEY: waits for the port file
   exit 1
 }
 
-cpu_seconds() {  # utime + stime of a process, in seconds
-  $PY -c 'import os,sys; f=open(f"/proc/{sys.argv[1]}/stat").read().rsplit(")",1)[1].split(); print((int(f[11])+int(f[12]))/os.sysconf("SC_CLK_TCK"))' "$1"
+cpu_seconds() {  # "utime stime" of a process (user and kernel CPU), in seconds
+  $PY -c 'import os,sys; f=open(f"/proc/{sys.argv[1]}/stat").read().rsplit(")",1)[1].split(); t=os.sysconf("SC_CLK_TCK"); print(int(f[11])/t, int(f[12])/t)' "$1"
 }
 
 # Engines: one prefill, one decode (every target loads the same decode engine the same way); big
@@ -90,16 +90,19 @@ Y=$(port_of "$OUT/python-proxy.json" port)
 
 run() {  # run NAME PORT PID CONCURRENCY: one closed-loop run, the proxy's CPU around it
   local name=$1 port=$2 pid=$3 concurrency=$4 before after
-  before=$( [[ -n "$pid" ]] && cpu_seconds "$pid" || echo 0)
+  before=$( [[ -n "$pid" ]] && cpu_seconds "$pid" || echo 0 0)
   "$BIN/eldr-loadgen" --target="127.0.0.1:$port" --trace="$DATA" --concurrency="$concurrency" \
     --duration_s="$DURATION_S" --warmup_s=2 --max_tokens="$MAX_TOKENS" --json \
     >"$OUT/$name-c$concurrency.json" 2>"$OUT/$name-c$concurrency.log"
-  after=$( [[ -n "$pid" ]] && cpu_seconds "$pid" || echo 0)
-  $PY - "$OUT/$name-c$concurrency.json" "$before" "$after" <<'EOF'
+  after=$( [[ -n "$pid" ]] && cpu_seconds "$pid" || echo 0 0)
+  $PY - "$OUT/$name-c$concurrency.json" $before $after <<'EOF'
 import json, sys
-path, before, after = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+path = sys.argv[1]
+user_before, sys_before, user_after, sys_after = (float(v) for v in sys.argv[2:6])
 run = json.load(open(path))
-run["proxy_cpu_s"] = after - before
+run["proxy_user_s"] = user_after - user_before
+run["proxy_sys_s"] = sys_after - sys_before
+run["proxy_cpu_s"] = run["proxy_user_s"] + run["proxy_sys_s"]
 json.dump(run, open(path, "w"), indent=1)
 EOF
   echo "  $name c=$concurrency done"
@@ -113,10 +116,10 @@ for c in $CONCURRENCY; do
 done
 
 echo "== hold: $HOLD_STREAMS concurrent streams through eldr-proxy"
-before=$(cpu_seconds "$ELDR_PID")
+before=$(cpu_seconds "$ELDR_PID" | awk '{print $1 + $2}')
 "$BIN/eldr-loadgen" --target="127.0.0.1:$E" --trace="$DATA" --concurrency="$HOLD_STREAMS" --requests="$HOLD_STREAMS" \
   --max_tokens=256 --json >"$OUT/hold.json" 2>"$OUT/hold.log"
-after=$(cpu_seconds "$ELDR_PID")
+after=$(cpu_seconds "$ELDR_PID" | awk '{print $1 + $2}')
 rss_kib=$(awk '/VmHWM/ {print $2}' "/proc/$ELDR_PID/status")
 
 $PY - "$OUT" "$CONCURRENCY" "$before" "$after" "$rss_kib" <<'EOF'
@@ -142,7 +145,10 @@ for c in levels:
             cpu = run["proxy_cpu_s"]
             row["proxy_cpu_s"] = cpu
             row["cpu_us_per_request"] = 1e6 * cpu / max(all_requests, 1)
-            row["cpu_us_per_token"] = 1e6 * cpu / max(run["tokens"] * all_requests / requests, 1)
+            all_tokens = max(run["tokens"] * all_requests / requests, 1)
+            row["cpu_us_per_token"] = 1e6 * cpu / all_tokens
+            row["user_us_per_token"] = 1e6 * run["proxy_user_s"] / all_tokens
+            row["kernel_us_per_token"] = 1e6 * run["proxy_sys_s"] / all_tokens
             row["added_ttft_p50_ms"] = run["ttft_ms"]["p50"] - direct["ttft_ms"]["p50"]
             row["added_ttft_p99_ms"] = run["ttft_ms"]["p99"] - direct["ttft_ms"]["p99"]
             row["added_itl_p50_ms"] = run["inter_token_ms"]["p50"] - direct["inter_token_ms"]["p50"]
@@ -154,7 +160,8 @@ summary["hold"] = {"streams": hold["requests_sent"], "ok": hold["requests_ok"], 
                    "tokens": hold["tokens"], "proxy_cpu_s": hold_cpu, "proxy_peak_rss_mib": int(sys.argv[5]) / 1024}
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 cols = ["target", "concurrency", "requests_ok", "errors", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
-        "itl_p50_ms", "itl_p99_ms", "added_itl_p99_ms", "cpu_us_per_request", "cpu_us_per_token"]
+        "itl_p50_ms", "itl_p99_ms", "added_itl_p99_ms", "cpu_us_per_request", "cpu_us_per_token",
+        "user_us_per_token", "kernel_us_per_token"]
 print(" ".join(f"{c:>14}" for c in cols))
 for row in summary["runs"]:
     print(" ".join(f"{row.get(c, ''):>14.2f}" if isinstance(row.get(c), float) else f"{str(row.get(c, '-')):>14}"

@@ -9,15 +9,6 @@
 
 namespace eldr::engine_emu {
 
-uint64_t Fnv1a64(absl::string_view text) {
-  uint64_t hash = 14695981039346656037ull;
-  for (const char c : text) {
-    hash ^= static_cast<uint8_t>(c);
-    hash *= 1099511628211ull;
-  }
-  return hash;
-}
-
 std::optional<int> ParseTraceMarker(absl::string_view text, int pool_size) {
   static constexpr absl::string_view kMarker = "eldr-trace:";
   size_t from = 0;

@@ -20,13 +20,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "eldr/common/stable_hash.h"  // Fnv1a64
 #include "sim/workload.h"
 
 namespace eldr::engine_emu {
-
-// FNV-1a, 64 bits (offset basis 14695981039346656037, prime 1099511628211), over the bytes of
-// `text`.
-uint64_t Fnv1a64(absl::string_view text);
 
 // The N of the first `eldr-trace:<N>` in `text` (at least one decimal digit right after the
 // colon; an occurrence without one is skipped), modulo `pool_size`, computed digit by digit so

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "eldr/proxy/stable_hash.h"
+#include "eldr/common/stable_hash.h"
 
 namespace eldr::proxy {
 

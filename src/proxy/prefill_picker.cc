@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "eldr/proxy/stable_hash.h"
+#include "eldr/common/stable_hash.h"
 
 namespace eldr::proxy {
 namespace internal {

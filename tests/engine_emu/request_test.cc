@@ -17,13 +17,6 @@ namespace {
 using testing::BundledCatalog;
 using ::testing::HasSubstr;
 
-TEST(Fnv1a64Test, KnownVectors) {
-  // Published FNV-1a 64-bit test vectors.
-  EXPECT_EQ(Fnv1a64(""), 0xcbf29ce484222325ull);
-  EXPECT_EQ(Fnv1a64("a"), 0xaf63dc4c8601ec8cull);
-  EXPECT_EQ(Fnv1a64("foobar"), 0x85944171f73967e8ull);
-}
-
 TEST(TraceMarkerTest, FindsTheFirstMarkerAnywhere) {
   EXPECT_EQ(ParseTraceMarker("eldr-trace:7", 100), 7);
   EXPECT_EQ(ParseTraceMarker("Summarise this. eldr-trace:42 please", 100), 42);

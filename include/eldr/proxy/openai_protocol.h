@@ -120,7 +120,8 @@ struct PrefillResult {
   int64_t prompt_tokens = 0;
 };
 
-// Reads the prefill engine's JSON answer (HTTP 200). kv_transfer_params must be an object, else
+// Reads the prefill engine's JSON answer (HTTP 200). A body that is not a JSON object is INTERNAL
+// (the engine broke the protocol). kv_transfer_params must be an object, else
 // FAILED_PRECONDITION "the prefill engine returned no kv_transfer_params: is it running with a KV
 // connector (kv_role kv_producer or kv_both)?". The signature:
 //   - `eldr_expert_counts` (preferred): an object with integer `layers` and `experts` in

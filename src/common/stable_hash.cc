@@ -1,6 +1,6 @@
-#include "eldr/proxy/stable_hash.h"
+#include "eldr/common/stable_hash.h"
 
-namespace eldr::proxy {
+namespace eldr {
 namespace {
 
 constexpr uint64_t kFnvOffsetBasis = 14695981039346656037ull;
@@ -35,4 +35,4 @@ double StableUnitInterval(absl::string_view bytes, uint64_t seed) {
   return static_cast<double>(StableHash64(bytes, seed) >> 11) * 0x1.0p-53;
 }
 
-}  // namespace eldr::proxy
+}  // namespace eldr

@@ -1,4 +1,4 @@
-#include "eldr/proxy/stable_hash.h"
+#include "eldr/common/stable_hash.h"
 
 #include <cstdint>
 #include <string>
@@ -6,7 +6,7 @@
 
 #include "gtest/gtest.h"
 
-namespace eldr::proxy {
+namespace eldr {
 namespace {
 
 // FNV-1a 64 reference values (the FNV authors' test vectors).
@@ -48,4 +48,4 @@ TEST(StableHashTest, UnitIntervalIsInRangeAndUsesTheHighBits) {
 }
 
 }  // namespace
-}  // namespace eldr::proxy
+}  // namespace eldr

@@ -1,4 +1,5 @@
-// A fixed 64-bit hash for eldr-proxy's placement decisions (the prefill ring, the A/B split).
+// A fixed 64-bit hash for placement decisions that must agree across processes (eldr-proxy's prefill
+// ring and A/B split, the engine emulator's prompt-to-trace mapping).
 //
 // absl::Hash is salted per process, so it cannot place the same key on the same instance in two
 // proxy replicas, or after a restart. StableHash64 is FNV-1a 64 over the bytes, finished with the
@@ -6,14 +7,14 @@
 // the same bytes and seed give the same value in every process, build and platform.
 //
 // Thread-safety: pure functions.
-#ifndef ELDR_PROXY_STABLE_HASH_H_
-#define ELDR_PROXY_STABLE_HASH_H_
+#ifndef ELDR_COMMON_STABLE_HASH_H_
+#define ELDR_COMMON_STABLE_HASH_H_
 
 #include <cstdint>
 
 #include "absl/strings/string_view.h"
 
-namespace eldr::proxy {
+namespace eldr {
 
 // FNV-1a 64 of `bytes` (offset basis 14695981039346656037, prime 1099511628211), unmixed: the
 // value the engine emulator uses to map a prompt without a trace marker.
@@ -29,6 +30,6 @@ uint64_t StableHash64(absl::string_view bytes, uint64_t seed = 0);
 // StableHash64 mapped to [0, 1) with 53 bits of resolution.
 double StableUnitInterval(absl::string_view bytes, uint64_t seed = 0);
 
-}  // namespace eldr::proxy
+}  // namespace eldr
 
-#endif  // ELDR_PROXY_STABLE_HASH_H_
+#endif  // ELDR_COMMON_STABLE_HASH_H_
