@@ -13,6 +13,8 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libfaiss-dev libopenblas-dev prometheus-cpp-dev liblemon-dev libboost-dev
   nlohmann-json3-dev libsimdjson-dev libgtest-dev libgmock-dev libbenchmark-dev libcurl4-openssl-dev
+  # yaml-cpp: kubeconfig files (src/discovery).
+  libyaml-cpp-dev
   python3 python3-numpy python3-scipy python3-grpcio python3-matplotlib python3-yaml python3-aiohttp
   openssl curl
   # clang-format 14 (pinned: scripts/check-format.sh, CTest format.check).

@@ -44,7 +44,7 @@ constexpr absl::Duration kExpiryYieldLimit = absl::Milliseconds(1);
 
 constexpr CentroidSource kAllCentroidSources[] = {
     CentroidSource::kApi,   CentroidSource::kStartup,   CentroidSource::kStateDir, CentroidSource::kSignal,
-    CentroidSource::kAdmin, CentroidSource::kFileWatch, CentroidSource::kRefit,
+    CentroidSource::kAdmin, CentroidSource::kFileWatch, CentroidSource::kRefit,    CentroidSource::kDiscovery,
 };
 
 // Everything a route needs from a calibration, built once and never modified: Routes that hold a
@@ -864,6 +864,8 @@ absl::string_view CentroidSourceLabel(CentroidSource source) {
       return "file_watch";
     case CentroidSource::kRefit:
       return "refit";
+    case CentroidSource::kDiscovery:
+      return "discovery";
   }
   return "api";
 }

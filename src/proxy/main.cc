@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 #include "eldr/common/daemon.h"
 #include "eldr/common/file.h"
 #include "eldr/proxy/proxy.h"
@@ -23,7 +24,7 @@
 ABSL_FLAG(std::string, listen, "0.0.0.0:8000", "Client-facing HTTP address (port 0: any free port).");
 ABSL_FLAG(std::string, metrics_listen, "", "Extra listener for /metrics, /health, /readyz only; empty: none.");
 ABSL_FLAG(std::string, port_file, "", "Write {\"port\", \"metrics_port\", \"pid\"} here once listening.");
-ABSL_FLAG(std::string, prefill, "", "Prefill instances, host:port,... (required).");
+ABSL_FLAG(std::string, prefill, "", "Prefill instances, host:port,... (required unless --discovery=kubernetes).");
 ABSL_FLAG(std::string, decode, "",
           "Decode workers, host:port,...: where requests go when eldr-router cannot be reached (round robin), "
           "or always when --router is empty.");
@@ -57,11 +58,49 @@ ABSL_FLAG(int32_t, max_connections, 20000, "Client connections at most.");
 ABSL_FLAG(int32_t, threads, 2, "Front-end io threads (also the request logic's).");
 ABSL_FLAG(int32_t, client_threads, 2, "Upstream io threads.");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30), "On SIGTERM, time in-flight requests get to finish.");
+ABSL_FLAG(std::string, discovery, "static",
+          "static (the --prefill and --decode lists) or kubernetes (the ready pods matching --prefill_selector and, "
+          "for the fail-static decode list, --decode_selector).");
+ABSL_FLAG(std::string, prefill_selector, "", "discovery=kubernetes: label selector of the prefill pods (required).");
+ABSL_FLAG(std::string, decode_selector, "",
+          "discovery=kubernetes: label selector of the decode pods for the fail-static list (empty: none).");
+ABSL_FLAG(std::string, prefill_port, "http",
+          "discovery=kubernetes: the prefill engine's container port, name or number.");
+ABSL_FLAG(std::string, decode_port, "http",
+          "discovery=kubernetes: the decode engine's container port, name or number.");
+ABSL_FLAG(std::string, kube_namespace, "", "discovery=kubernetes: namespace watched (default: the pod's own).");
+ABSL_FLAG(std::string, kubeconfig, "",
+          "discovery=kubernetes: kubeconfig file (default: the in-cluster service account).");
+ABSL_FLAG(std::string, kube_context, "",
+          "discovery=kubernetes: context of --kubeconfig (default: its current-context).");
+ABSL_FLAG(absl::Duration, discovery_settle, absl::Seconds(1),
+          "discovery=kubernetes: a pod joins once routable this long (leaving is immediate).");
 
 namespace {
 
 std::vector<std::string> SplitList(const std::string& text) {
   return absl::StrSplit(text, ',', absl::SkipWhitespace());
+}
+
+void LogDiscovery(eldr::discovery::LogSeverity severity, const std::string& message) {
+  std::fprintf(stderr, "eldr-proxy: discovery %s: %s\n",
+               std::string(eldr::discovery::LogSeverityName(severity)).c_str(), message.c_str());
+}
+
+// The discovery of one role's pods from the flags.
+absl::StatusOr<eldr::discovery::KubernetesDiscoveryOptions> DiscoveryFromFlags(const std::string& selector,
+                                                                               const std::string& port) {
+  eldr::discovery::KubernetesDiscoveryOptions options;
+  ELDR_ASSIGN_OR_RETURN(options.api, eldr::discovery::ResolveKubeApiConfig(absl::GetFlag(FLAGS_kubeconfig),
+                                                                           absl::GetFlag(FLAGS_kube_context)));
+  options.namespace_ = absl::GetFlag(FLAGS_kube_namespace);
+  if (options.namespace_.empty())
+    options.namespace_ = options.api.namespace_.empty() ? "default" : options.api.namespace_;
+  options.label_selector = selector;
+  options.mapping.port = port;
+  options.reconciler.settle = absl::GetFlag(FLAGS_discovery_settle);
+  options.log = LogDiscovery;
+  return options;
 }
 
 }  // namespace
@@ -126,6 +165,32 @@ int main(int argc, char** argv) {
   options.server.max_body_bytes = options.max_request_bytes;
   options.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  const std::string discovery = absl::GetFlag(FLAGS_discovery);
+  if (discovery == "kubernetes") {
+    if (absl::GetFlag(FLAGS_prefill_selector).empty()) {
+      std::fprintf(stderr, "eldr-proxy: --prefill_selector is required with --discovery=kubernetes\n");
+      return 2;
+    }
+    absl::StatusOr<eldr::discovery::KubernetesDiscoveryOptions> prefill =
+        DiscoveryFromFlags(absl::GetFlag(FLAGS_prefill_selector), absl::GetFlag(FLAGS_prefill_port));
+    if (!prefill.ok()) {
+      std::fprintf(stderr, "eldr-proxy: discovery: %s\n", std::string(prefill.status().message()).c_str());
+      return 2;
+    }
+    options.prefill_discovery = *std::move(prefill);
+    if (!absl::GetFlag(FLAGS_decode_selector).empty()) {
+      absl::StatusOr<eldr::discovery::KubernetesDiscoveryOptions> decode =
+          DiscoveryFromFlags(absl::GetFlag(FLAGS_decode_selector), absl::GetFlag(FLAGS_decode_port));
+      if (!decode.ok()) {
+        std::fprintf(stderr, "eldr-proxy: discovery: %s\n", std::string(decode.status().message()).c_str());
+        return 2;
+      }
+      options.decode_discovery = *std::move(decode);
+    }
+  } else if (discovery != "static") {
+    std::fprintf(stderr, "eldr-proxy: --discovery must be static or kubernetes, got '%s'\n", discovery.c_str());
+    return 2;
+  }
 
   absl::StatusOr<std::unique_ptr<eldr::proxy::Proxy>> proxy = eldr::proxy::Proxy::Create(options);
   if (!proxy.ok()) {
@@ -136,8 +201,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "eldr-proxy: %s\n", std::string(started.message()).c_str());
     return 1;
   }
-  std::fprintf(stderr, "eldr-proxy: listening on port %d (%zu prefill instances, router %s)\n", (*proxy)->port(),
-               options.prefill.size(), options.router.target.empty() ? "none" : options.router.target.c_str());
+  std::fprintf(stderr, "eldr-proxy: listening on port %d (prefill: %s, router %s)\n", (*proxy)->port(),
+               options.prefill_discovery.has_value()
+                   ? absl::StrCat("pods matching ", options.prefill_discovery->label_selector).c_str()
+                   : absl::StrCat(options.prefill.size(), " instances").c_str(),
+               options.router.target.empty() ? "none" : options.router.target.c_str());
   if (const std::string port_file = absl::GetFlag(FLAGS_port_file); !port_file.empty()) {
     const std::string text =
         absl::StrCat("{\"port\": ", (*proxy)->port(), ", \"metrics_port\": ", (*proxy)->metrics_port(),

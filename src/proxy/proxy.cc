@@ -4,6 +4,7 @@
 #include <atomic>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,6 +22,7 @@
 #include "boost/asio/io_context.hpp"
 #include "boost/asio/post.hpp"
 #include "boost/asio/steady_timer.hpp"
+#include "common/status_macros.h"
 #include "eldr/http/sse.h"
 #include "eldr/metrics/prometheus.h"
 #include "eldr/openai/errors.h"
@@ -105,7 +107,15 @@ absl::Status ValidateProxyOptions(const ProxyOptions& options) {
   if (absl::Status status = http::ValidateHttpClientOptions(options.client); !status.ok()) return status;
   if (absl::Status status = ValidatePrefillPickerOptions(options.prefill_picker); !status.ok()) return status;
   if (absl::Status status = ValidateAbSplitOptions(options.ab); !status.ok()) return status;
-  if (options.prefill.empty()) return absl::InvalidArgumentError("ProxyOptions.prefill: at least one instance");
+  if (options.prefill_discovery.has_value() && !options.prefill.empty()) {
+    return absl::InvalidArgumentError("ProxyOptions.prefill: a static list cannot be mixed with prefill_discovery");
+  }
+  if (options.decode_discovery.has_value() && !options.decode.empty()) {
+    return absl::InvalidArgumentError("ProxyOptions.decode: a static list cannot be mixed with decode_discovery");
+  }
+  if (options.prefill.empty() && !options.prefill_discovery.has_value()) {
+    return absl::InvalidArgumentError("ProxyOptions.prefill: at least one instance (or prefill_discovery)");
+  }
   for (const std::string& instance : options.prefill) {
     if (absl::StatusOr<HostPort> parsed = ParseHostPort(instance, "ProxyOptions.prefill"); !parsed.ok()) {
       return parsed.status();
@@ -116,8 +126,9 @@ absl::Status ValidateProxyOptions(const ProxyOptions& options) {
       return parsed.status();
     }
   }
-  if (options.router.target.empty() && options.decode.empty()) {
-    return absl::InvalidArgumentError("ProxyOptions: without a router target, the decode list must not be empty");
+  if (options.router.target.empty() && options.decode.empty() && !options.decode_discovery.has_value()) {
+    return absl::InvalidArgumentError(
+        "ProxyOptions: without a router target, the decode list must not be empty (or use decode_discovery)");
   }
   if (options.ab.baseline_fraction > 0 && options.router.target.empty()) {
     return absl::InvalidArgumentError("ProxyOptions.ab: an A/B split needs eldr-router (router.target)");
@@ -159,6 +170,39 @@ absl::Status ValidateProxyOptions(const ProxyOptions& options) {
 namespace {
 
 class ProxyImpl;
+
+// A list of engine addresses kept equal to the discovered pods (prefill instances, or the static
+// decode fallback list): an upserted pod (re)joins, a drained or removed one leaves at once.
+// Called by the discovery's reconciler thread only; `on_change` gets the addresses in pod-name
+// order after every change.
+class AddressListSink final : public discovery::PoolSink {
+ public:
+  using OnChange = std::function<absl::Status(std::vector<std::string> addresses)>;
+  explicit AddressListSink(OnChange on_change) : on_change_(std::move(on_change)) {}
+
+  absl::Status Upsert(const WorkerSpec& spec) override {
+    auto [it, added] = addresses_.try_emplace(spec.id, spec.address);
+    if (!added && it->second == spec.address) return absl::OkStatus();
+    it->second = spec.address;
+    return Publish();
+  }
+  absl::Status Drain(const std::string& id) override { return Remove(id); }
+  absl::Status Remove(const std::string& id) override {
+    if (addresses_.erase(id) == 0) return absl::OkStatus();
+    return Publish();
+  }
+
+ private:
+  absl::Status Publish() {
+    std::vector<std::string> addresses;
+    addresses.reserve(addresses_.size());
+    for (const auto& [id, address] : addresses_) addresses.push_back(address);
+    return on_change_(std::move(addresses));
+  }
+
+  const OnChange on_change_;
+  std::map<std::string, std::string> addresses_;  // pod name -> address
+};
 
 // Runs the steps given to Run one at a time, in order, on whichever thread calls Run: the first
 // caller runs its step at once and then every step queued meanwhile; a caller that finds a step
@@ -319,6 +363,11 @@ class ProxyImpl final : public Proxy {
   bool Ready();
   void AddOpsRoutes(http::HttpRouter& routes);
 
+  // The engine lists in use: the static ones, or what discovery found.
+  std::vector<std::string> DecodeList() const;
+  std::vector<std::string> PrefillList() const;
+  absl::Status StartDiscovery();
+
   const ProxyOptions options_;
   ProxyMetrics metrics_;
   std::shared_ptr<metrics::HttpServerCollector> http_collector_;
@@ -326,6 +375,14 @@ class ProxyImpl final : public Proxy {
   std::unique_ptr<RouterClient> router_;
   std::unique_ptr<PrefillPicker> picker_;
   std::optional<AbSplitter> splitter_;
+  mutable absl::Mutex lists_mu_;
+  std::vector<std::string> prefill_list_ ABSL_GUARDED_BY(lists_mu_);
+  std::vector<std::string> decode_list_ ABSL_GUARDED_BY(lists_mu_);
+  // Discovery feeds the lists (and the picker) through the sinks; destroyed before them.
+  std::unique_ptr<AddressListSink> prefill_sink_;
+  std::unique_ptr<AddressListSink> decode_sink_;
+  std::unique_ptr<discovery::KubernetesDiscovery> prefill_discovery_;
+  std::unique_ptr<discovery::KubernetesDiscovery> decode_discovery_;
   std::unique_ptr<http::HttpServer> server_;
   std::unique_ptr<http::HttpServer> metrics_server_;
 
@@ -811,6 +868,36 @@ absl::Status ProxyImpl::Init() {
       PrefillPicker::Create(options_.prefill_picker, options_.prefill);
   if (!picker.ok()) return picker.status();
   picker_ = *std::move(picker);
+  {
+    absl::MutexLock lock(&lists_mu_);
+    prefill_list_ = options_.prefill;
+    decode_list_ = options_.decode;
+  }
+  if (options_.prefill_discovery.has_value()) {
+    prefill_sink_ = std::make_unique<AddressListSink>([this](std::vector<std::string> addresses) {
+      ELDR_RETURN_IF_ERROR(picker_->SetInstances(addresses));
+      absl::MutexLock lock(&lists_mu_);
+      prefill_list_ = std::move(addresses);
+      return absl::OkStatus();
+    });
+    discovery::KubernetesDiscoveryOptions discovery_options = *options_.prefill_discovery;
+    discovery_options.role = "prefill";
+    ELDR_ASSIGN_OR_RETURN(prefill_discovery_,
+                          discovery::KubernetesDiscovery::Create(std::move(discovery_options), prefill_sink_.get(),
+                                                                 &metrics_.registry()));
+  }
+  if (options_.decode_discovery.has_value()) {
+    decode_sink_ = std::make_unique<AddressListSink>([this](std::vector<std::string> addresses) {
+      absl::MutexLock lock(&lists_mu_);
+      decode_list_ = std::move(addresses);
+      return absl::OkStatus();
+    });
+    discovery::KubernetesDiscoveryOptions discovery_options = *options_.decode_discovery;
+    discovery_options.role = "decode";
+    ELDR_ASSIGN_OR_RETURN(
+        decode_discovery_,
+        discovery::KubernetesDiscovery::Create(std::move(discovery_options), decode_sink_.get(), &metrics_.registry()));
+  }
   absl::StatusOr<AbSplitter> splitter = AbSplitter::Create(options_.ab);
   if (!splitter.ok()) return splitter.status();
   splitter_ = *std::move(splitter);
@@ -855,18 +942,39 @@ void ProxyImpl::AddOpsRoutes(http::HttpRouter& routes) {
     http::HttpResponse response;
     const bool ready = Ready();
     response.status = ready ? 200 : 503;
-    response.body = ready ? "ready\n" : (draining_.load() ? "draining\n" : "eldr-router is not reachable\n");
+    response.body = ready                  ? "ready\n"
+                    : draining_.load()     ? "draining\n"
+                    : picker_->size() == 0 ? "no prefill instance (discovery has found none yet)\n"
+                                           : "eldr-router is not reachable\n";
     return response;
   });
 }
 
 bool ProxyImpl::Ready() {
   if (draining_.load()) return false;
+  if (picker_->size() == 0) return false;  // discovery found no prefill pod yet
   // Without a reachable router the proxy still serves (fail static) when it has a decode list.
-  return router_ == nullptr || router_->Reachable() || !options_.decode.empty();
+  return router_ == nullptr || router_->Reachable() || !DecodeList().empty();
+}
+
+std::vector<std::string> ProxyImpl::DecodeList() const {
+  absl::MutexLock lock(&lists_mu_);
+  return decode_list_;
+}
+
+std::vector<std::string> ProxyImpl::PrefillList() const {
+  absl::MutexLock lock(&lists_mu_);
+  return prefill_list_;
+}
+
+absl::Status ProxyImpl::StartDiscovery() {
+  if (prefill_discovery_ != nullptr) ELDR_RETURN_IF_ERROR(prefill_discovery_->Start());
+  if (decode_discovery_ != nullptr) ELDR_RETURN_IF_ERROR(decode_discovery_->Start());
+  return absl::OkStatus();
 }
 
 absl::Status ProxyImpl::Start() {
+  ELDR_RETURN_IF_ERROR(StartDiscovery());
   for (int i = 0; i < std::max(1, options_.server.threads); ++i) {
     io_threads_.emplace_back([this] { io_.run(); });
   }
@@ -929,8 +1037,9 @@ void ProxyImpl::HandleCompletions(Endpoint endpoint, http::HttpRequest request,
 
 void ProxyImpl::HandleModels(std::shared_ptr<http::ResponseStream> stream, size_t engine) {
   // The decode workers first (they serve the answers), then the prefill instances.
-  std::vector<std::string> engines = options_.decode;
-  engines.insert(engines.end(), options_.prefill.begin(), options_.prefill.end());
+  std::vector<std::string> engines = DecodeList();
+  const std::vector<std::string> prefill = PrefillList();
+  engines.insert(engines.end(), prefill.begin(), prefill.end());
   if (engine >= engines.size()) {
     stream->Respond(JsonError(503, "no engine answered /v1/models"));
     return;
@@ -960,9 +1069,10 @@ void ProxyImpl::HandleModels(std::shared_ptr<http::ResponseStream> stream, size_
 }
 
 std::optional<std::string> ProxyImpl::NextStaticWorker(const std::vector<std::string>& tried) {
-  const size_t n = options_.decode.size();
+  const std::vector<std::string> decode = DecodeList();
+  const size_t n = decode.size();
   for (size_t i = 0; i < n; ++i) {
-    const std::string& worker = options_.decode[static_cursor_.fetch_add(1) % n];
+    const std::string& worker = decode[static_cursor_.fetch_add(1) % n];
     if (std::find(tried.begin(), tried.end(), worker) == tried.end()) return worker;
   }
   return std::nullopt;
@@ -987,6 +1097,8 @@ void ProxyImpl::Shutdown(absl::Duration grace) {
     shut_down_ = true;
   }
   draining_.store(true);
+  if (prefill_discovery_ != nullptr) prefill_discovery_->Stop();
+  if (decode_discovery_ != nullptr) decode_discovery_->Stop();
   {
     // Requests in flight get `grace` to finish.
     absl::MutexLock lock(&calls_mu_);

@@ -61,6 +61,8 @@ class ProxyMetrics {
   // Scrape-time families of other components (prefill loads, the HTTP servers, process_*).
   void AddCollectable(std::shared_ptr<prometheus::Collectable> collectable);
   std::string RenderText() const;
+  // For components that register their own families (service discovery's eldr_discovery_*).
+  prometheus::Registry& registry() { return *registry_; }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;

@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "eldr/common/file.h"
@@ -183,8 +184,47 @@ absl::StatusOr<LoadedCentroids> CentroidLoader::Load(const Request& request) {
     router_->NotifyCentroidsRejected(request.source, artifact.status());
     return artifact.status();
   }
+  if (options_.fit_rows_to_pool) {
+    std::vector<std::string> pool;
+    for (const WorkerStatus& worker : router_->GetState(absl::Now()).workers) pool.push_back(worker.spec.id);
+    *artifact = FitRowsToPool(*std::move(artifact), pool);
+  }
   ELDR_ASSIGN_OR_RETURN(const uint64_t generation, router_->InstallCentroids(*artifact, request.source));
   return LoadedCentroids{generation, artifact->k};
+}
+
+CentroidArtifact FitRowsToPool(CentroidArtifact artifact, const std::vector<std::string>& pool) {
+  if (pool.empty() || artifact.k <= 0) return artifact;
+  const absl::flat_hash_set<std::string> in_pool(pool.begin(), pool.end());
+  absl::flat_hash_set<std::string> owned;
+  std::vector<std::string> owner(static_cast<size_t>(artifact.k));
+  for (int row = 0; row < artifact.k; ++row) {
+    if (row < static_cast<int>(artifact.workers.size()) && in_pool.contains(artifact.workers[row]) &&
+        owned.insert(artifact.workers[row]).second) {
+      owner[row] = artifact.workers[row];
+    }
+  }
+  auto next_free = pool.begin();
+  for (int row = 0; row < artifact.k; ++row) {
+    if (!owner[row].empty()) continue;
+    while (next_free != pool.end() && owned.contains(*next_free)) ++next_free;
+    if (next_free == pool.end()) break;
+    owner[row] = *next_free;
+    owned.insert(*next_free);
+  }
+  const size_t dim = static_cast<size_t>(artifact.dim());
+  CentroidArtifact fitted = artifact;
+  fitted.workers.clear();
+  fitted.centroids.clear();
+  for (int row = 0; row < artifact.k; ++row) {
+    if (owner[row].empty()) continue;
+    fitted.workers.push_back(owner[row]);
+    fitted.centroids.insert(fitted.centroids.end(), artifact.centroids.begin() + row * dim,
+                            artifact.centroids.begin() + (row + 1) * dim);
+  }
+  if (fitted.workers.empty()) return artifact;
+  fitted.k = static_cast<int>(fitted.workers.size());
+  return fitted;
 }
 
 }  // namespace eldr::server

@@ -45,7 +45,17 @@ struct CentroidLoaderOptions {
   // Where path reloads may read; empty: the folder of configured_path; both empty: no path reloads.
   std::string allowed_dir;
   size_t max_artifact_bytes = size_t{256} << 20;
+  // Discovered pools (--discovery=kubernetes): worker ids are pod names, unknown when the
+  // artifact was calibrated, so every artifact is fitted to the pool (FitRowsToPool) before it is
+  // installed.
+  bool fit_rows_to_pool = false;
 };
+
+// The artifact with every row named after a worker of `pool` (ids in pool order): a row already
+// named after a worker of the pool keeps it; every other row goes to the next worker of the pool
+// that has no row yet; rows left over (more rows than workers) are dropped. The artifact is
+// returned unchanged when `pool` is empty or no row would be left.
+CentroidArtifact FitRowsToPool(CentroidArtifact artifact, const std::vector<std::string>& pool);
 
 struct LoadedCentroids {
   uint64_t generation = 0;

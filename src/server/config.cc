@@ -228,6 +228,31 @@ const std::vector<OptionDef>& OptionTable() {
       IntOption<int64_t>("max_artifact_bytes", "Largest centroid artifact accepted (file or inline).",
                          [](ServerOptions& o) -> int64_t& { return o.max_artifact_bytes; }),
       WorkersOption(),
+      ChoiceOption<DiscoveryMode>("discovery",
+                                  "Where decode workers come from: static (--workers and the admin API) or kubernetes "
+                                  "(the pods matching --decode_selector).",
+                                  "static or kubernetes",
+                                  [](ServerOptions& o) -> DiscoveryMode& { return o.discovery.mode; },
+                                  ParseDiscoveryMode, DiscoveryModeName),
+      StringOption("decode_selector", "discovery=kubernetes: label selector of the decode pods.",
+                   [](ServerOptions& o) -> std::string& { return o.discovery.decode_selector; }),
+      StringOption("kube_namespace", "discovery=kubernetes: namespace watched (default: the pod's own).",
+                   [](ServerOptions& o) -> std::string& { return o.discovery.kube_namespace; }),
+      StringOption("kubeconfig", "discovery=kubernetes: kubeconfig file (default: the in-cluster service account).",
+                   [](ServerOptions& o) -> std::string& { return o.discovery.kubeconfig; }),
+      StringOption("kube_context", "discovery=kubernetes: context of --kubeconfig (default: its current-context).",
+                   [](ServerOptions& o) -> std::string& { return o.discovery.kube_context; }),
+      StringOption("worker_port",
+                   "discovery=kubernetes: the decode engine's container port, name or number (annotation eldr.io/port).",
+                   [](ServerOptions& o) -> std::string& { return o.discovery.worker_port; }),
+      StringOption("worker_metrics_port",
+                   "discovery=kubernetes: port of the engine's /metrics, name or number (default: the worker port).",
+                   [](ServerOptions& o) -> std::string& { return o.discovery.worker_metrics_port; }),
+      StringOption("worker_metrics_path", "discovery=kubernetes: path of the engine's Prometheus page.",
+                   [](ServerOptions& o) -> std::string& { return o.discovery.worker_metrics_path; }),
+      DurationOption("discovery_settle",
+                     "discovery=kubernetes: a pod joins the pool once routable this long (leaving is immediate).",
+                     [](ServerOptions& o) -> absl::Duration& { return o.discovery.settle; }),
       ChoiceOption<PolicyKind>("policy", "Routing policy.", "eldr, rr, random, jsq or p2c",
                                [](ServerOptions& o) -> PolicyKind& { return o.router.policy; }, ParsePolicyKind,
                                PolicyKindName),
@@ -431,6 +456,16 @@ ServerOptions::ServerOptions() {
   metrics_http.listen = "0.0.0.0:9464";
   metrics_http.max_connections = 64;
   refit.seed = router.seed;
+}
+
+absl::StatusOr<DiscoveryMode> ParseDiscoveryMode(absl::string_view name) {
+  if (name == "static") return DiscoveryMode::kStatic;
+  if (name == "kubernetes") return DiscoveryMode::kKubernetes;
+  return absl::InvalidArgumentError(absl::StrCat("unknown discovery '", name, "'"));
+}
+
+absl::string_view DiscoveryModeName(DiscoveryMode mode) {
+  return mode == DiscoveryMode::kKubernetes ? "kubernetes" : "static";
 }
 
 absl::StatusOr<ReporterAuth> ParseReporterAuth(absl::string_view name) {
@@ -693,6 +728,28 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   }
   auto ids = CheckWorkers(o.workers);
   if (!ids.ok()) return bad("workers", ids.status().message());
+  if (o.discovery.mode == DiscoveryMode::kKubernetes) {
+    // Discovery owns the pool: a static list beside it would be overwritten or fight it.
+    if (!o.workers.empty()) {
+      return bad("workers",
+                 "cannot be mixed with discovery=kubernetes (the pool is the pods matching decode_selector)");
+    }
+    if (!o.worker_metrics.empty()) {
+      return bad("worker_metrics",
+                 "cannot be mixed with discovery=kubernetes (use worker_metrics_port, or the pod annotation "
+                 "eldr.io/metrics-port)");
+    }
+    if (absl::StripAsciiWhitespace(o.discovery.decode_selector).empty()) {
+      return bad("decode_selector", "is required with discovery=kubernetes (e.g. app.kubernetes.io/component=decode)");
+    }
+    if (o.discovery.worker_port.empty()) return bad("worker_port", "is required with discovery=kubernetes");
+    if (o.discovery.worker_metrics_path.empty() || o.discovery.worker_metrics_path[0] != '/') {
+      return bad("worker_metrics_path", "must start with '/'");
+    }
+    if (o.discovery.settle < absl::ZeroDuration() || o.discovery.settle == absl::InfiniteDuration()) {
+      return bad("discovery_settle", "must be finite and not negative");
+    }
+  }
   return absl::OkStatus();
 }
 

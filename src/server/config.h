@@ -40,6 +40,39 @@ enum class ReporterAuth {
 absl::StatusOr<ReporterAuth> ParseReporterAuth(absl::string_view name);
 absl::string_view ReporterAuthName(ReporterAuth auth);
 
+// Where the decode workers come from.
+enum class DiscoveryMode {
+  kStatic,      // the `workers` setting and the admin API (UpsertWorker, DrainWorker, RemoveWorker)
+  kKubernetes,  // the pods matching `decode_selector` (discovery_component.h); `workers` must be empty
+};
+absl::StatusOr<DiscoveryMode> ParseDiscoveryMode(absl::string_view name);
+absl::string_view DiscoveryModeName(DiscoveryMode mode);
+
+// Kubernetes discovery of the decode workers (discovery=kubernetes; see discovery_component.h).
+struct DiscoverySettings {
+  DiscoveryMode mode = DiscoveryMode::kStatic;
+  // The label selector of the decode pods, e.g. "app.kubernetes.io/component=decode" (required).
+  std::string decode_selector;
+  // The namespace watched; empty: the pod's own (the service account's), else the kubeconfig
+  // context's.
+  std::string kube_namespace;
+  // A kubeconfig file to reach the API server from outside the cluster; empty: the in-cluster
+  // configuration (service-account token and CA, KUBERNETES_SERVICE_HOST/PORT).
+  std::string kubeconfig;
+  std::string kube_context;  // of the kubeconfig; empty: its current-context
+  // The decode engine's container port (name or number): worker address = pod IP:port. Pod
+  // annotation eldr.io/port overrides it.
+  std::string worker_port = "http";
+  // The port (name or number) and path of the engine's Prometheus page, for load scraping; empty
+  // port: the worker port (vLLM serves /metrics there). Annotations eldr.io/metrics-port and
+  // eldr.io/metrics-path override them.
+  std::string worker_metrics_port;
+  std::string worker_metrics_path = "/metrics";
+  // A pod that becomes routable (new, ready again, changed) joins the pool once it has stayed so
+  // this long; stopping routes (not ready, terminating, gone) is immediate.
+  absl::Duration settle = absl::Seconds(1);
+};
+
 struct ServerOptions {
   ServerOptions();
 
@@ -71,6 +104,8 @@ struct ServerOptions {
   // The decode workers, in order (centroid rows follow this order when the artifact does not
   // name its workers). Filled from `workers` = "id=host:port,..." or a JSON file path.
   std::vector<WorkerSpec> workers;
+  // Static `workers`, or discovered from Kubernetes.
+  DiscoverySettings discovery;
   // policy, tau, seed, lease_ttl, snapshot_staleness, max_live_leases.
   RouterOptions router;
   absl::Duration lease_expiry_interval = absl::Seconds(1);  // how often leases are expired

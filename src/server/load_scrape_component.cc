@@ -83,15 +83,20 @@ class ScrapeCollector : public prometheus::Collectable {
 // from the pool is added to or removed from the scraped targets when it has a configured URL.
 class LoadScrapeComponent final : public BackgroundComponent, public RouterObserver {
  public:
+  // `pool_urls`: also scrape every pool worker's own metrics_url (discovered pools).
   LoadScrapeComponent(Router* router, ServerMetrics* metrics, LoadScraperOptions options,
-                      std::vector<ScrapeTarget> configured)
-      : router_(router), metrics_(metrics), options_(std::move(options)), configured_(std::move(configured)) {}
+                      std::vector<ScrapeTarget> configured, bool pool_urls)
+      : router_(router),
+        metrics_(metrics),
+        options_(std::move(options)),
+        configured_(std::move(configured)),
+        pool_urls_(pool_urls) {}
   ~LoadScrapeComponent() override { Stop(); }
 
   std::string name() const override { return "load_scraper"; }
 
   absl::Status Start() override {
-    if (configured_.empty()) return absl::OkStatus();
+    if (configured_.empty() && !pool_urls_) return absl::OkStatus();
     options_.on_health_change = [](const std::string& worker, bool healthy, const std::string& reason) {
       if (healthy) {
         ELDR_LOG(Info, "worker_healthy").With("worker", worker);
@@ -109,6 +114,7 @@ class LoadScrapeComponent final : public BackgroundComponent, public RouterObser
     subscribed_ = true;
     ELDR_LOG(Info, "load_scraper_started")
         .With("targets", static_cast<int64_t>(configured_.size()))
+        .With("pool_urls", pool_urls_)
         .With("interval", options_.interval)
         .With("timeout", options_.timeout)
         .With("unhealthy_after_failures", static_cast<int64_t>(options_.unhealthy_after_failures));
@@ -126,7 +132,9 @@ class LoadScrapeComponent final : public BackgroundComponent, public RouterObser
 
   void OnPoolChanged(const PoolChange& change) override {
     // Health changes are the scraper's own doing (it calls the router with its lock held).
-    if (change.kind != PoolChangeKind::kAdded && change.kind != PoolChangeKind::kRemoved) return;
+    // A discovered worker's URL can change with its pod (kUpdated).
+    const bool url_may_change = pool_urls_ && change.kind == PoolChangeKind::kUpdated;
+    if (change.kind != PoolChangeKind::kAdded && change.kind != PoolChangeKind::kRemoved && !url_may_change) return;
     absl::Status updated = scraper_->SetTargets(PoolTargets());
     if (!updated.ok()) ELDR_LOG(Error, "load_scraper_targets").With("code", updated);
   }
@@ -140,6 +148,21 @@ class LoadScrapeComponent final : public BackgroundComponent, public RouterObser
     for (const ScrapeTarget& target : configured_) {
       if (pool.contains(target.worker_id)) targets.push_back(target);
     }
+    if (pool_urls_) {
+      // Discovered workers bring their URL (WorkerSpec::metrics_url, from the pod); one the scraper
+      // cannot use is left out (and said so) rather than failing the whole list.
+      for (const WorkerStatus& worker : router_->GetState(absl::Now()).workers) {
+        if (worker.spec.metrics_url.empty()) continue;
+        ScrapeTarget target{worker.spec.id, worker.spec.metrics_url};
+        if (absl::Status valid = ValidateScrapeTargets({target}); !valid.ok()) {
+          ELDR_LOG_LIMITED(Warning, "load_scraper_target_refused", "load_scraper_target_refused")
+              .With("worker", target.worker_id)
+              .With("code", valid);
+          continue;
+        }
+        targets.push_back(std::move(target));
+      }
+    }
     return targets;
   }
 
@@ -147,6 +170,7 @@ class LoadScrapeComponent final : public BackgroundComponent, public RouterObser
   ServerMetrics* const metrics_;
   LoadScraperOptions options_;
   const std::vector<ScrapeTarget> configured_;
+  const bool pool_urls_;
   std::shared_ptr<LoadScraper> scraper_;
   bool subscribed_ = false;
 };
@@ -187,7 +211,8 @@ ComponentFactory LoadScrapeComponentFactory() {
       return BadSetting("scrape_*", valid.message());
     }
     return std::unique_ptr<BackgroundComponent>(
-        new LoadScrapeComponent(context.router, context.metrics, context.options->scrape, *std::move(targets)));
+        new LoadScrapeComponent(context.router, context.metrics, context.options->scrape, *std::move(targets),
+                                /*pool_urls=*/context.options->discovery.mode == DiscoveryMode::kKubernetes));
   };
 }
 

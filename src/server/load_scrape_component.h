@@ -3,10 +3,10 @@
 // endpoints, logs their health changes, and exports per-worker scrape metrics.
 //
 // Targets come from the settings: each worker's `metrics_url` in the workers JSON file, overridden
-// per worker by `worker_metrics` ("id=url,..."). Only targets whose worker is in the Router's pool
-// are scraped; the component follows the router's pool announcements, so a worker removed over the
-// admin API stops being scraped (and its health is handed back) and is scraped again when it is
-// added back.
+// per worker by `worker_metrics` ("id=url,..."); with discovery=kubernetes, from each discovered
+// worker's own metrics_url (its pod IP, worker_metrics_port and path). Only targets whose worker is in the Router's
+// pool are scraped; the component follows the router's pool announcements, so a worker removed over the admin API stops
+// being scraped (and its health is handed back) and is scraped again when it is added back.
 //
 // Metrics (label `worker`; `kind` is transport, http or malformed):
 //   eldr_scrapes_total{worker,outcome="ok"}            successful scrapes

@@ -28,6 +28,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/config.h"
+#include "server/discovery_component.h"
 #include "server/load_scrape_component.h"
 #include "server/logging.h"
 #include "server/refit_component.h"
@@ -128,6 +129,8 @@ int main(int argc, char** argv) {
   eldr::server::ServerExtensions extensions;
   extensions.components.push_back(eldr::server::LoadScrapeComponentFactory());
   extensions.components.push_back(eldr::server::RefitComponentFactory());
+  // Last: the others are subscribed to the router before discovered workers arrive.
+  extensions.components.push_back(eldr::server::DiscoveryComponentFactory());
   auto server = eldr::server::RouterServer::Create(options, std::move(extensions));
   if (!server.ok()) return Fail("startup_failed", server.status());
   if (absl::Status s = (*server)->Start(); !s.ok()) return Fail("startup_failed", s);

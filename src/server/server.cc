@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "eldr/common/file.h"
+#include "eldr/core/centroid_artifact.h"
 #include "eldr/core/errors.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -192,6 +193,7 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(ServerOptions
   ELDR_ASSIGN_OR_RETURN(std::unique_ptr<Router> router, Router::Create(options.router, options.workers));
   std::unique_ptr<RouterServer> server(new RouterServer(std::move(options), std::move(router)));
   const ServerOptions& o = server->options_;
+  const bool discovered = o.discovery.mode == DiscoveryMode::kKubernetes;
   ELDR_ASSIGN_OR_RETURN(server->admin_token_, BearerTokenFile::Create("admin_token_file", o.admin_token_file));
   ELDR_ASSIGN_OR_RETURN(server->data_token_, BearerTokenFile::Create("data_token_file", o.data_token_file));
   if (o.reporter_auth == ReporterAuth::kToken) {
@@ -201,7 +203,8 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(ServerOptions
   ELDR_ASSIGN_OR_RETURN(server->credentials_, MakeCredentials(o, server->tls_mirror_.get()));
   ELDR_ASSIGN_OR_RETURN(server->loader_,
                         CentroidLoader::Create(CentroidLoaderOptions{o.centroids, o.centroids_dir,
-                                                                     static_cast<size_t>(o.max_artifact_bytes)},
+                                                                     static_cast<size_t>(o.max_artifact_bytes),
+                                                                     /*fit_rows_to_pool=*/discovered},
                                                server->router_.get()));
 
   ServiceContext ctx;
@@ -219,11 +222,21 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(ServerOptions
   ctx.max_report_streams = o.max_report_streams;
   ctx.max_report_streams_per_peer = o.max_report_streams_per_peer;
   ctx.report_stream_idle_timeout = o.report_stream_idle_timeout;
+  ctx.pool_discovered = discovered;
   server->decode_service_ = std::make_unique<DecodeRouterService>(ctx);
   server->admin_service_ = std::make_unique<RouterAdminService>(ctx);
 
   server->router_->AddObserver(server->events_.get());
-  if (!o.centroids.empty()) {
+  // A discovered pool starts empty: the discovery component installs the configured centroids once
+  // the first pods joined (their names are not known before); a broken file still fails here.
+  if (!o.centroids.empty() && discovered) {
+    absl::StatusOr<CentroidArtifact> artifact =
+        LoadCentroidArtifact(o.centroids, static_cast<size_t>(o.max_artifact_bytes));
+    if (!artifact.ok()) {
+      return absl::Status(artifact.status().code(), absl::StrCat("--centroids: ", artifact.status().message()));
+    }
+  }
+  if (!o.centroids.empty() && !discovered) {
     absl::StatusOr<LoadedCentroids> loaded = server->loader_->LoadConfiguredNow(CentroidSource::kStartup);
     if (!loaded.ok()) {
       const bool misfit = absl::IsFailedPrecondition(loaded.status());

@@ -250,7 +250,10 @@ absl::Status DecodeRouterService::RouteOnce(grpc::CallbackServerContext* context
   bool present = false;
   ELDR_RETURN_IF_ERROR(SignatureFromProto(request, &input, &present));
   const std::string client = ctx_.route_client_keys ? ClientKey(*context, ctx_.mutual_tls) : std::string();
-  RouteInput route{present ? &input : nullptr, absl::Now(), client};
+  RouteInput route;
+  route.signature = present ? &input : nullptr;
+  route.now = absl::Now();
+  route.client = client;
   for (const std::string& id : request.exclude_workers()) {
     if (id.size() > kMaxWorkerIdBytes) {
       return MakeInputError(
@@ -469,6 +472,18 @@ bool RouterAdminService::Authorize(grpc::CallbackServerContext* context, grpc::S
   return false;
 }
 
+bool RouterAdminService::PoolIsStatic(grpc::ServerUnaryReactor* reactor, absl::string_view method) {
+  if (!ctx_.pool_discovered) return true;
+  ELDR_LOG_LIMITED(Warning, "admin_pool_change_refused", "admin_pool_change_refused")
+      .With("method", method)
+      .With("reason", "discovery=kubernetes owns the pool");
+  reactor->Finish(ToGrpcStatus(absl::FailedPreconditionError(
+      absl::StrCat(method,
+                   ": the pool is discovered from Kubernetes (discovery=kubernetes); change the decode pods "
+                   "(labels, readiness, deletion) instead"))));
+  return false;
+}
+
 grpc::ServerUnaryReactor* RouterAdminService::ListWorkers(grpc::CallbackServerContext* context,
                                                           const eldr::v1::ListWorkersRequest*,
                                                           eldr::v1::ListWorkersResponse* response) {
@@ -486,6 +501,7 @@ grpc::ServerUnaryReactor* RouterAdminService::UpsertWorker(grpc::CallbackServerC
                                                            eldr::v1::UpsertWorkerResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorize(context, reactor, "UpsertWorker")) return reactor;
+  if (!PoolIsStatic(reactor, "UpsertWorker")) return reactor;
   const eldr::v1::Worker& w = request->worker();
   WorkerSpec spec;
   spec.id = w.id();
@@ -507,6 +523,7 @@ grpc::ServerUnaryReactor* RouterAdminService::DrainWorker(grpc::CallbackServerCo
                                                           eldr::v1::DrainWorkerResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorize(context, reactor, "DrainWorker")) return reactor;
+  if (!PoolIsStatic(reactor, "DrainWorker")) return reactor;
   absl::StatusOr<PoolChange> change = ctx_.router->DrainWorker(request->worker_id());
   if (change.ok()) {
     response->set_inflight(change->inflight);
@@ -522,6 +539,7 @@ grpc::ServerUnaryReactor* RouterAdminService::RemoveWorker(grpc::CallbackServerC
                                                            eldr::v1::RemoveWorkerResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorize(context, reactor, "RemoveWorker")) return reactor;
+  if (!PoolIsStatic(reactor, "RemoveWorker")) return reactor;
   absl::StatusOr<PoolChange> change = ctx_.router->RemoveWorker(request->worker_id());
   if (change.ok()) {
     response->set_dropped_leases(change->inflight);

@@ -72,6 +72,9 @@ struct ServiceContext {
   int64_t max_report_streams = 1024;
   int64_t max_report_streams_per_peer = 64;
   absl::Duration report_stream_idle_timeout = absl::Minutes(2);
+  // discovery=kubernetes: the pool follows the pods, so UpsertWorker, DrainWorker and RemoveWorker
+  // answer FAILED_PRECONDITION (a change made here would be undone by the next watch event).
+  bool pool_discovered = false;
 };
 
 // eldr.v1.DecodeRouter: Route, Complete, ReportLoad (raw methods, see above).
@@ -144,6 +147,8 @@ class RouterAdminService final : public eldr::v1::RouterAdmin::CallbackService {
   // Runs the token check; on refusal finishes the reactor, counts, logs (rate-limited) and
   // returns false.
   bool Authorize(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor, absl::string_view method);
+  // False (and the call answered FAILED_PRECONDITION) when the pool is discovered.
+  bool PoolIsStatic(grpc::ServerUnaryReactor* reactor, absl::string_view method);
 
   const ServiceContext ctx_;
 };

@@ -105,6 +105,83 @@ def flag_values(args):
     return values
 
 
+def service_account_name(spec):
+    """The ServiceAccount a pod spec runs as (Kubernetes' default: "default")."""
+    return spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
+
+
+def token_automounted(objects, spec, namespace):
+    """Whether the kubelet mounts the ServiceAccount token into the pod: the pod's
+    automountServiceAccountToken when set, else the ServiceAccount's, else true."""
+    if "automountServiceAccountToken" in spec:
+        return spec["automountServiceAccountToken"] is not False
+    accounts = [o for o in find(objects, "ServiceAccount", service_account_name(spec))
+                if o["metadata"].get("namespace") == namespace]
+    if accounts and "automountServiceAccountToken" in accounts[0]:
+        return accounts[0]["automountServiceAccountToken"] is not False
+    return True
+
+
+# Kubernetes label selector syntax (equality- and set-based), as --decode_selector takes it.
+_SELECTOR_KEY = r"(?:[a-z0-9](?:[-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_SELECTOR_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?"
+_REQUIREMENTS = (
+    re.compile(rf"(?P<key>{_SELECTOR_KEY})\s*(?P<op>==|=|!=)\s*(?P<value>{_SELECTOR_VALUE})"),
+    re.compile(rf"(?P<key>{_SELECTOR_KEY})\s+(?P<op>in|notin)\s+\((?P<values>[^)]*)\)"),
+    re.compile(rf"(?P<op>!?)\s*(?P<key>{_SELECTOR_KEY})"),
+)
+
+
+def parse_label_selector(text):
+    """[(key, operator, values)] of a label selector string; operator is one of =, !=, in, notin,
+    exists, !exists. Raises AssertionError for text the API server would refuse."""
+    parts = re.findall(r"(?:[^,(]|\([^)]*\))+", text)
+    if not text.strip() or ",".join(parts) != text:
+        raise AssertionError(f"malformed label selector {text!r}")
+    requirements = []
+    for part in (p.strip() for p in parts):
+        match = next((m for m in (r.fullmatch(part) for r in _REQUIREMENTS) if m), None)
+        if not match:
+            raise AssertionError(f"malformed requirement {part!r} in label selector {text!r}")
+        key, op = match.group("key"), match.group("op")
+        if op in ("", "!"):
+            requirements.append((key, "!exists" if op else "exists", ()))
+        elif op in ("in", "notin"):
+            values = tuple(v.strip() for v in match.group("values").split(","))
+            for value in values:
+                if not re.fullmatch(_SELECTOR_VALUE, value):
+                    raise AssertionError(f"bad value {value!r} in label selector {text!r}")
+            requirements.append((key, op, values))
+        else:
+            requirements.append((key, "!=" if op == "!=" else "=", (match.group("value"),)))
+    return requirements
+
+
+def selector_matches(text, labels):
+    """Whether a pod with `labels` is selected by label selector `text`."""
+    for key, op, values in parse_label_selector(text):
+        present = key in labels
+        if op == "=" and labels.get(key) != values[0]:
+            return False
+        if op == "!=" and present and labels[key] == values[0]:
+            return False
+        if op == "in" and labels.get(key) not in values:
+            return False
+        if op == "notin" and present and labels[key] in values:
+            return False
+        if op == "exists" and not present:
+            return False
+        if op == "!exists" and present:
+            return False
+    return True
+
+
+def load_example(name):
+    """The objects of deploy/examples/<name> (plain manifests, not a Kustomization)."""
+    with open(os.path.join(DEPLOY_DIR, "examples", name)) as f:
+        return [o for o in yaml.safe_load_all(f) if o]
+
+
 def split_host_port(text):
     match = re.fullmatch(r"(\[[^\]]*\]|[^:]*):(\d+)", text)
     if not match:
@@ -267,13 +344,19 @@ class PodContainer:
     as written, with only these rewrites: image paths of binaries point at the build's bin folder,
     mount paths point below the temporary root, and every host:port the daemon listens on becomes
     127.0.0.1 with a free port (the same mapping applies to the probes).
+
+    `extra_args` are appended verbatim after the container's: what the kubelet gives a pod that a
+    local process cannot get the same way. Kubernetes discovery reads the in-cluster service-account
+    mount at a fixed path (/var/run/secrets/kubernetes.io/serviceaccount), so a test points it at a
+    fake API server with --kubeconfig=<file> instead.
     """
 
-    def __init__(self, objects, spec, container, secrets=None, rewrite_files=None):
+    def __init__(self, objects, spec, container, secrets=None, rewrite_files=None, extra_args=()):
         self.objects = objects
         self.spec = spec
         self.container = container
         self.secrets = secrets or {}
+        self.extra_args = list(extra_args)
         self.root = tempfile.mkdtemp(prefix="eldr-pod-")
         self.mounts = {}    # mountPath -> local folder
         self.ports = {}     # container port -> local port
@@ -358,6 +441,7 @@ class PodContainer:
     def command_line(self):
         line = [self.rewrite(arg) for arg in
                 list(self.container.get("command", [])) + list(self.container.get("args", []))]
+        line += self.extra_args
         for arg in line:
             if re.search(r"https?://(?!127\.0\.0\.1[:/])", arg):
                 raise AssertionError(f"argument {arg!r} would make the daemon leave loopback")
@@ -502,7 +586,8 @@ class FakeVllmMetrics:
     def __init__(self, workers, running=3, waiting=1, kv_usage=0.5):
         import http.server
         import threading
-        self.load = {w: (running, waiting, kv_usage) for w in workers}
+        self.default = (running, waiting, kv_usage)
+        self.load = {w: self.default for w in workers}
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -544,20 +629,140 @@ class FakeVllmMetrics:
             f"vllm:kv_cache_usage_perc{{{labels}}} {float(kv_usage)}\n")
 
     def url(self, worker):
-        return f"http://127.0.0.1:{self.server.server_address[1]}/{worker}/metrics"
+        return f"http://127.0.0.1:{self.port}{self.path(worker)}"
 
-    def rewrite_workers_json(self, data):
-        """The workers file with every metrics_url pointing here: the daemon must never resolve the
-        cluster names of the manifests (tests send traffic to loopback only)."""
-        config = json.loads(data)
-        for worker in config["workers"]:
-            if "metrics_url" in worker:
-                worker["metrics_url"] = self.url(worker["id"])
-        return json.dumps(config).encode()
+    @property
+    def port(self):
+        return self.server.server_address[1]
+
+    def path(self, worker):
+        return f"/{worker}/metrics"
+
+    def add(self, worker):
+        """Serves a page for one more worker (with the load given at construction)."""
+        self.load.setdefault(worker, self.default)
 
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes discovery: the decode pods, on a stand-in API server
+# ---------------------------------------------------------------------------------------------
+
+DISCOVERY_TEST_DIR = os.path.join(SOURCE_DIR, "tests", "discovery")
+# The example decode pool (deploy/examples): what the overlays' routers are meant to discover.
+DECODE_EXAMPLE = "decode-statefulset.yaml"
+# The pod annotation that overrides --worker_metrics_path (deploy/README.md).
+METRICS_PATH_ANNOTATION = "eldr.io/metrics-path"
+
+_kube_tls_dir = None
+
+
+def kube_testlib():
+    """tests/discovery/kube_testlib.py (the stand-in API server and its control API)."""
+    if DISCOVERY_TEST_DIR not in sys.path:
+        sys.path.insert(0, DISCOVERY_TEST_DIR)
+    import kube_testlib as module  # noqa: E402  (found through the path just set)
+    return module
+
+
+def _shared_kube_tls_dir():
+    """One CA and server certificate for every stand-in of this process (made once by openssl)."""
+    global _kube_tls_dir
+    if _kube_tls_dir is None:
+        import atexit
+        _kube_tls_dir = tempfile.mkdtemp(prefix="eldr-kube-tls-")
+        atexit.register(shutil.rmtree, _kube_tls_dir, True)
+    return _kube_tls_dir
+
+
+class DecodePods:
+    """The Kubernetes API server a discovering router pod reaches, on loopback: the stand-in of
+    tests/discovery (HTTPS with its own CA, a bearer token, list and watch of pods), holding the
+    decode pool of deploy/examples/decode-statefulset.yaml in the router's namespace.
+
+    Each pod is the example's pod template as the StatefulSet controller makes it (its labels,
+    annotations and named container ports; name <statefulset>-<ordinal>), with IP 127.0.0.1. The
+    container ports named by `port_names` (the router's --worker_port and --worker_metrics_port)
+    are `metrics`' port (a FakeVllmMetrics), and each pod's eldr.io/metrics-path annotation is its
+    page there: vLLM serves /metrics on its API port, here one server holds every pod's page.
+
+    `kubeconfig` is the file for the daemon's --kubeconfig. In a pod the daemon reads the mounted
+    service account instead (token, CA, namespace); the kubeconfig carries the same three: the
+    stand-in's CA, a token file, and the router's namespace as its context's namespace.
+
+    Pod changes go through `control` (kube_testlib.Control) or the methods below."""
+
+    def __init__(self, namespace, metrics, port_names=("http",), token="eldr-router-sa-token"):
+        self.namespace = namespace
+        self.metrics = metrics
+        (statefulset,) = find(load_example(DECODE_EXAMPLE), "StatefulSet")
+        self.prefix = statefulset["metadata"]["name"]
+        self.replicas = statefulset["spec"]["replicas"]
+        self.template = statefulset["spec"]["template"]
+        ports = [p for c in self.template["spec"]["containers"] for p in c.get("ports", [])]
+        for name in port_names:
+            if name not in {p.get("name") for p in ports}:
+                raise AssertionError(f"the example decode pods have no container port named {name}")
+        self.ports = [{"name": p["name"],
+                       "containerPort": metrics.port if p.get("name") in port_names else p["containerPort"],
+                       "protocol": p.get("protocol", "TCP")} for p in ports]
+        self.container = self.template["spec"]["containers"][0]["name"]
+        self.kube = kube_testlib().FakeKubeApiServer(token=token, tls_dir=_shared_kube_tls_dir())
+        self.kube.start()
+        self.control = self.kube.control
+        self.kubeconfig = os.path.join(self.kube.workdir, "router-kubeconfig")
+        with open(self.kubeconfig, "w") as f:
+            yaml.safe_dump({
+                "apiVersion": "v1", "kind": "Config", "current-context": "router",
+                "clusters": [{"name": "stand-in", "cluster": {
+                    "server": self.kube.server, "certificate-authority": self.kube.ca_file}}],
+                "users": [{"name": "eldr-router", "user": {"tokenFile": self.kube.token_file}}],
+                "contexts": [{"name": "router", "context": {
+                    "cluster": "stand-in", "user": "eldr-router", "namespace": namespace}}],
+            }, f)
+
+    def names(self):
+        """The example's pod names: decode-0 .. decode-<replicas - 1>."""
+        return [f"{self.prefix}-{i}" for i in range(self.replicas)]
+
+    def pod_fields(self, name, ready=True):
+        annotations = dict(self.template["metadata"].get("annotations") or {})
+        annotations[METRICS_PATH_ANNOTATION] = self.metrics.path(name)
+        return {"ip": "127.0.0.1", "labels": dict(self.template["metadata"]["labels"]),
+                "annotations": annotations, "ports": self.ports, "container": self.container,
+                "ready": ready}
+
+    def create(self, name, ready=True):
+        self.metrics.add(name)
+        return self.control.create_pod(name, namespace=self.namespace,
+                                       **self.pod_fields(name, ready))
+
+    def create_pool(self):
+        """The StatefulSet's pods, Running and Ready."""
+        for name in self.names():
+            self.metrics.add(name)
+        self.control.bulk_create([dict(self.pod_fields(name), name=name, namespace=self.namespace)
+                                  for name in self.names()])
+        return self.names()
+
+    def set_ready(self, name, ready):
+        return self.control.patch_pod(name, namespace=self.namespace, ready=ready)
+
+    def terminate(self, name):
+        return self.control.terminate_pod(name, namespace=self.namespace)
+
+    def delete(self, name):
+        return self.control.delete_pod(name, namespace=self.namespace)
+
+    def address(self):
+        """What Route answers for every pod: podIP:<the port named --worker_port>."""
+        return f"127.0.0.1:{self.metrics.port}"
+
+    def close(self):
+        self.kube.stop()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,14 @@
 args, environment and mounted files; on loopback ports in a temporary folder) and checks that it
 passes its startup, readiness and liveness probes, that its metrics page carries every metric the
 dashboard and the alert rules use, that an edited centroid ConfigMap is picked up without a
-restart, and that SIGTERM drains and exits in time."""
+restart, and that SIGTERM drains and exits in time.
+
+The overlays find the decode workers from their pods (--discovery=kubernetes). A pod gets the API
+server through its mounted service account; here the daemon gets one more argument,
+--kubeconfig=<file>, for a stand-in API server (tests/discovery/fake_kube_apiserver.py) that holds
+the example decode pool (deploy/examples/decode-statefulset.yaml) in the overlay's namespace. The
+pool then changes the way it does in a cluster: pods turn unready, terminate, are deleted and
+created."""
 
 import json
 import os
@@ -12,6 +19,7 @@ import subprocess
 import tempfile
 import time
 import unittest
+import urllib.parse
 
 import numpy as np
 
@@ -73,6 +81,10 @@ class RouterClient:
         return self._unary("RouterAdmin", "DrainWorker", self.pb.DrainWorkerResponse)(
             self.pb.DrainWorkerRequest(worker_id=worker_id), timeout=timeout)
 
+    def remove_worker(self, worker_id, timeout=5):
+        return self._unary("RouterAdmin", "RemoveWorker", self.pb.RemoveWorkerResponse)(
+            self.pb.RemoveWorkerRequest(worker_id=worker_id), timeout=timeout)
+
     def upsert_worker(self, worker, timeout=5):
         return self._unary("RouterAdmin", "UpsertWorker", self.pb.UpsertWorkerResponse)(
             self.pb.UpsertWorkerRequest(worker=self.pb.Worker(**worker)), timeout=timeout)
@@ -97,6 +109,20 @@ def gauge(samples, name):
     return values[0]
 
 
+def discovery_gauge(samples, name, **labels):
+    """The one sample of `name` with role="decode" and `labels`."""
+    want = dict(labels, role="decode")
+    values = [value for have, value in samples.get(name, [])
+              if all(have.get(k) == v for k, v in want.items())]
+    assert len(values) == 1, f"{name}{want}: {samples.get(name)}"
+    return values[0]
+
+
+def pool(admin):
+    """{worker id: (address, state)} of ListWorkers."""
+    return {w.worker.id: (w.worker.address, w.state) for w in admin.list_workers().workers}
+
+
 class LiveDaemonTestBase(unittest.TestCase):
     overlay = "standalone"
     secrets = None
@@ -107,18 +133,31 @@ class LiveDaemonTestBase(unittest.TestCase):
         lib.require_binary("eldr-health-probe")
         cls.objects = lib.render_overlay(cls.overlay)
         cls.workload, cls.spec, cls.container_spec = lib.router_workload(cls.objects)
+        cls.namespace = cls.workload["metadata"]["namespace"]
+        cls.flags = lib.flag_values(cls.container_spec["args"])
 
     def start(self):
-        # Decode workers' metrics pages on loopback, in place of the cluster URLs of workers.json.
-        config_map = next(o for o in lib.find(self.objects, "ConfigMap")
-                          if o["metadata"]["name"].startswith("eldr-router-workers"))
-        workers = [w["id"] for w in json.loads(config_map["data"]["workers.json"])["workers"]]
-        self.fake_workers = lib.FakeVllmMetrics(workers, running=5, waiting=2, kv_usage=0.25)
+        """The router container of the overlay, discovering the example decode pool (Running and
+        Ready, in the overlay's namespace) from a stand-in API server. Two pods it must not take
+        are there too: one carrying the router pod's own labels in its namespace, and a decode pod
+        of another namespace (the Role is namespaced; so is the watch)."""
+        self.assertEqual(self.flags.get("discovery"), "kubernetes")
+        self.fake_workers = lib.FakeVllmMetrics([], running=5, waiting=2, kv_usage=0.25)
         self.addCleanup(self.fake_workers.close)
+        port_names = {self.flags.get("worker_port", "http"),
+                      self.flags.get("worker_metrics_port") or self.flags.get("worker_port", "http")}
+        self.cluster = lib.DecodePods(self.namespace, self.fake_workers, port_names=port_names)
+        self.addCleanup(self.cluster.close)
+        self.workers = self.cluster.create_pool()
+        self.cluster.control.create_pod(
+            f"{self.workload['metadata']['name']}-router", namespace=self.namespace, ip="127.0.0.1",
+            labels=dict(self.workload["spec"]["template"]["metadata"]["labels"]), ready=True)
+        fields = self.cluster.pod_fields("decode-elsewhere")
+        self.cluster.control.create_pod("decode-elsewhere", namespace="default", **fields)
         container = lib.start_with_retries(
             lambda: lib.PodContainer(self.objects, self.spec, self.container_spec,
                                      secrets=self.secrets,
-                                     rewrite_files={"workers.json": self.fake_workers.rewrite_workers_json}))
+                                     extra_args=[f"--kubeconfig={self.cluster.kubeconfig}"]))
         self.addCleanup(container.cleanup)
         return container
 
@@ -134,6 +173,12 @@ class StandaloneLiveTest(LiveDaemonTestBase):
 
     def test_passes_probes_and_serves_the_service_ports(self):
         container = self.start()
+        # The overlay's command and arguments as written, plus only --kubeconfig (the stand-in for
+        # the service-account mount).
+        written = list(self.container_spec["command"]) + list(self.container_spec["args"])
+        line = container.command_line()
+        self.assertEqual(line[len(written):], [f"--kubeconfig={self.cluster.kubeconfig}"])
+        self.assertEqual(len(line), len(written) + 1)
         took = self.pass_all_probes(container)
         self.assertLess(took, 30, "startup took too long for the bundled artifact")
         # The Service's and the ServiceMonitor's named ports reach the daemon.
@@ -144,19 +189,27 @@ class StandaloneLiveTest(LiveDaemonTestBase):
         monitor = lib.find_one(self.objects, "ServiceMonitor", "eldr-router")
         samples = scrape(container, monitor["spec"]["endpoints"][0]["path"])
         self.assertGreaterEqual(gauge(samples, "eldr_centroid_generation"), 1)
-        self.assertEqual(gauge(samples, "eldr_workers"),
-                         len(self.workers_in_config_map()))
-        # The admin service answers on the pod's loopback.
-        client = RouterClient(f"127.0.0.1:{container.listen_port('admin_listen')}")
-        self.addCleanup(client.close)
-        listed = client.list_workers()
-        self.assertEqual(sorted(w.worker.id for w in listed.workers),
-                         sorted(w["id"] for w in self.workers_in_config_map()))
-
-    def workers_in_config_map(self):
-        config_map = next(o for o in lib.find(self.objects, "ConfigMap")
-                          if o["metadata"]["name"].startswith("eldr-router-workers"))
-        return json.loads(config_map["data"]["workers.json"])["workers"]
+        self.assertEqual(gauge(samples, "eldr_workers"), len(self.workers))
+        self.assertEqual(discovery_gauge(samples, "eldr_discovery_synced"), 1)
+        self.assertEqual(discovery_gauge(samples, "eldr_discovery_workers", state="ready"),
+                         len(self.workers))
+        # The admin service answers on the pod's loopback; the pool is the example's decode pods
+        # (id = pod name, address = pod IP:the port named --worker_port). Neither the router's own
+        # pod nor the decode pod of another namespace is in it.
+        admin = RouterClient(f"127.0.0.1:{container.listen_port('admin_listen')}")
+        self.addCleanup(admin.close)
+        self.assertEqual(pool(admin), {name: (self.cluster.address(), "active") for name in self.workers})
+        # All the daemon asked the API server is what the Role grants: list and watch pods in its
+        # own namespace, by the label selector (no get, no other resource or namespace).
+        stats = self.cluster.control.stats()
+        self.assertEqual(set(stats["requests_by_path"]), {f"/api/v1/namespaces/{self.namespace}/pods"})
+        self.assertEqual(stats["get_requests"], 0)
+        self.assertEqual(stats["unauthorized"], 0)
+        self.assertGreaterEqual(stats["list_requests"], 1)
+        self.assertGreaterEqual(stats["watch_requests"], 1)
+        for query in stats["watch_queries"]:
+            self.assertEqual(urllib.parse.parse_qs(query).get("labelSelector"),
+                             [self.flags["decode_selector"]], query)
 
     def test_sigterm_drains_within_the_grace_period(self):
         container = self.start()
@@ -173,29 +226,89 @@ class StandaloneLiveTest(LiveDaemonTestBase):
         self.assertEqual(code, 0, container.log())
         self.assertLess(time.monotonic() - start, grace - prestop)
 
-    def test_drained_pool_fails_readiness_but_not_liveness(self):
+    def test_admin_pool_changes_are_refused(self):
+        # The pool is the pods': RouterAdmin's pool mutations answer FAILED_PRECONDITION and change
+        # nothing; ListWorkers still answers.
+        import grpc
         container = self.start()
         self.pass_all_probes(container)
         admin = RouterClient(f"127.0.0.1:{container.listen_port('admin_listen')}")
         self.addCleanup(admin.close)
-        workers = self.workers_in_config_map()
-        for worker in workers:
-            admin.drain_worker(worker["id"])
+        before = pool(admin)
+        calls = {
+            "UpsertWorker": lambda: admin.upsert_worker(
+                {"id": "decode-9", "address": "127.0.0.1:9", "capacity": 1}),
+            "DrainWorker": lambda: admin.drain_worker(self.workers[0]),
+            "RemoveWorker": lambda: admin.remove_worker(self.workers[0]),
+        }
+        for method, call in calls.items():
+            with self.subTest(method=method):
+                with self.assertRaises(grpc.RpcError) as refused:
+                    call()
+                self.assertEqual(refused.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+                self.assertIn("discovered from Kubernetes", refused.exception.details())
+        self.assertEqual(pool(admin), before)
+
+    def test_pod_changes_drive_the_pool_and_readiness(self):
+        container = self.start()
+        self.pass_all_probes(container)
+        admin = RouterClient(f"127.0.0.1:{container.listen_port('admin_listen')}")
+        self.addCleanup(admin.close)
         readiness = self.container_spec["readinessProbe"]
         liveness = self.container_spec["livenessProbe"]
+        first, second, third, fourth = self.workers
+
+        def pool_is(expected, what):
+            lib.wait_until(lambda: pool(admin) == expected or pool(admin), timeout=10, what=what)
+
+        address = self.cluster.address()
+        expected = {name: (address, "active") for name in self.workers}
+        # Not ready: drained (no new routes, its leases finish); the router stays ready.
+        self.cluster.set_ready(first, False)
+        expected[first] = (address, "draining")
+        pool_is(expected, f"{first} drained when not ready")
+        # Terminating: drained too.
+        self.cluster.terminate(second)
+        expected[second] = (address, "draining")
+        pool_is(expected, f"{second} drained when terminating")
+        # Deleted: removed.
+        self.cluster.delete(third)
+        del expected[third]
+        pool_is(expected, f"{third} removed when deleted")
+        self.assertIs(container.run_probe(readiness), True, "one active worker is left")
+        # The last one turns unready: no worker takes routes, readiness fails, liveness does not.
+        self.cluster.set_ready(fourth, False)
+        expected[fourth] = (address, "draining")
+        pool_is(expected, "every worker drained")
         lib.wait_until(lambda: container.run_probe(readiness) is not True, timeout=5,
                        what="readiness to fail with every worker drained")
         self.assertIs(container.run_probe(liveness), True,
                       "a drained router must not be restarted by its liveness probe")
-        admin.upsert_worker({"id": workers[0]["id"], "address": workers[0]["address"], "capacity": 1})
+        # A new ready pod joins (after --discovery_settle) and readiness returns; a pod ready
+        # again is active again.
+        joined = f"{self.cluster.prefix}-{len(self.workers)}"
+        self.cluster.create(joined)
+        expected[joined] = (address, "active")
+        pool_is(expected, f"{joined} added when created ready")
         container.pass_probe("readinessProbe")
+        self.cluster.set_ready(first, True)
+        expected[first] = (address, "active")
+        pool_is(expected, f"{first} active again when ready")
+        # A pod relabelled out of the selector leaves the pool like a deleted one.
+        key = lib.parse_label_selector(self.flags["decode_selector"])[0][0]
+        self.cluster.control.patch_pod(joined, namespace=self.namespace, labels={key: None})
+        del expected[joined]
+        pool_is(expected, f"{joined} removed when it no longer matches the selector")
+        changes = {labels["action"]: v for labels, v in scrape(container)["eldr_discovery_pool_changes_total"]
+                   if labels.get("role") == "decode"}
+        self.assertEqual(changes, {"upsert": len(self.workers) + 2, "drain": 3, "remove": 2})
 
     def test_metrics_cover_dashboard_and_alerts(self):
         container = self.start()
         self.pass_all_probes(container)
         client = RouterClient(f"127.0.0.1:{container.listen_port('listen')}")
         self.addCleanup(client.close)
-        workers = [w["id"] for w in self.workers_in_config_map()]
+        workers = self.workers
         # Real signatures (routes with locality), a request without signature (fallback), bad
         # input (rejection), completions, and a load report per worker.
         leases = []
@@ -247,6 +360,47 @@ class StandaloneLiveTest(LiveDaemonTestBase):
             reported = {labels["worker"]: v for labels, v in scrape(container)["eldr_worker_reported_load"]}
             return True if reported == {w: 7.0 for w in workers} else reported
         lib.wait_until(scraped_load, timeout=10, what="the scraped vLLM load (5 running + 2 waiting)")
+
+        # The dashboard's Discovery row: each of its metrics is exported with role="decode" and
+        # every value of its closed label sets, from the start (a rate of a series that appears
+        # only on its first error would hide that error).
+        panels = lib.load_dashboard()["panels"]
+        (row,) = [i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Discovery"]
+        discovery_panels = list(panels[row].get("panels", []))   # a collapsed row keeps its panels
+        for panel in panels[row + 1:]:
+            if panel["type"] == "row":
+                break
+            discovery_panels.append(panel)
+        row_metrics = {name for panel in discovery_panels for target in panel.get("targets", [])
+                       for name in lib.metric_names(target["expr"])}
+        self.assertTrue({n for n in row_metrics if n.startswith("eldr_discovery_")},
+                        "the Discovery row shows no eldr_discovery_* metric")
+        label_sets = {
+            "eldr_discovery_workers": ("state", {"ready", "not_ready", "terminating"}),
+            "eldr_discovery_watch_restarts_total": ("reason", {"closed", "gone", "error", "silence", "parse"}),
+            "eldr_discovery_errors_total": ("kind", {"unreachable", "http", "auth", "parse", "annotation", "sink"}),
+            "eldr_discovery_pool_changes_total": ("action", {"upsert", "drain", "remove"}),
+        }
+        samples = scrape(container)
+        for name in sorted(row_metrics | set(label_sets)):
+            with self.subTest(metric=name):
+                self.assertIn(name, samples, "shown on the Discovery row but not scraped")
+                if not name.startswith("eldr_discovery_"):
+                    continue
+                series = [labels for labels, _ in samples[name]]
+                self.assertTrue(all(labels.get("role") == "decode" for labels in series), series)
+                if name in label_sets:
+                    label, values = label_sets[name]
+                    self.assertEqual({labels[label] for labels in series}, values)
+        # And they say what happened: the four ready pods added, nothing failed, in sync.
+        self.assertEqual(discovery_gauge(samples, "eldr_discovery_workers", state="ready"), len(workers))
+        self.assertEqual(discovery_gauge(samples, "eldr_discovery_workers", state="not_ready"), 0)
+        self.assertEqual(discovery_gauge(samples, "eldr_discovery_pool_changes_total", action="upsert"),
+                         len(workers))
+        self.assertEqual(sum(v for _, v in samples["eldr_discovery_errors_total"]), 0,
+                         samples["eldr_discovery_errors_total"])
+        self.assertEqual(discovery_gauge(samples, "eldr_discovery_synced"), 1)
+        self.assertLess(discovery_gauge(samples, "eldr_discovery_last_sync_age_seconds"), 10)
 
     def test_edited_config_map_reloads_centroids(self):
         container = self.start()
@@ -320,10 +474,9 @@ class SidecarLiveTest(LiveDaemonTestBase):
         self.assertEqual(exit_code(f"--addr={address}", "--service=no.such.Service"), 3)
         self.assertEqual(exit_code(f"--addr=127.0.0.1:{lib.free_port()}", "--timeout=500ms"), 2)
         self.assertEqual(exit_code(f"--addr={address}", "--tls_cert=/nonexistent"), 1)
-        admin = RouterClient(f"127.0.0.1:{container.listen_port('admin_listen')}")
-        self.addCleanup(admin.close)
-        for worker in admin.list_workers().workers:
-            admin.drain_worker(worker.worker.id)
+        # Every decode pod turns unready: all drained.
+        for worker in self.workers:
+            self.cluster.set_ready(worker, False)
         lib.wait_until(lambda: exit_code(f"--addr={address}") == 4 or "still serving", timeout=5,
                        what="NOT_SERVING (exit 4) with every worker drained")
         self.assertEqual(exit_code(f"--addr={address}", "--service=liveness"), 0)

@@ -1,6 +1,7 @@
 """Renders every Kustomize overlay with `kubectl kustomize` (offline) and checks the objects: the
 probes ask the health service on the port the daemon listens on, ports agree with the daemon's
-flags and with the Services and monitors that reach them, and the security settings are present."""
+flags and with the Services and monitors that reach them, the security settings are present, and
+Kubernetes discovery of the decode workers has exactly the access it needs (list and watch pods)."""
 
 import json
 import os
@@ -11,6 +12,16 @@ import deploy_testlib as lib
 
 # The image's numeric user (docker/Dockerfile USER).
 IMAGE_UID = 65532
+
+# Overlays whose router finds the decode workers from their pods (--discovery=kubernetes) rather
+# than from a static --workers list.
+DISCOVERY_OVERLAYS = {"standalone", "sidecar", "tls"}
+# All that discovery may ask the API server, and all that the router's ServiceAccount is granted.
+DISCOVERY_RULES = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+# Where the kubelet mounts the ServiceAccount token (what in-cluster discovery reads).
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# The example decode pool (deploy/examples), labelled and named the way discovery expects.
+DECODE_EXAMPLE = "decode-statefulset.yaml"
 
 
 def container_port_names(container):
@@ -30,8 +41,10 @@ def probe_target(container, probe):
 
 
 # Health service names (src/server/server.cc): "" is SERVING once centroids and workers are loaded
-# (readiness, startup); "liveness" while the process runs (a drained pool must not restart it).
-PROBE_SERVICE = {"startupProbe": "", "readinessProbe": "", "livenessProbe": "liveness"}
+# (readiness); "liveness" while the process runs (a drained pool must not restart it). Startup asks
+# "liveness" too: the port opens only after a configured artifact loaded, and with discovery the
+# decode pool may take minutes to become ready, which must not restart the router.
+PROBE_SERVICE = {"startupProbe": "liveness", "readinessProbe": "", "livenessProbe": "liveness"}
 
 
 def preStop_seconds(container):
@@ -158,15 +171,38 @@ class OverlayTestBase:
         self.assertIn(key, config_map["data"])
         return config_map, key
 
-    def test_centroids_and_workers_come_from_config_maps(self):
+    def centroid_artifact(self):
         centroids_map, centroids_key = self.config_map_file("centroids")
-        workers_map, workers_key = self.config_map_file("workers")
         # The centroid ConfigMap keeps its name across edits so the mounted file is updated in
-        # place and the daemon reloads it; the worker list's name carries a content hash so a
-        # change rolls the pods.
+        # place and the daemon reloads it.
         self.assertEqual(centroids_map["metadata"]["name"], "eldr-router-centroids")
+        return json.loads(centroids_map["data"][centroids_key])
+
+    def test_centroids_come_from_a_config_map(self):
+        artifact = self.centroid_artifact()
+        dim = len(artifact.get("layer_mask") or range(artifact["L"])) * artifact["e"]
+        for row in artifact["centroids"]:
+            self.assertEqual(len(row), dim)
+            self.assertAlmostEqual(sum(v * v for v in row), 1.0, delta=2e-3)
+
+    def test_worker_source(self):
+        discovery = self.flags.get("discovery", "static")
+        self.assertEqual(discovery == "kubernetes", self.overlay in DISCOVERY_OVERLAYS,
+                         f"--discovery={discovery}")
+        artifact = self.centroid_artifact()
+        if discovery == "kubernetes":
+            # A discovered worker's id is its pod name; a row named after a pod is that pod's
+            # (the others go to the pods in pool order), so names must be names a pod can have.
+            names = artifact.get("workers", [])
+            self.assertEqual(len(names), len(set(names)))
+            if names:
+                self.assertEqual(len(artifact["centroids"]), len(names))
+            for name in names:
+                self.assertRegex(name, r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$", "not a pod name")
+            return
+        workers_map, workers_key = self.config_map_file("workers")
+        # The worker list's name carries a content hash so a change rolls the pods.
         self.assertRegex(workers_map["metadata"]["name"], r"^eldr-router-workers-[a-z0-9]{10}$")
-        artifact = json.loads(centroids_map["data"][centroids_key])
         workers = json.loads(workers_map["data"][workers_key])["workers"]
         ids = [w["id"] for w in workers]
         self.assertEqual(len(ids), len(set(ids)))
@@ -174,10 +210,99 @@ class OverlayTestBase:
                          "one centroid row per worker, or the daemon refuses to start")
         if "workers" in artifact:
             self.assertEqual(sorted(artifact["workers"]), sorted(ids))
-        dim = len(artifact.get("layer_mask") or range(artifact["L"])) * artifact["e"]
-        for row in artifact["centroids"]:
-            self.assertEqual(len(row), dim)
-            self.assertAlmostEqual(sum(v * v for v in row), 1.0, delta=2e-3)
+
+    # ---- Kubernetes discovery ----
+    def require_discovery(self):
+        if self.flags.get("discovery") != "kubernetes":
+            self.skipTest("static worker list")
+
+    def namespace(self):
+        return self.workload["metadata"]["namespace"]
+
+    def test_discovery_flags(self):
+        self.require_discovery()
+        self.assertFalse([a for a in self.container["args"] if a.startswith("--workers")],
+                         "--workers and --discovery=kubernetes cannot be mixed")
+        selector = self.flags.get("decode_selector", "")
+        self.assertTrue(selector, "--decode_selector is required with --discovery=kubernetes")
+        lib.parse_label_selector(selector)
+        self.assertRegex(self.flags.get("worker_port", "http"),
+                         r"^([1-9][0-9]{0,4}|[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?)$")
+        # The Role is in the router's namespace, so that is the one it may watch; in-cluster
+        # credentials (the mounted token), not a kubeconfig file.
+        self.assertIn(self.flags.get("kube_namespace", ""), ("", self.namespace()))
+        self.assertEqual(self.flags.get("kubeconfig", ""), "")
+        # No worker list is mounted any more.
+        for volume in self.spec.get("volumes", []):
+            name = volume.get("configMap", {}).get("name", "")
+            self.assertFalse(name.startswith("eldr-router-workers"), volume)
+
+    def test_discovery_selects_no_pod_of_the_overlay(self):
+        # The overlay's own pods (routers, prefill engines) must never become decode workers.
+        self.require_discovery()
+        selector = self.flags["decode_selector"]
+        workloads = lib.find(self.objects, "Deployment") + lib.find(self.objects, "StatefulSet")
+        for workload in workloads:
+            labels = workload["spec"]["template"]["metadata"].get("labels", {})
+            self.assertFalse(lib.selector_matches(selector, labels),
+                             f"{selector} selects the pods of {workload['metadata']['name']}")
+
+    def test_discovery_role_grants_exactly_list_and_watch_pods(self):
+        self.require_discovery()
+        namespace = self.namespace()
+        account = lib.service_account_name(self.spec)
+        self.assertEqual([o["metadata"].get("namespace") for o in
+                          lib.find(self.objects, "ServiceAccount", account)], [namespace],
+                         f"the pod's ServiceAccount {account} is not in the overlay")
+        self.assertEqual(lib.find(self.objects, "ClusterRole"), [], "no cluster-wide role")
+        self.assertEqual(lib.find(self.objects, "ClusterRoleBinding"), [], "no cluster-wide role")
+        bindings = [b for b in lib.find(self.objects, "RoleBinding")
+                    if any(s.get("kind") == "ServiceAccount" and s.get("name") == account
+                           and s.get("namespace", b["metadata"].get("namespace")) == namespace
+                           for s in b.get("subjects", []))]
+        self.assertEqual(len(bindings), 1, f"RoleBindings of ServiceAccount {account}: {bindings}")
+        (binding,) = bindings
+        self.assertEqual(binding["metadata"].get("namespace"), namespace)
+        self.assertEqual(binding["roleRef"]["apiGroup"], "rbac.authorization.k8s.io")
+        self.assertEqual(binding["roleRef"]["kind"], "Role")
+        roles = [r for r in lib.find(self.objects, "Role", binding["roleRef"]["name"])
+                 if r["metadata"].get("namespace") == namespace]
+        self.assertEqual(len(roles), 1, "the bound Role is not in the router's namespace")
+        self.assertEqual(roles[0]["rules"], DISCOVERY_RULES)
+        # And nothing else is granted in the overlay.
+        for role in lib.find(self.objects, "Role"):
+            self.assertEqual(role["rules"], DISCOVERY_RULES, role["metadata"]["name"])
+
+    def test_discovery_token_is_mounted(self):
+        self.require_discovery()
+        self.assertTrue(lib.token_automounted(self.objects, self.spec, self.namespace()),
+                        "discovery authenticates with the ServiceAccount token")
+        for mount in self.container.get("volumeMounts", []):
+            path = mount["mountPath"].rstrip("/")
+            clash = path == SERVICE_ACCOUNT_DIR or path.startswith(SERVICE_ACCOUNT_DIR + "/")
+            self.assertFalse(clash, f"{path} clashes with the ServiceAccount token mount")
+
+    def test_discovery_finds_the_example_decode_pods(self):
+        # deploy/examples' decode pool, applied in the router's namespace, is what the router
+        # discovers: selected by the label, serving on the named port, one pod per centroid row.
+        self.require_discovery()
+        (statefulset,) = lib.find(lib.load_example(DECODE_EXAMPLE), "StatefulSet")
+        template = statefulset["spec"]["template"]
+        self.assertTrue(lib.selector_matches(self.flags["decode_selector"],
+                                             template["metadata"]["labels"]))
+        ports = {}
+        for container in template["spec"]["containers"]:
+            for port in container.get("ports", []):
+                ports.setdefault(port.get("name"), port["containerPort"])
+        worker_port = self.flags.get("worker_port", "http")
+        self.assertTrue(worker_port in ports or worker_port.isdigit(),
+                        f"no container port {worker_port}")
+        metrics_port = self.flags.get("worker_metrics_port", worker_port)
+        self.assertTrue(metrics_port in ports or metrics_port.isdigit())
+        name, replicas = statefulset["metadata"]["name"], statefulset["spec"]["replicas"]
+        names = {f"{name}-{i}" for i in range(replicas)}
+        self.assertEqual(names, set(self.centroid_artifact().get("workers", names)),
+                         "the artifact's rows are named after the example's decode pods")
 
     def test_shutdown_fits_the_grace_period(self):
         grace = self.spec["terminationGracePeriodSeconds"]
@@ -205,7 +330,6 @@ class StandaloneTest(OverlayTestBase, unittest.TestCase):
         self.assertEqual(self.workload["spec"]["replicas"], 2)
         self.assertTrue(self.selects_pods(self.workload["spec"]["selector"]["matchLabels"]))
         self.assertEqual(self.workload["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"], 0)
-        self.assertFalse(self.spec.get("automountServiceAccountToken", True))
 
     def test_services_reach_the_daemon_ports(self):
         container_ports = container_port_names(self.container)
@@ -249,7 +373,7 @@ class StandaloneTest(OverlayTestBase, unittest.TestCase):
     def test_base_renders_on_its_own(self):
         kinds = sorted(o["kind"] for o in lib.render("base"))
         for kind in ("ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceMonitor",
-                     "ServiceAccount"):
+                     "ServiceAccount", "Role", "RoleBinding"):
             self.assertIn(kind, kinds)
 
 

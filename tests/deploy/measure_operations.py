@@ -1,9 +1,16 @@
 """Operational timings of eldr-router run as its standalone Kubernetes container (same command,
-args and mounted files as live_daemon_test.py, on loopback), printed as one JSON object:
+args and mounted files as live_daemon_test.py, on loopback; the decode pods of
+deploy/examples/decode-statefulset.yaml on a stand-in API server reached with --kubeconfig),
+printed as one JSON object:
 
-  startup_to_serving_s    process start until the startup probe passes (artifact loaded)
-  configmap_to_reload_s   a kubelet-style ConfigMap swap until eldr_centroid_generation moves
-  sigterm_to_exit_s       SIGTERM with no RPC in flight until the process has exited 0
+  startup_to_serving_s       process start until the startup probe passes (decode pods listed
+                             and added, artifact loaded)
+  pod_ready_to_active_s      a new Ready decode pod until it is active in the pool
+                             (--discovery_settle included)
+  pod_unready_to_draining_s  a decode pod turning unready until it is draining
+  pod_deleted_to_removed_s   a decode pod deleted until it has left the pool
+  configmap_to_reload_s      a kubelet-style ConfigMap swap until eldr_centroid_generation moves
+  sigterm_to_exit_s          SIGTERM with no RPC in flight until the process has exited 0
 
 Each figure is the median of --runs runs. By hand:
   ELDR_BIN_DIR=build/bin /usr/bin/python3 tests/deploy/measure_operations.py --runs 5
@@ -19,17 +26,51 @@ import time
 import deploy_testlib as lib
 
 
-def one_run(objects, spec, container_spec, workers):
-    fake = lib.FakeVllmMetrics(workers)
+def timed(change, done, what):
+    """Seconds from `change()` until `done()` holds (polled every 10 ms)."""
+    started = time.monotonic()
+    change()
+    lib.wait_until(lambda: done() or "not yet", timeout=30, interval=0.01, what=what)
+    return time.monotonic() - started
+
+
+def one_run(objects, workload, spec, container_spec):
+    flags = lib.flag_values(container_spec["args"])
+    fake = lib.FakeVllmMetrics([])
+    cluster = lib.DecodePods(workload["metadata"]["namespace"], fake,
+                             port_names={flags.get("worker_port", "http"),
+                                         flags.get("worker_metrics_port") or flags.get("worker_port", "http")})
     container = lib.PodContainer(objects, spec, container_spec,
-                                 rewrite_files={"workers.json": fake.rewrite_workers_json})
+                                 extra_args=[f"--kubeconfig={cluster.kubeconfig}"])
     try:
+        names = cluster.create_pool()
         started = time.monotonic()
         container.start()
         container.pass_probe("startupProbe")
         startup = time.monotonic() - started
 
-        centroids = lib.flag_values(container_spec["args"])["centroids"]
+        pb = lib.protobuf_modules()
+        import grpc
+        channel = grpc.insecure_channel(f"127.0.0.1:{container.listen_port('admin_listen')}")
+        list_workers = channel.unary_unary("/eldr.v1.RouterAdmin/ListWorkers",
+                                           request_serializer=lambda m: m.SerializeToString(),
+                                           response_deserializer=pb.ListWorkersResponse.FromString)
+
+        def state(name):
+            for w in list_workers(pb.ListWorkersRequest(), timeout=5).workers:
+                if w.worker.id == name:
+                    return w.state
+            return None
+        joined = f"{cluster.prefix}-{len(names)}"
+        added = timed(lambda: cluster.create(joined), lambda: state(joined) == "active",
+                      f"{joined} active")
+        drained = timed(lambda: cluster.set_ready(joined, False),
+                        lambda: state(joined) == "draining", f"{joined} draining")
+        removed = timed(lambda: cluster.delete(joined), lambda: state(joined) is None,
+                        f"{joined} removed")
+        channel.close()
+
+        centroids = flags["centroids"]
         folder = container.local_path(os.path.dirname(centroids))
         key = os.path.basename(centroids)
         with open(os.path.join(folder, key)) as f:
@@ -52,9 +93,10 @@ def one_run(objects, spec, container_spec, workers):
         stop = time.monotonic() - stopping
         if code != 0:
             raise AssertionError(f"exit code {code}\n{container.log()}")
-        return startup, reload, stop
+        return startup, added, drained, removed, reload, stop
     finally:
         container.cleanup()
+        cluster.close()
         fake.close()
 
 
@@ -64,15 +106,14 @@ def main():
     args = parser.parse_args()
     lib.require_binary("eldr-router")
     objects = lib.render_overlay("standalone")
-    _, spec, container_spec = lib.router_workload(objects)
-    config_map = next(o for o in lib.find(objects, "ConfigMap")
-                      if o["metadata"]["name"].startswith("eldr-router-workers"))
-    workers = [w["id"] for w in json.loads(config_map["data"]["workers.json"])["workers"]]
-    runs = [one_run(objects, spec, container_spec, workers) for _ in range(args.runs)]
-    startup, reload, stop = (statistics.median(values) for values in zip(*runs))
-    print(json.dumps({"runs": args.runs, "startup_to_serving_s": round(startup, 3),
-                      "configmap_to_reload_s": round(reload, 3),
-                      "sigterm_to_exit_s": round(stop, 3)}))
+    workload, spec, container_spec = lib.router_workload(objects)
+    runs = [one_run(objects, workload, spec, container_spec) for _ in range(args.runs)]
+    names = ("startup_to_serving_s", "pod_ready_to_active_s", "pod_unready_to_draining_s",
+             "pod_deleted_to_removed_s", "configmap_to_reload_s", "sigterm_to_exit_s")
+    result = {"runs": args.runs}
+    for name, values in zip(names, zip(*runs)):
+        result[name] = round(statistics.median(values), 3)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

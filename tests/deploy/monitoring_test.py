@@ -28,6 +28,24 @@ def metrics_defined_in_source():
     return names
 
 
+# Kubernetes discovery's metrics (src/discovery, registered by eldr-router with role="decode" and by
+# eldr-proxy with role="prefill"): the names the monitoring files may use besides those found in
+# the folders above.
+DISCOVERY_METRICS = {
+    "eldr_discovery_workers",                 # gauge {role, state="ready|not_ready|terminating"}
+    "eldr_discovery_watch_restarts_total",    # {role, reason="closed|gone|error|silence|parse"}
+    "eldr_discovery_errors_total",            # {role, kind="unreachable|http|auth|parse|annotation|sink"}
+    "eldr_discovery_last_sync_age_seconds",   # gauge {role}
+    "eldr_discovery_pool_changes_total",      # {role, action="upsert|drain|remove"}
+    "eldr_discovery_synced",                  # gauge {role}, 0/1
+}
+
+
+def exported_metrics():
+    """Every metric family the daemons export, as far as the monitoring checks know."""
+    return metrics_defined_in_source() | DISCOVERY_METRICS
+
+
 # Online refit's metrics (refits by outcome, last fit duration) once the daemon exports them: the
 # monitoring files must then use them (a refit panel, an alert on failures), and cannot before.
 REFIT_METRIC = re.compile(r"eldr_refits?_[a-z0-9_]+")
@@ -98,6 +116,15 @@ class AlertRulesTest(unittest.TestCase):
         self.assertTrue(uses("eldr_worker_report_age_seconds"), "no alert on stale worker reports")
         self.assertTrue(uses("eldr_route_duration_seconds_bucket"), "no alert on decision latency")
         self.assertIn("EldrRouterNoRoutes", alerts)
+        # Discovery: a pool frozen on its last known state, and errors that do not stop.
+        self.assertIn("eldr_discovery_last_sync_age_seconds", exprs.get("EldrDiscoveryStale", ""))
+        self.assertIn("eldr_discovery_errors_total", exprs.get("EldrDiscoveryErrors", ""))
+        stale = alerts["EldrDiscoveryStale"]
+        self.assertIn("> 300", stale["expr"], "stale past 5 minutes")
+        self.assertEqual(stale.get("for"), "5m")
+        for name in ("EldrDiscoveryStale", "EldrDiscoveryErrors"):
+            self.assertRegex(exprs[name], r"by \([^)]*\brole\b", f"{name} keeps the role label")
+            self.assertTrue(alerts[name].get("for"), f"{name} fires on a sustained condition only")
         refit_alerts = [name for name, expr in exprs.items() if REFIT_METRIC.search(expr)]
         if refit_metrics_in_source():
             self.assertTrue([name for name in refit_alerts if "fail" in exprs[name]],
@@ -121,12 +148,28 @@ class AlertRulesTest(unittest.TestCase):
                               f"{name}: runbook anchor missing from docs/operations.md")
 
     def test_metric_names_are_the_daemons(self):
-        defined = metrics_defined_in_source()
+        defined = exported_metrics()
         for name, expr in lib.rule_exprs(self.rules):
             for metric in lib.metric_names(expr) - lib.PROMETHEUS_SYNTHETIC:
                 with self.subTest(alert=name, metric=metric):
                     self.assertIsNotNone(base_metric(metric, defined),
-                                         f"{metric} is not registered anywhere in src/")
+                                         f"{metric} is not a metric the daemons export")
+
+
+class DiscoveryMetricsTest(unittest.TestCase):
+    def test_names_match_the_discovery_sources(self):
+        # The list above is the contract; while src/discovery exists, it must register them all.
+        root = os.path.join(lib.SOURCE_DIR, "src", "discovery")
+        if not os.path.isdir(root):
+            self.skipTest("no src/discovery")
+        text = ""
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                if name.endswith((".cc", ".h")):
+                    with open(os.path.join(dirpath, name), errors="replace") as f:
+                        text += f.read()
+        registered = set(re.findall(r'"(eldr_discovery_[a-z0-9_]+)"', text))
+        self.assertEqual(registered, DISCOVERY_METRICS)
 
 
 class DashboardTest(unittest.TestCase):
@@ -207,13 +250,55 @@ class DashboardTest(unittest.TestCase):
         self.assertTrue(any("eldr_rejected_total" in e for e in by_reason))
         self.assertTrue(any("by (policy, outcome)" in e for _, e in lib.dashboard_exprs(self.dashboard)))
 
+    def test_discovery_row(self):
+        # The Discovery row: discovered workers by state (stacked), last sync age (stat with
+        # thresholds), watch restarts by reason, errors by kind and pool changes by action (rates).
+        panels = self.dashboard["panels"]
+        (row,) = [i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Discovery"]
+        section = []
+        for panel in panels[row + 1:]:
+            if panel["type"] == "row":
+                break
+            section.append(panel)
+
+        def panel_using(metric, grouping=None):
+            hits = [p for p in section for t in p["targets"]
+                    if metric in lib.metric_names(t["expr"])
+                    and (grouping is None or re.search(rf"by \([^)]*\b{grouping}\b", t["expr"]))]
+            self.assertTrue(hits, f"no Discovery panel shows {metric}" +
+                            (f" by {grouping}" if grouping else ""))
+            return hits[0]
+
+        workers = panel_using("eldr_discovery_workers", "state")
+        self.assertEqual(workers["type"], "timeseries")
+        self.assertEqual(workers["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"], "normal")
+        age = panel_using("eldr_discovery_last_sync_age_seconds")
+        self.assertEqual(age["type"], "stat")
+        self.assertEqual(age["fieldConfig"]["defaults"]["unit"], "s")
+        steps = age["fieldConfig"]["defaults"]["thresholds"]["steps"]
+        self.assertGreaterEqual(len(steps), 2, "the sync age stat needs thresholds")
+        self.assertIn(300, [step["value"] for step in steps],
+                      "the stat turns red where EldrDiscoveryStale starts counting")
+        for metric, grouping in (("eldr_discovery_watch_restarts_total", "reason"),
+                                 ("eldr_discovery_errors_total", "kind"),
+                                 ("eldr_discovery_pool_changes_total", "action")):
+            panel = panel_using(metric, grouping)
+            self.assertEqual(panel["type"], "timeseries")
+            for target in panel["targets"]:
+                if metric in target["expr"]:
+                    self.assertIn(f"rate({metric}", target["expr"], "a counter is shown as a rate")
+        for panel in section:
+            for target in panel["targets"]:
+                for metric in lib.metric_names(target["expr"]):
+                    self.assertIn(metric, exported_metrics(), panel["title"])
+
     def test_metric_names_are_the_daemons(self):
-        defined = metrics_defined_in_source()
+        defined = exported_metrics()
         for title, expr in lib.dashboard_exprs(self.dashboard):
             for metric in lib.metric_names(expr) - lib.PROMETHEUS_SYNTHETIC:
                 with self.subTest(panel=title, metric=metric):
                     self.assertIsNotNone(base_metric(metric, defined),
-                                         f"{metric} is not registered anywhere in src/")
+                                         f"{metric} is not a metric the daemons export")
 
     def test_dashboard_config_map_matches_file(self):
         for overlay in ("standalone", "sidecar"):

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "discovery/fake_kube.h"
 #include "eldr/http/http_client.h"
 #include "eldr/http/sse.h"
 #include "gmock/gmock.h"
@@ -29,6 +30,8 @@ namespace {
 using ::eldr::testing::BinaryPath;
 using ::eldr::testing::BundledTraceDir;
 using ::eldr::testing::ChildProcess;
+using ::eldr::testing::FakeKube;
+using ::eldr::testing::FakeKubeOptions;
 using ::eldr::testing::HttpGet;
 using ::eldr::testing::RunProcess;
 using ::eldr::testing::SampleValue;
@@ -65,6 +68,9 @@ struct StackOptions {
   std::vector<std::string> proxy_args;
   std::vector<std::string> prefill_args;  // appended to every prefill engine's flags (later flags win)
   double time_scale = 0.02;
+  // Non-empty: the proxy finds its prefill instances by --discovery=kubernetes through this
+  // kubeconfig (pods labelled app=prefill, port "http") instead of a --prefill list.
+  std::string prefill_kubeconfig;
 };
 
 // One full stack; every process is killed when it goes out of scope.
@@ -95,10 +101,15 @@ class Stack {
     std::vector<std::string> args = {BinaryPath("eldr-proxy"),
                                      "--listen=127.0.0.1:0",
                                      "--port_file=" + dir_.File("proxy.json"),
-                                     "--prefill=" + absl::StrJoin(prefill, ","),
                                      "--decode=" + absl::StrJoin(decode, ","),
                                      "--retry_backoff=1ms",
                                      "--shutdown_grace=5s"};
+    if (options_.prefill_kubeconfig.empty()) {
+      args.push_back("--prefill=" + absl::StrJoin(prefill, ","));
+    } else {
+      args.insert(args.end(), {"--discovery=kubernetes", "--kubeconfig=" + options_.prefill_kubeconfig,
+                               "--prefill_selector=app=prefill", "--prefill_port=http", "--discovery_settle=100ms"});
+    }
     if (options_.router) args.push_back(absl::StrCat("--router=127.0.0.1:", router_ports_.grpc));
     args.insert(args.end(), options_.proxy_args.begin(), options_.proxy_args.end());
     absl::StatusOr<std::unique_ptr<ChildProcess>> proxy = ChildProcess::Spawn(args, dir_.File("proxy.log"));
@@ -111,6 +122,7 @@ class Stack {
 
   int proxy_port() const { return proxy_port_; }
   int decode_port(int i) const { return decode_ports_[i]; }
+  int prefill_port(int i) const { return prefill_ports_[i]; }
   ChildProcess& proxy() { return *proxy_; }
   ChildProcess& router() { return *router_; }
 
@@ -592,6 +604,62 @@ TEST(ProxyIntegration, SigtermLetsAnswersInFlightFinish) {
   ASSERT_TRUE(call.WaitDone(absl::Seconds(20)));
   EXPECT_EQ(StreamedTokens(call.received(), false), ExpectedTokens(21, 100));
   EXPECT_EQ(stack.proxy().Wait(absl::Seconds(10)).value_or(-1), 0) << stack.Logs();
+  EXPECT_TRUE(stack.LeasesBackToZero());
+}
+
+// --discovery=kubernetes: the prefill instances are the ready pods labelled app=prefill that the
+// stand-in API server lists, followed as they come and go.
+TEST(ProxyIntegration, PrefillInstancesFollowTheDiscoveredPods) {
+  TempDir dir;
+  absl::StatusOr<std::unique_ptr<FakeKube>> kube = FakeKube::Start(dir, FakeKubeOptions{dir.File("tls")});
+  ASSERT_TRUE(kube.ok()) << kube.status();
+  const std::string kubeconfig = dir.File("kubeconfig");
+  ASSERT_TRUE((*kube)->WriteKubeconfig(kubeconfig).ok());
+  StackOptions options;
+  options.prefill = 2;
+  options.prefill_kubeconfig = kubeconfig;
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  auto pod = [&](int i) {
+    return nlohmann::json{
+        {"name", absl::StrCat("prefill-", i)},
+        {"ip", "127.0.0.1"},
+        {"ready", true},
+        {"labels", {{"app", "prefill"}}},
+        {"ports", nlohmann::json::array({{{"name", "http"}, {"containerPort", stack.prefill_port(i)}}})}};
+  };
+  auto ready = [&] {
+    absl::StatusOr<std::string> page = HttpGet(stack.proxy_port(), "/readyz");
+    return page.ok() && absl::StrContains(*page, "ready") && !absl::StrContains(*page, "no prefill");
+  };
+  auto prefills_served = [&](int i) { return stack.EngineMetric(stack.prefill_port(i), "eldr_emu_prefills_total"); };
+
+  // No prefill pod yet: not ready, and a request is refused with the reason.
+  EXPECT_FALSE(ready());
+  absl::StatusOr<http::FetchedResponse> early =
+      Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(3, 4, /*stream=*/false));
+  ASSERT_TRUE(early.ok()) << early.status();
+  EXPECT_EQ(early->head.status, 503) << early->body;
+
+  ASSERT_TRUE((*kube)->CreatePod(pod(0)).ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(15);
+  while (!ready() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(ready()) << stack.Logs();
+  ExpectStreamedTokens(*client, stack, 3, 4);
+  EXPECT_GE(prefills_served(0), 1);
+
+  // A second instance joins, the first goes away: requests go on, on the second one.
+  ASSERT_TRUE((*kube)->CreatePod(pod(1)).ok());
+  ASSERT_TRUE((*kube)->TerminatePod("prefill-0").ok());
+  ASSERT_TRUE((*kube)->DeletePod("prefill-0").ok());
+  absl::SleepFor(absl::Milliseconds(500));
+  const double first_before = prefills_served(0);
+  for (int trace : {5, 6, 7, 8}) ExpectStreamedTokens(*client, stack, trace, 3);
+  EXPECT_EQ(prefills_served(0), first_before) << "a deleted pod gets no prefill";
+  EXPECT_GE(prefills_served(1), 4);
+  EXPECT_EQ(stack.ProxyMetric("eldr_discovery_synced{role=\"prefill\"}"), 1);
+  EXPECT_EQ(stack.ProxyMetric("eldr_discovery_workers{role=\"prefill\",state=\"ready\"}"), 1);
   EXPECT_TRUE(stack.LeasesBackToZero());
 }
 

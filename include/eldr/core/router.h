@@ -88,6 +88,7 @@ enum class CentroidSource {
   kAdmin,      // the ReloadCentroids admin RPC
   kFileWatch,  // the watched artifact file changed
   kRefit,      // online refit
+  kDiscovery,  // rows re-fitted to a discovered pool (a new pod takes the row of a gone one)
 };
 absl::string_view CentroidSourceLabel(CentroidSource source);  // "api", "startup", ...
 absl::Span<const CentroidSource> AllCentroidSources();
@@ -206,7 +207,10 @@ class Router {
   // reports kAllUnhealthy (overriding the policy's own fallback reason).
   virtual absl::StatusOr<RouteResult> Route(const RouteInput& input) = 0;
   absl::StatusOr<RouteResult> Route(const SignatureInput* signature, absl::Time now) {
-    return Route(RouteInput{signature, now, {}});
+    RouteInput input;
+    input.signature = signature;
+    input.now = now;
+    return Route(input);
   }
   absl::StatusOr<RouteResult> Route(const SignatureInput* signature) { return Route(signature, absl::Now()); }
 

@@ -31,12 +31,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "eldr/discovery/discovery.h"
 #include "eldr/http/http_client.h"
 #include "eldr/http/http_server.h"
 #include "eldr/proxy/ab_split.h"
@@ -79,6 +81,14 @@ struct ProxyOptions {
   // router.target is empty; then at least one), and where /v1/models asks first.
   std::vector<std::string> prefill;
   std::vector<std::string> decode;
+  // Kubernetes discovery (eldr/discovery/discovery.h) instead of the lists above: `prefill` (or
+  // `decode`) must then be empty and becomes the addresses (pod IP:port) of the ready pods that
+  // match the options' label selector; a pod that is not ready, terminating or gone leaves the
+  // list at once, one that becomes ready joins after the reconciler's settle time. Until the
+  // first prefill pod is found, requests get 503 and /readyz says so. The proxy sets the options'
+  // `role` ("prefill", "decode": the eldr_discovery_* metrics' label); `log` is the caller's.
+  std::optional<discovery::KubernetesDiscoveryOptions> prefill_discovery;
+  std::optional<discovery::KubernetesDiscoveryOptions> decode_discovery;
   RouterClientOptions router;
   PrefillPickerOptions prefill_picker;
   AbSplitOptions ab;
