@@ -34,9 +34,7 @@ class RouterPoolSink final : public discovery::PoolSink {
   absl::Status Remove(const std::string& id) override { return IgnoreGone(router_->RemoveWorker(id).status()); }
 
  private:
-  static absl::Status IgnoreGone(absl::Status status) {
-    return absl::IsNotFound(status) ? absl::OkStatus() : status;
-  }
+  static absl::Status IgnoreGone(absl::Status status) { return absl::IsNotFound(status) ? absl::OkStatus() : status; }
 
   Router* const router_;
 };
@@ -74,8 +72,7 @@ class DiscoveryComponent final : public BackgroundComponent, public RouterObserv
   std::string name() const override { return "discovery"; }
 
   absl::Status Start() override {
-    ELDR_ASSIGN_OR_RETURN(discovery_,
-                          discovery::KubernetesDiscovery::Create(options_, &sink_, &metrics_->registry()));
+    ELDR_ASSIGN_OR_RETURN(discovery_, discovery::KubernetesDiscovery::Create(options_, &sink_, &metrics_->registry()));
     router_->AddObserver(this);
     subscribed_ = true;
     fitter_ = std::thread([this] { FitLoop(); });
@@ -213,7 +210,8 @@ class DiscoveryComponent final : public BackgroundComponent, public RouterObserv
 absl::StatusOr<discovery::KubernetesDiscoveryOptions> KubernetesDiscoveryOptionsFrom(const ServerOptions& options) {
   const DiscoverySettings& settings = options.discovery;
   discovery::KubernetesDiscoveryOptions out;
-  absl::StatusOr<discovery::KubeApiConfig> api = discovery::ResolveKubeApiConfig(settings.kubeconfig, settings.kube_context);
+  absl::StatusOr<discovery::KubeApiConfig> api =
+      discovery::ResolveKubeApiConfig(settings.kubeconfig, settings.kube_context);
   if (!api.ok()) {
     return absl::Status(api.status().code(), absl::StrCat("discovery=kubernetes: ", api.status().message()));
   }
@@ -263,13 +261,33 @@ std::optional<CentroidArtifact> RefitRowsToPool(const CentroidArtifact& current,
   for (int row = 0; row < configured.k; ++row) {
     if (!held(configured.row(row))) free_rows.push_back(row);
   }
-  size_t next_free = 0;
-  for (const std::string& worker : takers) {
-    if (with_row.contains(worker) || next_free == free_rows.size()) continue;
-    const absl::Span<const float> row = configured.row(free_rows[next_free++]);
+  // A taker first gets the free row the configured artifact names after it (a StatefulSet pod
+  // back under its name), then the others take the remaining free rows in order.
+  std::vector<bool> taken(free_rows.size(), false);
+  auto give = [&](const std::string& worker, size_t free_index) {
+    taken[free_index] = true;
+    with_row.insert(worker);
+    const absl::Span<const float> row = configured.row(free_rows[free_index]);
     fitted.workers.push_back(worker);
     fitted.centroids.insert(fitted.centroids.end(), row.begin(), row.end());
     changed = true;
+  };
+  for (const std::string& worker : takers) {
+    if (with_row.contains(worker)) continue;
+    for (size_t i = 0; i < free_rows.size(); ++i) {
+      const int row = free_rows[i];
+      if (!taken[i] && row < static_cast<int>(configured.workers.size()) && configured.workers[row] == worker) {
+        give(worker, i);
+        break;
+      }
+    }
+  }
+  size_t next_free = 0;
+  for (const std::string& worker : takers) {
+    if (with_row.contains(worker)) continue;
+    while (next_free < free_rows.size() && taken[next_free]) ++next_free;
+    if (next_free == free_rows.size()) break;
+    give(worker, next_free);
   }
   if (!changed || fitted.workers.empty()) return std::nullopt;
   fitted.k = static_cast<int>(fitted.workers.size());

@@ -47,7 +47,8 @@ absl::StatusOr<discovery::KubernetesDiscoveryOptions> KubernetesDiscoveryOptions
 
 // The artifact in service with its rows re-fitted to the pool: rows whose worker is not in `pool`
 // (worker ids) are freed; every worker of `takers` (in order; active workers) without a row takes
-// the first row of `configured` that no kept row holds. Nullopt when nothing changes (or nothing
+// the row of `configured` named after it when no kept row holds it, else the first row of
+// `configured` that no kept row holds. Nullopt when nothing changes (or nothing
 // can: no row would be left, or `configured` has another transform than `current`).
 std::optional<CentroidArtifact> RefitRowsToPool(const CentroidArtifact& current, const CentroidArtifact& configured,
                                                 const std::vector<std::string>& pool,

@@ -23,8 +23,8 @@
 namespace eldr::testing {
 namespace {
 
-using ::testing::HasSubstr;
 using nlohmann::json;
+using ::testing::HasSubstr;
 
 // Decode pods listen on 127.0.0.1:<8100 + i> (distinct addresses, nothing behind them: the router
 // only hands the address out; scraping failures do not mark workers unhealthy in these tests).
@@ -37,12 +37,8 @@ json DecodePod(const std::string& name, int port, bool ready = true) {
 }
 
 std::vector<std::string> DiscoveryArgs(const std::string& kubeconfig) {
-  return {"--discovery=kubernetes",
-          "--kubeconfig=" + kubeconfig,
-          "--decode_selector=app=decode",
-          "--worker_port=http",
-          "--discovery_settle=200ms",
-          "--unhealthy_after_failures=0",
+  return {"--discovery=kubernetes", "--kubeconfig=" + kubeconfig, "--decode_selector=app=decode",
+          "--worker_port=http",     "--discovery_settle=200ms",   "--unhealthy_after_failures=0",
           "--scrape_interval=1s"};
 }
 
@@ -148,8 +144,9 @@ class DiscoveryRouterTest : public ::testing::Test {
 TEST_F(DiscoveryRouterTest, ThePoolFollowsThePodsAndNoRouteFails) {
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(kube_->CreatePod(DecodePod("decode-" + std::to_string(i), 8100 + i)).ok());
   ASSERT_TRUE(kube_->CreatePod(DecodePod("decode-starting", 8190, /*ready=*/false)).ok());
-  ASSERT_TRUE(kube_->CreatePod(json{{"name", "prefill-0"}, {"ip", "127.0.0.1"}, {"ready", true},
-                                    {"labels", {{"app", "prefill"}}}})
+  ASSERT_TRUE(kube_
+                  ->CreatePod(json{
+                      {"name", "prefill-0"}, {"ip", "127.0.0.1"}, {"ready", true}, {"labels", {{"app", "prefill"}}}})
                   .ok());
   // Four unnamed rows (blocks 0..3): fitted to the pods once they are known.
   WriteTextFile(dir_.path() + "/centroids.json", ArtifactJson({0, 1, 2, 3}));
@@ -234,7 +231,8 @@ TEST_F(DiscoveryRouterTest, ThePoolFollowsThePodsAndNoRouteFails) {
   absl::SleepFor(absl::Seconds(2));
   EXPECT_EQ(Active(*router), before_garbage) << "garbage from the API server must not change the pool";
   ASSERT_TRUE(kube_->Faults({{"garbage", "off"}}).ok());
-  ASSERT_TRUE(Converge("after 410 + garbage lists: the missed pod", [&] { return Active(*router).count("decode-6") == 1; }));
+  ASSERT_TRUE(
+      Converge("after 410 + garbage lists: the missed pod", [&] { return Active(*router).count("decode-6") == 1; }));
 
   // The token rotates (the server accepts only the new one from now on; the router's kubeconfig
   // names the same token file, as a projected service-account token would be).
@@ -298,18 +296,21 @@ TEST_F(DiscoveryRouterTest, AThousandPodsJoinThePool) {
   args.push_back("--policy=jsq");
   std::unique_ptr<RouterProcess> router = MustStart(dir_, args);
   ASSERT_NE(router, nullptr);
-  ASSERT_TRUE(Converge("1,000 pods listed -> 1,000 active workers", [&] { return Active(*router).size() == 1000; },
-                       absl::Seconds(60)));
+  ASSERT_TRUE(Converge(
+      "1,000 pods listed -> 1,000 active workers", [&] { return Active(*router).size() == 1000; }, absl::Seconds(60)));
   RouteLoop loop(*router);
   // A tenth of them goes away at once, and as many new ones come.
   for (int i = 0; i < 100; ++i) ASSERT_TRUE(kube_->DeletePod(absl::StrCat("decode-", i)).ok());
   json more = json::array();
   for (int i = 1000; i < 1100; ++i) more.push_back(DecodePod(absl::StrCat("decode-", i), 20000 + i));
   ASSERT_TRUE(kube_->Call("POST", "/pods/bulk", {{"pods", more}}).ok());
-  ASSERT_TRUE(Converge("100 deleted + 100 added among 1,000", [&] {
-    const std::set<std::string> active = Active(*router);
-    return active.size() == 1000 && active.count("decode-0") == 0 && active.count("decode-1099") == 1;
-  }, absl::Seconds(60)));
+  ASSERT_TRUE(Converge(
+      "100 deleted + 100 added among 1,000",
+      [&] {
+        const std::set<std::string> active = Active(*router);
+        return active.size() == 1000 && active.count("decode-0") == 0 && active.count("decode-1099") == 1;
+      },
+      absl::Seconds(60)));
   loop.Stop();
   EXPECT_EQ(loop.failures(), 0) << loop.last_error();
 }

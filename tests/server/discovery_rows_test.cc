@@ -84,6 +84,21 @@ TEST(RefitRowsToPoolTest, AJoiningPodTakesAFreeRowAndALeavingPodFreesItsRow) {
   EXPECT_EQ(Row(*moved, 2), Row(configured, 0));
 }
 
+TEST(RefitRowsToPoolTest, APodBackUnderItsNameTakesItsNamedRow) {
+  const CentroidArtifact configured = Rows(3, {"decode-0", "decode-1", "decode-2"});
+  CentroidArtifact current = FitRowsToPool(configured, {"decode-0", "decode-1", "decode-2"});
+  // decode-0 and decode-1 restart (removed, then back): both rows are free again, and each takes
+  // its own even though decode-1 comes first.
+  std::optional<CentroidArtifact> gone = RefitRowsToPool(current, configured, {"decode-2"}, {"decode-2"});
+  ASSERT_TRUE(gone.has_value());
+  std::optional<CentroidArtifact> back =
+      RefitRowsToPool(*gone, configured, {"decode-1", "decode-0", "decode-2"}, {"decode-1", "decode-0", "decode-2"});
+  ASSERT_TRUE(back.has_value());
+  EXPECT_THAT(back->workers, ElementsAre("decode-2", "decode-1", "decode-0"));
+  EXPECT_EQ(Row(*back, 1), Row(configured, 1));
+  EXPECT_EQ(Row(*back, 2), Row(configured, 0));
+}
+
 TEST(RefitRowsToPoolTest, NothingToChangeOrNothingPossibleIsNullopt) {
   const CentroidArtifact configured = Rows(2);
   const CentroidArtifact current = FitRowsToPool(configured, {"p0", "p1"});
