@@ -907,7 +907,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   // ---- Streamed responses -------------------------------------------------------------------------
 
-
   // What follows once the read pending when a stream ended completes.
   enum class AfterStream { kClose, kNextRequest, kLinger };
 
