@@ -521,6 +521,32 @@ class StreamHandle final : public ResponseStream {
   const std::shared_ptr<StreamCore> core_;
 };
 
+// One piece of a streamed response on the wire: `framing` (a head, a chunk-size line, the last
+// chunk), then `payload` (body bytes as the handler wrote them, counted in queued_bytes), then
+// `trailer` (a chunk's CRLF). Any of them may be empty.
+struct StreamPiece {
+  std::string framing;
+  std::string payload;
+  absl::string_view trailer;  // static storage
+  std::function<void(bool)> written;
+};
+
+// The response a Connection is streaming (at most one at a time). StreamPiece and ActiveStream are
+// at namespace scope, not nested in Connection: clang does not see a nested struct with default
+// member initializers as default-constructible inside its enclosing class (std::optional::emplace).
+struct ActiveStream {
+  std::shared_ptr<StreamCore> core;
+  bool head_request = false;
+  unsigned version = 11;
+  bool keep_alive = false;        // what the request and the server allow after this response
+  bool chunked = false;           // body pieces are framed as chunks (HTTP/1.1, once begun)
+  bool discard_body = false;      // HEAD, 204, 304: pieces never reach the wire
+  bool end_queued = false;        // Finish or Respond: once the queue is written, the response ended
+  bool close_after_end = false;   // HTTP/1.0 body, or no keep-alive: linger and close afterwards
+  bool peer_gone = false;         // a read failed while a write was in flight: end after that write
+  std::deque<StreamPiece> queue;  // not yet being written
+};
+
 // One accepted TCP connection. Every method but CloseFromStop runs on the connection's strand
 // (the stream's executor), one at a time; the object lives as long as a completion handler holds it,
 // and while a streamed response is open (which may have no operation pending: see
@@ -880,29 +906,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Close() { stream_.close(); }
 
   // ---- Streamed responses -------------------------------------------------------------------------
-
-  // One piece of a streamed response on the wire: `framing` (a head, a chunk-size line, the last
-  // chunk), then `payload` (body bytes as the handler wrote them, counted in queued_bytes), then
-  // `trailer` (a chunk's CRLF). Any of them may be empty.
-  struct StreamPiece {
-    std::string framing;
-    std::string payload;
-    absl::string_view trailer;  // static storage
-    std::function<void(bool)> written;
-  };
-
-  struct ActiveStream {
-    std::shared_ptr<StreamCore> core;
-    bool head_request = false;
-    unsigned version = 11;
-    bool keep_alive = false;        // what the request and the server allow after this response
-    bool chunked = false;           // body pieces are framed as chunks (HTTP/1.1, once begun)
-    bool discard_body = false;      // HEAD, 204, 304: pieces never reach the wire
-    bool end_queued = false;        // Finish or Respond: once the queue is written, the response ended
-    bool close_after_end = false;   // HTTP/1.0 body, or no keep-alive: linger and close afterwards
-    bool peer_gone = false;         // a read failed while a write was in flight: end after that write
-    std::deque<StreamPiece> queue;  // not yet being written
-  };
 
   // What follows once the read pending when a stream ended completes.
   enum class AfterStream { kClose, kNextRequest, kLinger };
