@@ -8,7 +8,7 @@ CMAKE_ARGS ?=
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: all deps deps-sanitizers configure build test demo demo-sim bench sanitize-asan sanitize-tsan fuzz soak gpu clean
+.PHONY: all deps deps-sanitizers configure build test demo demo-sim bench sanitize-asan sanitize-tsan fuzz soak gpu image clean
 
 all: build
 
@@ -65,6 +65,11 @@ soak: build
 # Builds the CUDA capture library with the kernels and runs its GPU tests and benchmarks (needs a GPU).
 gpu: deps
 	scripts/gpu-check.sh
+
+# The container image (docker/Dockerfile) built with podman from debootstrapped Debian base images,
+# then smoke-tested (scripts/build-image.sh; needs root). IMAGE_ARGS="--tag NAME --refresh-base ..."
+image:
+	scripts/build-image.sh $(IMAGE_ARGS)
 
 clean:
 	rm -rf $(BUILD_DIR)

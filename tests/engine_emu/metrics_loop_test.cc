@@ -55,8 +55,9 @@ TEST(EngineLoopTest, PostedWorkAndTimersRunInOrderNeverEarly) {
   loop.Post([&] {
     const double now = loop.NowUs();
     // Scheduled out of order; each runs at its time or later.
-    for (const auto& [delay, id] : std::vector<std::pair<double, int>>{{3000, 3}, {1000, 1}, {2000, 2}}) {
+    for (const auto& [delay, number] : std::vector<std::pair<double, int>>{{3000, 3}, {1000, 1}, {2000, 2}}) {
       const double at = now + delay;
+      const int id = number;  // clang 14 cannot capture a structured binding
       loop.RunAt(at, [&, at, id] {
         order.push_back(id);
         lateness.push_back(loop.NowUs() - at);
