@@ -15,6 +15,8 @@ PACKAGES=(
   nlohmann-json3-dev libsimdjson-dev libgtest-dev libgmock-dev libbenchmark-dev libcurl4-openssl-dev
   # yaml-cpp: kubeconfig files (src/discovery).
   libyaml-cpp-dev
+  # hiredis + redis-server: replicas sharing state through Redis (src/cluster, its tests).
+  libhiredis-dev redis-server
   python3 python3-numpy python3-scipy python3-grpcio python3-matplotlib python3-yaml python3-aiohttp
   openssl curl
   # clang-format 14 (pinned: scripts/check-format.sh, CTest format.check).
