@@ -43,8 +43,9 @@ constexpr int64_t kExpiryBatch = 64;
 constexpr absl::Duration kExpiryYieldLimit = absl::Milliseconds(1);
 
 constexpr CentroidSource kAllCentroidSources[] = {
-    CentroidSource::kApi,   CentroidSource::kStartup,   CentroidSource::kStateDir, CentroidSource::kSignal,
-    CentroidSource::kAdmin, CentroidSource::kFileWatch, CentroidSource::kRefit,    CentroidSource::kDiscovery,
+    CentroidSource::kApi,    CentroidSource::kStartup,   CentroidSource::kStateDir,
+    CentroidSource::kSignal, CentroidSource::kAdmin,     CentroidSource::kFileWatch,
+    CentroidSource::kRefit,  CentroidSource::kDiscovery, CentroidSource::kCluster,
 };
 
 // Everything a route needs from a calibration, built once and never modified: Routes that hold a
@@ -70,6 +71,12 @@ struct WorkerEntry {
   int index = 0;          // position in the insertion-ordered table
   int centroid_row = -1;  // its row in the current centroid set, -1 when it has none
   WorkerLoadAccount load;
+  PeerLeaseCount peers;  // the other replicas' leases (SetPeerLeases)
+
+  // The peers' leases that effective load adds (see Router::SetPeerLeases).
+  int64_t PeerLeases(absl::Time now, absl::Duration staleness) const {
+    return load.SnapshotFresh(now, staleness) ? peers.since_snapshot : peers.live;
+  }
 };
 
 struct LeaseRecord {
@@ -219,6 +226,7 @@ class RouterImpl final : public Router {
   absl::Status SetWorkerHealthy(const std::string& id, bool healthy) override;
   absl::Status ReportLoad(const std::string& id, const LoadSnapshot& snapshot, absl::Time now) override;
   int64_t ExpireLeases(absl::Time now) override;
+  void SetPeerLeases(const absl::flat_hash_map<std::string, PeerLeaseCount>& peers) override;
   RouterState GetState(absl::Time now) const override;
   const RouterOptions& options() const override { return options_; }
   void AddObserver(RouterObserver* observer) override;
@@ -431,7 +439,8 @@ absl::StatusOr<RouteResult> RouterImpl::DecideLocked(const RouteInput& input, co
   for (int i = 0; i < n; ++i) {
     const WorkerEntry& worker = *workers_[i];
     WorkerLoadView& view = views_[i];
-    view.load = worker.load.Effective(input.now, options_.load.snapshot_staleness);
+    view.load = worker.load.Effective(input.now, options_.load.snapshot_staleness) +
+                static_cast<double>(worker.PeerLeases(input.now, options_.load.snapshot_staleness));
     view.capacity = worker.spec.capacity;
     view.max_inflight = worker.spec.max_inflight;
     view.eligible = !excluded_[i] && worker.state == WorkerState::kActive && (worker.healthy || fail_open);
@@ -806,6 +815,17 @@ int64_t RouterImpl::ExpireLeases(absl::Time now) {
   }
 }
 
+void RouterImpl::SetPeerLeases(const absl::flat_hash_map<std::string, PeerLeaseCount>& peers) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& worker : workers_) {
+    const auto it = peers.find(worker->spec.id);
+    // Negative counts (a confused peer) would make a worker look idler than it is: clamp.
+    worker->peers = it == peers.end() ? PeerLeaseCount{}
+                                      : PeerLeaseCount{std::max<int64_t>(0, it->second.live),
+                                                       std::max<int64_t>(0, it->second.since_snapshot)};
+  }
+}
+
 RouterState RouterImpl::GetState(absl::Time now) const {
   RouterState state;
   state.policy = options_.policy;
@@ -826,6 +846,8 @@ RouterState RouterImpl::GetState(absl::Time now) const {
     status.healthy = worker->healthy;
     status.has_centroid = worker->centroid_row >= 0;
     status.load = worker->load.Describe(now, options_.load.snapshot_staleness);
+    status.load.peer_leases = worker->PeerLeases(now, options_.load.snapshot_staleness);
+    status.load.effective += static_cast<double>(status.load.peer_leases);
     state.workers.push_back(std::move(status));
   }
   state.live_leases = static_cast<int64_t>(leases_.size());
@@ -866,6 +888,8 @@ absl::string_view CentroidSourceLabel(CentroidSource source) {
       return "refit";
     case CentroidSource::kDiscovery:
       return "discovery";
+    case CentroidSource::kCluster:
+      return "cluster";
   }
   return "api";
 }

@@ -621,6 +621,9 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
   const absl::Time now = Now();
   RefitOutcome outcome;
   outcome.pool_change = pool_change;
+  if (options_.may_refit && !options_.may_refit()) {
+    return RecordSkip("refit paused: this replica is not the cluster's refit leader", outcome);
+  }
   absl::StatusOr<RefitPlan> planned = PlanRefit(now);
   if (!planned.ok()) return RecordSkip(std::string(planned.status().message()), outcome);
   RefitPlan& plan = *planned;
@@ -658,6 +661,9 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
   // A reload (or another writer) replaced the centroids while we fitted: theirs win.
   if (external_installs_.load(std::memory_order_acquire) != plan.external_installs_before) {
     return RecordSkip("refit discarded: the centroids were replaced during the fit", outcome);
+  }
+  if (options_.may_refit && !options_.may_refit()) {
+    return RecordSkip("refit discarded: this replica stopped being the cluster's refit leader during the fit", outcome);
   }
   absl::StatusOr<uint64_t> generation = router_->InstallCentroids(next, CentroidSource::kRefit);
   if (!generation.ok()) {

@@ -303,6 +303,19 @@ const std::vector<OptionDef>& OptionTable() {
       DoubleOption("refit_max_drift",
                    "Cosine distance a centroid may drift from the calibrated one at most, in total (2: no bound).",
                    [](ServerOptions& o) -> double& { return o.refit.max_drift_distance; }),
+      // ---- Cluster ----
+      StringOption("cluster_redis",
+                   "host:port of a Redis (or Valkey) the router replicas of one pool share: one refit leader, "
+                   "one centroid generation, pool-wide lease counts; empty: this replica is alone.",
+                   [](ServerOptions& o) -> std::string& { return o.cluster.redis; }),
+      StringOption("cluster_redis_password_file", "File with the Redis password (AUTH); empty: none.",
+                   [](ServerOptions& o) -> std::string& { return o.cluster.redis_password_file; }),
+      IntOption<int>("cluster_redis_db", "Redis database (SELECT).",
+                     [](ServerOptions& o) -> int& { return o.cluster.redis_db; }),
+      StringOption("cluster_name", "Key prefix in Redis: the replicas of one pool share it, other pools differ.",
+                   [](ServerOptions& o) -> std::string& { return o.cluster.cluster_name; }),
+      StringOption("replica_id", "This replica's identity in the cluster (default: $POD_NAME, else the host name).",
+                   [](ServerOptions& o) -> std::string& { return o.cluster.replica_id; }),
       // ---- Security ----
       StringOption("tls_cert", "PEM certificate chain: enables TLS on the gRPC ports.",
                    [](ServerOptions& o) -> std::string& { return o.tls_cert; }),
@@ -674,6 +687,11 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   }
   if (!(o.refit.max_drift_distance > 0 && o.refit.max_drift_distance <= 2)) {
     return bad("refit_max_drift", "must be a cosine distance in (0, 2]");
+  }
+  if (!o.cluster.redis.empty()) {
+    if (o.cluster.redis_db < 0 || o.cluster.redis_db >= (1 << 20))
+      return bad("cluster_redis_db", "must be in [0, 1048576)");
+    if (o.cluster.cluster_name.empty()) return bad("cluster_name", "must not be empty");
   }
   if (o.tls_cert.empty() != o.tls_key.empty()) {
     return bad(o.tls_cert.empty() ? "tls_cert" : "tls_key", "tls_cert and tls_key go together");

@@ -73,6 +73,17 @@ struct DiscoverySettings {
   absl::Duration settle = absl::Seconds(1);
 };
 
+// Router replicas that agree through Redis (see cluster_component.h, docs/cluster.md).
+struct ClusterSettings {
+  // host:port (or host, [v6]:port, unix:/path) of the Redis / Valkey server. Empty: no cluster.
+  std::string redis;
+  std::string redis_password_file;       // AUTH with this file's contents; empty: none
+  int redis_db = 0;                      // SELECT
+  std::string cluster_name = "default";  // the key prefix: pools sharing one Redis differ here
+  // This replica's identity among the others. Empty: $POD_NAME, else the host name.
+  std::string replica_id;
+};
+
 struct ServerOptions {
   ServerOptions();
 
@@ -120,6 +131,9 @@ struct ServerOptions {
   // Refit runs when refit.interval > 0 or refit.state_dir is set; otherwise no refitter exists and
   // routes pay nothing for it.
   RefitOptions refit;
+
+  // ---- Cluster (replicas sharing centroids, refit leader and load; see cluster_component.h) ----
+  ClusterSettings cluster;
 
   // ---- Security ----
   // PEM files of the server certificate chain and key: TLS on every gRPC listener. Both or none.

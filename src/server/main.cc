@@ -21,12 +21,14 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/cluster_component.h"
 #include "server/config.h"
 #include "server/discovery_component.h"
 #include "server/load_scrape_component.h"
@@ -128,7 +130,11 @@ int main(int argc, char** argv) {
 
   eldr::server::ServerExtensions extensions;
   extensions.components.push_back(eldr::server::LoadScrapeComponentFactory());
-  extensions.components.push_back(eldr::server::RefitComponentFactory());
+  // The cluster component closes the refit gate on followers: only the cluster's leader refits.
+  auto refit_gate = std::make_shared<eldr::server::RefitGate>();
+  extensions.components.push_back(eldr::server::RefitComponentFactory(refit_gate));
+  // After refit: a leader publishes the refitter's installs; the state_dir set is installed first.
+  extensions.components.push_back(eldr::server::ClusterComponentFactory(refit_gate));
   // Last: the others are subscribed to the router before discovered workers arrive.
   extensions.components.push_back(eldr::server::DiscoveryComponentFactory());
   auto server = eldr::server::RouterServer::Create(options, std::move(extensions));

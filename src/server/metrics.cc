@@ -215,8 +215,8 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                        .Name("eldr_centroid_reloads_total")
                        .Help(
                            "Centroid sets offered through the one door, by source (startup, state_dir, "
-                           "sighup, admin, file_watch, refit, api) and outcome (ok: installed, error: "
-                           "refused, the set in service stays).")
+                           "sighup, admin, file_watch, refit, discovery, cluster, api) and outcome (ok: "
+                           "installed, error: refused, the set in service stays).")
                        .Register(*registry_);
   for (CentroidSource source : AllCentroidSources()) {
     const std::string label(CentroidSourceLabel(source));

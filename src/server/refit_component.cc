@@ -96,8 +96,8 @@ void LogRefit(const RefitOutcome& outcome) {
 
 class RefitComponent : public BackgroundComponent {
  public:
-  explicit RefitComponent(const ComponentContext& context)
-      : context_(context), collector_(std::make_shared<RefitStatsCollector>()) {
+  RefitComponent(const ComponentContext& context, std::shared_ptr<RefitGate> gate)
+      : context_(context), gate_(std::move(gate)), collector_(std::make_shared<RefitStatsCollector>()) {
     context_.metrics->AddCollectable(collector_);
   }
   ~RefitComponent() override { Stop(); }
@@ -108,6 +108,9 @@ class RefitComponent : public BackgroundComponent {
     const ServerOptions& options = *context_.options;
     RefitOptions refit_options = options.refit;
     refit_options.on_refit = LogRefit;
+    if (gate_ != nullptr) {
+      refit_options.may_refit = [gate = gate_] { return gate->open.load(std::memory_order_acquire); };
+    }
     absl::StatusOr<std::unique_ptr<OnlineRefitter>> refitter =
         OnlineRefitter::Create(std::move(refit_options), context_.router);
     if (!refitter.ok()) return refitter.status();
@@ -115,6 +118,11 @@ class RefitComponent : public BackgroundComponent {
     // After the refitter exists: the configured artifact is its anchor, the state continues it.
     if (!options.refit.state_dir.empty()) InstallPersistedCentroids(options);
     collector_->Attach(refitter_.get());
+    if (gate_ != nullptr) {
+      gate_->SetObserver([refitter = refitter_.get()](absl::Span<const float> signature, absl::string_view client) {
+        refitter->Observe(signature, client);
+      });
+    }
     refitter_->Start();
     ELDR_LOG(Info, "refit_started")
         .With("window", options.refit.window)
@@ -127,6 +135,7 @@ class RefitComponent : public BackgroundComponent {
 
   void Stop() override {
     if (refitter_ == nullptr) return;
+    if (gate_ != nullptr) gate_->SetObserver(nullptr);
     collector_->Attach(nullptr);
     refitter_->Stop();
     refitter_.reset();  // unsubscribes from the router
@@ -160,6 +169,7 @@ class RefitComponent : public BackgroundComponent {
   }
 
   const ComponentContext context_;
+  const std::shared_ptr<RefitGate> gate_;
   const std::shared_ptr<RefitStatsCollector> collector_;
   std::unique_ptr<OnlineRefitter> refitter_;
 };
@@ -170,10 +180,10 @@ bool RefitEnabled(const ServerOptions& options) {
   return options.refit.interval > absl::ZeroDuration() || !options.refit.state_dir.empty();
 }
 
-ComponentFactory RefitComponentFactory() {
-  return [](const ComponentContext& context) -> absl::StatusOr<std::unique_ptr<BackgroundComponent>> {
+ComponentFactory RefitComponentFactory(std::shared_ptr<RefitGate> gate) {
+  return [gate](const ComponentContext& context) -> absl::StatusOr<std::unique_ptr<BackgroundComponent>> {
     if (!RefitEnabled(*context.options)) return std::unique_ptr<BackgroundComponent>();
-    return std::unique_ptr<BackgroundComponent>(new RefitComponent(context));
+    return std::unique_ptr<BackgroundComponent>(new RefitComponent(context, gate));
   };
 }
 

@@ -19,6 +19,16 @@
 #ifndef ELDR_SERVER_REFIT_COMPONENT_H_
 #define ELDR_SERVER_REFIT_COMPONENT_H_
 
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+
 #include "server/config.h"
 #include "server/server.h"
 
@@ -27,8 +37,39 @@ namespace eldr::server {
 // True when the settings ask for online refit (see above).
 bool RefitEnabled(const ServerOptions& options);
 
+// Whether this replica may refit now. Shared with the cluster component (cluster_component.h),
+// which closes it on followers: the refitter then skips its refits (RefitOptions::may_refit), so
+// only the cluster's refit leader fits and publishes. Open by default (no cluster).
+//
+// It also carries the shared refit window into the refitter: while the refit component runs, the
+// cluster component hands it the signatures the other replicas appended (leader only).
+class RefitGate {
+ public:
+  using Observer = std::function<void(absl::Span<const float> signature, absl::string_view client)>;
+
+  std::atomic<bool> open{true};
+
+  // Set by the refit component while its refitter runs (null: none).
+  void SetObserver(Observer observer) {
+    absl::MutexLock lock(&mu_);
+    observer_ = std::move(observer);
+  }
+  // Offers a signature to the refitter's window; false when no refitter runs.
+  bool Observe(absl::Span<const float> signature, absl::string_view client) {
+    absl::MutexLock lock(&mu_);
+    if (!observer_) return false;
+    observer_(signature, client);
+    return true;
+  }
+
+ private:
+  absl::Mutex mu_;
+  Observer observer_ ABSL_GUARDED_BY(mu_);
+};
+
 // For ServerExtensions::components: the refit component, or none when RefitEnabled is false.
-ComponentFactory RefitComponentFactory();
+// `gate` (may be null: always refit) is asked before each refit and before its install.
+ComponentFactory RefitComponentFactory(std::shared_ptr<RefitGate> gate = nullptr);
 
 }  // namespace eldr::server
 

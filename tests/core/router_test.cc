@@ -288,6 +288,41 @@ TEST(RouterTest, LoadReportsAndCapacityDriveTheBand) {
   EXPECT_EQ(router->ReportLoad("x", {.running = 1, .taken_at = kT0}, now).code(), absl::StatusCode::kNotFound);
 }
 
+TEST(RouterTest, PeerLeasesJoinEffectiveLoadWithoutDoubleCounting) {
+  RouterOptions options;
+  options.tau = 1.0;  // pure load balance
+  auto router = MakeRouter({Worker("a"), Worker("b")}, options);
+  ASSERT_TRUE(router->InstallCentroids(Artifact(2)).ok());
+  const std::vector<int32_t> counts = Counts(0);
+  const SignatureInput input = CountsInt32{kLayers, kExperts, counts};
+  const absl::Time now = kT0 + absl::Seconds(1);
+  // No snapshot: the peers' live leases count (a = 3 from peers, b = 0).
+  router->SetPeerLeases({{"a", {.live = 3, .since_snapshot = 1}}, {"nobody", {.live = 9}}});
+  RouterState state = router->GetState(now);
+  EXPECT_EQ(state.workers[0].load.peer_leases, 3);
+  EXPECT_DOUBLE_EQ(state.workers[0].load.effective, 3);
+  EXPECT_EQ(state.workers[1].load.peer_leases, 0);
+  EXPECT_EQ(router->Route(&input, now)->worker_id, "b");
+  // A fresh snapshot of a already counts the peers' older leases: only their since_snapshot adds.
+  ASSERT_TRUE(router->ReportLoad("a", {.running = 0, .taken_at = now}, now).ok());
+  state = router->GetState(now);
+  EXPECT_EQ(state.workers[0].load.peer_leases, 1);
+  EXPECT_DOUBLE_EQ(state.workers[0].load.effective, 1);
+  // b: 1 own lease; a: 0 + 1 from peers: a tie broken either way; make b heavier via peers.
+  router->SetPeerLeases({{"a", {.live = 3, .since_snapshot = 1}}, {"b", {.live = 4, .since_snapshot = 4}}});
+  EXPECT_EQ(router->Route(&input, now)->worker_id, "a");
+  // Own lease counts never include the peers' (what a replica publishes).
+  state = router->GetState(now);
+  EXPECT_EQ(state.workers[1].load.leases, 1);
+  EXPECT_DOUBLE_EQ(state.workers[1].load.effective, 5);
+  // Cleared: own leases only; negative counts are clamped.
+  router->SetPeerLeases({{"b", {.live = -7, .since_snapshot = -7}}});
+  state = router->GetState(now);
+  EXPECT_EQ(state.workers[0].load.peer_leases, 0);
+  EXPECT_EQ(state.workers[1].load.peer_leases, 0);
+  EXPECT_DOUBLE_EQ(state.workers[1].load.effective, 1);
+}
+
 TEST(RouterTest, OverloadGuardSpills) {
   RouterOptions options;
   options.tau = 0.0;

@@ -217,6 +217,29 @@ TEST_F(RefitTest, RefitKeepsEveryWorkerNearItsOldZone) {
   EXPECT_EQ(now->spec.idf, artifact_->spec.idf);
 }
 
+// RefitOptions::may_refit (the daemon's cluster gate): closed, a refit is skipped and installs
+// nothing; opened again, the next one installs.
+TEST_F(RefitTest, AClosedGateSkipsRefits) {
+  std::atomic<bool> open{false};
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  options.may_refit = [&open] { return open.load(); };
+  MakeRefitter(options);
+  RouteAll();
+  const uint64_t generation = router_->GetState(absl::Now()).centroid_generation;
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  RefitStats stats = refitter_->stats();
+  EXPECT_EQ(stats.refits_completed, 0u);
+  EXPECT_EQ(stats.refits_skipped, 1u);
+  EXPECT_THAT(stats.last_error, HasSubstr("not the cluster's refit leader"));
+  EXPECT_EQ(router_->GetState(absl::Now()).centroid_generation, generation);
+  open = true;
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  stats = refitter_->stats();
+  EXPECT_EQ(stats.refits_completed, 1u) << stats.last_error;
+  EXPECT_GT(router_->GetState(absl::Now()).centroid_generation, generation);
+}
+
 TEST_F(RefitTest, PersistedStateSurvivesARestart) {
   RefitOptions options;
   options.interval = absl::ZeroDuration();

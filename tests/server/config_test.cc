@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "server/cluster_component.h"
 #include "server/refit_component.h"
 
 namespace eldr::server {
@@ -288,6 +289,41 @@ TEST(Validation, WorkerAddressesAndCapacitiesAreChecked) {
 
 namespace eldr::server {
 namespace {
+
+TEST(ClusterSettingsTest, FlagsDefaultsAndValidation) {
+  ServerOptions options;
+  EXPECT_TRUE(options.cluster.redis.empty());
+  EXPECT_EQ(options.cluster.cluster_name, "default");
+  ASSERT_TRUE(SetServerOption("cluster_redis", "10.0.0.7:6380", &options).ok());
+  ASSERT_TRUE(SetServerOption("cluster_redis_db", "3", &options).ok());
+  ASSERT_TRUE(SetServerOption("cluster_name", "pool-a", &options).ok());
+  ASSERT_TRUE(SetServerOption("cluster_redis_password_file", "/run/secrets/redis", &options).ok());
+  EXPECT_TRUE(ValidateServerOptions(options).ok());
+  // replica_id: the setting, else $POD_NAME, else the host name.
+  ::setenv("POD_NAME", "router-7f9c-abcde", 1);
+  EXPECT_EQ(DefaultReplicaId(options), "router-7f9c-abcde");
+  ::unsetenv("POD_NAME");
+  EXPECT_FALSE(DefaultReplicaId(options).empty());
+  ASSERT_TRUE(SetServerOption("replica_id", "r1", &options).ok());
+  EXPECT_EQ(DefaultReplicaId(options), "r1");
+  absl::StatusOr<cluster::ClusterOptions> cluster_options = ClusterOptionsFromSettings(options);
+  ASSERT_TRUE(cluster_options.ok()) << cluster_options.status();
+  EXPECT_EQ(cluster_options->redis.address, "10.0.0.7:6380");
+  EXPECT_EQ(cluster_options->redis.db, 3);
+  EXPECT_EQ(cluster_options->redis.password_file, "/run/secrets/redis");
+  EXPECT_EQ(cluster_options->cluster_name, "pool-a");
+  EXPECT_EQ(cluster_options->replica_id, "r1");
+
+  ServerOptions bad = options;
+  bad.cluster.redis_db = -1;
+  EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("cluster_redis_db"));
+  bad = options;
+  bad.cluster.redis = "host:notaport";
+  EXPECT_THAT(ClusterOptionsFromSettings(bad).status().message(), HasSubstr("cluster_redis"));
+  bad = options;
+  bad.cluster.replica_id = "has space";
+  EXPECT_THAT(ClusterOptionsFromSettings(bad).status().message(), HasSubstr("replica_id"));
+}
 
 // docs/api.md documents every setting of the one table (the table is where flags come from, the
 // page is where operators look).

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -89,6 +90,7 @@ enum class CentroidSource {
   kFileWatch,  // the watched artifact file changed
   kRefit,      // online refit
   kDiscovery,  // rows re-fitted to a discovered pool (a new pod takes the row of a gone one)
+  kCluster,    // the generation the cluster's refit leader published (eldr/cluster, via Redis)
 };
 absl::string_view CentroidSourceLabel(CentroidSource source);  // "api", "startup", ...
 absl::Span<const CentroidSource> AllCentroidSources();
@@ -140,6 +142,14 @@ struct RouterState {
   int64_t live_leases = 0;
   int64_t leases_expired_total = 0;
   int64_t leases_evicted_total = 0;  // released at the max_live_leases limit
+};
+
+// Other router replicas' live leases on one worker (eldr/cluster's shared load): `live` in total,
+// and of those `since_snapshot`, the ones each replica acquired after its own last fresh snapshot
+// of the worker.
+struct PeerLeaseCount {
+  int64_t live = 0;
+  int64_t since_snapshot = 0;
 };
 
 // What a mutation did, as returned to its caller and announced to observers.
@@ -256,6 +266,17 @@ class Router {
   // routing mutex briefly each (routes go on in between); returns how many. The server calls it
   // every second.
   virtual int64_t ExpireLeases(absl::Time now) = 0;
+
+  // Replaces the other replicas' lease counts per worker (ids the pool does not have are ignored;
+  // workers absent from `peers` count no peer leases). Effective load then adds, per worker:
+  //   - with a fresh snapshot: the peers' `since_snapshot` only. The worker's report already
+  //     counts every request that started before it, whichever replica routed it; the peers'
+  //     snapshots of the same worker are at most a scrape interval apart from ours, so their
+  //     since_snapshot approximates what ours does not include yet;
+  //   - without one: the peers' `live` (our own lease count is all we add locally too).
+  // The counts added show in WorkerLoad::peer_leases and WorkerLoad::effective (GetState). Not a
+  // mutation: no observer hears of it. Holds the routing mutex for O(workers) lookups.
+  virtual void SetPeerLeases(const absl::flat_hash_map<std::string, PeerLeaseCount>& peers) = 0;
 
   virtual RouterState GetState(absl::Time now) const = 0;
   virtual const RouterOptions& options() const = 0;

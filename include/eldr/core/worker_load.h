@@ -46,6 +46,8 @@ struct WorkerLoad {
   int64_t leases_since_snapshot = 0;     // of which acquired after the last fresh snapshot
   std::optional<LoadSnapshot> snapshot;  // last snapshot, fresh or not
   bool snapshot_fresh = false;
+  // Other router replicas' leases counted in `effective` (Router::SetPeerLeases); 0 alone.
+  int64_t peer_leases = 0;
   double effective = 0;  // the load policies see
 };
 

@@ -107,6 +107,11 @@ struct RefitOptions {
   std::function<absl::Time()> clock;
   // Called after every refit with what it did (on the refitting thread). Empty: none.
   std::function<void(const RefitOutcome&)> on_refit;
+  // Asked before every refit and again right before its install: false skips it (counted in
+  // refits_skipped, reason "refit paused: ..."), so only one replica of a cluster refits (the
+  // daemon's cluster component answers true on the refit leader only). Called on the refitting
+  // thread; must be quick. Empty: always refit.
+  std::function<bool()> may_refit;
 };
 
 // Counters for the server to export as metrics (monotonic unless noted).
