@@ -407,6 +407,7 @@ struct ServerShared {
   std::atomic<uint64_t> malformed_requests{0};
   std::atomic<uint64_t> oversized_requests{0};
   std::atomic<int64_t> open_connections{0};
+  std::atomic<int64_t> open_streams{0};
   std::atomic<int> refusals_in_flight{0};
 
   // Every live connection, so that Stop can close them.
@@ -573,7 +574,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   ~Connection() {
     // Only reached with a stream open when the io_context is destroyed with this connection's
     // handlers unrun; its callbacks are dropped then, never run.
-    if (active_stream_.has_value()) active_stream_->core->Closed();
+    if (active_stream_.has_value()) {
+      active_stream_->core->Closed();
+      shared_->open_streams.fetch_sub(1, std::memory_order_relaxed);
+    }
     if (mode_ == Mode::kServe) {
       shared_->open_connections.fetch_sub(1, std::memory_order_relaxed);
     } else {
@@ -940,6 +944,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       core = std::make_shared<StreamCore>(shared_, weak_from_this());
       handle = std::make_shared<StreamHandle>(core);
       active_stream_.emplace();
+      shared_->open_streams.fetch_add(1, std::memory_order_relaxed);
     } catch (...) {  // allocation failure
       return Respond(ErrorResponse(500, "internal server error"), head_request, version, /*keep_alive=*/false);
     }
@@ -1079,6 +1084,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     self_while_streaming_.reset();
     after_stream_ = active_stream_->close_after_end ? AfterStream::kLinger : AfterStream::kNextRequest;
     active_stream_.reset();
+    shared_->open_streams.fetch_sub(1, std::memory_order_relaxed);
     if (stream_read_in_flight_) {
       // OnReadWhileStreaming goes on from here, once the read returns (cancelled, or with bytes
       // that then stay buffered for the next request).
@@ -1100,6 +1106,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     self_while_streaming_.reset();
     lost_stream_ = std::move(active_stream_);
     active_stream_.reset();
+    shared_->open_streams.fetch_sub(1, std::memory_order_relaxed);
     after_stream_ = AfterStream::kClose;
     Close();
     lost_on_closed_ = lost_stream_->core->Closed();
@@ -1645,6 +1652,7 @@ class HttpServer::Impl {
     stats.malformed_requests = s.malformed_requests.load(std::memory_order_relaxed);
     stats.oversized_requests = s.oversized_requests.load(std::memory_order_relaxed);
     stats.open_connections = s.open_connections.load(std::memory_order_relaxed);
+    stats.open_streams = s.open_streams.load(std::memory_order_relaxed);
     return stats;
   }
 

@@ -1097,14 +1097,20 @@ void ProxyImpl::Shutdown(absl::Duration grace) {
     shut_down_ = true;
   }
   draining_.store(true);
+  const absl::Time grace_deadline = absl::Now() + grace;
   if (prefill_discovery_ != nullptr) prefill_discovery_->Stop();
   if (decode_discovery_ != nullptr) decode_discovery_->Stop();
   {
     // Requests in flight get `grace` to finish.
     absl::MutexLock lock(&calls_mu_);
-    calls_mu_.AwaitWithTimeout(absl::Condition(
-                                   +[](int64_t* calls) { return *calls == 0; }, &calls_),
-                               grace);
+    calls_mu_.AwaitWithDeadline(absl::Condition(
+                                    +[](int64_t* calls) { return *calls == 0; }, &calls_),
+                                grace_deadline);
+  }
+  // A call ends when its answer is queued: let the server hand the last pieces (the final chunk)
+  // to the sockets before it closes them, within what is left of the grace.
+  if (server_ != nullptr) {
+    while (server_->stats().open_streams > 0 && absl::Now() < grace_deadline) absl::SleepFor(absl::Milliseconds(2));
   }
   // Cuts what is left: each cut response's OnClosed posts its call's cleanup (cancel the engine
   // call, complete the lease) onto io_, which still runs.

@@ -142,8 +142,9 @@ class LoadScrapeComponent final : public BackgroundComponent, public RouterObser
  private:
   // The configured targets whose worker is in the Router's pool now.
   std::vector<ScrapeTarget> PoolTargets() const {
+    const std::vector<WorkerStatus> workers = router_->GetState(absl::Now()).workers;
     absl::flat_hash_set<std::string> pool;
-    for (const WorkerStatus& worker : router_->GetState(absl::Now()).workers) pool.insert(worker.spec.id);
+    for (const WorkerStatus& worker : workers) pool.insert(worker.spec.id);
     std::vector<ScrapeTarget> targets;
     for (const ScrapeTarget& target : configured_) {
       if (pool.contains(target.worker_id)) targets.push_back(target);
@@ -151,7 +152,7 @@ class LoadScrapeComponent final : public BackgroundComponent, public RouterObser
     if (pool_urls_) {
       // Discovered workers bring their URL (WorkerSpec::metrics_url, from the pod); one the scraper
       // cannot use is left out (and said so) rather than failing the whole list.
-      for (const WorkerStatus& worker : router_->GetState(absl::Now()).workers) {
+      for (const WorkerStatus& worker : workers) {
         if (worker.spec.metrics_url.empty()) continue;
         ScrapeTarget target{worker.spec.id, worker.spec.metrics_url};
         if (absl::Status valid = ValidateScrapeTargets({target}); !valid.ok()) {

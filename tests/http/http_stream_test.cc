@@ -569,6 +569,29 @@ TEST_F(HttpStreamTest, ClientGoingAwayBeforeBeginIsNoticed) {
   EXPECT_TRUE(Eventually([&] { return server_->stats().open_connections == 0; }));
 }
 
+TEST_F(HttpStreamTest, OpenStreamsCountsUntilTheLastPieceIsWrittenOrTheClientIsGone) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  auto client = std::make_unique<RawHttpClient>(server_->port());
+  const std::shared_ptr<ResponseStream> stream = Open(*client);
+  ASSERT_NE(stream, nullptr);
+  EXPECT_EQ(server_->stats().open_streams, 1);
+  stream->Begin(200, "text/plain");
+  stream->Write("x");
+  stream->Finish();  // ended by the handler: still open until the pieces are on the wire
+  ASSERT_TRUE(client->ReadHead().has_value());
+  ASSERT_EQ(client->ReadChunk(), "x");
+  ASSERT_EQ(client->ReadChunk(), "");
+  EXPECT_TRUE(Eventually([&] { return server_->stats().open_streams == 0; }));
+
+  auto leaving = std::make_unique<RawHttpClient>(server_->port());
+  const std::shared_ptr<ResponseStream> lost = Open(*leaving);
+  ASSERT_NE(lost, nullptr);
+  EXPECT_EQ(server_->stats().open_streams, 1);
+  leaving.reset();
+  EXPECT_TRUE(Eventually([&] { return server_->stats().open_streams == 0; }));
+  EXPECT_TRUE(lost->done());
+}
+
 TEST_F(HttpStreamTest, FinishedStreamsDoNotRunOnClosed) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
   auto client = std::make_unique<RawHttpClient>(server_->port());

@@ -253,6 +253,9 @@ struct HttpServerStats {
   uint64_t malformed_requests = 0;  // answered 400, 501 or 505 by the request checks
   uint64_t oversized_requests = 0;  // answered 413, 414 or 431
   int64_t open_connections = 0;     // connections open now (refused ones excluded)
+  // Streamed responses (ResponseStream) not ended yet: still being written, or finished by their
+  // handler with pieces not yet handed to the socket. A graceful shutdown waits for 0 before Stop.
+  int64_t open_streams = 0;
 };
 
 class HttpServer {
