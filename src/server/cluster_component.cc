@@ -311,6 +311,12 @@ absl::StatusOr<ClusterOptions> ClusterOptionsFromSettings(const ServerOptions& o
   cluster_options.redis.db = settings.redis_db;
   cluster_options.cluster_name = settings.cluster_name;
   cluster_options.replica_id = DefaultReplicaId(options);
+  cluster_options.leader_lease = settings.leader_lease;
+  cluster_options.leader_eligible = settings.leader_eligible;
+  cluster_options.load_interval = settings.load_interval;
+  cluster_options.centroid_check_interval = settings.centroid_check_interval;
+  cluster_options.redis.command_timeout = settings.redis_timeout;
+  cluster_options.redis.connect_timeout = settings.redis_timeout;
   if (absl::Status parsed = cluster::ParseRedisAddress(settings.redis).status(); !parsed.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("setting 'cluster_redis': ", parsed.message()));
   }

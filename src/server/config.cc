@@ -316,6 +316,21 @@ const std::vector<OptionDef>& OptionTable() {
                    [](ServerOptions& o) -> std::string& { return o.cluster.cluster_name; }),
       StringOption("replica_id", "This replica's identity in the cluster (default: $POD_NAME, else the host name).",
                    [](ServerOptions& o) -> std::string& { return o.cluster.replica_id; }),
+      DurationOption("cluster_leader_lease",
+                     "The refit leader's lease in Redis (renewed every third of it); a dead leader is replaced "
+                     "within about one lease.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.cluster.leader_lease; }),
+      BoolOption("cluster_leader_eligible", "false: this replica only follows (never refits, never publishes).",
+                 [](ServerOptions& o) -> bool& { return o.cluster.leader_eligible; }),
+      DurationOption("cluster_load_interval",
+                     "How often this replica publishes its lease counts and reads the other replicas' "
+                     "(theirs stop counting 10 x this, at least 1 s, after their last publication).",
+                     [](ServerOptions& o) -> absl::Duration& { return o.cluster.load_interval; }),
+      DurationOption("cluster_centroid_check_interval",
+                     "How often the published centroid generation is checked (the fallback to announcements).",
+                     [](ServerOptions& o) -> absl::Duration& { return o.cluster.centroid_check_interval; }),
+      DurationOption("cluster_redis_timeout", "The longest one Redis command or connection attempt may take.",
+                     [](ServerOptions& o) -> absl::Duration& { return o.cluster.redis_timeout; }),
       // ---- Security ----
       StringOption("tls_cert", "PEM certificate chain: enables TLS on the gRPC ports.",
                    [](ServerOptions& o) -> std::string& { return o.tls_cert; }),
@@ -692,6 +707,17 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
     if (o.cluster.redis_db < 0 || o.cluster.redis_db >= (1 << 20))
       return bad("cluster_redis_db", "must be in [0, 1048576)");
     if (o.cluster.cluster_name.empty()) return bad("cluster_name", "must not be empty");
+    if (o.cluster.leader_lease < absl::Milliseconds(300) || o.cluster.leader_lease > absl::Minutes(5))
+      return bad("cluster_leader_lease", "must be in [300ms, 5m]");
+    if (o.cluster.load_interval < absl::Milliseconds(10) || o.cluster.load_interval > absl::Seconds(10))
+      return bad("cluster_load_interval", "must be in [10ms, 10s]");
+    if (o.cluster.centroid_check_interval < absl::Milliseconds(50) ||
+        o.cluster.centroid_check_interval > absl::Minutes(5))
+      return bad("cluster_centroid_check_interval", "must be in [50ms, 5m]");
+    if (o.cluster.redis_timeout < absl::Milliseconds(10) || o.cluster.redis_timeout > absl::Seconds(60))
+      return bad("cluster_redis_timeout", "must be in [10ms, 60s]");
+    if (o.cluster.redis_timeout * 3 > o.cluster.leader_lease)
+      return bad("cluster_redis_timeout", "must be at most a third of cluster_leader_lease (a renewal must fit)");
   }
   if (o.tls_cert.empty() != o.tls_key.empty()) {
     return bad(o.tls_cert.empty() ? "tls_cert" : "tls_key", "tls_cert and tls_key go together");

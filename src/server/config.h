@@ -82,6 +82,17 @@ struct ClusterSettings {
   std::string cluster_name = "default";  // the key prefix: pools sharing one Redis differ here
   // This replica's identity among the others. Empty: $POD_NAME, else the host name.
   std::string replica_id;
+  // The refit leader's lease (renewed every third of it): a dead leader is replaced within about
+  // one lease. false in leader_eligible: this replica follows only (never refits, never publishes).
+  absl::Duration leader_lease = absl::Seconds(3);
+  bool leader_eligible = true;
+  // How often this replica publishes its leases and reads the others' (their keys expire after
+  // 10 x this, at least 1 s), and how often it checks the published centroid generation (the
+  // fallback to announcements).
+  absl::Duration load_interval = absl::Milliseconds(100);
+  absl::Duration centroid_check_interval = absl::Seconds(1);
+  // One Redis command (or pipeline) at most; the connect attempt at most.
+  absl::Duration redis_timeout = absl::Seconds(1);
 };
 
 struct ServerOptions {
