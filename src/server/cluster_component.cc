@@ -64,8 +64,43 @@ class ClusterStatusCollector : public prometheus::Collectable {
           &errors, static_cast<double>(status.redis_errors[kind]),
           {MetricLabel("kind", std::string(cluster::RedisErrorKindLabel(static_cast<cluster::RedisErrorKind>(kind))))});
     }
+    auto publications = MetricFamily(
+        "eldr_cluster_publications_total",
+        "Centroid publications of this replica as leader, by outcome (stored: new generation; republished: a set "
+        "Redis had lost; fenced: refused because a newer leader exists; coalesced: replaced by a newer one before it "
+        "was sent; failed: Redis errors, retried).",
+        MetricType::Counter);
+    const std::pair<const char*, uint64_t> publication_outcomes[] = {
+        {"stored", status.publishes - status.republishes}, {"republished", status.republishes},
+        {"fenced", status.publishes_fenced},               {"coalesced", status.publishes_coalesced},
+        {"failed", status.publish_failures}};
+    for (const auto& outcome : publication_outcomes) {
+      AddSample(&publications, static_cast<double>(outcome.second), {MetricLabel("outcome", outcome.first)});
+    }
+    auto installs = MetricFamily("eldr_cluster_installs_total",
+                                 "Published centroid generations this replica fetched, by outcome (ok: in service; "
+                                 "refused: the router refused it, retried; corrupt: failed to decode).",
+                                 MetricType::Counter);
+    AddSample(&installs, static_cast<double>(status.installs), {MetricLabel("outcome", "ok")});
+    AddSample(&installs, static_cast<double>(status.install_failures), {MetricLabel("outcome", "refused")});
+    AddSample(&installs, static_cast<double>(status.corrupt_sets), {MetricLabel("outcome", "corrupt")});
+    auto window = MetricFamily("eldr_cluster_window_signatures_total",
+                               "Signatures of the shared refit window: appended by this replica, dropped (queue "
+                               "full or Redis errors), delivered to this replica's refitter as leader.",
+                               MetricType::Counter);
+    AddSample(&window, static_cast<double>(status.window_appended), {MetricLabel("outcome", "appended")});
+    AddSample(&window, static_cast<double>(status.window_dropped), {MetricLabel("outcome", "dropped")});
+    AddSample(&window, static_cast<double>(status.window_delivered), {MetricLabel("outcome", "delivered")});
     return {
         std::move(role),
+        std::move(publications),
+        std::move(installs),
+        std::move(window),
+        SingleSample("eldr_cluster_leader_acquisitions_total", "Times this replica became the cluster's leader.",
+                     MetricType::Counter, static_cast<double>(status.leader_acquisitions)),
+        SingleSample("eldr_cluster_redis_reconnects_total",
+                     "Connections to the cluster's Redis made after each connection's first one.", MetricType::Counter,
+                     static_cast<double>(status.reconnects)),
         SingleSample("eldr_cluster_fencing_generation",
                      "The leader's fencing generation (on a follower: the highest one seen).", MetricType::Gauge,
                      static_cast<double>(status.fencing_generation)),

@@ -50,6 +50,10 @@
 //   eldr_cluster_redis_up                                  1 when the last exchange with Redis succeeded
 //   eldr_cluster_peers                                     other replicas with a live load hash
 //   eldr_cluster_window_length                             XLEN of the shared window (-1: not read yet)
+//   eldr_cluster_publications_total{outcome}               stored, republished, fenced, coalesced, failed
+//   eldr_cluster_installs_total{outcome}                   ok, refused, corrupt
+//   eldr_cluster_window_signatures_total{outcome}          appended, dropped, delivered
+//   eldr_cluster_leader_acquisitions_total, eldr_cluster_redis_reconnects_total
 #ifndef ELDR_SERVER_CLUSTER_COMPONENT_H_
 #define ELDR_SERVER_CLUSTER_COMPONENT_H_
 

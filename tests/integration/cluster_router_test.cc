@@ -7,15 +7,20 @@
 //  - shared load: one replica's leases count in another's effective load until it dies.
 #include <signal.h>
 
+#include <algorithm>
+#include <atomic>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "cluster/delay_proxy.h"
 #include "cluster/redis_server.h"
 #include "gtest/gtest.h"
 #include "router_harness.h"
@@ -66,6 +71,53 @@ bool Eventually(F condition, absl::Duration timeout) {
     if (absl::Now() >= deadline) return false;
     absl::SleepFor(absl::Milliseconds(20));
   }
+}
+
+// `count` replicas r0.. of cluster `name` on `redis_address`, each with `extra_args`; fails the
+// test (and returns fewer) when one does not start.
+struct Replicas {
+  std::vector<std::unique_ptr<TempDir>> dirs;
+  std::vector<std::unique_ptr<RouterProcess>> routers;
+};
+Replicas StartReplicas(const std::string& redis_address, int count, const std::string& name,
+                       const std::vector<std::string>& extra_args = {}) {
+  Replicas replicas;
+  for (int i = 0; i < count; ++i) {
+    replicas.dirs.push_back(std::make_unique<TempDir>());
+    std::vector<std::string> args = StandardArgs(*replicas.dirs.back());
+    args.push_back("--cluster_redis=" + redis_address);
+    args.push_back("--cluster_name=" + name);
+    args.push_back(absl::StrCat("--replica_id=r", i));
+    args.insert(args.end(), extra_args.begin(), extra_args.end());
+    std::unique_ptr<RouterProcess> router = MustStart(*replicas.dirs.back(), args);
+    if (router == nullptr) {
+      ADD_FAILURE() << "replica " << i << " did not start";
+      return replicas;
+    }
+    replicas.routers.push_back(std::move(router));
+  }
+  return replicas;
+}
+
+double MetricOr(const RouterProcess& router, const std::string& name,
+                const std::map<std::string, std::string>& labels = {}, double otherwise = -1) {
+  absl::StatusOr<ParsedMetrics> metrics = ScrapeMetrics(router.metrics_port());
+  return metrics.ok() ? metrics->Value(name, labels).value_or(otherwise) : otherwise;
+}
+
+// Every live replica serves the published generation (> 0), and all the same one.
+bool OneGeneration(const std::vector<std::unique_ptr<RouterProcess>>& routers, double* generation = nullptr) {
+  double seen = -1;
+  for (const auto& router : routers) {
+    if (router == nullptr) continue;
+    const double installed = MetricOr(*router, "eldr_cluster_centroid_generation", {{"kind", "installed"}});
+    const double published = MetricOr(*router, "eldr_cluster_centroid_generation", {{"kind", "published"}});
+    if (installed <= 0 || installed != published) return false;
+    if (seen >= 0 && installed != seen) return false;
+    seen = installed;
+  }
+  if (generation != nullptr) *generation = seen;
+  return seen > 0;
 }
 
 TEST(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
@@ -267,6 +319,232 @@ TEST(ClusterRouterTest, PeersLeasesCountInEffectiveLoadUntilTheyDie) {
   // The load TTL (10 x 100 ms, at least 1 s) after its last publication, its leases are gone.
   EXPECT_TRUE(Eventually([&] { return effective(1, "w2") == 0; }, absl::Seconds(3)))
       << "replica 1 still sees w2 at " << effective(1, "w2");
+}
+
+// Routes through every replica of `routers` in turn, from a thread of its own, until stopped:
+// counts the routes that failed and keeps each route's latency.
+class Traffic {
+ public:
+  explicit Traffic(std::vector<const RouterProcess*> targets) : targets_(std::move(targets)) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Traffic() { Stop(); }
+  void Stop() {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+  int64_t routes() const { return routes_.load(); }
+  int64_t failures() const { return failures_.load(); }
+  // Latency percentile (q in [0, 1]) of the routes made since the last call, in microseconds.
+  double TakePercentileUs(double q) {
+    std::vector<double> latencies;
+    {
+      absl::MutexLock lock(&mu_);
+      latencies.swap(latencies_us_);
+    }
+    if (latencies.empty()) return -1;
+    std::sort(latencies.begin(), latencies.end());
+    return latencies[std::min(latencies.size() - 1, static_cast<size_t>(q * latencies.size()))];
+  }
+
+ private:
+  void Run() {
+    for (int n = 0; !stop_.load(); ++n) {
+      const RouterProcess& router = *targets_[n % targets_.size()];
+      const absl::Time start = absl::Now();
+      const std::string worker = RouteBlock(router, n % 4);
+      const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
+      routes_.fetch_add(1);
+      if (worker.empty()) failures_.fetch_add(1);
+      absl::MutexLock lock(&mu_);
+      latencies_us_.push_back(us);
+    }
+  }
+
+  std::vector<const RouterProcess*> targets_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> routes_{0};
+  std::atomic<int64_t> failures_{0};
+  absl::Mutex mu_;
+  std::vector<double> latencies_us_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+// Fencing: a leader frozen (SIGSTOP) past its lease is replaced; when it thaws (SIGCONT), with an
+// admin reload racing its first moments, nothing it publishes reaches the others: they keep the
+// new leader's set, and the thawed one steps down and installs that set too. (Two guards stop it:
+// it steps down when its lease clock has run out before it publishes anything, which is what
+// happens here; a publication sent in the instant before that check is refused by the fencing
+// script, which tests/cluster/cluster_state_test.cc provokes with PauseForTesting.)
+TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
+  auto redis = cluster::testing::RedisServer::Start();
+  ASSERT_TRUE(redis.ok()) << redis.status();
+  Replicas replicas = StartReplicas((*redis)->address(), 3, "fence");
+  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+  ASSERT_EQ(routers.size(), 3u);
+  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); },
+                         2 * kLease + absl::Seconds(3)));
+  const int old_leader = Leaders(routers)[0];
+  const double old_fence = MetricOr(*routers[old_leader], "eldr_cluster_fencing_generation");
+
+  routers[old_leader]->Signal(SIGSTOP);
+  const absl::Time frozen = absl::Now();
+  int new_leader = -1;
+  ASSERT_TRUE(Eventually(
+      [&] {
+        for (int i = 0; i < 3; ++i) {
+          if (i != old_leader && IsLeader(*routers[i]).value_or(false)) new_leader = i;
+        }
+        return new_leader >= 0;
+      },
+      2 * kLease + absl::Seconds(1)))
+      << "no replica took over from the frozen leader";
+  std::cerr << "takeover from a frozen leader after " << absl::FormatDuration(absl::Now() - frozen) << "\n";
+  EXPECT_GT(MetricOr(*routers[new_leader], "eldr_cluster_fencing_generation"), old_fence);
+
+  // The new leader's set: block 1 -> w0. Every live replica installs it.
+  eldr::v1::ReloadCentroidsRequest reload;
+  reload.set_artifact_json(ArtifactJson({1, 2, 3, 0}, {"w0", "w1", "w2", "w3"}));
+  eldr::v1::ReloadCentroidsResponse reloaded;
+  {
+    auto ctx = Ctx();
+    grpc::Status status = routers[new_leader]->AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  const int bystander = 3 - old_leader - new_leader;
+  ASSERT_TRUE(Eventually([&] { return RouteBlock(*routers[bystander], 1) == "w0"; }, absl::Seconds(3)));
+  const double generation = MetricOr(*routers[new_leader], "eldr_cluster_centroid_generation", {{"kind", "installed"}});
+
+  // Still frozen well past its lease. An admin reload (block 1 -> w3) is queued to it before it
+  // thaws, so it reaches the old leader in its first moments awake, racing its own lease check.
+  absl::SleepFor(std::max(absl::ZeroDuration(), kLease + absl::Seconds(1) - (absl::Now() - frozen)));
+  std::thread stale_reload([&] {
+    eldr::v1::ReloadCentroidsRequest stale;
+    stale.set_artifact_json(ArtifactJson({3, 0, 1, 2}, {"w0", "w1", "w2", "w3"}));
+    eldr::v1::ReloadCentroidsResponse response;
+    auto ctx = Ctx(absl::Seconds(10));
+    (void)routers[old_leader]->AdminStub()->ReloadCentroids(ctx.get(), stale, &response);
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  routers[old_leader]->Signal(SIGCONT);
+  stale_reload.join();
+
+  // The thawed one is a follower, and the others never serve its set.
+  EXPECT_TRUE(Eventually([&] { return IsLeader(*routers[old_leader]) == std::optional<bool>(false); },
+                         absl::Seconds(2)));
+  const absl::Time watch_until = absl::Now() + absl::Seconds(2);
+  while (absl::Now() < watch_until) {
+    ASSERT_EQ(RouteBlock(*routers[new_leader], 1), "w0");
+    ASSERT_EQ(RouteBlock(*routers[bystander], 1), "w0");
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(IsLeader(*routers[new_leader]).value_or(false));
+  std::cerr << "the thawed leader's publications fenced: "
+            << MetricOr(*routers[old_leader], "eldr_cluster_publications_total", {{"outcome", "fenced"}})
+            << ", stored: " << MetricOr(*routers[old_leader], "eldr_cluster_publications_total", {{"outcome", "stored"}})
+            << "\n";
+  EXPECT_EQ(MetricOr(*routers[new_leader], "eldr_cluster_centroid_generation", {{"kind", "published"}}), generation)
+      << "the published generation moved: the stale leader published";
+  // Its stale reload stays local at most until the cluster's next generation; the new leader
+  // publishes one, and the thawed replica installs it like every other.
+  {
+    auto ctx = Ctx();
+    grpc::Status status = routers[new_leader]->AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  EXPECT_TRUE(Eventually([&] { return RouteBlock(*routers[old_leader], 1) == "w0" && OneGeneration(routers); },
+                         absl::Seconds(3)))
+      << routers[old_leader]->Log();
+  EXPECT_GT(MetricOr(*routers[old_leader], "eldr_cluster_centroid_generation", {{"kind", "installed"}}), generation);
+}
+
+// Redis killed under traffic and restarted empty: not one route fails, every replica notices the
+// outage (redis_up 0, errors counted), and afterwards the cluster has one leader again and every
+// replica serves one generation, re-published above the ones they served.
+TEST(ClusterRouterTest, RedisKilledUnderTrafficAndRestartedEmpty) {
+  auto redis = cluster::testing::RedisServer::Start();
+  ASSERT_TRUE(redis.ok()) << redis.status();
+  Replicas replicas = StartReplicas((*redis)->address(), 3, "outage");
+  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+  ASSERT_EQ(routers.size(), 3u);
+  double before = 0;
+  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1 && OneGeneration(routers, &before); },
+                         2 * kLease + absl::Seconds(3)));
+
+  Traffic traffic({routers[0].get(), routers[1].get(), routers[2].get()});
+  absl::SleepFor(absl::Milliseconds(500));
+  (*redis)->Kill();
+  EXPECT_TRUE(Eventually(
+      [&] {
+        for (const auto& router : routers) {
+          if (MetricOr(*router, "eldr_cluster_redis_up") != 0) return false;
+        }
+        return true;
+      },
+      absl::Seconds(3)))
+      << "a replica did not notice the outage";
+  absl::SleepFor(kLease);  // long enough for the leader's lease to run out
+  const int64_t routes_during_outage = traffic.routes();
+  ASSERT_TRUE((*redis)->Restart().ok());
+  double after = 0;
+  EXPECT_TRUE(Eventually([&] { return Leaders(routers).size() == 1 && OneGeneration(routers, &after); },
+                         2 * kLease + absl::Seconds(3)))
+      << routers[0]->Log();
+  EXPECT_GT(after, before) << "the set re-published after the restart must be a newer generation";
+  EXPECT_TRUE(Eventually(
+      [&] {
+        for (const auto& router : routers) {
+          if (MetricOr(*router, "eldr_cluster_peers") != 2) return false;
+        }
+        return true;
+      },
+      absl::Seconds(3)));
+  absl::SleepFor(absl::Milliseconds(300));
+  traffic.Stop();
+  EXPECT_EQ(traffic.failures(), 0) << "of " << traffic.routes() << " routes";
+  EXPECT_GT(routes_during_outage, 100);
+  for (const auto& router : routers) {
+    EXPECT_GT(MetricOr(*router, "eldr_cluster_redis_errors_total", {{"kind", "unreachable"}}, 0), 0);
+    EXPECT_EQ(MetricOr(*router, "eldr_cluster_redis_up"), 1);
+    EXPECT_EQ(RouteBlock(*router, 1), "w1");  // the same set as before the outage, everywhere
+  }
+  std::cerr << traffic.routes() << " routes, " << traffic.failures() << " failed, generation " << before << " -> "
+            << after << "\n";
+}
+
+// A slow Redis (every reply held 300 ms, then 1.5 s: past the command timeout) does not move
+// Route latency: routes never wait for Redis.
+TEST(ClusterRouterTest, SlowRedisDoesNotMoveRouteLatency) {
+  auto redis = cluster::testing::RedisServer::Start();
+  ASSERT_TRUE(redis.ok()) << redis.status();
+  auto proxy = cluster::testing::DelayProxy::Start((*redis)->port(), absl::ZeroDuration());
+  ASSERT_TRUE(proxy.ok()) << proxy.status();
+  Replicas replicas = StartReplicas((*proxy)->address(), 2, "slow");
+  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+  ASSERT_EQ(routers.size(), 2u);
+  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); },
+                         2 * kLease + absl::Seconds(3)));
+  Traffic traffic({routers[0].get(), routers[1].get()});
+  absl::SleepFor(absl::Seconds(2));
+  const double fast_p99 = traffic.TakePercentileUs(0.99);
+  (*proxy)->set_reply_delay(absl::Milliseconds(300));
+  absl::SleepFor(absl::Seconds(2));
+  const double slow_p99 = traffic.TakePercentileUs(0.99);
+  (*proxy)->set_reply_delay(absl::Milliseconds(1500));
+  absl::SleepFor(absl::Seconds(3));
+  const double timeout_p99 = traffic.TakePercentileUs(0.99);
+  traffic.Stop();
+  std::cerr << "Route p99: Redis direct " << fast_p99 << " us, replies +300 ms " << slow_p99 << " us, +1.5 s "
+            << timeout_p99 << " us (" << traffic.routes() << " routes)\n";
+  EXPECT_EQ(traffic.failures(), 0);
+  // A route that waited for one Redis reply would take 300 ms or more: the bound is far below it
+  // and generous for a loaded 2-core machine.
+  EXPECT_LT(slow_p99, fast_p99 + 50'000);
+  EXPECT_LT(timeout_p99, fast_p99 + 50'000);
+  for (const auto& router : routers) {
+    EXPECT_GT(MetricOr(*router, "eldr_cluster_redis_errors_total", {{"kind", "timeout"}}, 0), 0)
+        << "1.5 s replies should exceed the 1 s command timeout";
+  }
 }
 
 }  // namespace
