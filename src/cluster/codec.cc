@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/scorer_kernels.h"
 #include "eldr/cluster/crc32c.h"
 
 namespace eldr::cluster {
@@ -15,6 +16,10 @@ namespace {
 constexpr char kCentroidMagic[4] = {'E', 'L', 'D', 'C'};
 constexpr char kSignatureMagic[4] = {'E', 'L', 'D', 'W'};
 constexpr uint32_t kMaxSignatureValues = uint32_t{1} << 24;
+constexpr float kLargestHalf = 65504.0f;  // the largest finite IEEE binary16 value
+
+// The value layouts of a window signature (codec.h).
+enum class WindowForm : uint8_t { kDenseFloat = 0, kSparseFloat = 1, kDenseHalf = 2, kSparseHalf = 3 };
 
 // Little-endian writer.
 class Writer {
@@ -311,29 +316,54 @@ absl::StatusOr<std::string> EncodeWindowSignature(const WindowSignature& entry) 
     return absl::InvalidArgumentError(absl::StrCat("window signature of ", dim, " values (1 to 2^24)"));
   }
   if (!std::isfinite(entry.decode_work)) return absl::InvalidArgumentError("window signature: non-finite decode work");
-  uint32_t nonzero = 0;
+  uint64_t nonzero = 0;
+  bool fits_half = true;
   for (float v : entry.signature) {
     if (!std::isfinite(v)) return absl::InvalidArgumentError("window signature: non-finite value");
     if (v != 0.0f) ++nonzero;
+    if (std::fabs(v) > kLargestHalf) fits_half = false;
   }
-  const bool sparse = static_cast<uint64_t>(nonzero) * 8 < static_cast<uint64_t>(dim) * 4;
+  // The smallest form: half precision whenever every value fits it; sparse pairs when fewer bytes.
+  WindowForm form;
+  uint64_t value_bytes;
+  if (fits_half) {
+    const bool sparse = dim <= 65536 && nonzero * 4 < dim * 2;
+    form = sparse ? WindowForm::kSparseHalf : WindowForm::kDenseHalf;
+    value_bytes = sparse ? nonzero * 4 : dim * 2;
+  } else {
+    const bool sparse = nonzero * 8 < dim * 4;
+    form = sparse ? WindowForm::kSparseFloat : WindowForm::kDenseFloat;
+    value_bytes = sparse ? nonzero * 8 : dim * 4;
+  }
+  const bool sparse = form == WindowForm::kSparseFloat || form == WindowForm::kSparseHalf;
   Writer w;
-  w.Reserve(24 + (sparse ? nonzero * 8 : dim * 4));
+  w.Reserve(28 + value_bytes);
   w.Bytes(kSignatureMagic, 4);
   w.U8(static_cast<uint8_t>(kSignatureEncodingVersion));
-  w.U8(sparse ? 1 : 0);
+  w.U8(static_cast<uint8_t>(form));
   w.U16(0);
   w.U32(static_cast<uint32_t>(dim));
-  if (sparse) {
-    w.U32(nonzero);
-    for (size_t i = 0; i < dim; ++i) {
-      if (entry.signature[i] == 0.0f) continue;
-      w.U32(static_cast<uint32_t>(i));
-      w.F32(entry.signature[i]);
+  w.U32(static_cast<uint32_t>(sparse ? nonzero : dim));
+  for (size_t i = 0; i < dim; ++i) {
+    const float v = entry.signature[i];
+    switch (form) {
+      case WindowForm::kDenseFloat:
+        w.F32(v);
+        break;
+      case WindowForm::kSparseFloat:
+        if (v == 0.0f) break;
+        w.U32(static_cast<uint32_t>(i));
+        w.F32(v);
+        break;
+      case WindowForm::kDenseHalf:
+        w.U16(eldr::internal::FloatToHalf(v));
+        break;
+      case WindowForm::kSparseHalf:
+        if (v == 0.0f) break;
+        w.U16(static_cast<uint16_t>(i));
+        w.U16(eldr::internal::FloatToHalf(v));
+        break;
     }
-  } else {
-    w.U32(static_cast<uint32_t>(dim));
-    for (float v : entry.signature) w.F32(v);
   }
   w.F64(entry.decode_work);
   w.U32(Crc32c(w.str()));
@@ -359,26 +389,46 @@ absl::StatusOr<WindowSignature> DecodeWindowSignature(absl::string_view bytes) {
   if (dim == 0 || dim > kMaxSignatureValues) return absl::DataLossError(absl::StrCat(kWhat, ": dimension ", dim));
   WindowSignature entry;
   entry.signature.assign(dim, 0.0f);
-  if (form == 0) {
-    if (n != dim) return absl::DataLossError(absl::StrCat(kWhat, ": dense form with ", n, " of ", dim, " values"));
-    if (r.remaining() / 4 < n) return Truncated(kWhat, "values");
-    for (float& v : entry.signature) r.F32(&v);
-  } else if (form == 1) {
-    if (n > dim || r.remaining() / 8 < n) return Truncated(kWhat, "values");
-    int64_t previous = -1;
-    for (uint32_t i = 0; i < n; ++i) {
-      uint32_t index = 0;
-      float value = 0;
-      r.U32(&index);
-      r.F32(&value);
+  const bool dense =
+      form == static_cast<uint8_t>(WindowForm::kDenseFloat) || form == static_cast<uint8_t>(WindowForm::kDenseHalf);
+  const bool half =
+      form == static_cast<uint8_t>(WindowForm::kDenseHalf) || form == static_cast<uint8_t>(WindowForm::kSparseHalf);
+  if (form > static_cast<uint8_t>(WindowForm::kSparseHalf)) {
+    return absl::DataLossError(absl::StrCat(kWhat, ": unknown form ", form));
+  }
+  if (form == static_cast<uint8_t>(WindowForm::kSparseHalf) && dim > 65536) {
+    return absl::DataLossError(absl::StrCat(kWhat, ": 16-bit indices for dimension ", dim));
+  }
+  const size_t pair_bytes = dense ? (half ? 2 : 4) : (half ? 4 : 8);
+  if (dense && n != dim) {
+    return absl::DataLossError(absl::StrCat(kWhat, ": dense form with ", n, " of ", dim, " values"));
+  }
+  if (n > dim || r.remaining() / pair_bytes < n) return Truncated(kWhat, "values");
+  int64_t previous = -1;
+  for (uint32_t i = 0; i < n; ++i) {
+    uint32_t index = i;
+    if (!dense) {
+      if (half) {
+        uint16_t short_index = 0;
+        r.U16(&short_index);
+        index = short_index;
+      } else {
+        r.U32(&index);
+      }
       if (index >= dim || static_cast<int64_t>(index) <= previous) {
         return absl::DataLossError(absl::StrCat(kWhat, ": sparse index ", index, " out of order or range"));
       }
       previous = index;
-      entry.signature[index] = value;
     }
-  } else {
-    return absl::DataLossError(absl::StrCat(kWhat, ": unknown form ", form));
+    float value = 0;
+    if (half) {
+      uint16_t bits = 0;
+      r.U16(&bits);
+      value = eldr::internal::HalfToFloat(bits);
+    } else {
+      r.F32(&value);
+    }
+    entry.signature[index] = value;
   }
   if (!r.F64(&entry.decode_work)) return Truncated(kWhat, "decode work");
   if (r.remaining() != 0) {

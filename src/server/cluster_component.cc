@@ -70,10 +70,11 @@ class ClusterStatusCollector : public prometheus::Collectable {
         "Redis had lost; fenced: refused because a newer leader exists; coalesced: replaced by a newer one before it "
         "was sent; failed: Redis errors, retried).",
         MetricType::Counter);
-    const std::pair<const char*, uint64_t> publication_outcomes[] = {
-        {"stored", status.publishes - status.republishes}, {"republished", status.republishes},
-        {"fenced", status.publishes_fenced},               {"coalesced", status.publishes_coalesced},
-        {"failed", status.publish_failures}};
+    const std::pair<const char*, uint64_t> publication_outcomes[] = {{"stored", status.publishes - status.republishes},
+                                                                     {"republished", status.republishes},
+                                                                     {"fenced", status.publishes_fenced},
+                                                                     {"coalesced", status.publishes_coalesced},
+                                                                     {"failed", status.publish_failures}};
     for (const auto& outcome : publication_outcomes) {
       AddSample(&publications, static_cast<double>(outcome.second), {MetricLabel("outcome", outcome.first)});
     }
@@ -188,12 +189,15 @@ class ClusterComponent : public BackgroundComponent, public RouterObserver {
     load_interval_ = options.load_interval;
     // The shared refit window: only when this replica runs a refitter (every replica of a pool
     // should have the same refit settings). Routed signatures are sampled at the refit window's
-    // own admission rate (max_window_signatures per window), so the stream carries about what one
-    // refitter's window would admit from each replica.
+    // own admission rate (max_window_signatures per window) divided by the number of replicas
+    // (this one and the peers with a live load hash), so the stream carries about what one
+    // refitter's window admits, from the whole pool: each replica's Redis traffic shrinks as the
+    // pool grows, and the stream (trimmed to max_window_signatures) spans the whole window.
     const RefitOptions& refit = context_.options->refit;
     if (RefitEnabled(*context_.options) && refit_gate_ != nullptr && refit.max_window_signatures > 0) {
       sample_interval_ns_ = absl::ToInt64Nanoseconds(refit.window / refit.max_window_signatures);
       if (sample_interval_ns_ < 1) sample_interval_ns_ = 1;
+      options.window_max_entries = refit.max_window_signatures;
       options.on_window_entries = [this](std::vector<cluster::WindowEntry> entries) {
         const int dim = dim_.load(std::memory_order_acquire);
         for (const cluster::WindowEntry& entry : entries) {
@@ -289,7 +293,8 @@ class ClusterComponent : public BackgroundComponent, public RouterObserver {
     const int64_t now = absl::ToUnixNanos(routed.at);
     int64_t next = next_sample_ns_.load(std::memory_order_relaxed);
     if (now < next) return;
-    if (!next_sample_ns_.compare_exchange_strong(next, now + sample_interval_ns_, std::memory_order_relaxed)) return;
+    const int64_t interval = sample_interval_ns_ * replicas_.load(std::memory_order_relaxed);
+    if (!next_sample_ns_.compare_exchange_strong(next, now + interval, std::memory_order_relaxed)) return;
     ClusterState* const state = state_.get();
     if (state == nullptr) return;
     cluster::WindowSignature entry;
@@ -309,6 +314,7 @@ class ClusterComponent : public BackgroundComponent, public RouterObserver {
         peers[worker] = PeerLeaseCount{count.live, count.since_snapshot};
       }
       context_.router->SetPeerLeases(peers);
+      replicas_.store(1 + static_cast<int>(state_->PeerLoads().size()), std::memory_order_relaxed);
       stop_mu_.Lock();
       stop_mu_.AwaitWithTimeout(absl::Condition(&stopping_), load_interval_);
     }
@@ -321,7 +327,8 @@ class ClusterComponent : public BackgroundComponent, public RouterObserver {
   absl::Duration load_interval_ = absl::Milliseconds(100);
   int64_t sample_interval_ns_ = 0;  // 0: no shared window
   std::atomic<int64_t> next_sample_ns_{0};
-  std::atomic<int> dim_{0};  // the dimension of the transform in service
+  std::atomic<int> replicas_{1};  // this one and the peers seen (the shared window's sampling divisor)
+  std::atomic<int> dim_{0};       // the dimension of the transform in service
   bool observing_ = false;
   std::thread peer_thread_;
   absl::Mutex stop_mu_;

@@ -2,8 +2,10 @@
 //
 // --concurrency slots each run Route (and, with --complete, the Complete of its lease) back to
 // back over the async callback API, on one or more channels, for --warmup_s + --duration_s.
-// Only RPCs that finish inside the measured window count. Signatures come from the bundled real
-// traces (--trace: each sequence's prefill counts) or are random counts of --geometry.
+// Only RPCs that finish inside the measured window count. With --rate the slots start their routes
+// on a shared schedule of that many routes per second (at most --concurrency in flight): a fixed
+// load instead of the closed loop's maximum; latency counts from each route's actual send. Signatures come from the
+// bundled real traces (--trace: each sequence's prefill counts) or are random counts of --geometry.
 //
 // Also writes fixtures for a benchmark: --write_artifact (random unit centroids of --geometry for
 // --workers workers named w0..wN-1) and --write_workers (their worker file).
@@ -17,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -36,6 +39,7 @@
 #include "eldr/core/centroid_artifact.h"
 #include "eldr/trace/trace.h"
 #include "eldr/v1/router.grpc.pb.h"
+#include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 
@@ -43,6 +47,9 @@ ABSL_FLAG(std::string, target, "127.0.0.1:50051", "host:port of eldr-router.");
 ABSL_FLAG(double, duration_s, 10, "Measured duration in seconds.");
 ABSL_FLAG(double, warmup_s, 1, "Unmeasured warm-up before the measured window.");
 ABSL_FLAG(int, concurrency, 8, "Closed-loop slots (requests in flight).");
+ABSL_FLAG(double, rate, 0,
+          "Routes per second in all (scheduled start times shared by the slots); 0: closed loop, as fast as "
+          "the slots go.");
 ABSL_FLAG(int, channels, 1, "gRPC channels (TCP connections) the slots are spread over.");
 ABSL_FLAG(std::string, api, "cq",
           "Client API: cq (completion queues polled by --client_threads threads; the cheapest per "
@@ -226,7 +233,9 @@ class Slot {
   void Start() { StartRoute(); }
   // Completion-queue mode: the outstanding RPC finished.
   void OnCqEvent() {
-    if (phase_ == Phase::kRoute) {
+    if (phase_ == Phase::kWait) {
+      SendRoute();
+    } else if (phase_ == Phase::kRoute) {
       OnRoute(status_);
     } else {
       OnComplete(status_);
@@ -235,9 +244,10 @@ class Slot {
   SlotStats& stats() { return stats_; }
 
  private:
-  enum class Phase { kRoute, kComplete };
+  enum class Phase { kWait, kRoute, kComplete };
 
   void StartRoute();
+  void SendRoute();
   void OnRoute(const grpc::Status& status);
   void OnComplete(const grpc::Status& status);
   void RecordError(const grpc::Status& status);
@@ -255,6 +265,7 @@ class Slot {
   eldr::v1::CompleteRequest complete_request_;
   eldr::v1::CompleteResponse complete_response_;
   Clock::time_point sent_;
+  grpc::Alarm alarm_;  // --rate: wakes the slot at its scheduled start
   SlotStats stats_;
 };
 
@@ -265,6 +276,17 @@ class Run {
       : requests_(requests), complete_(complete), from_(measure_from), to_(measure_to) {}
 
   const eldr::v1::RouteRequest& request(size_t i) const { return (*requests_)[i % requests_->size()]; }
+  // With a rate: the start time of the next route on the shared schedule (claimed by the caller);
+  // without one: nullopt (start now).
+  std::optional<Clock::time_point> ClaimStart() {
+    if (interval_ns_ <= 0) return std::nullopt;
+    const int64_t offset = next_offset_ns_.fetch_add(interval_ns_, std::memory_order_relaxed);
+    return schedule_start_ + std::chrono::nanoseconds(offset);
+  }
+  void SetRate(double routes_per_s, Clock::time_point start) {
+    interval_ns_ = routes_per_s > 0 ? static_cast<int64_t>(1e9 / routes_per_s) : 0;
+    schedule_start_ = start;
+  }
   bool complete() const { return complete_; }
   bool stopping(Clock::time_point now) const { return now >= to_; }
   bool measured(Clock::time_point t) const { return t >= from_ && t < to_; }
@@ -284,6 +306,9 @@ class Run {
   const bool complete_;
   const Clock::time_point from_;
   const Clock::time_point to_;
+  int64_t interval_ns_ = 0;
+  Clock::time_point schedule_start_;
+  std::atomic<int64_t> next_offset_ns_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   int finished_ = 0;
@@ -295,10 +320,29 @@ void Slot::StartRoute() {
     run_->SlotFinished();
     return;
   }
+  const std::optional<Clock::time_point> due = run_->ClaimStart();
+  if (due.has_value() && *due > now) {
+    if (run_->stopping(*due)) {
+      run_->SlotFinished();
+      return;
+    }
+    phase_ = Phase::kWait;
+    const auto deadline = std::chrono::system_clock::now() + (*due - now);
+    if (cq_ != nullptr) {
+      alarm_.Set(cq_, deadline, this);
+    } else {
+      alarm_.Set(deadline, [this](bool) { SendRoute(); });
+    }
+    return;
+  }
+  SendRoute();
+}
+
+void Slot::SendRoute() {
   context_ = std::make_unique<grpc::ClientContext>();
   route_response_.Clear();
   phase_ = Phase::kRoute;
-  sent_ = now;
+  sent_ = Clock::now();
   const eldr::v1::RouteRequest& request = run_->request(next_++);
   if (cq_ != nullptr) {
     route_reader_ = stub_->AsyncRoute(context_.get(), request, cq_);
@@ -398,6 +442,10 @@ int main(int argc, char** argv) {
   const int channels = absl::GetFlag(FLAGS_channels);
   const double duration_s = absl::GetFlag(FLAGS_duration_s);
   const double warmup_s = absl::GetFlag(FLAGS_warmup_s);
+  if (!(absl::GetFlag(FLAGS_rate) >= 0)) {
+    std::fprintf(stderr, "eldr-bench: --rate must be >= 0\n");
+    return 2;
+  }
   if (concurrency <= 0 || channels <= 0 || !(duration_s > 0) || !(warmup_s >= 0)) {
     std::fprintf(stderr, "eldr-bench: --concurrency, --channels and --duration_s must be positive\n");
     return 2;
@@ -447,6 +495,7 @@ int main(int argc, char** argv) {
   const auto from = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(warmup_s));
   const auto to = from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration_s));
   Run run(&requests, absl::GetFlag(FLAGS_complete), from, to);
+  run.SetRate(absl::GetFlag(FLAGS_rate), start);
   const std::string api = absl::GetFlag(FLAGS_api);
   const int client_threads = api == "cq" ? std::max(1, absl::GetFlag(FLAGS_client_threads)) : 0;
   std::vector<std::unique_ptr<grpc::CompletionQueue>> queues;
@@ -496,6 +545,7 @@ int main(int argc, char** argv) {
       {"complete_p99_us", PercentileUs(total.complete_ns, 0.99)},
       {"duration_s", duration_s},
       {"concurrency", concurrency},
+      {"target_rate", absl::GetFlag(FLAGS_rate)},
       {"channels", channels},
       {"geometry", geometry_label},
       {"encoding", encoding},

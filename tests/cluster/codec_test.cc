@@ -153,20 +153,48 @@ TEST(WindowCodecTest, DenseAndSparseRoundTrip) {
   sparse.decode_work = 123.5;
   absl::StatusOr<std::string> small = EncodeWindowSignature(sparse);
   ASSERT_TRUE(small.ok());
-  EXPECT_LT(small->size(), 64u);  // two (index, value) pairs, not 4000 bytes
+  EXPECT_LT(small->size(), 48u);  // two (u16 index, f16 value) pairs, not 2000 or 4000 bytes
   absl::StatusOr<WindowSignature> back = DecodeWindowSignature(*small);
   ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->signature, sparse.signature);
+  ASSERT_EQ(back->signature.size(), 1000u);
+  for (int i = 0; i < 1000; ++i) {
+    // Half precision: relative error at most 2^-11; zeros stay zeros.
+    EXPECT_NEAR(back->signature[i], sparse.signature[i], std::fabs(sparse.signature[i]) * 0x1p-11f) << i;
+    EXPECT_EQ(back->signature[i] == 0.0f, sparse.signature[i] == 0.0f) << i;
+  }
+  EXPECT_NE(back->signature[3], 0.6f);  // 0.6 is not a binary16 value: the half form was used
   EXPECT_EQ(back->decode_work, 123.5);
 
   WindowSignature dense;
-  for (int i = 0; i < 16; ++i) dense.signature.push_back(0.25f);
+  for (int i = 0; i < 16; ++i) dense.signature.push_back(i % 2 == 0 ? 0.25f : -0.375f);  // exact in binary16
   absl::StatusOr<std::string> full = EncodeWindowSignature(dense);
   ASSERT_TRUE(full.ok());
+  EXPECT_EQ(full->size(), 28u + 16 * 2);  // header, decode work and checksum, then 2 bytes per value
   back = DecodeWindowSignature(*full);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->signature, dense.signature);
   EXPECT_EQ(back->decode_work, 0);
+
+  // A 48 x 128 unit signature with every expert used fits in the dense half form.
+  WindowSignature wide;
+  wide.signature.assign(48 * 128, 1.0f / std::sqrt(48.0f * 128.0f));
+  absl::StatusOr<std::string> wide_bytes = EncodeWindowSignature(wide);
+  ASSERT_TRUE(wide_bytes.ok());
+  EXPECT_LE(wide_bytes->size(), 48u * 128 * 2 + 32);
+}
+
+TEST(WindowCodecTest, ValuesBeyondHalfRangeKeepFullPrecision) {
+  WindowSignature big;
+  big.signature = {0.0f, 1e5f, 0.1f, 0.0f, -3.5e6f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  absl::StatusOr<std::string> bytes = EncodeWindowSignature(big);
+  ASSERT_TRUE(bytes.ok());
+  absl::StatusOr<WindowSignature> back = DecodeWindowSignature(*bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->signature, big.signature);  // exact: the f32 (sparse) form
+  big.signature.assign(12, 2e5f);
+  back = DecodeWindowSignature(*EncodeWindowSignature(big));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->signature, big.signature);  // exact: the dense f32 form
 }
 
 TEST(WindowCodecTest, CorruptionAndBadInput) {

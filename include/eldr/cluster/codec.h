@@ -19,10 +19,16 @@
 //              u32      CRC-32C of every byte above
 //
 // Window signature, version 1 ("ELDW"):
-//   char[4] magic "ELDW", u8 version (1), u8 form (0 dense, 1 sparse), u16 zero, u32 dim,
-//   u32 n; dense: n == dim f32 values; sparse: n x (u32 index, f32 value), indices strictly
-//   increasing and < dim; f64 decode work; u32 CRC-32C of every byte above.
-//   The encoder picks the smaller form (a prompt's signature touches a fraction of the experts).
+//   char[4] magic "ELDW", u8 version (1), u8 form, u16 zero, u32 dim, u32 n, then by form:
+//     0 dense f32:   n == dim f32 values
+//     1 sparse f32:  n x (u32 index, f32 value)
+//     2 dense f16:   n == dim IEEE binary16 values
+//     3 sparse f16:  n x (u16 index, binary16 value), only when dim <= 65536
+//   (sparse indices strictly increasing and < dim); f64 decode work; u32 CRC-32C of every byte
+//   above. The encoder picks the smallest form: half precision whenever every value fits it (a
+//   unit signature always does; relative rounding error at most 2^-11, which the refit's k-means
+//   does not notice), sparse when a prompt touches less than half of the experts. A 48 x 128
+//   signature takes at most 12.3 KB instead of 24.6 KB in fp32.
 //
 // Thread-safety: pure functions.
 #ifndef ELDR_CLUSTER_CODEC_H_
