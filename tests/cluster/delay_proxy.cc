@@ -123,7 +123,8 @@ void DelayProxy::Pump(int from, int to, bool delayed) {
     if (n <= 0) break;
     if (delayed) {
       const absl::Time due = absl::Now() + absl::Microseconds(reply_delay_us_.load(std::memory_order_relaxed));
-      while (!stopping_.load() && absl::Now() < due) absl::SleepFor(std::min(due - absl::Now(), absl::Milliseconds(20)));
+      while (!stopping_.load() && absl::Now() < due)
+        absl::SleepFor(std::min(due - absl::Now(), absl::Milliseconds(20)));
     }
     if (!WriteAll(to, buffer, static_cast<size_t>(n))) break;
   }

@@ -13,8 +13,8 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -430,8 +430,8 @@ TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
   stale_reload.join();
 
   // The thawed one is a follower, and the others never serve its set.
-  EXPECT_TRUE(Eventually([&] { return IsLeader(*routers[old_leader]) == std::optional<bool>(false); },
-                         absl::Seconds(2)));
+  EXPECT_TRUE(
+      Eventually([&] { return IsLeader(*routers[old_leader]) == std::optional<bool>(false); }, absl::Seconds(2)));
   const absl::Time watch_until = absl::Now() + absl::Seconds(2);
   while (absl::Now() < watch_until) {
     ASSERT_EQ(RouteBlock(*routers[new_leader], 1), "w0");
@@ -441,8 +441,8 @@ TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
   EXPECT_TRUE(IsLeader(*routers[new_leader]).value_or(false));
   std::cerr << "the thawed leader's publications fenced: "
             << MetricOr(*routers[old_leader], "eldr_cluster_publications_total", {{"outcome", "fenced"}})
-            << ", stored: " << MetricOr(*routers[old_leader], "eldr_cluster_publications_total", {{"outcome", "stored"}})
-            << "\n";
+            << ", stored: "
+            << MetricOr(*routers[old_leader], "eldr_cluster_publications_total", {{"outcome", "stored"}}) << "\n";
   EXPECT_EQ(MetricOr(*routers[new_leader], "eldr_cluster_centroid_generation", {{"kind", "published"}}), generation)
       << "the published generation moved: the stale leader published";
   // Its stale reload stays local at most until the cluster's next generation; the new leader
