@@ -458,6 +458,7 @@ void WorkerStatusToProto(const WorkerStatus& status, absl::Time now, eldr::v1::W
     out->set_report_age_seconds(-1);
   }
   out->set_effective_load(status.load.effective);
+  out->set_peer_leases(status.load.peer_leases);
 }
 
 RouterAdminService::RouterAdminService(ServiceContext context) : ctx_(std::move(context)) {}

@@ -245,6 +245,9 @@ TEST(ClusterRouterTest, OnlyTheLeaderRefitsAndTheFollowersInstallItsSets) {
     args.push_back(absl::StrCat("--replica_id=r", i));
     args.push_back("--refit_interval=1s");
     args.push_back("--refit_window=30s");
+    // The routes below come in a burst of a second or so: sample every one of them for the shared
+    // window (the default samples about 136 a second over the pool at this window).
+    args.push_back("--refit_max_window_signatures=1000000");
     routers.push_back(MustStart(*dirs.back(), args));
     ASSERT_NE(routers.back(), nullptr);
   }
@@ -311,6 +314,12 @@ TEST(ClusterRouterTest, PeersLeasesCountInEffectiveLoadUntilTheyDie) {
   };
   EXPECT_TRUE(Eventually([&] { return effective(1, "w2") == 5; }, absl::Seconds(2)))
       << "replica 1 sees w2 at " << effective(1, "w2");
+  {
+    const eldr::v1::GetStateResponse state = State(*routers[1]);
+    ASSERT_NE(FindWorker(state, "w2"), nullptr);
+    EXPECT_EQ(FindWorker(state, "w2")->peer_leases(), 5);
+    EXPECT_EQ(FindWorker(state, "w2")->inflight(), 0);
+  }
   EXPECT_EQ(effective(1, "w1"), 0);
   EXPECT_EQ(State(*routers[1]).live_leases(), 0);  // its own leases: none
   routers[0]->Signal(SIGKILL);
