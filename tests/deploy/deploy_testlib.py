@@ -29,7 +29,7 @@ MONITORING_DIR = os.path.join(DEPLOY_DIR, "monitoring")
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
-OVERLAYS = ("standalone", "sidecar", "tls")
+OVERLAYS = ("standalone", "sidecar", "tls", "standalone-cluster")
 ROUTER_CONTAINER = "eldr-router"
 # Where the image puts its binaries (docker/Dockerfile); tests run the build's instead.
 IMAGE_BIN_DIR = "/usr/local/bin"
@@ -103,6 +103,68 @@ def flag_values(args):
             raise AssertionError(f"argument {arg!r} is not of the form --flag=value")
         values[match.group(1)] = match.group(2)
     return values
+
+
+def config_map_key(objects, ref):
+    """The value of a configMapKeyRef ({name, key}) among the rendered objects."""
+    config_map = find_one(objects, "ConfigMap", ref["name"])
+    data = config_map.get("data", {})
+    if ref["key"] not in data:
+        raise AssertionError(f"ConfigMap {ref['name']} has no key {ref['key']}")
+    return data[ref["key"]]
+
+
+def container_env(objects, container, pod_name="pod-name", namespace="namespace"):
+    """{name: value} of a container's environment as the kubelet resolves it: values, keys of the
+    rendered ConfigMaps, the downward API's metadata.name and metadata.namespace, and limits.cpu
+    (rounded up, as the kubelet does). A later entry of the same name wins. Raises for a source
+    it does not know."""
+    env = {}
+    limits = container.get("resources", {}).get("limits", {})
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = expand_env(var["value"], env)
+            continue
+        source = var.get("valueFrom", {})
+        if "configMapKeyRef" in source:
+            env[var["name"]] = config_map_key(objects, source["configMapKeyRef"])
+        elif "fieldRef" in source:
+            field = source["fieldRef"]["fieldPath"]
+            values = {"metadata.name": pod_name, "metadata.namespace": namespace}
+            if field not in values:
+                raise AssertionError(f"unsupported fieldRef {field}")
+            env[var["name"]] = values[field]
+        elif "resourceFieldRef" in source:
+            ref = source["resourceFieldRef"]
+            if ref["resource"] != "limits.cpu" or "cpu" not in limits:
+                raise AssertionError(f"unsupported resourceFieldRef {ref}")
+            divisor = parse_cpu(ref.get("divisor", "1"))
+            env[var["name"]] = str(math.ceil(parse_cpu(limits["cpu"]) / divisor))
+        else:
+            raise AssertionError(f"unsupported env source in {var}")
+    return env
+
+
+def expand_env(text, env):
+    """Kubernetes' expansion of command, args and env values: $(NAME) becomes the variable's value
+    when it is defined, and stays as written otherwise; $$ is a literal $."""
+    def one(match):
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return env[name] if name in env else match.group(0)
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, text)
+
+
+def env_references(text):
+    """Names of the variables $(NAME) refers to in `text` (escaped $$( ) excepted)."""
+    return re.findall(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)", text)
+
+
+def resolved_flags(objects, container, pod_name="pod-name", namespace="namespace"):
+    """flag_values of the container's arguments after the kubelet's $(VAR) expansion."""
+    env = container_env(objects, container, pod_name, namespace)
+    return flag_values([expand_env(arg, env) for arg in container.get("args", [])])
 
 
 def service_account_name(spec):
@@ -349,14 +411,23 @@ class PodContainer:
     local process cannot get the same way. Kubernetes discovery reads the in-cluster service-account
     mount at a fixed path (/var/run/secrets/kubernetes.io/serviceaccount), so a test points it at a
     fake API server with --kubeconfig=<file> instead.
+
+    `pod_name` and `namespace` are what the downward API gives (metadata.name, metadata.namespace).
+    `addresses` maps a Service's host:port as the container dials it (after $(VAR) expansion,
+    e.g. eldr-redis:6379) to where the test serves it on loopback; a --cluster_redis that is not
+    loopback after the mapping is refused, like a URL leaving loopback.
     """
 
-    def __init__(self, objects, spec, container, secrets=None, rewrite_files=None, extra_args=()):
+    def __init__(self, objects, spec, container, secrets=None, rewrite_files=None, extra_args=(),
+                 pod_name="eldr-router-test-0", namespace="default", addresses=None):
         self.objects = objects
         self.spec = spec
         self.container = container
         self.secrets = secrets or {}
         self.extra_args = list(extra_args)
+        self.pod_name = pod_name
+        self.namespace = namespace
+        self.addresses = dict(addresses or {})
         self.root = tempfile.mkdtemp(prefix="eldr-pod-")
         self.mounts = {}    # mountPath -> local folder
         self.ports = {}     # container port -> local port
@@ -391,6 +462,15 @@ class PodContainer:
                 files = None
             else:
                 raise AssertionError(f"unsupported volume type in {volume}")
+            source = volume.get("configMap") or volume.get("secret") or {}
+            if files is not None and "items" in source:
+                # Only the listed keys, at their paths (a missing key fails the pod's start).
+                projected = {}
+                for item in source["items"]:
+                    if item["key"] not in files:
+                        raise AssertionError(f"volume {mount['name']}: no key {item['key']}")
+                    projected[item["path"]] = files[item["key"]]
+                files = projected
             if files is None:
                 os.makedirs(local, exist_ok=True)
             else:
@@ -438,31 +518,32 @@ class PodContainer:
             return match.group(1) + self.local_path(match.group(2))
         return re.sub(r"(^|=)(/[^\s,]*)", path, text)
 
+    def map_addresses(self, text):
+        for address, local in self.addresses.items():
+            text = re.sub(rf"(?<![\w.-]){re.escape(address)}(?![\w.:-])", local, text)
+        return text
+
     def command_line(self):
-        line = [self.rewrite(arg) for arg in
+        env = self.container_env()
+        line = [self.rewrite(self.map_addresses(expand_env(arg, env))) for arg in
                 list(self.container.get("command", [])) + list(self.container.get("args", []))]
         line += self.extra_args
         for arg in line:
             if re.search(r"https?://(?!127\.0\.0\.1[:/])", arg):
                 raise AssertionError(f"argument {arg!r} would make the daemon leave loopback")
+            redis = re.fullmatch(r"--cluster_redis=(.*)", arg)
+            if redis and redis.group(1) and not redis.group(1).startswith("127.0.0.1:"):
+                raise AssertionError(f"argument {arg!r} would make the daemon leave loopback: "
+                                     "map the address (addresses=)")
         return line
+
+    def container_env(self):
+        """The container's own variables, as the kubelet resolves them."""
+        return container_env(self.objects, self.container, self.pod_name, self.namespace)
 
     def environment(self):
         env = {"PATH": "/usr/bin:/bin", "HOME": self.root}
-        limits = self.container.get("resources", {}).get("limits", {})
-        for var in self.container.get("env", []):
-            if "value" in var:
-                env[var["name"]] = var["value"]
-                continue
-            ref = var.get("valueFrom", {}).get("resourceFieldRef")
-            if not ref:
-                raise AssertionError(f"unsupported env source in {var}")
-            resource = ref["resource"]
-            if resource != "limits.cpu" or "cpu" not in limits:
-                raise AssertionError(f"unsupported resourceFieldRef {ref}")
-            divisor = parse_cpu(ref.get("divisor", "1"))
-            # The kubelet rounds up: a 500m limit with divisor 1 is 1.
-            env[var["name"]] = str(math.ceil(parse_cpu(limits["cpu"]) / divisor))
+        env.update(self.container_env())
         # Not part of the container: the sanitizer runtimes' settings of a sanitizer build's test run.
         for name in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS", "TSAN_OPTIONS"):
             if name in os.environ:
@@ -544,6 +625,44 @@ class PodContainer:
             if time.monotonic() - start > budget:
                 raise AssertionError(f"{kind} still failing after {budget} s: {last}\n{self.log()}")
             time.sleep(0.2)
+
+
+class ShellPodContainer(PodContainer):
+    """A container whose command is a shell script (the Redis of deploy/components/redis), run like
+    PodContainer runs the router: its volumes materialised below a temporary root, its container
+    ports mapped to free loopback ports. The script and its exec probes are rewritten as text:
+    every mount path becomes its local folder, every `--port N` / `-p N` of a declared container
+    port the local port, and `local_args` (e.g. --bind 127.0.0.1: in a pod Redis listens on the pod
+    IP, here on loopback only) are appended to the script's last line, the exec'd server's."""
+
+    def __init__(self, objects, spec, container, secrets=None, local_args=(), **kwargs):
+        self.local_args = list(local_args)
+        super().__init__(objects, spec, container, secrets=secrets, **kwargs)
+
+    def _map_ports(self):
+        for port in self.container.get("ports", []):
+            self.ports.setdefault(port["containerPort"], free_port())
+
+    def port(self, name):
+        """The local port of the container port named `name`."""
+        (number,) = [p["containerPort"] for p in self.container["ports"] if p["name"] == name]
+        return self.ports[number]
+
+    def rewrite(self, text):
+        for mount_path in sorted(self.mounts, key=len, reverse=True):
+            text = re.sub(rf"{re.escape(mount_path.rstrip('/'))}(?=/|\b|$)", self.mounts[mount_path], text)
+
+        def port(match):
+            number = int(match.group(3))
+            return match.group(1) + match.group(2) + str(self.ports.get(number, number))
+        return re.sub(r"(--port|-p)(\s+|=)(\d+)\b", port, text)
+
+    def command_line(self):
+        line = [self.rewrite(arg) for arg in
+                list(self.container.get("command", [])) + list(self.container.get("args", []))]
+        if self.local_args:
+            line[-1] = line[-1].rstrip() + " " + " ".join(self.local_args)
+        return line
 
 
 def parse_cpu(text):

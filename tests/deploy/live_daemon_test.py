@@ -9,7 +9,13 @@ server through its mounted service account; here the daemon gets one more argume
 --kubeconfig=<file>, for a stand-in API server (tests/discovery/fake_kube_apiserver.py) that holds
 the example decode pool (deploy/examples/decode-statefulset.yaml) in the overlay's namespace. The
 pool then changes the way it does in a cluster: pods turn unready, terminate, are deleted and
-created."""
+created.
+
+The overlays whose routers share a Redis (sidecar, standalone-cluster) run the overlay's own Redis
+too: its StatefulSet's container (the shell command, the Secret file, the exec probes) on a
+loopback port, which the router's --cluster_redis (the Service's eldr-redis:6379, from the
+overlay's ConfigMap) is mapped to. Each router replica gets its pod name from the downward API
+(POD_NAME), as in a pod."""
 
 import json
 import os
@@ -20,6 +26,7 @@ import tempfile
 import time
 import unittest
 import urllib.parse
+import uuid
 
 import numpy as np
 
@@ -123,9 +130,15 @@ def pool(admin):
     return {w.worker.id: (w.worker.address, w.state) for w in admin.list_workers().workers}
 
 
+# The overlays' Redis (deploy/components/redis) and the Secret that holds its password.
+REDIS_NAME = "eldr-redis"
+REDIS_SECRET = "eldr-redis"
+
+
 class LiveDaemonTestBase(unittest.TestCase):
     overlay = "standalone"
     secrets = None
+    redis_password = b"deploy-test-redis-password"
 
     @classmethod
     def setUpClass(cls):
@@ -135,13 +148,83 @@ class LiveDaemonTestBase(unittest.TestCase):
         cls.workload, cls.spec, cls.container_spec = lib.router_workload(cls.objects)
         cls.namespace = cls.workload["metadata"]["namespace"]
         cls.flags = lib.flag_values(cls.container_spec["args"])
+        # Routers that share a Redis (components/cluster).
+        cls.clustered = "cluster_redis" in cls.flags
 
-    def start(self):
+    def setUp(self):
+        self.cluster = None
+        self.redis = None
+
+    def pod_secrets(self):
+        """The Secrets the overlay's pods mount: the class's, and the Redis password."""
+        secrets = dict(self.secrets or {})
+        if self.clustered:
+            secrets[REDIS_SECRET] = {"password": self.redis_password}
+        return secrets
+
+    def start_redis(self):
+        """The overlay's Redis (the StatefulSet's one container) on a loopback port, once it passes
+        its readiness and liveness probes (redis-cli PING with the Secret's password)."""
+        statefulset = lib.find_one(self.objects, "StatefulSet", REDIS_NAME)
+        spec = lib.pod_spec(statefulset)
+        (container,) = spec["containers"]
+        self.redis = lib.start_with_retries(
+            lambda: lib.ShellPodContainer(self.objects, spec, container, secrets=self.pod_secrets(),
+                                          local_args=["--bind", "127.0.0.1"],
+                                          pod_name=f"{REDIS_NAME}-0", namespace=self.namespace))
+        self.addCleanup(self.redis.cleanup)
+        self.redis.pass_probe("readinessProbe")
+        self.redis.pass_probe("livenessProbe")
+        return self.redis
+
+    def redis_cli(self, *args):
+        """redis-cli against the overlay's Redis, with its password; the reply's lines."""
+        result = subprocess.run(["redis-cli", "-p", str(self.redis.port("redis")), *args],
+                                capture_output=True, text=True, timeout=10,
+                                env={"PATH": "/usr/bin:/bin",
+                                     "REDISCLI_AUTH": self.redis_password.decode()})
+        self.assertEqual(result.returncode, 0, result.stderr)
+        return result.stdout.splitlines()
+
+    def redis_addresses(self):
+        """The router's --cluster_redis as the pod dials it (the overlay's Redis Service), mapped to
+        the local Redis."""
+        if not self.clustered:
+            return {}
+        if self.redis is None:
+            self.start_redis()
+        address = lib.resolved_flags(self.objects, self.container_spec)["cluster_redis"]
+        service = lib.find_one(self.objects, "Service", REDIS_NAME)
+        host, port = lib.split_host_port(address)
+        self.assertEqual((host, port), (service["metadata"]["name"], service["spec"]["ports"][0]["port"]))
+        return {address: f"127.0.0.1:{self.redis.port('redis')}"}
+
+    def pod_name(self):
+        """A name as the Deployment's ReplicaSet gives its pods."""
+        return f"{self.workload['metadata']['name']}-7c9d8f6b5-{uuid.uuid4().hex[:5]}"
+
+    def start(self, pod_name=None):
         """The router container of the overlay, discovering the example decode pool (Running and
         Ready, in the overlay's namespace) from a stand-in API server. Two pods it must not take
         are there too: one carrying the router pod's own labels in its namespace, and a decode pod
-        of another namespace (the Role is namespaced; so is the watch)."""
+        of another namespace (the Role is namespaced; so is the watch). With components/cluster,
+        the overlay's Redis runs too, and every call starts one more replica (another pod) of the
+        same pool."""
         self.assertEqual(self.flags.get("discovery"), "kubernetes")
+        if self.cluster is None:
+            self.start_pool()
+        addresses = self.redis_addresses()
+        pod_name = pod_name or self.pod_name()
+        container = lib.start_with_retries(
+            lambda: lib.PodContainer(self.objects, self.spec, self.container_spec,
+                                     secrets=self.pod_secrets(), pod_name=pod_name,
+                                     namespace=self.namespace, addresses=addresses,
+                                     extra_args=[f"--kubeconfig={self.cluster.kubeconfig}"]))
+        self.addCleanup(container.cleanup)
+        return container
+
+    def start_pool(self):
+        """The stand-in API server with the example decode pool."""
         self.fake_workers = lib.FakeVllmMetrics([], running=5, waiting=2, kv_usage=0.25)
         self.addCleanup(self.fake_workers.close)
         port_names = {self.flags.get("worker_port", "http"),
@@ -154,12 +237,6 @@ class LiveDaemonTestBase(unittest.TestCase):
             labels=dict(self.workload["spec"]["template"]["metadata"]["labels"]), ready=True)
         fields = self.cluster.pod_fields("decode-elsewhere")
         self.cluster.control.create_pod("decode-elsewhere", namespace="default", **fields)
-        container = lib.start_with_retries(
-            lambda: lib.PodContainer(self.objects, self.spec, self.container_spec,
-                                     secrets=self.secrets,
-                                     extra_args=[f"--kubeconfig={self.cluster.kubeconfig}"]))
-        self.addCleanup(container.cleanup)
-        return container
 
     def pass_all_probes(self, container):
         took = container.pass_probe("startupProbe")
@@ -336,13 +413,18 @@ class StandaloneLiveTest(LiveDaemonTestBase):
         for alert, expr in lib.rule_exprs(lib.load_rules()):
             for name in lib.metric_names(expr):
                 used.setdefault(name, f"alert {alert}")
+        # The eldr_cluster_* series exist on routers run with --cluster_redis only
+        # (StandaloneClusterLiveTest checks them).
         missing = {name: where for name, where in used.items()
-                   if name not in samples and name not in lib.PROMETHEUS_SYNTHETIC}
+                   if name not in samples and name not in lib.PROMETHEUS_SYNTHETIC
+                   and not name.startswith("eldr_cluster_")}
         self.assertEqual(missing, {}, "metrics used by the monitoring files but not scraped")
         # Literal label values the alerts and panels select on exist too.
         for alert, expr in list(lib.rule_exprs(lib.load_rules())) + [
                 (t, e) for t, e in lib.dashboard_exprs(lib.load_dashboard())]:
             for metric, matchers in re.findall(r"([a-z_]+)\{([^}]*)\}", expr):
+                if metric.startswith("eldr_cluster_"):
+                    continue
                 for label, op, value in re.findall(r'(\w+)\s*(=~|=)\s*"([^"$]*)"', matchers):
                     if label in ("namespace", "job", "pod") or not value:
                         continue
@@ -480,6 +562,145 @@ class SidecarLiveTest(LiveDaemonTestBase):
         lib.wait_until(lambda: exit_code(f"--addr={address}") == 4 or "still serving", timeout=5,
                        what="NOT_SERVING (exit 4) with every worker drained")
         self.assertEqual(exit_code(f"--addr={address}", "--service=liveness"), 0)
+
+
+def cluster_view(container):
+    """What a replica says of its cluster (the eldr_cluster_* gauges of its metrics page)."""
+    samples = scrape(container)
+
+    def value(name, **labels):
+        values = [v for have, v in samples.get(name, [])
+                  if all(have.get(k) == want for k, want in labels.items())]
+        assert len(values) == 1, f"{name}{labels}: {samples.get(name)}"
+        return values[0]
+    return {"leader": value("eldr_cluster_role", role="leader"),
+            "installed": value("eldr_cluster_centroid_generation", kind="installed"),
+            "published": value("eldr_cluster_centroid_generation", kind="published"),
+            "fence": value("eldr_cluster_fencing_generation"),
+            "redis_up": value("eldr_cluster_redis_up"),
+            "peers": value("eldr_cluster_peers")}
+
+
+class StandaloneClusterLiveTest(LiveDaemonTestBase):
+    """The standalone Deployment's replicas (2) of standalone-cluster against the overlay's Redis."""
+    overlay = "standalone-cluster"
+
+    def start_replicas(self):
+        """Every replica of the Deployment, each a pod of its own name, past its probes."""
+        names = [self.pod_name() for _ in range(self.workload["spec"]["replicas"])]
+        replicas = [self.start(pod_name=name) for name in names]
+        for replica in replicas:
+            self.pass_all_probes(replica)
+        return names, replicas
+
+    def wait_agreement(self, replicas, above=0, timeout=15):
+        """Waits until the replicas agree: one leader, the others following, all reaching Redis,
+        each seeing the others, one installed generation, above `above`. Returns the views."""
+        def agreed():
+            views = [cluster_view(r) for r in replicas]
+            generations = {v["installed"] for v in views}
+            ok = (sum(v["leader"] for v in views) == 1 and len(generations) == 1
+                  and min(generations) > above
+                  and all(v["redis_up"] == 1 and v["peers"] == len(replicas) - 1
+                          and v["published"] == v["installed"] for v in views))
+            return True if ok else views
+        lib.wait_until(agreed, timeout=timeout, interval=0.1, what="the replicas to agree")
+        return [cluster_view(r) for r in replicas]
+
+    def test_replicas_agree_through_the_overlays_redis(self):
+        names, replicas = self.start_replicas()
+        redis_port = self.redis.port("redis")
+        cluster_name = lib.resolved_flags(self.objects, self.container_spec)["cluster_name"]
+        for replica in replicas:
+            # The overlay's arguments with the ConfigMap's values, the Service mapped to the local
+            # Redis, and the password file from the Secret mount.
+            flags = lib.flag_values(replica.command_line()[1:])
+            self.assertEqual(flags["cluster_redis"], f"127.0.0.1:{redis_port}")
+            self.assertEqual(flags["cluster_name"], cluster_name)
+            with open(flags["cluster_redis_password_file"], "rb") as f:
+                self.assertEqual(f.read(), self.redis_password)
+        views = self.wait_agreement(replicas)
+        generation = views[0]["installed"]
+        # The replica ids are the pod names (POD_NAME): the members of the pool's replica set.
+        prefix = f"eldr:{{{cluster_name}}}"
+        self.assertEqual(sorted(self.redis_cli("ZRANGE", f"{prefix}:replicas", "0", "-1")), sorted(names))
+        (leader_value,) = self.redis_cli("GET", f"{prefix}:leader")
+        leader = names[[v["leader"] for v in views].index(1)]
+        self.assertEqual(leader_value.split("|")[0], leader)
+
+        # A lease taken on one replica is published for the other's load.
+        client = RouterClient(f"127.0.0.1:{replicas[0].listen_port('listen')}")
+        self.addCleanup(client.close)
+        response = client.route(trace_counts("law", 1)[0])
+
+        def published():
+            fields = self.redis_cli("HGETALL", f"{prefix}:leases:{names[0]}")
+            counts = dict(zip(fields[::2], fields[1::2]))
+            return True if counts.get(response.worker_id, "").startswith("1,") else counts
+        lib.wait_until(published, timeout=5, what="the lease in the replica's load hash")
+        client.complete(response.lease_id)
+
+        # Every eldr_cluster_* series the dashboard and the alerts use is scraped, with the label
+        # values they select on.
+        used = {}
+        for title, expr in lib.dashboard_exprs(lib.load_dashboard()):
+            used.update({n: f"panel '{title}'" for n in lib.metric_names(expr) if n.startswith("eldr_cluster_")})
+        for alert, expr in lib.rule_exprs(lib.load_rules()):
+            used.update({n: f"alert {alert}" for n in lib.metric_names(expr) if n.startswith("eldr_cluster_")})
+        self.assertTrue(used)
+        for replica in replicas:
+            samples = scrape(replica)
+            self.assertEqual({n: w for n, w in used.items() if n not in samples}, {},
+                             "used by the monitoring files but not scraped")
+            for _, expr in list(lib.rule_exprs(lib.load_rules())) + list(lib.dashboard_exprs(lib.load_dashboard())):
+                for metric, matchers in re.findall(r"(eldr_cluster_[a-z_]+)\{([^}]*)\}", expr):
+                    for label, op, value in re.findall(r'(\w+)\s*(=~|=)\s*"([^"$]*)"', matchers):
+                        if label in ("namespace", "job", "pod") or not value:
+                            continue
+                        seen = {labels.get(label) for labels, _ in samples[metric]}
+                        for alternative in value.split("|") if op == "=~" else [value]:
+                            self.assertIn(alternative, seen, f"{metric}{{{label}}}")
+
+        # An edited centroid ConfigMap reaches every pod's mount (the kubelet updates each one):
+        # the leader publishes what it installed and both replicas end on one newer generation.
+        centroids = self.flags["centroids"]
+        key = os.path.basename(centroids)
+        with open(os.path.join(replicas[0].local_path(os.path.dirname(centroids)), key)) as f:
+            artifact = json.load(f)
+        edited = json.dumps(dict(artifact, seed=artifact.get("seed", 0) + 1)).encode()
+        for replica in replicas:
+            lib.update_projected_volume(replica.local_path(os.path.dirname(centroids)), {key: edited})
+        self.wait_agreement(replicas, above=generation)
+
+    def test_redis_restarted_empty(self):
+        # Redis is killed (the pod's container dies) and comes back empty, at the same address:
+        # the replicas route on meanwhile, and afterwards agree again on a generation no older
+        # than before, with their state rebuilt in Redis.
+        names, replicas = self.start_replicas()
+        before = self.wait_agreement(replicas)[0]["installed"]
+        self.redis.stop(signal.SIGKILL)
+
+        def cut_off():
+            views = [cluster_view(r) for r in replicas]
+            return True if all(v["redis_up"] == 0 for v in views) else views
+        lib.wait_until(cut_off, timeout=10, what="every replica to notice that Redis is gone")
+        for replica in replicas:
+            client = RouterClient(f"127.0.0.1:{replica.listen_port('listen')}")
+            self.addCleanup(client.close)
+            started = time.monotonic()
+            response = client.route(trace_counts("summary", 1)[0])
+            self.assertLess(time.monotonic() - started, 1.0, "a Route never waits for Redis")
+            self.assertEqual(response.fallback_reason, "", "fail-static: the last centroids route")
+            client.complete(response.lease_id)
+        self.redis.start()
+        self.redis.pass_probe("readinessProbe")
+        restarted = time.monotonic()
+        after = self.wait_agreement(replicas, above=before - 1)[0]["installed"]
+        self.assertGreaterEqual(after, before, "generations never go back")
+        self.assertLess(time.monotonic() - restarted, 10)
+        cluster_name = lib.resolved_flags(self.objects, self.container_spec)["cluster_name"]
+        self.assertEqual(sorted(self.redis_cli("ZRANGE", f"eldr:{{{cluster_name}}}:replicas", "0", "-1")),
+                         sorted(names))
 
 
 def make_test_pki(folder, server_name):

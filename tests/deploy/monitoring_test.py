@@ -51,6 +51,28 @@ def exported_metrics():
 REFIT_METRIC = re.compile(r"eldr_refits?_[a-z0-9_]+")
 
 
+# The cluster's metrics (src/server/cluster_component.h, routers run with --cluster_redis) that the
+# alerts and the dashboard's row "Replicas (cluster)" must show.
+CLUSTER_METRICS = {
+    "eldr_cluster_role",                   # gauge {role="leader|follower"}
+    "eldr_cluster_fencing_generation",     # gauge
+    "eldr_cluster_centroid_generation",    # gauge {kind="published|installed"}
+    "eldr_cluster_redis_errors_total",     # counter {kind}
+    "eldr_cluster_redis_up",               # gauge 0/1
+    "eldr_cluster_peers",                  # gauge
+    "eldr_cluster_window_length",          # gauge
+}
+# Where alert runbooks live: docs/operations.md, and the cluster's in docs/deploy-cluster.md.
+RUNBOOK_DOCS = ("docs/operations.md", "docs/deploy-cluster.md")
+
+
+def markdown_anchors(path):
+    with open(os.path.join(lib.SOURCE_DIR, path)) as f:
+        text = f.read()
+    return {re.sub(r"[^a-z0-9 -]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
+
+
 def refit_metrics_in_source():
     return sorted(m for m in metrics_defined_in_source() if REFIT_METRIC.fullmatch(m))
 
@@ -125,6 +147,24 @@ class AlertRulesTest(unittest.TestCase):
         for name in ("EldrDiscoveryStale", "EldrDiscoveryErrors"):
             self.assertRegex(exprs[name], r"by \([^)]*\brole\b", f"{name} keeps the role label")
             self.assertTrue(alerts[name].get("for"), f"{name} fires on a sustained condition only")
+        # Cluster: replicas on different generations for over a minute (grouped per pool, that
+        # is per namespace and job: the series carry no cluster name), Redis unreachable, no
+        # leader while Redis answers.
+        generations = alerts["EldrReplicasOnDifferentGenerations"]
+        self.assertIn('eldr_cluster_centroid_generation{kind="installed"}', generations["expr"])
+        self.assertRegex(generations["expr"], r"max by \(namespace, job\)")
+        self.assertRegex(generations["expr"], r"min by \(namespace, job\)")
+        self.assertEqual(generations.get("for"), "1m")
+        redis_down = alerts["EldrClusterRedisDown"]
+        self.assertIn("eldr_cluster_redis_up == 0", redis_down["expr"])
+        self.assertRegex(redis_down.get("for", ""), r"^[2-9]m$|^1[0-5]m$", "some minutes")
+        no_leader = alerts["EldrNoClusterLeader"]
+        self.assertIn('eldr_cluster_role{role="leader"}', no_leader["expr"])
+        self.assertIn("eldr_cluster_redis_up", no_leader["expr"], "Redis down is EldrClusterRedisDown's")
+        self.assertEqual(no_leader.get("for"), "1m")
+        for name in ("EldrReplicasOnDifferentGenerations", "EldrClusterRedisDown", "EldrNoClusterLeader"):
+            self.assertNotRegex(alerts[name]["expr"], r"by \([^)]*\bpod\b",
+                                f"{name}: one alert per pool, not per pod")
         refit_alerts = [name for name, expr in exprs.items() if REFIT_METRIC.search(expr)]
         if refit_metrics_in_source():
             self.assertTrue([name for name in refit_alerts if "fail" in exprs[name]],
@@ -133,19 +173,19 @@ class AlertRulesTest(unittest.TestCase):
             self.assertEqual(refit_alerts, [], "refit metrics are not exported yet")
 
     def test_alert_metadata(self):
-        with open(os.path.join(lib.SOURCE_DIR, "docs", "operations.md")) as f:
-            operations = f.read()
-        anchors = {re.sub(r"[^a-z0-9 -]", "", m.group(1).strip().lower()).replace(" ", "-")
-                   for m in re.finditer(r"^#+\s+(.*)$", operations, re.M)}
+        anchors = {doc: markdown_anchors(doc) for doc in RUNBOOK_DOCS}
         for name, rule in self.alerts().items():
             with self.subTest(alert=name):
                 self.assertIn(rule["labels"].get("severity"), {"warning", "critical"})
                 for key in ("summary", "description", "runbook"):
                     self.assertTrue(rule["annotations"].get(key), f"{name} lacks {key}")
                 runbook = rule["annotations"]["runbook"]
-                self.assertTrue(runbook.startswith("docs/operations.md#"), runbook)
-                self.assertIn(runbook.split("#", 1)[1], anchors,
-                              f"{name}: runbook anchor missing from docs/operations.md")
+                doc, _, anchor = runbook.partition("#")
+                self.assertIn(doc, RUNBOOK_DOCS, runbook)
+                cluster = any(m.startswith("eldr_cluster_") for m in lib.metric_names(rule["expr"]))
+                self.assertEqual(doc == "docs/deploy-cluster.md", cluster,
+                                 "the cluster's alerts are explained in docs/deploy-cluster.md")
+                self.assertIn(anchor, anchors[doc], f"{name}: runbook anchor missing from {doc}")
 
     def test_metric_names_are_the_daemons(self):
         defined = exported_metrics()
@@ -292,6 +332,44 @@ class DashboardTest(unittest.TestCase):
                 for metric in lib.metric_names(target["expr"]):
                     self.assertIn(metric, exported_metrics(), panel["title"])
 
+    def test_cluster_row(self):
+        # The row "Replicas (cluster)": role per replica, installed and published generation per
+        # replica and their lag, the fencing generation, Redis up and errors by kind (a rate),
+        # peers seen, the shared window's length.
+        panels = self.dashboard["panels"]
+        (row,) = [i for i, p in enumerate(panels)
+                  if p["type"] == "row" and p["title"] == "Replicas (cluster)"]
+        section = list(panels[row].get("panels", []))
+        for panel in panels[row + 1:]:
+            if panel["type"] == "row":
+                break
+            section.append(panel)
+        exprs = [(p, t["expr"]) for p in section for t in p["targets"]]
+        used = set()
+        for _, expr in exprs:
+            used |= lib.metric_names(expr)
+        self.assertEqual(CLUSTER_METRICS - used, set(), "not shown on the cluster row")
+        self.assertEqual(used - exported_metrics(), set())
+
+        def panels_with(pattern):
+            hits = [p for p, e in exprs if re.search(pattern, e)]
+            self.assertTrue(hits, f"no cluster panel matches {pattern}")
+            return hits
+        panels_with(r'eldr_cluster_role\{[^}]*role="leader"')
+        self.assertTrue([p for p in panels_with(r"eldr_cluster_role") if "by (pod)" in
+                         " ".join(t["expr"] for t in p["targets"])], "role per replica")
+        generation = panels_with(r"by \(pod, kind\) \(eldr_cluster_centroid_generation")
+        self.assertTrue(generation, "installed and published generation per replica")
+        lag = [e for _, e in exprs if 'kind="published"' in e and 'kind="installed"' in e and " - " in e]
+        self.assertTrue(lag, "the lag: published - installed")
+        self.assertTrue([e for _, e in exprs if "rate(eldr_cluster_redis_errors_total" in e
+                         and re.search(r"by \([^)]*\bkind\b", e)], "Redis errors by kind, as a rate")
+        for panel in section:
+            self.assertIn(panel["type"], {"timeseries", "state-timeline", "stat"})
+            for target in panel["targets"]:
+                if "_total" in target["expr"]:
+                    self.assertIn("rate(", target["expr"], f"{panel['title']}: counters as rates")
+
     def test_metric_names_are_the_daemons(self):
         defined = exported_metrics()
         for title, expr in lib.dashboard_exprs(self.dashboard):
@@ -301,7 +379,7 @@ class DashboardTest(unittest.TestCase):
                                          f"{metric} is not a metric the daemons export")
 
     def test_dashboard_config_map_matches_file(self):
-        for overlay in ("standalone", "sidecar"):
+        for overlay in ("standalone", "sidecar", "standalone-cluster"):
             objects = lib.render_overlay(overlay)
             config_map = lib.find_one(objects, "ConfigMap", "eldr-router-dashboard")
             self.assertEqual(config_map["metadata"]["labels"].get("grafana_dashboard"), "1")
