@@ -16,7 +16,7 @@ Measures what docs/benchmarks.md ("Router replicas through Redis") reports:
      until another replica reports the leader role.
 
 Usage: scripts/bench-cluster.py [BUILD_DIR]    (default: build)
-  env: RUNS (3), DURATION_S (10), RATE (10000 routes/s; 0: closed loop), CONCURRENCY (16), REPLICAS (3),
+  env: RUNS (3), DURATION_S (10), IDLE_S (20), RATE (10000 routes/s; 0: closed loop), CONCURRENCY (16), REPLICAS (3),
        RELOADS (10), KILLS (3)
 Prints one JSON object per measurement, then a summary object.
 """
@@ -45,6 +45,7 @@ REPLICAS = int(os.environ.get("REPLICAS", "3"))
 RELOADS = int(os.environ.get("RELOADS", "10"))
 KILLS = int(os.environ.get("KILLS", "3"))
 REFIT_WATCH_S = float(os.environ.get("REFIT_WATCH_S", "35"))
+IDLE_S = float(os.environ.get("IDLE_S", "20"))
 PIN = os.cpu_count() is not None and os.cpu_count() >= 2
 REDIS_SERVER = os.environ.get("ELDR_REDIS_SERVER", shutil.which("redis-server") or "/usr/bin/redis-server")
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -230,15 +231,25 @@ def main():
                 arms[arm].append(row)
                 emit(row)
 
-        # 2. Redis traffic with every replica idle (the peers only), per replica.
+        # 2. Redis traffic with every replica idle (the peers only), per replica. The leader still
+        # refits every 10 s on its window and publishes each new set, which every follower fetches:
+        # that share is reported apart (set size x (1 + followers) per generation).
         time.sleep(1)
-        before, t0 = redis.net_bytes(), time.monotonic()
-        time.sleep(5)
-        idle_per_replica = (redis.net_bytes() - before) / (time.monotonic() - t0) / len(peers)
+        set_bytes = int(redis.cli("HSTRLEN", "eldr:{bench}:centroids", "data") or 0)
+        before, t0, generation0 = redis.net_bytes(), time.monotonic(), peers[0].generation()
+        time.sleep(IDLE_S)
+        elapsed = time.monotonic() - t0
+        total = (redis.net_bytes() - before) / elapsed
+        generations = peers[0].generation() - generation0
+        publication_rate = generations * set_bytes * len(peers) / elapsed
+        idle_per_replica = (total - publication_rate) / len(peers)
         routing = statistics.median(r["redis_bytes_per_s_all_replicas"] for r in arms["cluster"])
-        routing_replica = routing - idle_per_replica * len(peers)
-        emit({"measure": "redis_traffic", "idle_replica_bytes_per_s": round(idle_per_replica),
-              "routing_replica_bytes_per_s": round(routing_replica),
+        routing_replica = routing - total  # the others idle, publications included in both
+        emit({"measure": "redis_traffic", "replicas": REPLICAS,
+              "idle_replica_bytes_per_s_without_publications": round(idle_per_replica),
+              "centroid_set_bytes": set_bytes, "generations_published_while_idle": generations,
+              "publication_bytes_per_s_all_replicas": round(publication_rate),
+              "routing_replica_extra_bytes_per_s": round(routing_replica),
               "routing_replica_routes_per_s": statistics.median(r["qps"] for r in arms["cluster"])})
 
         # 3. Convergence after admin reloads on the leader.
