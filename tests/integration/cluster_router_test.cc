@@ -556,5 +556,52 @@ TEST(ClusterRouterTest, SlowRedisDoesNotMoveRouteLatency) {
   }
 }
 
+// With --state_dir, a follower persists the sets it installs from the cluster: restarted while
+// Redis is gone, it starts on the cluster's last set, not on its --centroids file.
+TEST(ClusterRouterTest, AFollowerRestartsOnTheClustersSetFromItsStateDir) {
+  auto redis = cluster::testing::RedisServer::Start();
+  ASSERT_TRUE(redis.ok()) << redis.status();
+  std::vector<std::unique_ptr<TempDir>> dirs;
+  std::vector<std::unique_ptr<RouterProcess>> routers;
+  auto args_of = [&](int i) {
+    std::vector<std::string> args = StandardArgs(*dirs[i]);
+    args.push_back("--cluster_redis=" + (*redis)->address());
+    args.push_back("--cluster_name=state");
+    args.push_back(absl::StrCat("--replica_id=r", i));
+    args.push_back("--state_dir=" + dirs[i]->path() + "/state");
+    args.push_back("--refit_interval=1h");  // no periodic refit during the test
+    return args;
+  };
+  for (int i = 0; i < 2; ++i) {
+    dirs.push_back(std::make_unique<TempDir>());
+    routers.push_back(MustStart(*dirs[i], args_of(i)));
+    ASSERT_NE(routers[i], nullptr);
+  }
+  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); },
+                         2 * kLease + absl::Seconds(3)));
+  const int leader = Leaders(routers)[0];
+  const int follower = 1 - leader;
+  eldr::v1::ReloadCentroidsRequest reload;
+  reload.set_artifact_json(ArtifactJson({1, 2, 3, 0}, {"w0", "w1", "w2", "w3"}));
+  eldr::v1::ReloadCentroidsResponse reloaded;
+  {
+    auto ctx = Ctx();
+    grpc::Status status = routers[leader]->AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  ASSERT_TRUE(Eventually([&] { return RouteBlock(*routers[follower], 1) == "w0"; }, absl::Seconds(3)));
+
+  // Redis goes away, and the follower restarts.
+  (*redis)->Kill();
+  routers[follower]->Signal(SIGTERM);
+  ASSERT_TRUE(routers[follower]->WaitForExit(absl::Seconds(10)).has_value());
+  routers[follower] = MustStart(*dirs[follower], args_of(follower));
+  ASSERT_NE(routers[follower], nullptr);
+  EXPECT_EQ(RouteBlock(*routers[follower], 1), "w0") << routers[follower]->Log();
+  EXPECT_EQ(MetricOr(*routers[follower], "eldr_centroid_reloads_total", {{"source", "state_dir"}, {"outcome", "ok"}}),
+            1);
+  EXPECT_EQ(MetricOr(*routers[follower], "eldr_cluster_redis_up"), 0);
+}
+
 }  // namespace
 }  // namespace eldr::testing
