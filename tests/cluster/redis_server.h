@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -56,12 +57,7 @@ CentroidArtifact TestArtifact(int k = 3, int variant = 0);
 // Polls `condition` every 5 ms until it holds or `timeout` passes; returns whether it held.
 template <typename F>
 bool WaitFor(F condition, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    if (condition()) return true;
-    if (absl::Now() >= deadline) return false;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  return eldr::testing::PollUntil(std::move(condition), timeout);
 }
 
 }  // namespace eldr::cluster::testing

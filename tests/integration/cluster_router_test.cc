@@ -49,30 +49,6 @@ std::vector<int> Leaders(const std::vector<std::unique_ptr<RouterProcess>>& rout
   return leaders;
 }
 
-// Routes BlockRequest(block) and completes the lease; "" on failure.
-std::string RouteBlock(const RouterProcess& router, int block) {
-  auto stub = router.RouterStub();
-  eldr::v1::RouteResponse response;
-  auto ctx = Ctx(absl::Seconds(5));
-  if (!stub->Route(ctx.get(), BlockRequest(block), &response).ok()) return "";
-  eldr::v1::CompleteRequest complete;
-  complete.set_lease_id(response.lease_id());
-  eldr::v1::CompleteResponse completed;
-  auto complete_ctx = Ctx(absl::Seconds(5));
-  (void)stub->Complete(complete_ctx.get(), complete, &completed);
-  return response.worker_id();
-}
-
-template <typename F>
-bool Eventually(F condition, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    if (condition()) return true;
-    if (absl::Now() >= deadline) return false;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-}
-
 // `count` replicas r0.. of cluster `name` on `redis_address`, each with `extra_args`; fails the
 // test (and returns fewer) when one does not start.
 struct Replicas {
@@ -124,20 +100,12 @@ TEST(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
   auto redis = cluster::testing::RedisServer::Start();
   ASSERT_TRUE(redis.ok()) << redis.status();
 
-  std::vector<std::unique_ptr<TempDir>> dirs;
-  std::vector<std::unique_ptr<RouterProcess>> routers;
-  for (int i = 0; i < 3; ++i) {
-    dirs.push_back(std::make_unique<TempDir>());
-    std::vector<std::string> args = StandardArgs(*dirs.back());
-    args.push_back("--cluster_redis=" + (*redis)->address());
-    args.push_back("--cluster_name=it");
-    args.push_back(absl::StrCat("--replica_id=r", i));
-    routers.push_back(MustStart(*dirs.back(), args));
-    ASSERT_NE(routers.back(), nullptr);
-  }
+  Replicas replicas = StartReplicas((*redis)->address(), 3, "it");
+  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+  ASSERT_EQ(routers.size(), 3u);
 
   // Exactly one leader, and it stays one.
-  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1; }, 2 * kLease + absl::Seconds(2)))
+  ASSERT_TRUE(PollUntil([&] { return Leaders(routers).size() == 1; }, 2 * kLease + absl::Seconds(2)))
       << routers[0]->Log();
   absl::SleepFor(absl::Milliseconds(500));
   const std::vector<int> leaders = Leaders(routers);
@@ -145,7 +113,7 @@ TEST(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
   const int leader = leaders[0];
 
   // Before: row i is block i, so block 1 goes to w1 everywhere.
-  for (const auto& router : routers) EXPECT_EQ(RouteBlock(*router, 1), "w1");
+  for (const auto& router : routers) EXPECT_EQ(RouteAndComplete(*router, 1), "w1");
 
   // Reload on the leader: w0 now owns block 1, w1 block 2, ... The others follow.
   eldr::v1::ReloadCentroidsRequest reload;
@@ -156,10 +124,10 @@ TEST(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
     grpc::Status status = routers[leader]->AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
-  EXPECT_EQ(RouteBlock(*routers[leader], 1), "w0");
+  EXPECT_EQ(RouteAndComplete(*routers[leader], 1), "w0");
   for (int i = 0; i < 3; ++i) {
     if (i == leader) continue;
-    EXPECT_TRUE(Eventually([&] { return RouteBlock(*routers[i], 1) == "w0"; }, absl::Seconds(3)))
+    EXPECT_TRUE(PollUntil([&] { return RouteAndComplete(*routers[i], 1) == "w0"; }, absl::Seconds(3)))
         << "replica " << i << " did not install the leader's set\n"
         << routers[i]->Log();
     absl::StatusOr<ParsedMetrics> metrics = ScrapeMetrics(routers[i]->metrics_port());
@@ -175,7 +143,7 @@ TEST(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
   routers[leader]->Signal(SIGKILL);
   ASSERT_TRUE(routers[leader]->WaitForExit(absl::Seconds(5)).has_value());
   routers[leader].reset();
-  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1; }, 2 * kLease))
+  ASSERT_TRUE(PollUntil([&] { return Leaders(routers).size() == 1; }, 2 * kLease))
       << "no new leader within two lease periods";
   const absl::Duration takeover = absl::Now() - killed;
   EXPECT_LT(takeover, 2 * kLease);
@@ -183,7 +151,7 @@ TEST(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
   EXPECT_EQ(Leaders(routers).size(), 1u);
   // The survivors still route alike.
   for (const auto& router : routers) {
-    if (router != nullptr) EXPECT_EQ(RouteBlock(*router, 1), "w0");
+    if (router != nullptr) EXPECT_EQ(RouteAndComplete(*router, 1), "w0");
   }
   std::cerr << "takeover after " << absl::FormatDuration(takeover) << "\n";
 }
@@ -193,27 +161,18 @@ TEST(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
 TEST(ClusterRouterTest, FollowersTrafficReachesTheLeadersRefitWindow) {
   auto redis = cluster::testing::RedisServer::Start();
   ASSERT_TRUE(redis.ok()) << redis.status();
-  std::vector<std::unique_ptr<TempDir>> dirs;
-  std::vector<std::unique_ptr<RouterProcess>> routers;
-  for (int i = 0; i < 3; ++i) {
-    dirs.push_back(std::make_unique<TempDir>());
-    std::vector<std::string> args = StandardArgs(*dirs.back());
-    args.push_back("--cluster_redis=" + (*redis)->address());
-    args.push_back("--cluster_name=window");
-    args.push_back(absl::StrCat("--replica_id=r", i));
-    args.push_back("--refit_interval=1h");  // refit on (its window fills), no periodic refit in the test
-    args.push_back("--refit_window=10s");
-    routers.push_back(MustStart(*dirs.back(), args));
-    ASSERT_NE(routers.back(), nullptr);
-  }
-  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1; }, 2 * kLease + absl::Seconds(2)));
+  // refit on (its window fills), no periodic refit in the test
+  Replicas replicas = StartReplicas((*redis)->address(), 3, "window", {"--refit_interval=1h", "--refit_window=10s"});
+  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+  ASSERT_EQ(routers.size(), 3u);
+  ASSERT_TRUE(PollUntil([&] { return Leaders(routers).size() == 1; }, 2 * kLease + absl::Seconds(2)));
   const int leader = Leaders(routers)[0];
   for (int n = 0; n < 200; ++n) {
     const int i = (leader + 1 + n % 2) % 3;  // the two followers
-    ASSERT_FALSE(RouteBlock(*routers[i], n % 4).empty());
+    ASSERT_FALSE(RouteAndComplete(*routers[i], n % 4).empty());
   }
   double leader_window = 0;
-  EXPECT_TRUE(Eventually(
+  EXPECT_TRUE(PollUntil(
       [&] {
         absl::StatusOr<ParsedMetrics> metrics = ScrapeMetrics(routers[leader]->metrics_port());
         if (!metrics.ok()) return false;
@@ -235,38 +194,29 @@ TEST(ClusterRouterTest, FollowersTrafficReachesTheLeadersRefitWindow) {
 TEST(ClusterRouterTest, OnlyTheLeaderRefitsAndTheFollowersInstallItsSets) {
   auto redis = cluster::testing::RedisServer::Start();
   ASSERT_TRUE(redis.ok()) << redis.status();
-  std::vector<std::unique_ptr<TempDir>> dirs;
-  std::vector<std::unique_ptr<RouterProcess>> routers;
-  for (int i = 0; i < 3; ++i) {
-    dirs.push_back(std::make_unique<TempDir>());
-    std::vector<std::string> args = StandardArgs(*dirs.back());
-    args.push_back("--cluster_redis=" + (*redis)->address());
-    args.push_back("--cluster_name=refit");
-    args.push_back(absl::StrCat("--replica_id=r", i));
-    args.push_back("--refit_interval=1s");
-    args.push_back("--refit_window=30s");
-    // The routes below come in a burst of a second or so: sample every one of them for the shared
-    // window (the default samples about 136 a second over the pool at this window).
-    args.push_back("--refit_max_window_signatures=1000000");
-    routers.push_back(MustStart(*dirs.back(), args));
-    ASSERT_NE(routers.back(), nullptr);
-  }
-  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1; }, 2 * kLease + absl::Seconds(2)));
+  // The routes below come in a burst of a second or so: sample every one of them for the shared
+  // window (the default samples about 136 a second over the pool at this window).
+  Replicas replicas =
+      StartReplicas((*redis)->address(), 3, "refit",
+                    {"--refit_interval=1s", "--refit_window=30s", "--refit_max_window_signatures=1000000"});
+  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+  ASSERT_EQ(routers.size(), 3u);
+  ASSERT_TRUE(PollUntil([&] { return Leaders(routers).size() == 1; }, 2 * kLease + absl::Seconds(2)));
   const int leader = Leaders(routers)[0];
   for (int n = 0; n < 400; ++n) {
     const int i = (leader + 1 + n % 2) % 3;
-    ASSERT_FALSE(RouteBlock(*routers[i], n % 4).empty());
+    ASSERT_FALSE(RouteAndComplete(*routers[i], n % 4).empty());
   }
   auto value = [&](int i, const std::string& name, const std::map<std::string, std::string>& labels = {}) {
     absl::StatusOr<ParsedMetrics> metrics = ScrapeMetrics(routers[i]->metrics_port());
     return metrics.ok() ? metrics->Value(name, labels).value_or(-1) : -1;
   };
-  EXPECT_TRUE(Eventually([&] { return value(leader, "eldr_refits_completed_total") >= 1; }, absl::Seconds(8)))
+  EXPECT_TRUE(PollUntil([&] { return value(leader, "eldr_refits_completed_total") >= 1; }, absl::Seconds(8)))
       << routers[leader]->Log();
   for (int i = 0; i < 3; ++i) {
     if (i == leader) continue;
     // The leader's refit reaches every follower.
-    EXPECT_TRUE(Eventually(
+    EXPECT_TRUE(PollUntil(
         [&] {
           return value(i, "eldr_cluster_centroid_generation", {{"kind", "installed"}}) ==
                      value(leader, "eldr_cluster_centroid_generation", {{"kind", "installed"}}) &&
@@ -276,7 +226,7 @@ TEST(ClusterRouterTest, OnlyTheLeaderRefitsAndTheFollowersInstallItsSets) {
         << routers[i]->Log();
     EXPECT_EQ(value(i, "eldr_refits_completed_total"), 0) << "follower " << i << " refitted";
     // Its periodic refits run, and are skipped.
-    EXPECT_TRUE(Eventually([&] { return value(i, "eldr_refits_skipped_total") >= 1; }, absl::Seconds(3)));
+    EXPECT_TRUE(PollUntil([&] { return value(i, "eldr_refits_skipped_total") >= 1; }, absl::Seconds(3)));
     EXPECT_EQ(value(i, "eldr_refits_completed_total"), 0) << "follower " << i << " refitted";
     EXPECT_EQ(value(i, "eldr_centroid_reloads_total", {{"source", "refit"}, {"outcome", "ok"}}), 0)
         << "follower " << i << " installed a refit of its own";
@@ -288,17 +238,9 @@ TEST(ClusterRouterTest, OnlyTheLeaderRefitsAndTheFollowersInstallItsSets) {
 TEST(ClusterRouterTest, PeersLeasesCountInEffectiveLoadUntilTheyDie) {
   auto redis = cluster::testing::RedisServer::Start();
   ASSERT_TRUE(redis.ok()) << redis.status();
-  std::vector<std::unique_ptr<TempDir>> dirs;
-  std::vector<std::unique_ptr<RouterProcess>> routers;
-  for (int i = 0; i < 2; ++i) {
-    dirs.push_back(std::make_unique<TempDir>());
-    std::vector<std::string> args = StandardArgs(*dirs.back());
-    args.push_back("--cluster_redis=" + (*redis)->address());
-    args.push_back("--cluster_name=load");
-    args.push_back(absl::StrCat("--replica_id=r", i));
-    routers.push_back(MustStart(*dirs.back(), args));
-    ASSERT_NE(routers.back(), nullptr);
-  }
+  Replicas replicas = StartReplicas((*redis)->address(), 2, "load");
+  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+  ASSERT_EQ(routers.size(), 2u);
   // Five leases on w2, held by replica 0 (never completed).
   auto stub = routers[0]->RouterStub();
   for (int n = 0; n < 5; ++n) {
@@ -312,7 +254,7 @@ TEST(ClusterRouterTest, PeersLeasesCountInEffectiveLoadUntilTheyDie) {
     const eldr::v1::WorkerState* w = FindWorker(state, worker);
     return w == nullptr ? -1.0 : w->effective_load();
   };
-  EXPECT_TRUE(Eventually([&] { return effective(1, "w2") == 5; }, absl::Seconds(2)))
+  EXPECT_TRUE(PollUntil([&] { return effective(1, "w2") == 5; }, absl::Seconds(2)))
       << "replica 1 sees w2 at " << effective(1, "w2");
   {
     const eldr::v1::GetStateResponse state = State(*routers[1]);
@@ -326,58 +268,9 @@ TEST(ClusterRouterTest, PeersLeasesCountInEffectiveLoadUntilTheyDie) {
   ASSERT_TRUE(routers[0]->WaitForExit(absl::Seconds(5)).has_value());
   routers[0].reset();
   // The load TTL (10 x 100 ms, at least 1 s) after its last publication, its leases are gone.
-  EXPECT_TRUE(Eventually([&] { return effective(1, "w2") == 0; }, absl::Seconds(3)))
+  EXPECT_TRUE(PollUntil([&] { return effective(1, "w2") == 0; }, absl::Seconds(3)))
       << "replica 1 still sees w2 at " << effective(1, "w2");
 }
-
-// Routes through every replica of `routers` in turn, from a thread of its own, until stopped:
-// counts the routes that failed and keeps each route's latency.
-class Traffic {
- public:
-  explicit Traffic(std::vector<const RouterProcess*> targets) : targets_(std::move(targets)) {
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~Traffic() { Stop(); }
-  void Stop() {
-    stop_.store(true);
-    if (thread_.joinable()) thread_.join();
-  }
-  int64_t routes() const { return routes_.load(); }
-  int64_t failures() const { return failures_.load(); }
-  // Latency percentile (q in [0, 1]) of the routes made since the last call, in microseconds.
-  double TakePercentileUs(double q) {
-    std::vector<double> latencies;
-    {
-      absl::MutexLock lock(&mu_);
-      latencies.swap(latencies_us_);
-    }
-    if (latencies.empty()) return -1;
-    std::sort(latencies.begin(), latencies.end());
-    return latencies[std::min(latencies.size() - 1, static_cast<size_t>(q * latencies.size()))];
-  }
-
- private:
-  void Run() {
-    for (int n = 0; !stop_.load(); ++n) {
-      const RouterProcess& router = *targets_[n % targets_.size()];
-      const absl::Time start = absl::Now();
-      const std::string worker = RouteBlock(router, n % 4);
-      const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
-      routes_.fetch_add(1);
-      if (worker.empty()) failures_.fetch_add(1);
-      absl::MutexLock lock(&mu_);
-      latencies_us_.push_back(us);
-    }
-  }
-
-  std::vector<const RouterProcess*> targets_;
-  std::atomic<bool> stop_{false};
-  std::atomic<int64_t> routes_{0};
-  std::atomic<int64_t> failures_{0};
-  absl::Mutex mu_;
-  std::vector<double> latencies_us_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;
-};
 
 // Fencing: a leader frozen (SIGSTOP) past its lease is replaced; when it thaws (SIGCONT), with an
 // admin reload racing its first moments, nothing it publishes reaches the others: they keep the
@@ -391,15 +284,15 @@ TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
   Replicas replicas = StartReplicas((*redis)->address(), 3, "fence");
   std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
   ASSERT_EQ(routers.size(), 3u);
-  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); },
-                         2 * kLease + absl::Seconds(3)));
+  ASSERT_TRUE(
+      PollUntil([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); }, 2 * kLease + absl::Seconds(3)));
   const int old_leader = Leaders(routers)[0];
   const double old_fence = MetricOr(*routers[old_leader], "eldr_cluster_fencing_generation");
 
   routers[old_leader]->Signal(SIGSTOP);
   const absl::Time frozen = absl::Now();
   int new_leader = -1;
-  ASSERT_TRUE(Eventually(
+  ASSERT_TRUE(PollUntil(
       [&] {
         for (int i = 0; i < 3; ++i) {
           if (i != old_leader && IsLeader(*routers[i]).value_or(false)) new_leader = i;
@@ -421,7 +314,7 @@ TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
   const int bystander = 3 - old_leader - new_leader;
-  ASSERT_TRUE(Eventually([&] { return RouteBlock(*routers[bystander], 1) == "w0"; }, absl::Seconds(3)));
+  ASSERT_TRUE(PollUntil([&] { return RouteAndComplete(*routers[bystander], 1) == "w0"; }, absl::Seconds(3)));
   const double generation = MetricOr(*routers[new_leader], "eldr_cluster_centroid_generation", {{"kind", "installed"}});
 
   // Still frozen well past its lease. An admin reload (block 1 -> w3) is queued to it before it
@@ -440,11 +333,11 @@ TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
 
   // The thawed one is a follower, and the others never serve its set.
   EXPECT_TRUE(
-      Eventually([&] { return IsLeader(*routers[old_leader]) == std::optional<bool>(false); }, absl::Seconds(2)));
+      PollUntil([&] { return IsLeader(*routers[old_leader]) == std::optional<bool>(false); }, absl::Seconds(2)));
   const absl::Time watch_until = absl::Now() + absl::Seconds(2);
   while (absl::Now() < watch_until) {
-    ASSERT_EQ(RouteBlock(*routers[new_leader], 1), "w0");
-    ASSERT_EQ(RouteBlock(*routers[bystander], 1), "w0");
+    ASSERT_EQ(RouteAndComplete(*routers[new_leader], 1), "w0");
+    ASSERT_EQ(RouteAndComplete(*routers[bystander], 1), "w0");
     absl::SleepFor(absl::Milliseconds(50));
   }
   EXPECT_TRUE(IsLeader(*routers[new_leader]).value_or(false));
@@ -461,8 +354,8 @@ TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
     grpc::Status status = routers[new_leader]->AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
-  EXPECT_TRUE(Eventually([&] { return RouteBlock(*routers[old_leader], 1) == "w0" && OneGeneration(routers); },
-                         absl::Seconds(3)))
+  EXPECT_TRUE(PollUntil([&] { return RouteAndComplete(*routers[old_leader], 1) == "w0" && OneGeneration(routers); },
+                        absl::Seconds(3)))
       << routers[old_leader]->Log();
   EXPECT_GT(MetricOr(*routers[old_leader], "eldr_cluster_centroid_generation", {{"kind", "installed"}}), generation);
 }
@@ -477,13 +370,13 @@ TEST(ClusterRouterTest, RedisKilledUnderTrafficAndRestartedEmpty) {
   std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
   ASSERT_EQ(routers.size(), 3u);
   double before = 0;
-  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1 && OneGeneration(routers, &before); },
-                         2 * kLease + absl::Seconds(3)));
+  ASSERT_TRUE(PollUntil([&] { return Leaders(routers).size() == 1 && OneGeneration(routers, &before); },
+                        2 * kLease + absl::Seconds(3)));
 
-  Traffic traffic({routers[0].get(), routers[1].get(), routers[2].get()});
+  RouteTraffic traffic({routers[0].get(), routers[1].get(), routers[2].get()});
   absl::SleepFor(absl::Milliseconds(500));
   (*redis)->Kill();
-  EXPECT_TRUE(Eventually(
+  EXPECT_TRUE(PollUntil(
       [&] {
         for (const auto& router : routers) {
           if (MetricOr(*router, "eldr_cluster_redis_up") != 0) return false;
@@ -496,11 +389,11 @@ TEST(ClusterRouterTest, RedisKilledUnderTrafficAndRestartedEmpty) {
   const int64_t routes_during_outage = traffic.routes();
   ASSERT_TRUE((*redis)->Restart().ok());
   double after = 0;
-  EXPECT_TRUE(Eventually([&] { return Leaders(routers).size() == 1 && OneGeneration(routers, &after); },
-                         2 * kLease + absl::Seconds(3)))
+  EXPECT_TRUE(PollUntil([&] { return Leaders(routers).size() == 1 && OneGeneration(routers, &after); },
+                        2 * kLease + absl::Seconds(3)))
       << routers[0]->Log();
   EXPECT_GT(after, before) << "the set re-published after the restart must be a newer generation";
-  EXPECT_TRUE(Eventually(
+  EXPECT_TRUE(PollUntil(
       [&] {
         for (const auto& router : routers) {
           if (MetricOr(*router, "eldr_cluster_peers") != 2) return false;
@@ -515,7 +408,7 @@ TEST(ClusterRouterTest, RedisKilledUnderTrafficAndRestartedEmpty) {
   for (const auto& router : routers) {
     EXPECT_GT(MetricOr(*router, "eldr_cluster_redis_errors_total", {{"kind", "unreachable"}}, 0), 0);
     EXPECT_EQ(MetricOr(*router, "eldr_cluster_redis_up"), 1);
-    EXPECT_EQ(RouteBlock(*router, 1), "w1");  // the same set as before the outage, everywhere
+    EXPECT_EQ(RouteAndComplete(*router, 1), "w1");  // the same set as before the outage, everywhere
   }
   std::cerr << traffic.routes() << " routes, " << traffic.failures() << " failed, generation " << before << " -> "
             << after << "\n";
@@ -531,9 +424,9 @@ TEST(ClusterRouterTest, SlowRedisDoesNotMoveRouteLatency) {
   Replicas replicas = StartReplicas((*proxy)->address(), 2, "slow");
   std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
   ASSERT_EQ(routers.size(), 2u);
-  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); },
-                         2 * kLease + absl::Seconds(3)));
-  Traffic traffic({routers[0].get(), routers[1].get()});
+  ASSERT_TRUE(
+      PollUntil([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); }, 2 * kLease + absl::Seconds(3)));
+  RouteTraffic traffic({routers[0].get(), routers[1].get()});
   absl::SleepFor(absl::Seconds(2));
   const double fast_p99 = traffic.TakePercentileUs(0.99);
   (*proxy)->set_reply_delay(absl::Milliseconds(300));
@@ -577,8 +470,8 @@ TEST(ClusterRouterTest, AFollowerRestartsOnTheClustersSetFromItsStateDir) {
     routers.push_back(MustStart(*dirs[i], args_of(i)));
     ASSERT_NE(routers[i], nullptr);
   }
-  ASSERT_TRUE(Eventually([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); },
-                         2 * kLease + absl::Seconds(3)));
+  ASSERT_TRUE(
+      PollUntil([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); }, 2 * kLease + absl::Seconds(3)));
   const int leader = Leaders(routers)[0];
   const int follower = 1 - leader;
   eldr::v1::ReloadCentroidsRequest reload;
@@ -589,7 +482,7 @@ TEST(ClusterRouterTest, AFollowerRestartsOnTheClustersSetFromItsStateDir) {
     grpc::Status status = routers[leader]->AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
-  ASSERT_TRUE(Eventually([&] { return RouteBlock(*routers[follower], 1) == "w0"; }, absl::Seconds(3)));
+  ASSERT_TRUE(PollUntil([&] { return RouteAndComplete(*routers[follower], 1) == "w0"; }, absl::Seconds(3)));
 
   // Redis goes away, and the follower restarts.
   (*redis)->Kill();
@@ -597,7 +490,7 @@ TEST(ClusterRouterTest, AFollowerRestartsOnTheClustersSetFromItsStateDir) {
   ASSERT_TRUE(routers[follower]->WaitForExit(absl::Seconds(10)).has_value());
   routers[follower] = MustStart(*dirs[follower], args_of(follower));
   ASSERT_NE(routers[follower], nullptr);
-  EXPECT_EQ(RouteBlock(*routers[follower], 1), "w0") << routers[follower]->Log();
+  EXPECT_EQ(RouteAndComplete(*routers[follower], 1), "w0") << routers[follower]->Log();
   EXPECT_EQ(MetricOr(*routers[follower], "eldr_centroid_reloads_total", {{"source", "state_dir"}, {"outcome", "ok"}}),
             1);
   EXPECT_EQ(MetricOr(*routers[follower], "eldr_cluster_redis_up"), 0);

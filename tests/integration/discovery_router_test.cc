@@ -74,58 +74,6 @@ std::optional<absl::Duration> Converge(const std::string& what, Done done, absl:
   return std::nullopt;
 }
 
-// Routes and completes in a loop on its own channel; every failed RPC is counted.
-class RouteLoop {
- public:
-  explicit RouteLoop(const RouterProcess& router) : stub_(router.RouterStub()) {
-    thread_ = std::thread([this] {
-      int i = 0;
-      while (!stop_.load()) {
-        eldr::v1::RouteResponse response;
-        grpc::Status status = stub_->Route(Ctx(absl::Seconds(5)).get(), BlockRequest(i++ % 4), &response);
-        if (!status.ok()) {
-          failures_.fetch_add(1);
-          last_error_ = status.error_message();
-          continue;
-        }
-        routes_.fetch_add(1);
-        eldr::v1::CompleteRequest complete;
-        complete.set_lease_id(response.lease_id());
-        eldr::v1::CompleteResponse done;
-        if (!stub_->Complete(Ctx(absl::Seconds(5)).get(), complete, &done).ok()) failures_.fetch_add(1);
-        absl::SleepFor(absl::Milliseconds(2));
-      }
-    });
-  }
-  ~RouteLoop() { Stop(); }
-  void Stop() {
-    stop_.store(true);
-    if (thread_.joinable()) thread_.join();
-  }
-  int64_t routes() const { return routes_.load(); }
-  int64_t failures() const { return failures_.load(); }
-  const std::string& last_error() const { return last_error_; }
-
- private:
-  std::unique_ptr<eldr::v1::DecodeRouter::Stub> stub_;
-  std::atomic<bool> stop_{false};
-  std::atomic<int64_t> routes_{0};
-  std::atomic<int64_t> failures_{0};
-  std::string last_error_;
-  std::thread thread_;
-};
-
-std::string RoutedWorker(const RouterProcess& router, int block) {
-  eldr::v1::RouteResponse response;
-  grpc::Status status = router.RouterStub()->Route(Ctx().get(), BlockRequest(block), &response);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  eldr::v1::CompleteRequest complete;
-  complete.set_lease_id(response.lease_id());
-  eldr::v1::CompleteResponse done;
-  (void)router.RouterStub()->Complete(Ctx().get(), complete, &done);
-  return response.worker_id();
-}
-
 class DiscoveryRouterTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -168,14 +116,16 @@ TEST_F(DiscoveryRouterTest, ThePoolFollowsThePodsAndNoRouteFails) {
     for (const auto& w : state.workers()) with_row += w.has_centroid();
     return with_row == 3;
   }));
-  for (int block = 0; block < 3; ++block) EXPECT_EQ(RoutedWorker(*router, block), "decode-" + std::to_string(block));
+  for (int block = 0; block < 3; ++block)
+    EXPECT_EQ(RouteAndComplete(*router, block), "decode-" + std::to_string(block));
 
-  RouteLoop loop(*router);
+  RouteTraffic loop({router.get()}, absl::Milliseconds(2));
 
   // A new ready pod joins and takes the free row (block 3).
   ASSERT_TRUE(kube_->CreatePod(DecodePod("decode-3", 8103)).ok());
   ASSERT_TRUE(Converge("pod added (ready) -> active", [&] { return Active(*router).count("decode-3") == 1; }));
-  ASSERT_TRUE(Converge("new pod takes the free centroid row", [&] { return RoutedWorker(*router, 3) == "decode-3"; }));
+  ASSERT_TRUE(
+      Converge("new pod takes the free centroid row", [&] { return RouteAndComplete(*router, 3) == "decode-3"; }));
 
   // The starting pod becomes ready.
   ASSERT_TRUE(kube_->PatchPod("decode-starting", {{"ready", true}}).ok());
@@ -184,7 +134,7 @@ TEST_F(DiscoveryRouterTest, ThePoolFollowsThePodsAndNoRouteFails) {
   // Not ready: drained at once; ready again: active after the settle time.
   ASSERT_TRUE(kube_->PatchPod("decode-1", {{"ready", false}}).ok());
   ASSERT_TRUE(Converge("pod not ready -> draining", [&] { return Pool(*router)["decode-1"].second == "draining"; }));
-  for (int i = 0; i < 20; ++i) EXPECT_NE(RoutedWorker(*router, 1), "decode-1");
+  for (int i = 0; i < 20; ++i) EXPECT_NE(RouteAndComplete(*router, 1), "decode-1");
   ASSERT_TRUE(kube_->PatchPod("decode-1", {{"ready", true}}).ok());
   ASSERT_TRUE(Converge("pod ready again -> active", [&] { return Pool(*router)["decode-1"].second == "active"; }));
 
@@ -298,7 +248,7 @@ TEST_F(DiscoveryRouterTest, AThousandPodsJoinThePool) {
   ASSERT_NE(router, nullptr);
   ASSERT_TRUE(Converge(
       "1,000 pods listed -> 1,000 active workers", [&] { return Active(*router).size() == 1000; }, absl::Seconds(60)));
-  RouteLoop loop(*router);
+  RouteTraffic loop({router.get()}, absl::Milliseconds(2));
   // A tenth of them goes away at once, and as many new ones come.
   for (int i = 0; i < 100; ++i) ASSERT_TRUE(kube_->DeletePod(absl::StrCat("decode-", i)).ok());
   json more = json::array();

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cerrno>
@@ -278,6 +279,72 @@ eldr::v1::GetStateResponse State(const RouterProcess& router) {
   grpc::Status status = router.AdminStub()->GetState(ctx.get(), {}, &state);
   EXPECT_TRUE(status.ok()) << status.error_message();
   return state;
+}
+
+namespace {
+
+// Route + Complete of BlockRequest(block) on `stub`: the worker, or the failed RPC's message.
+struct RouteOutcome {
+  std::string worker;  // empty when the Route failed
+  std::string error;   // the failed RPC's message (Route or Complete)
+};
+RouteOutcome RouteAndCompleteOn(eldr::v1::DecodeRouter::Stub* stub, int block) {
+  eldr::v1::RouteResponse response;
+  grpc::Status routed = stub->Route(Ctx(absl::Seconds(5)).get(), BlockRequest(block), &response);
+  if (!routed.ok()) return {"", "Route: " + routed.error_message()};
+  eldr::v1::CompleteRequest complete;
+  complete.set_lease_id(response.lease_id());
+  eldr::v1::CompleteResponse completed;
+  grpc::Status done = stub->Complete(Ctx(absl::Seconds(5)).get(), complete, &completed);
+  return {response.worker_id(), done.ok() ? "" : "Complete: " + done.error_message()};
+}
+
+}  // namespace
+
+std::string RouteAndComplete(const RouterProcess& router, int block) {
+  return RouteAndCompleteOn(router.RouterStub().get(), block).worker;
+}
+
+RouteTraffic::RouteTraffic(std::vector<const RouterProcess*> targets, absl::Duration pause) : pause_(pause) {
+  for (const RouterProcess* target : targets) stubs_.push_back(target->RouterStub());
+  thread_ = std::thread([this] { Run(); });
+}
+
+void RouteTraffic::Stop() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+}
+
+std::string RouteTraffic::last_error() const {
+  absl::MutexLock lock(&mu_);
+  return last_error_;
+}
+
+double RouteTraffic::TakePercentileUs(double q) {
+  std::vector<double> latencies;
+  {
+    absl::MutexLock lock(&mu_);
+    latencies.swap(latencies_us_);
+  }
+  if (latencies.empty()) return -1;
+  std::sort(latencies.begin(), latencies.end());
+  return latencies[std::min(latencies.size() - 1, static_cast<size_t>(q * latencies.size()))];
+}
+
+void RouteTraffic::Run() {
+  for (int n = 0; !stop_.load(); ++n) {
+    const absl::Time start = absl::Now();
+    const RouteOutcome outcome = RouteAndCompleteOn(stubs_[n % stubs_.size()].get(), n % 4);
+    const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
+    routes_.fetch_add(1);
+    if (!outcome.error.empty()) failures_.fetch_add(1);
+    {
+      absl::MutexLock lock(&mu_);
+      latencies_us_.push_back(us);
+      if (!outcome.error.empty()) last_error_ = outcome.error;
+    }
+    if (pause_ > absl::ZeroDuration()) absl::SleepFor(pause_);
+  }
 }
 
 const eldr::v1::WorkerState* FindWorker(const eldr::v1::GetStateResponse& state, const std::string& id) {

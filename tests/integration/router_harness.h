@@ -9,15 +9,20 @@
 
 #include <sys/types.h>
 
+#include <atomic>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "eldr/v1/router.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -92,6 +97,42 @@ std::unique_ptr<RouterProcess> MustStart(const TempDir& dir, std::vector<std::st
 eldr::v1::GetStateResponse State(const RouterProcess& router);
 // The worker `id` in `state`, or null. Points into `state`.
 const eldr::v1::WorkerState* FindWorker(const eldr::v1::GetStateResponse& state, const std::string& id);
+
+// Routes BlockRequest(block) on `router` and completes the lease: the worker id, or "" when the
+// Route failed (the Complete's outcome is not looked at).
+std::string RouteAndComplete(const RouterProcess& router, int block);
+
+// Route + Complete of BlockRequest(n % 4) in a loop on a thread of its own, over `targets` in
+// turn (one stub each), with `pause` between two routes, until Stop(): counts the routes, the
+// failed RPCs (Route or Complete) and keeps each route's latency.
+class RouteTraffic {
+ public:
+  explicit RouteTraffic(std::vector<const RouterProcess*> targets, absl::Duration pause = absl::ZeroDuration());
+  ~RouteTraffic() { Stop(); }
+  RouteTraffic(const RouteTraffic&) = delete;
+  RouteTraffic& operator=(const RouteTraffic&) = delete;
+
+  void Stop();
+  int64_t routes() const { return routes_.load(); }
+  int64_t failures() const { return failures_.load(); }
+  std::string last_error() const;
+  // The latency percentile (q in [0, 1]) of the routes made since the last call, in
+  // microseconds; -1 when there were none.
+  double TakePercentileUs(double q);
+
+ private:
+  void Run();
+
+  std::vector<std::unique_ptr<eldr::v1::DecodeRouter::Stub>> stubs_;
+  const absl::Duration pause_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> routes_{0};
+  std::atomic<int64_t> failures_{0};
+  mutable absl::Mutex mu_;
+  std::vector<double> latencies_us_ ABSL_GUARDED_BY(mu_);
+  std::string last_error_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
 
 // ---- Metrics ----
 struct Sample {

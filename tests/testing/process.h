@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 namespace eldr::testing {
@@ -125,6 +126,18 @@ int HttpStatusOf(const std::string& response);
 // A loopback port that was just free (bound to 127.0.0.1:0, noted, closed): nobody listens there,
 // so a connection to it is refused. 0 when no socket could be bound.
 int UnusedLoopbackPort();
+
+// Calls `condition` every `period` until it holds or `timeout` passes; returns whether it held
+// (it is called once more at the deadline).
+template <typename Condition>
+bool PollUntil(Condition condition, absl::Duration timeout, absl::Duration period = absl::Milliseconds(5)) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    if (condition()) return true;
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(period);
+  }
+}
 
 }  // namespace eldr::testing
 
