@@ -49,30 +49,58 @@ std::vector<int> Leaders(const std::vector<std::unique_ptr<RouterProcess>>& rout
   return leaders;
 }
 
-// `count` replicas r0.. of cluster `name` on `redis_address`, each with `extra_args`; fails the
-// test (and returns fewer) when one does not start.
-struct Replicas {
-  std::vector<std::unique_ptr<TempDir>> dirs;
-  std::vector<std::unique_ptr<RouterProcess>> routers;
-};
-Replicas StartReplicas(const std::string& redis_address, int count, const std::string& name,
-                       const std::vector<std::string>& extra_args = {}) {
-  Replicas replicas;
-  for (int i = 0; i < count; ++i) {
-    replicas.dirs.push_back(std::make_unique<TempDir>());
-    std::vector<std::string> args = StandardArgs(*replicas.dirs.back());
-    args.push_back("--cluster_redis=" + redis_address);
+// Each test has a fresh redis-server of its own (`redis_`) and starts its replicas with
+// StartReplicas.
+class ClusterRouterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto redis = cluster::testing::RedisServer::Start();
+    ASSERT_TRUE(redis.ok()) << redis.status();
+    redis_ = *std::move(redis);
+  }
+
+  // The flags of replica r<i> of cluster `name`, in `dir`, on `redis_address` (default: redis_).
+  std::vector<std::string> ReplicaArgs(const TempDir& dir, int i, const std::string& name,
+                                       const std::vector<std::string>& extra_args = {},
+                                       const std::string& redis_address = "") {
+    std::vector<std::string> args = StandardArgs(dir);
+    args.push_back("--cluster_redis=" + (redis_address.empty() ? redis_->address() : redis_address));
     args.push_back("--cluster_name=" + name);
     args.push_back(absl::StrCat("--replica_id=r", i));
     args.insert(args.end(), extra_args.begin(), extra_args.end());
-    std::unique_ptr<RouterProcess> router = MustStart(*replicas.dirs.back(), args);
-    if (router == nullptr) {
-      ADD_FAILURE() << "replica " << i << " did not start";
-      return replicas;
-    }
-    replicas.routers.push_back(std::move(router));
+    return args;
   }
-  return replicas;
+
+  // `count` replicas r0.. (ReplicaArgs), each in a folder of its own (dirs_); records a test
+  // failure (and returns fewer) when one does not start.
+  std::vector<std::unique_ptr<RouterProcess>>& StartReplicas(int count, const std::string& name,
+                                                             const std::vector<std::string>& extra_args = {},
+                                                             const std::string& redis_address = "") {
+    for (int i = 0; i < count; ++i) {
+      dirs_.push_back(std::make_unique<TempDir>());
+      std::unique_ptr<RouterProcess> router =
+          MustStart(*dirs_.back(), ReplicaArgs(*dirs_.back(), i, name, extra_args, redis_address));
+      if (router == nullptr) {
+        ADD_FAILURE() << "replica " << i << " did not start";
+        break;
+      }
+      routers_.push_back(std::move(router));
+    }
+    return routers_;
+  }
+
+  std::unique_ptr<cluster::testing::RedisServer> redis_;
+  std::vector<std::unique_ptr<TempDir>> dirs_;
+  std::vector<std::unique_ptr<RouterProcess>> routers_;
+};
+
+// RouterAdmin.ReloadCentroids with the artifact `json` on `router`; its status.
+grpc::Status ReloadJson(const RouterProcess& router, const std::string& json) {
+  eldr::v1::ReloadCentroidsRequest reload;
+  reload.set_artifact_json(json);
+  eldr::v1::ReloadCentroidsResponse reloaded;
+  auto ctx = Ctx(absl::Seconds(10));
+  return router.AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
 }
 
 double MetricOr(const RouterProcess& router, const std::string& name,
@@ -96,12 +124,8 @@ bool OneGeneration(const std::vector<std::unique_ptr<RouterProcess>>& routers, d
   return seen > 0;
 }
 
-TEST(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
-  auto redis = cluster::testing::RedisServer::Start();
-  ASSERT_TRUE(redis.ok()) << redis.status();
-
-  Replicas replicas = StartReplicas((*redis)->address(), 3, "it");
-  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+TEST_F(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
+  std::vector<std::unique_ptr<RouterProcess>>& routers = StartReplicas(3, "it");
   ASSERT_EQ(routers.size(), 3u);
 
   // Exactly one leader, and it stays one.
@@ -116,12 +140,9 @@ TEST(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
   for (const auto& router : routers) EXPECT_EQ(RouteAndComplete(*router, 1), "w1");
 
   // Reload on the leader: w0 now owns block 1, w1 block 2, ... The others follow.
-  eldr::v1::ReloadCentroidsRequest reload;
-  reload.set_artifact_json(ArtifactJson({1, 2, 3, 0}, {"w0", "w1", "w2", "w3"}));
-  eldr::v1::ReloadCentroidsResponse reloaded;
+  const std::string shifted = ArtifactJson({1, 2, 3, 0}, {"w0", "w1", "w2", "w3"});
   {
-    auto ctx = Ctx();
-    grpc::Status status = routers[leader]->AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
+    grpc::Status status = ReloadJson(*routers[leader], shifted);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
   EXPECT_EQ(RouteAndComplete(*routers[leader], 1), "w0");
@@ -158,12 +179,10 @@ TEST(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
 
 // With refit on, the leader's refit window fills with the signatures routed by the followers
 // (the leader itself routes nothing), through the shared stream.
-TEST(ClusterRouterTest, FollowersTrafficReachesTheLeadersRefitWindow) {
-  auto redis = cluster::testing::RedisServer::Start();
-  ASSERT_TRUE(redis.ok()) << redis.status();
+TEST_F(ClusterRouterTest, FollowersTrafficReachesTheLeadersRefitWindow) {
   // refit on (its window fills), no periodic refit in the test
-  Replicas replicas = StartReplicas((*redis)->address(), 3, "window", {"--refit_interval=1h", "--refit_window=10s"});
-  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+  std::vector<std::unique_ptr<RouterProcess>>& routers =
+      StartReplicas(3, "window", {"--refit_interval=1h", "--refit_window=10s"});
   ASSERT_EQ(routers.size(), 3u);
   ASSERT_TRUE(PollUntil([&] { return Leaders(routers).size() == 1; }, 2 * kLease + absl::Seconds(2)));
   const int leader = Leaders(routers)[0];
@@ -191,15 +210,11 @@ TEST(ClusterRouterTest, FollowersTrafficReachesTheLeadersRefitWindow) {
 // Refit is leader-only: with periodic refit on every replica and traffic through the followers
 // only, the leader refits on their signatures and publishes; the followers never complete a refit
 // of their own and install the leader's sets (source cluster).
-TEST(ClusterRouterTest, OnlyTheLeaderRefitsAndTheFollowersInstallItsSets) {
-  auto redis = cluster::testing::RedisServer::Start();
-  ASSERT_TRUE(redis.ok()) << redis.status();
+TEST_F(ClusterRouterTest, OnlyTheLeaderRefitsAndTheFollowersInstallItsSets) {
   // The routes below come in a burst of a second or so: sample every one of them for the shared
   // window (the default samples about 136 a second over the pool at this window).
-  Replicas replicas =
-      StartReplicas((*redis)->address(), 3, "refit",
-                    {"--refit_interval=1s", "--refit_window=30s", "--refit_max_window_signatures=1000000"});
-  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+  std::vector<std::unique_ptr<RouterProcess>>& routers =
+      StartReplicas(3, "refit", {"--refit_interval=1s", "--refit_window=30s", "--refit_max_window_signatures=1000000"});
   ASSERT_EQ(routers.size(), 3u);
   ASSERT_TRUE(PollUntil([&] { return Leaders(routers).size() == 1; }, 2 * kLease + absl::Seconds(2)));
   const int leader = Leaders(routers)[0];
@@ -235,11 +250,8 @@ TEST(ClusterRouterTest, OnlyTheLeaderRefitsAndTheFollowersInstallItsSets) {
 
 // Shared load: leases held on one replica count in another's effective load (no snapshot: the
 // peers' live leases), and stop counting once the holder is killed (its load hash expires).
-TEST(ClusterRouterTest, PeersLeasesCountInEffectiveLoadUntilTheyDie) {
-  auto redis = cluster::testing::RedisServer::Start();
-  ASSERT_TRUE(redis.ok()) << redis.status();
-  Replicas replicas = StartReplicas((*redis)->address(), 2, "load");
-  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+TEST_F(ClusterRouterTest, PeersLeasesCountInEffectiveLoadUntilTheyDie) {
+  std::vector<std::unique_ptr<RouterProcess>>& routers = StartReplicas(2, "load");
   ASSERT_EQ(routers.size(), 2u);
   // Five leases on w2, held by replica 0 (never completed).
   auto stub = routers[0]->RouterStub();
@@ -278,11 +290,8 @@ TEST(ClusterRouterTest, PeersLeasesCountInEffectiveLoadUntilTheyDie) {
 // it steps down when its lease clock has run out before it publishes anything, which is what
 // happens here; a publication sent in the instant before that check is refused by the fencing
 // script, which tests/cluster/cluster_state_test.cc provokes with PauseForTesting.)
-TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
-  auto redis = cluster::testing::RedisServer::Start();
-  ASSERT_TRUE(redis.ok()) << redis.status();
-  Replicas replicas = StartReplicas((*redis)->address(), 3, "fence");
-  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+TEST_F(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
+  std::vector<std::unique_ptr<RouterProcess>>& routers = StartReplicas(3, "fence");
   ASSERT_EQ(routers.size(), 3u);
   ASSERT_TRUE(
       PollUntil([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); }, 2 * kLease + absl::Seconds(3)));
@@ -305,12 +314,9 @@ TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
   EXPECT_GT(MetricOr(*routers[new_leader], "eldr_cluster_fencing_generation"), old_fence);
 
   // The new leader's set: block 1 -> w0. Every live replica installs it.
-  eldr::v1::ReloadCentroidsRequest reload;
-  reload.set_artifact_json(ArtifactJson({1, 2, 3, 0}, {"w0", "w1", "w2", "w3"}));
-  eldr::v1::ReloadCentroidsResponse reloaded;
+  const std::string shifted = ArtifactJson({1, 2, 3, 0}, {"w0", "w1", "w2", "w3"});
   {
-    auto ctx = Ctx();
-    grpc::Status status = routers[new_leader]->AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
+    grpc::Status status = ReloadJson(*routers[new_leader], shifted);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
   const int bystander = 3 - old_leader - new_leader;
@@ -321,11 +327,7 @@ TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
   // thaws, so it reaches the old leader in its first moments awake, racing its own lease check.
   absl::SleepFor(std::max(absl::ZeroDuration(), kLease + absl::Seconds(1) - (absl::Now() - frozen)));
   std::thread stale_reload([&] {
-    eldr::v1::ReloadCentroidsRequest stale;
-    stale.set_artifact_json(ArtifactJson({3, 0, 1, 2}, {"w0", "w1", "w2", "w3"}));
-    eldr::v1::ReloadCentroidsResponse response;
-    auto ctx = Ctx(absl::Seconds(10));
-    (void)routers[old_leader]->AdminStub()->ReloadCentroids(ctx.get(), stale, &response);
+    (void)ReloadJson(*routers[old_leader], ArtifactJson({3, 0, 1, 2}, {"w0", "w1", "w2", "w3"}));
   });
   absl::SleepFor(absl::Milliseconds(200));
   routers[old_leader]->Signal(SIGCONT);
@@ -350,8 +352,7 @@ TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
   // Its stale reload stays local at most until the cluster's next generation; the new leader
   // publishes one, and the thawed replica installs it like every other.
   {
-    auto ctx = Ctx();
-    grpc::Status status = routers[new_leader]->AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
+    grpc::Status status = ReloadJson(*routers[new_leader], shifted);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
   EXPECT_TRUE(PollUntil([&] { return RouteAndComplete(*routers[old_leader], 1) == "w0" && OneGeneration(routers); },
@@ -363,11 +364,8 @@ TEST(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
 // Redis killed under traffic and restarted empty: not one route fails, every replica notices the
 // outage (redis_up 0, errors counted), and afterwards the cluster has one leader again and every
 // replica serves one generation, re-published above the ones they served.
-TEST(ClusterRouterTest, RedisKilledUnderTrafficAndRestartedEmpty) {
-  auto redis = cluster::testing::RedisServer::Start();
-  ASSERT_TRUE(redis.ok()) << redis.status();
-  Replicas replicas = StartReplicas((*redis)->address(), 3, "outage");
-  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+TEST_F(ClusterRouterTest, RedisKilledUnderTrafficAndRestartedEmpty) {
+  std::vector<std::unique_ptr<RouterProcess>>& routers = StartReplicas(3, "outage");
   ASSERT_EQ(routers.size(), 3u);
   double before = 0;
   ASSERT_TRUE(PollUntil([&] { return Leaders(routers).size() == 1 && OneGeneration(routers, &before); },
@@ -375,7 +373,7 @@ TEST(ClusterRouterTest, RedisKilledUnderTrafficAndRestartedEmpty) {
 
   RouteTraffic traffic({routers[0].get(), routers[1].get(), routers[2].get()});
   absl::SleepFor(absl::Milliseconds(500));
-  (*redis)->Kill();
+  redis_->Kill();
   EXPECT_TRUE(PollUntil(
       [&] {
         for (const auto& router : routers) {
@@ -387,7 +385,7 @@ TEST(ClusterRouterTest, RedisKilledUnderTrafficAndRestartedEmpty) {
       << "a replica did not notice the outage";
   absl::SleepFor(kLease);  // long enough for the leader's lease to run out
   const int64_t routes_during_outage = traffic.routes();
-  ASSERT_TRUE((*redis)->Restart().ok());
+  ASSERT_TRUE(redis_->Restart().ok());
   double after = 0;
   EXPECT_TRUE(PollUntil([&] { return Leaders(routers).size() == 1 && OneGeneration(routers, &after); },
                         2 * kLease + absl::Seconds(3)))
@@ -416,13 +414,10 @@ TEST(ClusterRouterTest, RedisKilledUnderTrafficAndRestartedEmpty) {
 
 // A slow Redis (every reply held 300 ms, then 1.5 s: past the command timeout) does not move
 // Route latency: routes never wait for Redis.
-TEST(ClusterRouterTest, SlowRedisDoesNotMoveRouteLatency) {
-  auto redis = cluster::testing::RedisServer::Start();
-  ASSERT_TRUE(redis.ok()) << redis.status();
-  auto proxy = cluster::testing::DelayProxy::Start((*redis)->port(), absl::ZeroDuration());
+TEST_F(ClusterRouterTest, SlowRedisDoesNotMoveRouteLatency) {
+  auto proxy = cluster::testing::DelayProxy::Start(redis_->port(), absl::ZeroDuration());
   ASSERT_TRUE(proxy.ok()) << proxy.status();
-  Replicas replicas = StartReplicas((*proxy)->address(), 2, "slow");
-  std::vector<std::unique_ptr<RouterProcess>>& routers = replicas.routers;
+  std::vector<std::unique_ptr<RouterProcess>>& routers = StartReplicas(2, "slow", {}, (*proxy)->address());
   ASSERT_EQ(routers.size(), 2u);
   ASSERT_TRUE(
       PollUntil([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); }, 2 * kLease + absl::Seconds(3)));
@@ -451,44 +446,33 @@ TEST(ClusterRouterTest, SlowRedisDoesNotMoveRouteLatency) {
 
 // With --state_dir, a follower persists the sets it installs from the cluster: restarted while
 // Redis is gone, it starts on the cluster's last set, not on its --centroids file.
-TEST(ClusterRouterTest, AFollowerRestartsOnTheClustersSetFromItsStateDir) {
-  auto redis = cluster::testing::RedisServer::Start();
-  ASSERT_TRUE(redis.ok()) << redis.status();
-  std::vector<std::unique_ptr<TempDir>> dirs;
-  std::vector<std::unique_ptr<RouterProcess>> routers;
+TEST_F(ClusterRouterTest, AFollowerRestartsOnTheClustersSetFromItsStateDir) {
+  // Each replica's state folder inside its own folder; no periodic refit during the test.
   auto args_of = [&](int i) {
-    std::vector<std::string> args = StandardArgs(*dirs[i]);
-    args.push_back("--cluster_redis=" + (*redis)->address());
-    args.push_back("--cluster_name=state");
-    args.push_back(absl::StrCat("--replica_id=r", i));
-    args.push_back("--state_dir=" + dirs[i]->path() + "/state");
-    args.push_back("--refit_interval=1h");  // no periodic refit during the test
-    return args;
+    return ReplicaArgs(*dirs_[i], i, "state", {"--state_dir=" + dirs_[i]->path() + "/state", "--refit_interval=1h"});
   };
+  std::vector<std::unique_ptr<RouterProcess>>& routers = routers_;
   for (int i = 0; i < 2; ++i) {
-    dirs.push_back(std::make_unique<TempDir>());
-    routers.push_back(MustStart(*dirs[i], args_of(i)));
+    dirs_.push_back(std::make_unique<TempDir>());
+    routers.push_back(MustStart(*dirs_[i], args_of(i)));
     ASSERT_NE(routers[i], nullptr);
   }
   ASSERT_TRUE(
       PollUntil([&] { return Leaders(routers).size() == 1 && OneGeneration(routers); }, 2 * kLease + absl::Seconds(3)));
   const int leader = Leaders(routers)[0];
   const int follower = 1 - leader;
-  eldr::v1::ReloadCentroidsRequest reload;
-  reload.set_artifact_json(ArtifactJson({1, 2, 3, 0}, {"w0", "w1", "w2", "w3"}));
-  eldr::v1::ReloadCentroidsResponse reloaded;
+  const std::string shifted = ArtifactJson({1, 2, 3, 0}, {"w0", "w1", "w2", "w3"});
   {
-    auto ctx = Ctx();
-    grpc::Status status = routers[leader]->AdminStub()->ReloadCentroids(ctx.get(), reload, &reloaded);
+    grpc::Status status = ReloadJson(*routers[leader], shifted);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
   ASSERT_TRUE(PollUntil([&] { return RouteAndComplete(*routers[follower], 1) == "w0"; }, absl::Seconds(3)));
 
   // Redis goes away, and the follower restarts.
-  (*redis)->Kill();
+  redis_->Kill();
   routers[follower]->Signal(SIGTERM);
   ASSERT_TRUE(routers[follower]->WaitForExit(absl::Seconds(10)).has_value());
-  routers[follower] = MustStart(*dirs[follower], args_of(follower));
+  routers[follower] = MustStart(*dirs_[follower], args_of(follower));
   ASSERT_NE(routers[follower], nullptr);
   EXPECT_EQ(RouteAndComplete(*routers[follower], 1), "w0") << routers[follower]->Log();
   EXPECT_EQ(MetricOr(*routers[follower], "eldr_centroid_reloads_total", {{"source", "state_dir"}, {"outcome", "ok"}}),
