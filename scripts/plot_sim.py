@@ -41,16 +41,23 @@ def load(path):
     return data
 
 
+def label(result):
+    """A result's row label: its policy, or with router replicas e.g. "eldr R16 shared"."""
+    return result.get("label", result["policy"])
+
+
 def draw(data, out_path):
     rates = sorted({r["rate_rps"] for r in data["results"]})
-    policies = []
+    policies = []  # labels, in the order of the results
+    policy_of = {}
     for r in data["results"]:
-        if r["policy"] not in policies:
-            policies.append(r["policy"])
+        if label(r) not in policies:
+            policies.append(label(r))
+            policy_of[label(r)] = r["policy"]
     fig, axes = plt.subplots(len(rates), 2, figsize=(12, 3.4 * len(rates)), squeeze=False)
     capacity = data.get("capacity", {}).get("requests_per_s", 0)
     for row, rate in enumerate(rates):
-        cells = {r["policy"]: r for r in data["results"] if r["rate_rps"] == rate}
+        cells = {label(r): r for r in data["results"] if r["rate_rps"] == rate}
         load_note = f" ({100 * rate / capacity:.0f}% of capacity)" if capacity else ""
         cdf_axis, bar_axis = axes[row]
         for policy in policies:
@@ -61,10 +68,15 @@ def draw(data, out_path):
             if samples.size == 0:
                 continue
             y = np.arange(1, samples.size + 1) / samples.size
-            # eldr_refit dashed: where it equals eldr (no drift) both stay visible.
-            cdf_axis.plot(samples, y, label=policy, color=COLOURS.get(policy),
-                          linewidth=2.2 if policy.startswith("eldr") else 1.4,
-                          linestyle="--" if policy == "eldr_refit" else "-")
+            # eldr_refit dashed: where it equals eldr (no drift) both stay visible. Router
+            # replicas dash-dotted with shared state, dotted without.
+            kind = policy_of[policy]
+            if cell.get("replicas", 1) > 1:
+                style = "-." if cell.get("shared_state") else ":"
+            else:
+                style = "--" if kind == "eldr_refit" else "-"
+            cdf_axis.plot(samples, y, label=policy, color=COLOURS.get(kind),
+                          linewidth=2.2 if kind.startswith("eldr") else 1.4, linestyle=style)
         cdf_axis.set_title(f"TPOT CDF, {rate:g} req/s{load_note}")
         cdf_axis.set_xlabel("TPOT per request (ms)")
         cdf_axis.set_ylabel("fraction of requests")
@@ -75,7 +87,7 @@ def draw(data, out_path):
         x = np.arange(len(present))
         medians = [cells[p]["tpot_p50_ms"] for p in present]
         tails = [cells[p]["tpot_p99_ms"] for p in present]
-        colours = [COLOURS.get(p, "#333333") for p in present]
+        colours = [COLOURS.get(policy_of[p], "#333333") for p in present]
         bar_axis.bar(x - 0.2, medians, width=0.4, color=colours, label="median")
         bar_axis.bar(x + 0.2, tails, width=0.4, color=colours, alpha=0.45, hatch="//", label="P99")
         low = min(medians) * 0.9
@@ -85,7 +97,9 @@ def draw(data, out_path):
         for xi, value in zip(x, tails):
             bar_axis.text(xi + 0.2, value, f"{value:.1f}", ha="center", va="bottom", fontsize=7)
         bar_axis.set_xticks(x)
-        bar_axis.set_xticklabels(present, fontsize=8)
+        crowded = len(present) > 6 or any(len(p) > 10 for p in present)
+        bar_axis.set_xticklabels(present, fontsize=8, rotation=30 if crowded else 0,
+                                 ha="right" if crowded else "center")
         bar_axis.set_ylabel("TPOT (ms)")
         bar_axis.set_title(f"median (solid) and P99 (hatched), {rate:g} req/s; axis from {low:.0f} ms",
                            fontsize=10)

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -35,6 +36,12 @@ CentroidArtifact WithWorkers(const CentroidArtifact& artifact, const std::vector
   return named;
 }
 
+// Replica r's seed derived from `base`: replica 0 keeps `base` (one router is unchanged), the
+// others get well-mixed seeds of their own.
+uint64_t ReplicaSeed(uint64_t base, int replica) {
+  return replica == 0 ? base : Rng::Mix(base ^ Rng::Mix(static_cast<uint64_t>(replica)));
+}
+
 // Passes `line` to options.log when one is set.
 void Log(const ExperimentOptions& options, const std::string& line) {
   if (options.log) options.log(line);
@@ -51,6 +58,20 @@ absl::Status ValidateExperiment(const Workload& workload, const ExperimentOption
   if (workload.pool.empty()) return absl::InvalidArgumentError("the workload has no request");
   if (!workload.sample_with_replacement && static_cast<int>(workload.pool.size()) < options.requests) {
     return absl::InvalidArgumentError("the synthetic pool is smaller than --requests");
+  }
+  if (options.setups.empty()) return absl::InvalidArgumentError("--replicas: no router setup given");
+  for (const ReplicaSetup& setup : options.setups) {
+    if (setup.replicas < 1 || setup.replicas > kMaxReplicas) {
+      return absl::InvalidArgumentError(absl::StrCat("--replicas must be in [1, ", kMaxReplicas, "]"));
+    }
+    if (setup.replicas > 1 && !options.grpc_target.empty()) {
+      return absl::InvalidArgumentError(
+          "--replicas > 1 runs in-process router replicas: it cannot be combined with --router");
+    }
+  }
+  if (!(options.replica.sync_period_ms > 0)) return absl::InvalidArgumentError("--replica_sync_ms must be > 0");
+  if (!(options.replica.install_lag_ms >= 0)) {
+    return absl::InvalidArgumentError("--replica_install_lag_ms must be >= 0");
   }
   return absl::OkStatus();
 }
@@ -137,10 +158,32 @@ class RouterPool {
     return it->second.get();
   }
 
+  // The routers of `setup` for `kind`: For(kind) with one router; R in-process replicas otherwise,
+  // created on first use and kept per (R, shared state, kind), replica r with
+  // ReplicaSeed(router_seed, r).
+  absl::StatusOr<std::vector<RoutingBackend*>> ForSetup(const ReplicaSetup& setup, PolicyKind kind) {
+    if (setup.replicas == 1) {
+      ELDR_ASSIGN_OR_RETURN(RoutingBackend * backend, For(kind));
+      return std::vector<RoutingBackend*>{backend};
+    }
+    std::vector<std::unique_ptr<RoutingBackend>>& replicas = replicas_[{setup.replicas, setup.shared_state, kind}];
+    while (static_cast<int>(replicas.size()) < setup.replicas) {
+      ELDR_ASSIGN_OR_RETURN(
+          std::unique_ptr<RoutingBackend> created,
+          MakeInProcessBackend(kind, options_.tau, ReplicaSeed(options_.router_seed, static_cast<int>(replicas.size())),
+                               options_.cluster.decoders, options_.max_inflight));
+      replicas.push_back(std::move(created));
+    }
+    std::vector<RoutingBackend*> backends;
+    for (const std::unique_ptr<RoutingBackend>& replica : replicas) backends.push_back(replica.get());
+    return backends;
+  }
+
  private:
   const ExperimentOptions& options_;
   std::unique_ptr<RoutingBackend> daemon_;
   std::map<PolicyKind, std::unique_ptr<RoutingBackend>> in_process_;
+  std::map<std::tuple<int, bool, PolicyKind>, std::vector<std::unique_ptr<RoutingBackend>>> replicas_;
 };
 
 // Calibrates eldr's centroids on the calibration split (weighted by decode tokens when asked),
@@ -178,39 +221,106 @@ absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload, co
   return centroids;
 }
 
-// Simulates `arrivals` at `rate` under `policy` on `backend` (for eldr: installs the centroids
-// named after its workers, plus a refit driver for eldr_refit) and logs the TPOT.
+// Simulates `arrivals` at `rate` under `policy` on the routers of `setup` (for eldr: installs the
+// centroids named after the workers into every replica, plus for eldr_refit one refit driver for
+// the pool, or one per replica without shared state) and logs the TPOT.
 absl::StatusOr<ExperimentCell> RunCell(const Workload& workload, const std::vector<Arrival>& arrivals,
                                        const ExperimentOptions& options, double rate, const PolicySpec& policy,
-                                       const CentroidArtifact& centroids, RoutingBackend* backend) {
-  std::unique_ptr<SimRefitDriver> refit;
+                                       const ReplicaSetup& setup, const CentroidArtifact& centroids,
+                                       const std::vector<RoutingBackend*>& replicas) {
+  ReplicaRouters routers;
+  routers.replicas = replicas;
+  std::vector<std::unique_ptr<SimRefitDriver>> refits;
   if (policy.kind == PolicyKind::kEldr) {
-    const CentroidArtifact named = WithWorkers(centroids, backend->worker_ids());
-    ELDR_RETURN_IF_ERROR(backend->InstallCentroids(named));
+    const CentroidArtifact named = WithWorkers(centroids, replicas.front()->worker_ids());
+    for (RoutingBackend* replica : replicas) ELDR_RETURN_IF_ERROR(replica->InstallCentroids(named));
     if (policy.refit) {
-      SimRefitOptions refit_options = options.refit;
-      refit_options.seed = options.seed;
-      ELDR_ASSIGN_OR_RETURN(refit, SimRefitDriver::Create(named, refit_options));
+      const int drivers = setup.shared_state ? 1 : setup.replicas;
+      for (int d = 0; d < drivers; ++d) {
+        SimRefitOptions refit_options = options.refit;
+        refit_options.seed = ReplicaSeed(options.seed, d);
+        ELDR_ASSIGN_OR_RETURN(std::unique_ptr<SimRefitDriver> refit, SimRefitDriver::Create(named, refit_options));
+        routers.refits.push_back(refit.get());
+        refits.push_back(std::move(refit));
+      }
     }
   }
+  ReplicaOptions replica = options.replica;
+  replica.assignment_seed = options.seed;
+  replica.shared_load = setup.shared_state;
+  const std::string label = CellLabel(policy.name, setup);
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<RunResult> run = SimulateRun(workload, arrivals, options.cluster, backend, refit.get());
+  absl::StatusOr<RunResult> run = SimulateReplicatedRun(workload, arrivals, options.cluster, routers, replica);
   if (!run.ok()) {
     return absl::Status(run.status().code(),
-                        absl::StrFormat("rate %g, policy %s: %s", rate, policy.name, run.status().message()));
+                        absl::StrFormat("rate %g, policy %s: %s", rate, label, run.status().message()));
   }
-  Log(options,
-      absl::StrFormat("rate %g req/s, %-10s TPOT p50 %.2f ms  (%.1f s)", rate, policy.name, run->metrics.tpot_p50_ms,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+  Log(options, absl::StrFormat("rate %g req/s, %-10s TPOT p50 %.2f ms  (%.1f s)", rate, label, run->metrics.tpot_p50_ms,
+                               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
   ExperimentCell cell;
   cell.rate = rate;
   cell.policy = policy;
-  cell.backend = backend->Describe();
+  cell.setup = setup;
+  cell.backend = replicas.size() == 1
+                     ? replicas.front()->Describe()
+                     : absl::StrFormat("%d replicas of %s", replicas.size(), replicas.front()->Describe());
   cell.run = *std::move(run);
   return cell;
 }
 
 }  // namespace
+
+std::string ReplicaSetupLabel(const ReplicaSetup& setup) {
+  if (setup.replicas == 1) return "1 router";
+  return absl::StrFormat("%d replicas, %s", setup.replicas, setup.shared_state ? "shared state" : "no shared state");
+}
+
+std::string CellLabel(const std::string& policy, const ReplicaSetup& setup) {
+  if (setup.replicas == 1) return policy;
+  return absl::StrFormat("%s R%d %s", policy, setup.replicas, setup.shared_state ? "shared" : "unshared");
+}
+
+absl::StatusOr<std::vector<int>> ParseReplicaCounts(absl::string_view list) {
+  std::vector<int> counts;
+  for (absl::string_view raw : absl::StrSplit(list, ',')) {
+    const absl::string_view text = absl::StripAsciiWhitespace(raw);
+    if (text.empty()) continue;
+    int count = 0;
+    if (!absl::SimpleAtoi(text, &count) || count < 1 || count > kMaxReplicas) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--replicas: '", text, "' is not a replica count in [1, ", kMaxReplicas, "]"));
+    }
+    if (std::find(counts.begin(), counts.end(), count) != counts.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("--replicas: ", count, " given twice"));
+    }
+    counts.push_back(count);
+  }
+  if (counts.empty()) return absl::InvalidArgumentError("--replicas: no replica count given");
+  return counts;
+}
+
+absl::StatusOr<std::vector<ReplicaSetup>> ExpandReplicaSetups(const std::vector<int>& counts,
+                                                              absl::string_view shared_state) {
+  std::vector<bool> modes;
+  if (shared_state.empty() || shared_state == "both") {
+    modes = {true, false};
+  } else if (shared_state == "on") {
+    modes = {true};
+  } else if (shared_state == "off") {
+    modes = {false};
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--shared_state: '", shared_state, "' (expected on, off or both)"));
+  }
+  std::vector<ReplicaSetup> setups;
+  for (int count : counts) {
+    if (count == 1) {
+      setups.push_back(ReplicaSetup{1, false});
+      continue;
+    }
+    for (bool shared : modes) setups.push_back(ReplicaSetup{count, shared});
+  }
+  return setups;
+}
 
 CalibrationData WeightByDecodeTokens(const CalibrationData& data) {
   if (data.decode_counts.empty() || data.n == 0) return data;
@@ -330,6 +440,9 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload, const E
   ELDR_RETURN_IF_ERROR(ValidateExperiment(workload, options));
   ExperimentResult result;
   result.workload = workload.description;
+  result.setups = options.setups;
+  result.replica = options.replica;
+  result.replica.on_sync = nullptr;
   MeasureWorkloadAndCapacity(workload, options, &result);
 
   // Routers. In-process ones are created per policy kind and kept for the whole invocation, in
@@ -348,11 +461,13 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload, const E
 
   for (double rate : result.rates) {
     const std::vector<Arrival> arrivals = MakeArrivals(workload, rate, options.requests, options.seed);
-    for (const PolicySpec& policy : options.policies) {
-      ELDR_ASSIGN_OR_RETURN(RoutingBackend * backend, routers.For(policy.kind));
-      ELDR_ASSIGN_OR_RETURN(ExperimentCell cell,
-                            RunCell(workload, arrivals, options, rate, policy, centroids, backend));
-      result.cells.push_back(std::move(cell));
+    for (const ReplicaSetup& setup : options.setups) {
+      for (const PolicySpec& policy : options.policies) {
+        ELDR_ASSIGN_OR_RETURN(std::vector<RoutingBackend*> replicas, routers.ForSetup(setup, policy.kind));
+        ELDR_ASSIGN_OR_RETURN(ExperimentCell cell,
+                              RunCell(workload, arrivals, options, rate, policy, setup, centroids, replicas));
+        result.cells.push_back(std::move(cell));
+      }
     }
   }
   return result;

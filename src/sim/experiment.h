@@ -1,5 +1,5 @@
 // One eldr-sim invocation: calibrate eldr's centroids on the workload's calibration split, then run
-// every (rate, policy) pair on the identical arrival sequence of that rate.
+// every (rate, router setup, policy) triple on the identical arrival sequence of that rate.
 #ifndef ELDR_SIM_EXPERIMENT_H_
 #define ELDR_SIM_EXPERIMENT_H_
 
@@ -31,6 +31,29 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list);
 // Parses a comma-separated list of positive rates (requests per second).
 absl::StatusOr<std::vector<double>> ParseRates(absl::string_view list);
 
+// An arrangement of routers under test: one router, or R replicas over the same decode workers, each
+// routing 1/R of the arrivals, with or without the state eldr_cluster shares through Redis.
+struct ReplicaSetup {
+  int replicas = 1;
+  // With R > 1. On: shared load (SyncReplicaLeases every sync period) and, for eldr_refit, one
+  // refitter for the pool whose sets every replica installs. Off: each replica counts its own
+  // leases only and refits alone on its share of the traffic.
+  bool shared_state = false;
+};
+// "1 router", "16 replicas, shared state", "16 replicas, no shared state".
+std::string ReplicaSetupLabel(const ReplicaSetup& setup);
+// A policy's label in a setup: its name with one router, else e.g. "eldr R16 shared",
+// "jsq R3 unshared".
+std::string CellLabel(const std::string& policy, const ReplicaSetup& setup);
+
+// Parses a comma-separated list of replica counts (1 to kMaxReplicas, no duplicates).
+inline constexpr int kMaxReplicas = 1024;
+absl::StatusOr<std::vector<int>> ParseReplicaCounts(absl::string_view list);
+// The setups of `counts` in their order: R = 1 once; every R > 1 with shared state, without it, or
+// both (in that order) as `shared_state` says: "on", "off", "both", or empty (both).
+absl::StatusOr<std::vector<ReplicaSetup>> ExpandReplicaSetups(const std::vector<int>& counts,
+                                                              absl::string_view shared_state);
+
 // The calibration set with each request repeated in proportion to its decode tokens (the tenth
 // percentile of decode lengths is one copy; at most 64 copies), so that balanced k-means balances
 // decode work per worker instead of request counts. Unchanged without decode counts.
@@ -49,6 +72,13 @@ struct ExperimentOptions {
   bool select_layers = true;            // greedy layer mask during calibration
   bool weight_by_decode_tokens = true;  // calibrate on WeightByDecodeTokens(calibration split)
   SimRefitOptions refit;
+  // Router setups, each run on every rate and policy; replicas > 1 need in-process routers (no
+  // grpc_target). The replicas of one setup get tie-breaking seeds derived from router_seed
+  // (replica 0: router_seed itself) and, refitting alone, refit seeds derived from `seed`.
+  std::vector<ReplicaSetup> setups = {ReplicaSetup{}};
+  // Assignment rule (its seed is `seed`), sync period and follower install lag of every setup with
+  // R > 1; shared_load is set per setup from ReplicaSetup::shared_state.
+  ReplicaOptions replica;
   std::string grpc_target;        // host:port of a running eldr-router; empty: in-process
   std::string grpc_admin_target;  // host:port of its RouterAdmin; empty: grpc_target
   double rpc_timeout_s = 10;
@@ -72,6 +102,7 @@ std::vector<double> DefaultRates(const CapacityEstimate& capacity);
 struct ExperimentCell {
   double rate = 0;
   PolicySpec policy;
+  ReplicaSetup setup;
   std::string backend;  // which router decided
   RunResult run;
 };
@@ -87,7 +118,9 @@ struct ExperimentResult {
   std::string router;  // in-process, or the daemon's description
   double tau = 0;
   std::vector<double> rates;
-  std::vector<ExperimentCell> cells;  // rate-major, policies in the given order
+  std::vector<ReplicaSetup> setups;   // as given
+  ReplicaOptions replica;             // as given (no on_sync)
+  std::vector<ExperimentCell> cells;  // rate-major, then setups, then policies, each in the given order
   // eldr's centroids as calibrated on the calibration split (rows unnamed: the pool's order);
   // empty (k == 0) when no eldr policy ran.
   CentroidArtifact centroids;

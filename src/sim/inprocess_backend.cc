@@ -64,6 +64,13 @@ class InProcessBackend final : public RoutingBackend {
     return router_->InstallCentroids(artifact).status();
   }
 
+  absl::StatusOr<RouterState> GetState(double now_us) override { return router_->GetState(Clock(now_us)); }
+
+  absl::Status SetPeerLeases(const absl::flat_hash_map<std::string, PeerLeaseCount>& peers) override {
+    router_->SetPeerLeases(peers);
+    return absl::OkStatus();
+  }
+
  private:
   absl::Time Clock(double now_us) {
     latest_us_ = std::max(latest_us_, run_origin_us_ + now_us);
@@ -80,6 +87,14 @@ class InProcessBackend final : public RoutingBackend {
 };
 
 }  // namespace
+
+absl::StatusOr<RouterState> RoutingBackend::GetState(double /*now_us*/) {
+  return absl::UnimplementedError(absl::StrCat(Describe(), " does not expose its router state"));
+}
+
+absl::Status RoutingBackend::SetPeerLeases(const absl::flat_hash_map<std::string, PeerLeaseCount>& /*peers*/) {
+  return absl::UnimplementedError(absl::StrCat(Describe(), " does not take peer leases"));
+}
 
 absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind policy, double tau,
                                                                      uint64_t router_seed, int workers,

@@ -21,10 +21,16 @@ struct Baseline {
   std::string p50_policy, p99_policy;
 };
 
-Baseline BestBaseline(const ExperimentResult& result, double rate) {
+bool SameSetup(const ReplicaSetup& a, const ReplicaSetup& b) {
+  return a.replicas == b.replicas && a.shared_state == b.shared_state;
+}
+
+// The best load balancer among the cells of `rate` and `setup`: R replicas of eldr are compared
+// with R replicas of each load balancer (sharing state or not as eldr's).
+Baseline BestBaseline(const ExperimentResult& result, double rate, const ReplicaSetup& setup) {
   Baseline best;
   for (const ExperimentCell& cell : result.cells) {
-    if (cell.rate != rate || !IsLoadBalancer(cell.policy)) continue;
+    if (cell.rate != rate || !SameSetup(cell.setup, setup) || !IsLoadBalancer(cell.policy)) continue;
     if (cell.run.metrics.tpot_p50_ms < best.p50) {
       best.p50 = cell.run.metrics.tpot_p50_ms;
       best.p50_policy = cell.policy.name;
@@ -54,28 +60,40 @@ std::string FormatTable(const ExperimentResult& result) {
                         result.locality.same_domain_distinct, result.locality.mixed_distinct,
                         result.locality.prompt_decode_correlation);
   absl::StrAppendFormat(&out, "router: %s\n", result.router);
+  // One block of rows per router setup, labelled, unless the only setup is one router.
+  const bool label_setups = result.setups.size() > 1 || (!result.setups.empty() && result.setups[0].replicas > 1);
+  if (label_setups) {
+    absl::StrAppendFormat(&out,
+                          "router replicas: arrivals assigned by %s; shared state = lease counts synced every %g ms "
+                          "(%s) and one refitter whose sets followers install %g ms later\n",
+                          ReplicaAssignmentName(result.replica.assignment), result.replica.sync_period_ms,
+                          result.replica.staggered_sync ? "staggered" : "aligned", result.replica.install_lag_ms);
+  }
   for (double rate : result.rates) {
     absl::StrAppendFormat(&out, "\nrate %g req/s (%s)\n", rate, LoadLabel(rate, result.capacity.requests_per_s));
     absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "policy", "TPOT p50", "p90", "p99 ms",
                           "TTFT p50", "p99 ms", "experts/", "load", "batch", "vs best LB");
     absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "", "", "", "", "", "", "layer",
                           "imbalance", "", "p50 / p99");
-    const Baseline best = BestBaseline(result, rate);
-    for (const ExperimentCell& cell : result.cells) {
-      if (cell.rate != rate) continue;
-      const RunMetrics& m = cell.run.metrics;
-      std::string versus;
-      if (!IsLoadBalancer(cell.policy) && std::isfinite(best.p50)) {
-        versus = absl::StrFormat("%+.1f%% / %+.1f%%", 100 * (m.tpot_p50_ms / best.p50 - 1),
-                                 100 * (m.tpot_p99_ms / best.p99 - 1));
+    for (const ReplicaSetup& setup : result.setups) {
+      if (label_setups) absl::StrAppendFormat(&out, "[%s]\n", ReplicaSetupLabel(setup));
+      const Baseline best = BestBaseline(result, rate, setup);
+      for (const ExperimentCell& cell : result.cells) {
+        if (cell.rate != rate || !SameSetup(cell.setup, setup)) continue;
+        const RunMetrics& m = cell.run.metrics;
+        std::string versus;
+        if (!IsLoadBalancer(cell.policy) && std::isfinite(best.p50)) {
+          versus = absl::StrFormat("%+.1f%% / %+.1f%%", 100 * (m.tpot_p50_ms / best.p50 - 1),
+                                   100 * (m.tpot_p99_ms / best.p99 - 1));
+        }
+        absl::StrAppendFormat(&out, "%-11s %8.2f %8.2f %8.2f %9.1f %9.1f %9.1f %9.2f %7.1f %15s\n", cell.policy.name,
+                              m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms, m.ttft_p50_ms, m.ttft_p99_ms,
+                              m.distinct_experts_per_layer, m.load_imbalance, m.mean_batch, versus);
       }
-      absl::StrAppendFormat(&out, "%-11s %8.2f %8.2f %8.2f %9.1f %9.1f %9.1f %9.2f %7.1f %15s\n", cell.policy.name,
-                            m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms, m.ttft_p50_ms, m.ttft_p99_ms,
-                            m.distinct_experts_per_layer, m.load_imbalance, m.mean_batch, versus);
-    }
-    if (std::isfinite(best.p50)) {
-      absl::StrAppendFormat(&out, "best load balancer: p50 %s %.2f ms, p99 %s %.2f ms\n", best.p50_policy, best.p50,
-                            best.p99_policy, best.p99);
+      if (std::isfinite(best.p50)) {
+        absl::StrAppendFormat(&out, "best load balancer: p50 %s %.2f ms, p99 %s %.2f ms\n", best.p50_policy, best.p50,
+                              best.p99_policy, best.p99);
+      }
     }
   }
   return out;
@@ -106,12 +124,26 @@ nlohmann::json ToJson(const ExperimentResult& result, bool with_samples) {
   json["router"] = result.router;
   json["tau"] = result.tau;
   json["rates"] = result.rates;
+  nlohmann::json setups = nlohmann::json::array();
+  for (const ReplicaSetup& setup : result.setups) {
+    setups.push_back({{"replicas", setup.replicas}, {"shared_state", setup.shared_state}});
+  }
+  json["router_setups"] = std::move(setups);
+  json["replica_options"] = {
+      {"assignment", std::string(ReplicaAssignmentName(result.replica.assignment))},
+      {"sync_period_ms", result.replica.sync_period_ms},
+      {"sync_phases", result.replica.staggered_sync ? "staggered" : "aligned"},
+      {"install_lag_ms", result.replica.install_lag_ms},
+  };
   nlohmann::json results = nlohmann::json::array();
   for (const ExperimentCell& cell : result.cells) {
     const RunMetrics& m = cell.run.metrics;
     nlohmann::json entry = {
         {"rate_rps", cell.rate},
         {"policy", cell.policy.name},
+        {"replicas", cell.setup.replicas},
+        {"shared_state", cell.setup.shared_state},
+        {"label", CellLabel(cell.policy.name, cell.setup)},
         {"router", cell.backend},
         {"tpot_p50_ms", m.tpot_p50_ms},
         {"tpot_p90_ms", m.tpot_p90_ms},
@@ -127,6 +159,8 @@ nlohmann::json ToJson(const ExperimentResult& result, bool with_samples) {
         {"mean_band_size", m.mean_band_size},
         {"refits", cell.run.refits},
         {"fallbacks", cell.run.fallbacks},
+        {"routes_per_replica", cell.run.routes_per_replica},
+        {"replica_syncs", cell.run.replica_syncs},
     };
     if (with_samples) entry["tpot_ms_samples"] = m.tpot_ms;
     results.push_back(std::move(entry));
@@ -138,13 +172,14 @@ nlohmann::json ToJson(const ExperimentResult& result, bool with_samples) {
 std::string FormatCsv(const ExperimentResult& result) {
   std::string out =
       "rate_rps,policy,tpot_p50_ms,tpot_p90_ms,tpot_p99_ms,ttft_p50_ms,ttft_p99_ms,"
-      "distinct_experts_per_layer,load_imbalance,mean_batch,decode_tokens_per_s,measured_requests\n";
+      "distinct_experts_per_layer,load_imbalance,mean_batch,decode_tokens_per_s,measured_requests,replicas,"
+      "shared_state\n";
   for (const ExperimentCell& cell : result.cells) {
     const RunMetrics& m = cell.run.metrics;
-    absl::StrAppendFormat(&out, "%g,%s,%.4f,%.4f,%.4f,%.3f,%.3f,%.3f,%.4f,%.3f,%.1f,%d\n", cell.rate, cell.policy.name,
-                          m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms, m.ttft_p50_ms, m.ttft_p99_ms,
+    absl::StrAppendFormat(&out, "%g,%s,%.4f,%.4f,%.4f,%.3f,%.3f,%.3f,%.4f,%.3f,%.1f,%d,%d,%d\n", cell.rate,
+                          cell.policy.name, m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms, m.ttft_p50_ms, m.ttft_p99_ms,
                           m.distinct_experts_per_layer, m.load_imbalance, m.mean_batch, m.decode_tokens_per_s,
-                          m.measured_requests);
+                          m.measured_requests, cell.setup.replicas, cell.setup.shared_state ? 1 : 0);
   }
   return out;
 }

@@ -12,11 +12,13 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "eldr/core/centroid_artifact.h"
 #include "eldr/core/policy.h"
+#include "eldr/core/router.h"
 
 namespace eldr::sim {
 
@@ -54,6 +56,14 @@ class RoutingBackend {
   virtual absl::Status Complete(uint64_t lease_id, int64_t output_tokens, double now_us) = 0;
   // Puts `artifact` in service (its `workers` must name the backend's workers).
   virtual absl::Status InstallCentroids(const CentroidArtifact& artifact) = 0;
+
+  // Router replicas (SimulateReplicatedRun with shared load) need these two; only the in-process
+  // backend has them, the others answer UNIMPLEMENTED.
+  // The router's state at simulated time `now_us` (Router::GetState): its own leases per worker
+  // and the effective load its policies see.
+  virtual absl::StatusOr<RouterState> GetState(double now_us);
+  // Router::SetPeerLeases: the other replicas' leases per worker id.
+  virtual absl::Status SetPeerLeases(const absl::flat_hash_map<std::string, PeerLeaseCount>& peers);
 };
 
 // An eldr::Router in this process with `policy`, `tau` and the tie-breaking seed `router_seed`,

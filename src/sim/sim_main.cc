@@ -4,6 +4,7 @@
 //   eldr-sim --trace data/esft-routing --prefill_fraction 0.5
 //   eldr-sim --synthetic 48x128x8 --domains 4 --rates 20,40,60 --plot sim.png
 //   eldr-sim --trace data/esft-routing --router grpc://127.0.0.1:50051
+//   eldr-sim --synthetic 48x128x8 --replicas 1,3,16 --shared_state both
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -38,6 +39,7 @@ const eldr::sim::ClusterOptions kCluster;
 const eldr::sim::SyntheticOptions kSynthetic;
 const eldr::sim::TraceWorkloadOptions kTrace;
 const eldr::sim::SimRefitOptions kRefit;
+const eldr::sim::ReplicaOptions kReplica;
 }  // namespace
 
 // ---- Workload ----
@@ -93,6 +95,24 @@ ABSL_FLAG(uint64_t, router_seed, 0x5eed, "Tie-breaking seed of the in-process ro
 ABSL_FLAG(double, rpc_timeout_s, 10, "Deadline of each RPC to the router, seconds");
 ABSL_FLAG(double, refit_interval_s, kRefit.interval_s, "eldr_refit: simulated seconds between refits");
 ABSL_FLAG(double, refit_window_s, kRefit.window_s, "eldr_refit: rolling window of signatures, seconds");
+
+// ---- Router replicas ----
+ABSL_FLAG(std::string, replicas, "1",
+          "Router replica counts to compare, e.g. 1,3,16: R in-process eldr::Routers over the same decode "
+          "workers, each routing 1/R of the arrivals (several eldr-router replicas, or one sidecar per prefill pod)");
+ABSL_FLAG(std::string, shared_state, "",
+          "With R > 1: on (replicas share lease counts and one refitter, as eldr-router --cluster_redis), off "
+          "(each counts its own leases and refits alone), or both; empty: both");
+ABSL_FLAG(double, replica_sync_ms, kReplica.sync_period_ms,
+          "Shared state: simulated ms between lease-count syncs (eldr-router's cluster load interval)");
+ABSL_FLAG(std::string, replica_sync_phases, "aligned",
+          "Shared state: aligned (every replica syncs at the same instants) or staggered (replica r of R "
+          "at r/R of a period later, as replicas whose timers started at different times)");
+ABSL_FLAG(double, replica_install_lag_ms, -1,
+          "Shared state, eldr_refit: simulated ms after the leader before the other replicas install a refitted "
+          "set; -1: --replica_sync_ms");
+ABSL_FLAG(std::string, replica_assignment, std::string(eldr::sim::ReplicaAssignmentName(kReplica.assignment)),
+          "Which replica routes an arrival: modulo (arrival index mod R) or random (seeded by --seed)");
 
 // ---- Run ----
 ABSL_FLAG(std::string, rates, "",
@@ -241,9 +261,34 @@ int main(int argc, char** argv) {
   if (!(options.refit.interval_s > 0) || !(options.refit.window_s > 0)) {
     return Fail("--refit_interval_s and --refit_window_s must be > 0");
   }
+  absl::StatusOr<std::vector<int>> replica_counts = eldr::sim::ParseReplicaCounts(absl::GetFlag(FLAGS_replicas));
+  if (!replica_counts.ok()) return Fail(replica_counts.status());
+  absl::StatusOr<std::vector<eldr::sim::ReplicaSetup>> setups =
+      eldr::sim::ExpandReplicaSetups(*replica_counts, absl::GetFlag(FLAGS_shared_state));
+  if (!setups.ok()) return Fail(setups.status());
+  options.setups = *setups;
+  absl::StatusOr<eldr::sim::ReplicaAssignment> assignment =
+      eldr::sim::ParseReplicaAssignment(absl::GetFlag(FLAGS_replica_assignment));
+  if (!assignment.ok()) return Fail(assignment.status());
+  options.replica.assignment = *assignment;
+  options.replica.sync_period_ms = absl::GetFlag(FLAGS_replica_sync_ms);
+  if (!(options.replica.sync_period_ms > 0)) return Fail("--replica_sync_ms must be > 0");
+  if (const std::string phases = absl::GetFlag(FLAGS_replica_sync_phases); phases == "staggered") {
+    options.replica.staggered_sync = true;
+  } else if (phases != "aligned") {
+    return Fail(absl::StrCat("--replica_sync_phases: '", phases, "' (expected aligned or staggered)"));
+  }
+  options.replica.install_lag_ms = absl::GetFlag(FLAGS_replica_install_lag_ms);
+  if (options.replica.install_lag_ms == -1) options.replica.install_lag_ms = options.replica.sync_period_ms;
+  if (!(options.replica.install_lag_ms >= 0)) {
+    return Fail("--replica_install_lag_ms must be -1 (= --replica_sync_ms) or >= 0");
+  }
   options.rpc_timeout_s = absl::GetFlag(FLAGS_rpc_timeout_s);
   if (!(options.rpc_timeout_s > 0)) return Fail("--rpc_timeout_s must be > 0");
   if (const std::string router = absl::GetFlag(FLAGS_router); !router.empty()) {
+    for (const eldr::sim::ReplicaSetup& setup : options.setups) {
+      if (setup.replicas > 1) return Fail("--replicas > 1 runs in-process router replicas: drop --router");
+    }
     absl::StatusOr<std::string> target = eldr::sim::ParseGrpcTarget(router);
     if (!target.ok()) return Fail(target.status());
     options.grpc_target = *target;

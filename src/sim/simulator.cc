@@ -6,14 +6,29 @@
 #include <queue>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "sim/distinct_experts.h"
+#include "sim/random.h"
 
 namespace eldr::sim {
 namespace {
 
-enum class EventKind { kArrival, kPrefillDone, kDecodeArrive, kStepDone, kRefit, kSample };
+// The random stream of kRandom replica assignment (apart from the workload's and the capacity
+// estimate's streams).
+constexpr uint64_t kStreamReplicaAssignment = 21;
+
+enum class EventKind {
+  kArrival,
+  kPrefillDone,
+  kDecodeArrive,
+  kStepDone,
+  kRefit,
+  kSample,
+  kReplicaSync,      // shared load: SyncReplicaLeases (subject: the replica, -1 all)
+  kFollowerInstall,  // shared refit: the followers install a refitted set (subject: its index)
+};
 
 struct Event {
   double time_us;
@@ -31,7 +46,7 @@ struct LaterEvent {
 
 struct InFlight {
   int tokens_done = 0;
-  uint64_t lease_id = 0;
+  uint64_t lease_id = 0;  // in the lease space of the replica that routed it
   int64_t kv_tokens = 0;
 };
 
@@ -46,12 +61,12 @@ struct DecodeWorker {
 class Simulation {
  public:
   Simulation(const Workload& workload, const std::vector<Arrival>& arrivals, const ClusterOptions& cluster,
-             RoutingBackend* backend, SimRefitDriver* refit)
+             const ReplicaRouters& routers, const ReplicaOptions& replica)
       : workload_(workload),
         arrivals_(arrivals),
         cluster_(cluster),
-        backend_(backend),
-        refit_(refit),
+        routers_(routers),
+        replica_(replica),
         counter_(workload.layers, workload.experts, workload.top_k),
         workers_(cluster.decoders),
         state_(arrivals.size()) {}
@@ -68,8 +83,14 @@ class Simulation {
     window_begin_us_ = arrivals_[warm_].time_us;
     window_end_us_ = arrivals_[last_measured_].time_us;
 
+    const int replicas = static_cast<int>(routers_.replicas.size());
+    result_.routes_per_replica.assign(replicas, 0);
+    Rng assignment = Rng::ForStream(replica_.assignment_seed, kStreamReplicaAssignment);
     for (int i = 0; i < n; ++i) {
       RequestRecord& record = result_.requests[i];
+      record.replica = replica_.assignment == ReplicaAssignment::kModulo
+                           ? i % replicas
+                           : static_cast<int>(assignment.Below(static_cast<uint64_t>(replicas)));
       record.pool_index = arrivals_[i].request;
       record.arrival_us = arrivals_[i].time_us;
       record.measured = i >= warm_ && i <= last_measured_;
@@ -77,8 +98,18 @@ class Simulation {
       Push(arrivals_[i].time_us, EventKind::kArrival, i);
     }
     Push(window_begin_us_, EventKind::kSample, 0);
-    if (refit_ != nullptr) {
-      Push(refit_->options().interval_s * 1e6, EventKind::kRefit, 0);
+    if (!routers_.refits.empty()) {
+      Push(RefitIntervalUs(), EventKind::kRefit, 0);
+    }
+    if (SharesLoad()) {
+      const double period_us = replica_.sync_period_ms * 1e3;
+      if (!replica_.staggered_sync) {
+        Push(period_us, EventKind::kReplicaSync, -1);
+      } else {
+        for (int r = 0; r < replicas; ++r) {
+          Push(period_us * (1 + static_cast<double>(r) / replicas), EventKind::kReplicaSync, r);
+        }
+      }
     }
     free_prefill_ = cluster_.prefill_workers;
 
@@ -105,10 +136,16 @@ class Simulation {
         case EventKind::kSample:
           OnSample();
           break;
+        case EventKind::kReplicaSync:
+          ELDR_RETURN_IF_ERROR(OnReplicaSync(event.subject));
+          break;
+        case EventKind::kFollowerInstall:
+          ELDR_RETURN_IF_ERROR(OnFollowerInstall(event.subject));
+          break;
       }
     }
     result_.simulated_seconds = now_us_ / 1e6;
-    result_.refits = refit_ != nullptr ? refit_->refits() : 0;
+    for (const SimRefitDriver* refit : routers_.refits) result_.refits += refit->refits();
     Summarise();
     return std::move(result_);
   }
@@ -119,6 +156,15 @@ class Simulation {
   }
 
   const SimRequest& RequestOf(int arrival) const { return workload_.pool[arrivals_[arrival].request]; }
+
+  bool SharesLoad() const { return replica_.shared_load && routers_.replicas.size() > 1; }
+  double RefitIntervalUs() const { return routers_.refits.front()->options().interval_s * 1e6; }
+  RoutingBackend* ReplicaOf(int arrival) const { return routers_.replicas[result_.requests[arrival].replica]; }
+  // The refit driver that observes the routes of `replica`.
+  SimRefitDriver* RefitOf(int replica) const {
+    if (routers_.refits.empty()) return nullptr;
+    return routers_.refits.size() == 1 ? routers_.refits.front() : routers_.refits[replica];
+  }
 
   void StartPrefill(int arrival) {
     --free_prefill_;
@@ -147,7 +193,7 @@ class Simulation {
     call.experts = workload_.experts;
     call.prompt_counts = request.prompt_counts;
     call.prompt_tokens = request.prompt_tokens;
-    absl::StatusOr<RouteDecision> decision = backend_->Route(call, now_us_);
+    absl::StatusOr<RouteDecision> decision = ReplicaOf(arrival)->Route(call, now_us_);
     if (!decision.ok()) {
       return absl::Status(decision.status().code(), absl::StrCat("routing request ", arrival, " (", request.source,
                                                                  "): ", decision.status().message()));
@@ -165,8 +211,10 @@ class Simulation {
     state_[arrival].lease_id = decision->lease_id;
     state_[arrival].kv_tokens = request.prompt_tokens + request.decode_steps;
     ++workers_[decision->worker].assigned;
-    if (refit_ != nullptr) {
-      refit_->Observe(request.prompt_counts, workload_.layers, workload_.experts, now_us_);
+    ++routed_;
+    ++result_.routes_per_replica[record.replica];
+    if (SimRefitDriver* refit = RefitOf(record.replica); refit != nullptr) {
+      refit->Observe(request.prompt_counts, workload_.layers, workload_.experts, now_us_);
     }
     Push(now_us_ + cluster_.cost.kv_transfer_us, EventKind::kDecodeArrive, arrival);
     return absl::OkStatus();
@@ -223,7 +271,7 @@ class Simulation {
         record.finish_us = now_us_;
         worker.kv_used -= state.kv_tokens;
         --worker.assigned;
-        const absl::Status completed = backend_->Complete(state.lease_id, record.decode_steps, now_us_);
+        const absl::Status completed = ReplicaOf(arrival)->Complete(state.lease_id, record.decode_steps, now_us_);
         if (!completed.ok()) {
           return absl::Status(completed.code(),
                               absl::StrCat("completing request ", arrival, ": ", completed.message()));
@@ -237,17 +285,61 @@ class Simulation {
     return absl::OkStatus();
   }
 
+  absl::Status Install(int replica, const CentroidArtifact& artifact) {
+    const absl::Status installed = routers_.replicas[replica]->InstallCentroids(artifact);
+    if (!installed.ok()) {
+      return absl::Status(installed.code(), absl::StrCat("installing refitted centroids into replica ", replica, ": ",
+                                                         installed.message()));
+    }
+    return absl::OkStatus();
+  }
+
+  // Every driver refits, in replica order. One shared driver: the leader (replica 0) installs at
+  // once, the followers after the install lag. One driver per replica: each installs its own.
   absl::Status OnRefit() {
-    absl::StatusOr<std::optional<CentroidArtifact>> refitted = refit_->Refit(now_us_);
-    if (!refitted.ok()) return refitted.status();
-    if (refitted->has_value()) {
-      const absl::Status installed = backend_->InstallCentroids(**refitted);
-      if (!installed.ok()) {
-        return absl::Status(installed.code(), absl::StrCat("installing refitted centroids: ", installed.message()));
+    const bool shared = routers_.refits.size() == 1;
+    for (size_t d = 0; d < routers_.refits.size(); ++d) {
+      absl::StatusOr<std::optional<CentroidArtifact>> refitted = routers_.refits[d]->Refit(now_us_);
+      if (!refitted.ok()) return refitted.status();
+      if (!refitted->has_value()) continue;
+      ELDR_RETURN_IF_ERROR(Install(static_cast<int>(d), **refitted));
+      if (!shared || routers_.replicas.size() == 1) continue;
+      if (replica_.install_lag_ms > 0) {
+        follower_installs_.push_back(**std::move(refitted));
+        Push(now_us_ + replica_.install_lag_ms * 1e3, EventKind::kFollowerInstall,
+             static_cast<int>(follower_installs_.size() - 1));
+      } else {
+        for (size_t r = 1; r < routers_.replicas.size(); ++r) {
+          ELDR_RETURN_IF_ERROR(Install(static_cast<int>(r), **refitted));
+        }
       }
     }
-    const double next = now_us_ + refit_->options().interval_s * 1e6;
+    const double next = now_us_ + RefitIntervalUs();
     if (next <= arrivals_.back().time_us) Push(next, EventKind::kRefit, 0);
+    return absl::OkStatus();
+  }
+
+  absl::Status OnFollowerInstall(int index) {
+    for (size_t r = 1; r < routers_.replicas.size(); ++r) {
+      ELDR_RETURN_IF_ERROR(Install(static_cast<int>(r), follower_installs_[index]));
+    }
+    follower_installs_[index] = CentroidArtifact();  // installed everywhere: free it
+    return absl::OkStatus();
+  }
+
+  // Shared load; the next sync only while arrivals remain to be routed (peer leases matter to
+  // routes alone).
+  absl::Status OnReplicaSync(int target) {
+    ELDR_RETURN_IF_ERROR(SyncReplicaLeases(routers_.replicas, now_us_, target));
+    ++result_.replica_syncs;
+    if (replica_.on_sync) {
+      pool_leases_.resize(workers_.size());
+      for (size_t w = 0; w < workers_.size(); ++w) pool_leases_[w] = workers_[w].assigned;
+      replica_.on_sync(now_us_, target, pool_leases_);
+    }
+    if (routed_ < static_cast<int>(arrivals_.size())) {
+      Push(now_us_ + replica_.sync_period_ms * 1e3, EventKind::kReplicaSync, target);
+    }
     return absl::OkStatus();
   }
 
@@ -300,8 +392,8 @@ class Simulation {
   const Workload& workload_;
   const std::vector<Arrival>& arrivals_;
   const ClusterOptions& cluster_;
-  RoutingBackend* backend_;
-  SimRefitDriver* refit_;
+  const ReplicaRouters& routers_;
+  const ReplicaOptions& replica_;
   DistinctExpertCounter counter_;
 
   std::priority_queue<Event, std::vector<Event>, LaterEvent> events_;
@@ -312,6 +404,9 @@ class Simulation {
   std::vector<DecodeWorker> workers_;
   std::vector<InFlight> state_;
   RunResult result_;
+  int routed_ = 0;
+  std::vector<CentroidArtifact> follower_installs_;  // shared refit: sets the followers have yet to install
+  std::vector<int> pool_leases_;                     // on_sync's argument
 
   int warm_ = 0, last_measured_ = 0;
   double window_begin_us_ = 0, window_end_us_ = 0;
@@ -341,22 +436,104 @@ absl::Status ValidateClusterOptions(const ClusterOptions& o) {
 
 absl::StatusOr<RunResult> SimulateRun(const Workload& workload, const std::vector<Arrival>& arrivals,
                                       const ClusterOptions& cluster, RoutingBackend* backend, SimRefitDriver* refit) {
+  if (backend == nullptr) return absl::InvalidArgumentError("no routing backend");
+  ReplicaRouters routers;
+  routers.replicas.push_back(backend);
+  if (refit != nullptr) routers.refits.push_back(refit);
+  return SimulateReplicatedRun(workload, arrivals, cluster, routers, ReplicaOptions());
+}
+
+absl::StatusOr<RunResult> SimulateReplicatedRun(const Workload& workload, const std::vector<Arrival>& arrivals,
+                                                const ClusterOptions& cluster, const ReplicaRouters& routers,
+                                                const ReplicaOptions& replica) {
   ELDR_RETURN_IF_ERROR(ValidateClusterOptions(cluster));
   if (arrivals.empty()) return absl::InvalidArgumentError("no arrivals to simulate");
-  if (backend == nullptr) return absl::InvalidArgumentError("no routing backend");
-  if (static_cast<int>(backend->worker_ids().size()) != cluster.decoders) {
-    return absl::FailedPreconditionError(absl::StrCat("the router has ", backend->worker_ids().size(),
-                                                      " decode workers but the simulation has ", cluster.decoders,
-                                                      " (--decoders)"));
+  if (routers.replicas.empty()) return absl::InvalidArgumentError("no routing backend");
+  for (const RoutingBackend* backend : routers.replicas) {
+    if (backend == nullptr) return absl::InvalidArgumentError("no routing backend");
+    if (static_cast<int>(backend->worker_ids().size()) != cluster.decoders) {
+      return absl::FailedPreconditionError(absl::StrCat("the router has ", backend->worker_ids().size(),
+                                                        " decode workers but the simulation has ", cluster.decoders,
+                                                        " (--decoders)"));
+    }
+    if (backend->worker_ids() != routers.replicas.front()->worker_ids()) {
+      return absl::FailedPreconditionError("router replicas must have the same decode workers in the same order");
+    }
   }
+  const size_t replicas = routers.replicas.size();
+  if (!routers.refits.empty()) {
+    if (routers.refits.size() != 1 && routers.refits.size() != replicas) {
+      return absl::InvalidArgumentError(absl::StrCat("refit: ", routers.refits.size(), " drivers for ", replicas,
+                                                     " replicas (one shared, or one per replica)"));
+    }
+    for (const SimRefitDriver* refit : routers.refits) {
+      if (refit == nullptr) return absl::InvalidArgumentError("refit: a null refit driver");
+      if (refit->options().interval_s != routers.refits.front()->options().interval_s) {
+        return absl::InvalidArgumentError("refit: every replica's driver must refit at the same interval");
+      }
+    }
+  }
+  if (replica.shared_load && !(replica.sync_period_ms > 0)) {
+    return absl::InvalidArgumentError("--replica_sync_ms must be > 0");
+  }
+  if (!(replica.install_lag_ms >= 0)) return absl::InvalidArgumentError("--replica_install_lag_ms must be >= 0");
   for (const Arrival& arrival : arrivals) {
     if (arrival.request < 0 || arrival.request >= static_cast<int>(workload.pool.size())) {
       return absl::InvalidArgumentError("arrival refers to a request outside the workload pool");
     }
   }
-  backend->StartRun();
-  Simulation simulation(workload, arrivals, cluster, backend, refit);
+  for (RoutingBackend* backend : routers.replicas) backend->StartRun();
+  Simulation simulation(workload, arrivals, cluster, routers, replica);
   return simulation.Run();
+}
+
+absl::Status SyncReplicaLeases(absl::Span<RoutingBackend* const> replicas, double now_us, int target) {
+  if (target < -1 || target >= static_cast<int>(replicas.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("no replica ", target, " among ", replicas.size()));
+  }
+  std::vector<absl::flat_hash_map<std::string, PeerLeaseCount>> own(replicas.size());
+  absl::flat_hash_map<std::string, PeerLeaseCount> total;
+  for (size_t r = 0; r < replicas.size(); ++r) {
+    ELDR_ASSIGN_OR_RETURN(const RouterState state, replicas[r]->GetState(now_us));
+    for (const WorkerStatus& worker : state.workers) {
+      // Own leases only: the peers' leases a replica adds are never passed on (as the daemon).
+      const PeerLeaseCount count{worker.load.leases, worker.load.leases_since_snapshot};
+      own[r][worker.spec.id] = count;
+      PeerLeaseCount& sum = total[worker.spec.id];
+      sum.live += count.live;
+      sum.since_snapshot += count.since_snapshot;
+    }
+  }
+  for (size_t r = 0; r < replicas.size(); ++r) {
+    if (target >= 0 && static_cast<int>(r) != target) continue;
+    absl::flat_hash_map<std::string, PeerLeaseCount> others;
+    others.reserve(total.size());
+    for (const auto& entry : total) {
+      const auto mine = own[r].find(entry.first);
+      const PeerLeaseCount self = mine == own[r].end() ? PeerLeaseCount{} : mine->second;
+      others[entry.first] =
+          PeerLeaseCount{entry.second.live - self.live, entry.second.since_snapshot - self.since_snapshot};
+    }
+    ELDR_RETURN_IF_ERROR(replicas[r]->SetPeerLeases(others));
+  }
+  return absl::OkStatus();
+}
+
+absl::string_view ReplicaAssignmentName(ReplicaAssignment assignment) {
+  switch (assignment) {
+    case ReplicaAssignment::kModulo:
+      return "modulo";
+    case ReplicaAssignment::kRandom:
+      return "random";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<ReplicaAssignment> ParseReplicaAssignment(absl::string_view name) {
+  if (name == "modulo") return ReplicaAssignment::kModulo;
+  if (name == "random") return ReplicaAssignment::kRandom;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--replica_assignment: unknown rule '", name, "' (expected modulo or random)"));
 }
 
 double Percentile(std::vector<double> values, double q) {

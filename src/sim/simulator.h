@@ -16,11 +16,14 @@
 #define ELDR_SIM_SIMULATOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "sim/cost_model.h"
 #include "sim/routing_backend.h"
 #include "sim/sim_refit.h"
@@ -49,6 +52,7 @@ absl::Status ValidateClusterOptions(const ClusterOptions& options);
 struct RequestRecord {
   int pool_index = 0;
   int worker = -1;
+  int replica = 0;  // the router replica that routed it (0 with one router)
   bool measured = false;
   int decode_steps = 0;
   double arrival_us = 0;
@@ -78,15 +82,74 @@ struct RunMetrics {
 struct RunResult {
   std::vector<RequestRecord> requests;  // in arrival order
   RunMetrics metrics;
-  int refits = 0;
+  int refits = 0;                        // completed refits, summed over the refit drivers
+  std::vector<int> routes_per_replica;   // every arrival, measured or not, by the replica that routed it
+  int replica_syncs = 0;                 // shared-load sync instants (SyncReplicaLeases) during the run
   std::map<std::string, int> fallbacks;  // reason -> routes
   double simulated_seconds = 0;
 };
 
 // Simulates every arrival to completion. `refit` (may be null) is fed every routed signature and
-// asked to refit every interval; its artifacts are installed through `backend`.
+// asked to refit every interval; its artifacts are installed through `backend`. The same as
+// SimulateReplicatedRun with one replica (and `refit` as its one driver).
 absl::StatusOr<RunResult> SimulateRun(const Workload& workload, const std::vector<Arrival>& arrivals,
                                       const ClusterOptions& cluster, RoutingBackend* backend, SimRefitDriver* refit);
+
+// Router replicas: R eldr-router replicas deciding for one decode pool (the standalone
+// Deployment's replicas, or one sidecar router beside each prefill pod), each routing its own share
+// of the arrivals onto the same decode workers. What they may share is what eldr_cluster shares
+// through Redis (docs/cluster.md): lease counts, and one refit leader's centroid generations.
+enum class ReplicaAssignment {
+  kModulo,  // arrival i goes to replica i mod R: exactly 1/R of the arrivals each, interleaved
+  kRandom,  // each arrival to a replica drawn uniformly from assignment_seed: 1/R each on average
+};
+absl::string_view ReplicaAssignmentName(ReplicaAssignment assignment);  // "modulo", "random"
+absl::StatusOr<ReplicaAssignment> ParseReplicaAssignment(absl::string_view name);
+
+struct ReplicaOptions {
+  ReplicaAssignment assignment = ReplicaAssignment::kModulo;
+  uint64_t assignment_seed = 1;
+  // Shared load. Every sync_period_ms of simulated time (eldr-router's cluster_load_interval),
+  // SyncReplicaLeases gives every replica the other replicas' live leases per worker; in between
+  // a replica adds the others' leases as of its last sync to its own exact count. Without shared
+  // load a replica counts its own leases only (no SetPeerLeases at all). No effect with one replica.
+  bool shared_load = false;
+  double sync_period_ms = 100;
+  // Aligned: every replica syncs at k * period, all at the same instant. Staggered: replica r
+  // syncs at (k + r / R) * period (k >= 1), as replicas whose timers started at different times.
+  bool staggered_sync = false;
+  // Shared refit (ReplicaRouters::refits holds one driver): the leader, replica 0, installs every
+  // refitted set at once and the followers this much later (eldr_cluster's announcement reaches
+  // them in ~5 ms, its periodic check alone within centroid_check_interval, 1 s). 0: all at once.
+  double install_lag_ms = 100;
+  // Called after every shared-load sync with the simulated time, the replica that synced (-1: all,
+  // aligned) and the pool's live leases per worker (routed and not completed, whichever replica
+  // routed them). May be empty.
+  std::function<void(double now_us, int replica, absl::Span<const int> pool_leases)> on_sync;
+};
+
+// The routers of a replicated run.
+struct ReplicaRouters {
+  // R >= 1 routers over the same decode workers (identical worker_ids(), in the same order).
+  std::vector<RoutingBackend*> replicas;
+  // Online refit. Empty: none. One driver: the pool's one refitter (eldr_cluster's leader fitting
+  // on every replica's sampled signatures), fed every routed signature, its sets installed into
+  // every replica (see install_lag_ms). R drivers (R > 1): each replica refits alone, driver r fed
+  // only replica r's routes and installing into replica r only. Every driver has the same interval.
+  std::vector<SimRefitDriver*> refits;
+};
+
+absl::StatusOr<RunResult> SimulateReplicatedRun(const Workload& workload, const std::vector<Arrival>& arrivals,
+                                                const ClusterOptions& cluster, const ReplicaRouters& routers,
+                                                const ReplicaOptions& replica);
+
+// One shared-load sync at simulated time `now_us`: reads each replica's own leases per worker from
+// its state (`live` = its leases, `since_snapshot` = those acquired after its last fresh load
+// snapshot, 0 without one: what eldr-router's cluster component publishes) and gives `target`
+// (-1: every replica) the sum over the OTHER replicas through SetPeerLeases. The router then adds
+// the peers' `live` to a worker without a fresh snapshot (the simulator reports no load snapshots)
+// and their `since_snapshot` to one with a fresh snapshot, as the daemon does.
+absl::Status SyncReplicaLeases(absl::Span<RoutingBackend* const> replicas, double now_us, int target = -1);
 
 // Percentile with linear interpolation between closest ranks (NumPy's default); 0 when empty.
 double Percentile(std::vector<double> values, double q);

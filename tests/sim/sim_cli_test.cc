@@ -93,6 +93,42 @@ TEST(SimCliTest, RealTracesTableCsvAndFigure) {
   EXPECT_EQ(rows, 4);
 }
 
+// --replicas: the one-router rows equal a plain run's, every setup has its rows with their labels,
+// and each replica routed its share.
+TEST(SimCliTest, ReplicasAddRowsAndLeaveTheOneRouterRowsAlone) {
+  const ProcessResult plain = Sim(SmallSynthetic("7"), {"--json", "--policies=jsq,eldr,eldr_refit"});
+  const ProcessResult replicated =
+      Sim(SmallSynthetic("7"), {"--json", "--policies=jsq,eldr,eldr_refit", "--replicas=1,3", "--replica_sync_ms=50"});
+  const ProcessResult table = Sim(SmallSynthetic("7"), {"--policies=jsq,eldr", "--replicas=3", "--shared_state=on"});
+  ASSERT_EQ(plain.exit_code, 0) << plain.stderr_text;
+  ASSERT_EQ(replicated.exit_code, 0) << replicated.stderr_text;
+  ASSERT_EQ(table.exit_code, 0) << table.stderr_text;
+  const nlohmann::json one = nlohmann::json::parse(plain.stdout_text);
+  const nlohmann::json many = nlohmann::json::parse(replicated.stdout_text);
+  // 2 rates x (1 router, 3 shared, 3 unshared) x 3 policies.
+  ASSERT_EQ(one["results"].size(), 6u);
+  ASSERT_EQ(many["results"].size(), 18u);
+  EXPECT_EQ(many["router_setups"].size(), 3u);
+  EXPECT_EQ(many["replica_options"]["sync_period_ms"].get<double>(), 50);
+  EXPECT_EQ(many["replica_options"]["install_lag_ms"].get<double>(), 50);
+  nlohmann::json one_router = nlohmann::json::array();
+  std::vector<std::string> labels;
+  for (const nlohmann::json& result : many["results"]) {
+    labels.push_back(result["label"].get<std::string>());
+    const int replicas = result["replicas"].get<int>();
+    int routed = 0;
+    for (const nlohmann::json& count : result["routes_per_replica"]) routed += count.get<int>();
+    EXPECT_EQ(routed, 300);
+    EXPECT_EQ(static_cast<int>(result["routes_per_replica"].size()), replicas);
+    if (replicas == 1) one_router.push_back(result);
+  }
+  EXPECT_EQ(one_router, one["results"]);
+  EXPECT_THAT(labels, ::testing::Contains("eldr_refit R3 shared"));
+  EXPECT_THAT(labels, ::testing::Contains("jsq R3 unshared"));
+  EXPECT_THAT(table.stdout_text, HasSubstr("[3 replicas, shared state]"));
+  EXPECT_THAT(table.stdout_text, ::testing::Not(HasSubstr("no shared state")));
+}
+
 struct BadInvocation {
   std::string name;
   std::vector<std::string> flags;
@@ -127,6 +163,16 @@ INSTANTIATE_TEST_SUITE_P(
         BadInvocation{"BadPrefillFraction", {"--trace=" + TraceDir(), "--prefill_fraction=1"}, "--prefill_fraction"},
         BadInvocation{"TooFewRequests", {"--synthetic=8x16x2", "--requests=5"}, "--requests"},
         BadInvocation{"JsonAndCsv", {"--synthetic=8x16x2", "--json", "--csv"}, "pick one"},
+        BadInvocation{"BadReplicas", {"--synthetic=8x16x2", "--replicas=1,0"}, "--replicas: '0'"},
+        BadInvocation{
+            "BadSharedState", {"--synthetic=8x16x2", "--replicas=3", "--shared_state=maybe"}, "--shared_state"},
+        BadInvocation{
+            "BadSyncPeriod", {"--synthetic=8x16x2", "--replicas=3", "--replica_sync_ms=0"}, "--replica_sync_ms"},
+        BadInvocation{"BadSyncPhases", {"--synthetic=8x16x2", "--replica_sync_phases=random"}, "--replica_sync_phases"},
+        BadInvocation{"BadAssignment", {"--synthetic=8x16x2", "--replica_assignment=hash"}, "--replica_assignment"},
+        BadInvocation{"ReplicasThroughADaemon",
+                      {"--synthetic=8x16x2", "--replicas=3", "--router=grpc://127.0.0.1:1"},
+                      "drop --router"},
         // Nothing listens on port 1 of the loopback.
         BadInvocation{"RouterNotListening",
                       {"--synthetic=8x16x2", "--router=grpc://127.0.0.1:1", "--rpc_timeout_s=1"},
