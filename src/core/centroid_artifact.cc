@@ -21,7 +21,9 @@ namespace {
 
 using Json = nlohmann::json;
 
-constexpr double kUnitNormTolerance = 1e-3;
+// The reference's np.allclose(norm, 1, atol=1e-3): |norm - 1| <= atol + rtol * 1 with numpy's
+// default rtol 1e-5. The same bound, so every row the reference accepts loads here too.
+constexpr double kUnitNormTolerance = 1e-3 + 1e-5;
 
 absl::Status Malformed(absl::string_view message) {
   return InvalidInput(RejectReason::kMalformed, absl::StrCat("centroid artifact: ", message));
@@ -122,10 +124,11 @@ absl::Status ReadGeometryKeys(const Json& doc, SignatureSpec* spec) {
   return absl::OkStatus();
 }
 
-// Reads the optional `variant` into spec->variant; the reference treats a missing one as "count".
+// Reads the optional `variant` into spec->variant; the reference treats a missing one as "count"
+// (and refuses a null one, like any other non-name).
 absl::Status ReadVariantKey(const Json& doc, SignatureSpec* spec) {
   spec->variant = SignatureVariant::kCount;
-  if (auto it = doc.find("variant"); it != doc.end() && !it->is_null()) {
+  if (auto it = doc.find("variant"); it != doc.end()) {
     if (!it->is_string()) {
       return Malformed(absl::StrCat("`variant` must be a string, got ", it->type_name()));
     }
@@ -137,10 +140,10 @@ absl::Status ReadVariantKey(const Json& doc, SignatureSpec* spec) {
 }
 
 // Reads the optional, non-empty `layer_mask` (indices in [0, L)) into spec->layer_mask; a mask of
-// every layer in order is stored as none.
+// every layer in order is stored as none. A null one is refused (the reference wants a list).
 absl::Status ReadLayerMaskKey(const Json& doc, SignatureSpec* spec) {
   auto it = doc.find("layer_mask");
-  if (it == doc.end() || it->is_null()) return absl::OkStatus();
+  if (it == doc.end()) return absl::OkStatus();
   if (!it->is_array()) {
     return Malformed(absl::StrCat("`layer_mask` must be a list of layer indices, got ", it->type_name()));
   }
@@ -182,13 +185,82 @@ absl::Status ReadIdfKey(const Json& doc, SignatureSpec* spec) {
   return absl::OkStatus();
 }
 
+// Python's truth value of a JSON value, as the reference's `if data.get(key, False)` reads it.
+bool Truthy(const Json& value) {
+  if (value.is_null()) return false;
+  if (value.is_boolean()) return value.get<bool>();
+  if (value.is_number()) return value.get<double>() != 0;
+  if (value.is_string() || value.is_array() || value.is_object()) return !value.empty();
+  return true;
+}
+
+// The transforms the reference refuses, which this router would otherwise serve silently with
+// another transform than the one the artifact was fitted with: a mean-centred signature
+// (`sig_mean` or `_mean` not null), per-layer normalisation (`sig_per_layer_norm` or
+// `_per_layer_norm` true), a wire dtype other than the variant's (`sig_dtype`: "<i2" for the
+// count variants, "<f4" for gate_prob; a missing one means "<i2"), and the per-variant mask rules:
+// `count` uses every layer and no IDF, `count_idf` and `gate_prob` need an explicit `layer_mask`.
+// The reference's in-memory copies (`_mask`, `_idf`), when a file carries them, must agree.
+absl::Status CheckReferenceTransformKeys(const Json& doc, const SignatureSpec& spec) {
+  for (const char* key : {"sig_mean", "_mean"}) {
+    if (auto it = doc.find(key); it != doc.end() && !it->is_null()) {
+      return Malformed(absl::StrCat("`", key,
+                                    "` is set: mean-centred signatures are not supported (the reference "
+                                    "refuses them too); refit without it"));
+    }
+  }
+  for (const char* key : {"sig_per_layer_norm", "_per_layer_norm"}) {
+    if (auto it = doc.find(key); it != doc.end() && Truthy(*it)) {
+      return Malformed(absl::StrCat("`", key,
+                                    "` is true: per-layer normalised signatures are not supported (the "
+                                    "reference refuses them too)"));
+    }
+  }
+  const std::string expected_dtype = spec.variant == SignatureVariant::kGateProb ? "<f4" : "<i2";
+  if (auto it = doc.find("sig_dtype"); it != doc.end()) {
+    if (!it->is_string() || it->get<std::string>() != expected_dtype) {
+      return Malformed(absl::StrCat("`sig_dtype` is ", it->dump(), ", but variant ", SignatureVariantName(spec.variant),
+                                    " travels as \"", expected_dtype, "\""));
+    }
+  }
+  const bool explicit_mask = doc.contains("layer_mask");
+  switch (spec.variant) {
+    case SignatureVariant::kCount:  // every layer: ValidateCentroidArtifact
+      break;
+    case SignatureVariant::kCountIdf:
+    case SignatureVariant::kGateProb:
+      if (!explicit_mask) {
+        return Malformed(absl::StrCat("variant ", SignatureVariantName(spec.variant),
+                                      " requires an explicit `layer_mask` (list every layer to keep them all)"));
+      }
+      break;
+  }
+  if (auto it = doc.find("_mask"); it != doc.end()) {
+    const std::vector<int> mask = spec.EffectiveMask();
+    bool same = it->is_array() && it->size() == mask.size();
+    for (size_t i = 0; same && i < mask.size(); ++i) {
+      same = (*it)[i].is_number_integer() && (*it)[i].get<int64_t>() == mask[i];
+    }
+    if (!same) return Malformed("`_mask` differs from `layer_mask`");
+  }
+  if (auto it = doc.find("_idf"); it != doc.end() && !it->is_null()) {
+    std::vector<float> idf;
+    if (spec.variant != SignatureVariant::kCountIdf || !FloatList(*it, "_idf", &idf).ok() || idf != spec.idf) {
+      return Malformed("`_idf` differs from `sig_idf`");
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Reads the required `centroids` (or the older `micro_centroids`) rows of spec.dim() numbers into
 // artifact->centroids, and `k`, which must match the row count when given.
 absl::Status ReadCentroidRows(const Json& doc, CentroidArtifact* artifact) {
   // `micro_centroids` is an older reference key for the same matrix.
+  // A `centroids` key that is present wins, even when null (then refused), as in the reference.
   auto rows = doc.find("centroids");
-  if (rows == doc.end() || rows->is_null()) rows = doc.find("micro_centroids");
-  if (rows == doc.end() || rows->is_null()) return Malformed("missing required key `centroids`");
+  if (rows == doc.end()) rows = doc.find("micro_centroids");
+  if (rows == doc.end()) return Malformed("missing required key `centroids`");
+  if (rows->is_null()) return Malformed("`centroids` is null");
   if (!rows->is_array()) {
     return Malformed(absl::StrCat("`centroids` must be a list of rows, got ", rows->type_name()));
   }
@@ -207,6 +279,9 @@ absl::Status ReadCentroidRows(const Json& doc, CentroidArtifact* artifact) {
     ELDR_RETURN_IF_ERROR(FloatList(row, absl::StrCat("centroids[", r, "]"), &artifact->centroids));
   }
   const int64_t row_count = static_cast<int64_t>(rows->size());
+  if (auto it = doc.find("k"); it != doc.end() && it->is_null()) {
+    return Malformed("`k` is null; omit it to mean the row count");
+  }
   ELDR_ASSIGN_OR_RETURN(const int64_t k, IntegerKey(doc, "k", /*required=*/false, row_count));
   if (k != row_count) {
     return InvalidInput(RejectReason::kGeometry,
@@ -256,6 +331,13 @@ absl::Status ValidateCentroidArtifact(const CentroidArtifact& artifact) {
   if (!spec_status.ok()) {
     return MakeInputError(spec_status.code(), RejectReasonOf(spec_status),
                           absl::StrCat("centroid artifact: ", spec_status.message()));
+  }
+  if (artifact.spec.variant == SignatureVariant::kCount && !artifact.spec.layer_mask.empty()) {
+    // The reference's rule: its count transform normalises every layer and has no mask.
+    return InvalidInput(RejectReason::kMalformed,
+                        absl::StrCat("centroid artifact: variant count uses every layer, but `layer_mask` keeps ",
+                                     artifact.spec.layer_mask.size(), " of ", artifact.spec.layers,
+                                     " (a partial mask needs count_idf or gate_prob_all)"));
   }
   if (artifact.k < 1) {
     return InvalidInput(RejectReason::kGeometry, absl::StrCat("centroid artifact: k must be >= 1, got ", artifact.k));
@@ -317,6 +399,7 @@ absl::StatusOr<CentroidArtifact> ParseCentroidArtifact(absl::string_view json_te
   ELDR_RETURN_IF_ERROR(ReadVariantKey(doc, &artifact.spec));
   ELDR_RETURN_IF_ERROR(ReadLayerMaskKey(doc, &artifact.spec));
   ELDR_RETURN_IF_ERROR(ReadIdfKey(doc, &artifact.spec));
+  ELDR_RETURN_IF_ERROR(CheckReferenceTransformKeys(doc, artifact.spec));
   ELDR_RETURN_IF_ERROR(ReadCentroidRows(doc, &artifact));
   ELDR_RETURN_IF_ERROR(ReadWorkersKey(doc, &artifact));
   ELDR_RETURN_IF_ERROR(ReadModelAndSeedKeys(doc, &artifact));

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -318,6 +319,123 @@ TEST_F(ArtifactValidationTest, IdfChecks) {
   doc = doc_;
   doc["variant"] = "count";
   ExpectFails(doc, RejectReason::kMalformed, "`sig_idf` is only valid for variant count_idf");
+}
+
+// Every artifact the reference implementation's loader refuses is refused here too, with the
+// reason (its validate_signature_metadata and load_centroid_file): the transforms it does not
+// implement, dtypes that do not match the variant, the per-variant mask rules, null keys.
+TEST_F(ArtifactValidationTest, WhatTheReferenceRefuses) {
+  struct Case {
+    const char* what;
+    std::function<void(Json&)> change;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"sig_mean set",
+       [](Json& d) {
+         d["sig_mean"] = Json::array({0, 0});
+       },
+       "`sig_mean` is set"},
+      {"sig_mean zero", [](Json& d) { d["sig_mean"] = 0; }, "`sig_mean` is set"},
+      {"_mean set", [](Json& d) { d["_mean"] = Json::array({0}); }, "`_mean` is set"},
+      {"per-layer norm", [](Json& d) { d["sig_per_layer_norm"] = true; }, "`sig_per_layer_norm` is true"},
+      {"per-layer norm 1", [](Json& d) { d["sig_per_layer_norm"] = 1; }, "`sig_per_layer_norm` is true"},
+      {"_per_layer_norm", [](Json& d) { d["_per_layer_norm"] = "yes"; }, "`_per_layer_norm` is true"},
+      {"dtype f4 for count_idf", [](Json& d) { d["sig_dtype"] = "<f4"; }, "`sig_dtype` is \"<f4\""},
+      {"dtype null", [](Json& d) { d["sig_dtype"] = nullptr; }, "`sig_dtype` is null"},
+      {"dtype i2 for gate_prob",
+       [](Json& d) {
+         d["variant"] = "gate_prob_all";
+         d.erase("sig_idf");
+       },
+       "travels as \"<f4\""},
+      {"count with a partial mask",
+       [](Json& d) {
+         d["variant"] = "count";
+         d.erase("sig_idf");
+       },
+       "variant count uses every layer, but `layer_mask` keeps 3 of 5"},
+      {"count_idf without a mask", [](Json& d) { d.erase("layer_mask"); },
+       "count_idf requires an explicit `layer_mask`"},
+      {"gate_prob without a mask",
+       [](Json& d) {
+         d["variant"] = "gate_prob_all";
+         d["sig_dtype"] = "<f4";
+         d.erase("sig_idf");
+         d.erase("layer_mask");
+       },
+       "gate_prob requires an explicit `layer_mask`"},
+      {"variant null", [](Json& d) { d["variant"] = nullptr; }, "`variant` must be a string, got null"},
+      {"mask null", [](Json& d) { d["layer_mask"] = nullptr; }, "`layer_mask` must be a list"},
+      {"mask of booleans",
+       [](Json& d) {
+         d["layer_mask"] = Json::array({true, 2, 3});
+       },
+       "`layer_mask`[0] must be"},
+      {"all-zero IDF", [](Json& d) { d["sig_idf"] = std::vector<double>(d["sig_idf"].size(), 0.0); }, "sig_idf"},
+      {"_mask differs",
+       [](Json& d) {
+         d["_mask"] = Json::array({0, 1, 2});
+       },
+       "`_mask` differs"},
+      {"_idf differs", [](Json& d) { d["_idf"] = std::vector<double>(d["sig_idf"].size(), 1.0); }, "`_idf` differs"},
+      {"k null", [](Json& d) { d["k"] = nullptr; }, "`k` is null"},
+      {"centroids null beside micro_centroids",
+       [](Json& d) {
+         d["micro_centroids"] = d["centroids"];
+         d["centroids"] = nullptr;
+       },
+       "`centroids` is null"},
+  };
+  for (const Case& c : cases) {
+    Json doc = doc_;
+    c.change(doc);
+    const absl::Status status = ParseStatus(doc);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.what << ": " << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.message)) << c.what;
+  }
+}
+
+// ... and everything it accepts still loads: the defaults it assumes, null values it ignores, the
+// older key, a row norm at its tolerance.
+TEST_F(ArtifactValidationTest, WhatTheReferenceAcceptsStillLoads) {
+  const std::vector<std::function<void(Json&)>> accepted = {
+      [](Json& d) { d.erase("sig_dtype"); },  // "<i2" assumed
+      [](Json& d) { d["sig_mean"] = nullptr; },
+      [](Json& d) { d["sig_per_layer_norm"] = false; },
+      [](Json& d) { d["_per_layer_norm"] = 0; },
+      [](Json& d) { d["_mask"] = d["layer_mask"]; },
+      [](Json& d) { d["_idf"] = d["sig_idf"]; },
+      [](Json& d) {
+        d["micro_centroids"] = d["centroids"];
+        d.erase("centroids");
+      },
+      [](Json& d) {
+        d["variant"] = "gate_prob_all";
+        d["sig_dtype"] = "<f4";
+        d["sig_idf"] = nullptr;
+      },
+      [](Json& d) {
+        d["variant"] = "count";
+        d["layer_mask"] = Json::array({0, 1, 2, 3, 4});
+        d.erase("sig_idf");
+        d.erase("sig_dtype");
+        d["centroids"] = Json::array();
+        d["k"] = 1;
+        d.erase("workers");
+        std::vector<double> row(5 * 6, 1.0 / std::sqrt(30.0));
+        d["centroids"].push_back(row);
+      },
+      [](Json& d) {
+        // |norm - 1| = 1.009e-3: inside numpy's allclose(atol=1e-3, rtol=1e-5).
+        for (auto& v : d["centroids"][0]) v = v.get<double>() * 1.001009;
+      },
+  };
+  for (size_t i = 0; i < accepted.size(); ++i) {
+    Json doc = doc_;
+    accepted[i](doc);
+    EXPECT_TRUE(ParseStatus(doc).ok()) << i << ": " << ParseStatus(doc);
+  }
 }
 
 TEST_F(ArtifactValidationTest, CentroidValueChecks) {
