@@ -25,32 +25,43 @@ bool SameLoad(double a, double b) {
   return std::abs(a - b) <= 1e-9 * std::max(1.0, std::max(std::abs(a), std::abs(b)));
 }
 
-// Keeps the least normalised load seen so far and breaks ties uniformly at random (reservoir
-// sampling: the n-th tied worker replaces the pick with probability 1/n). Draws from the
-// generator only when there is a tie, so untied decisions do not advance it.
+// A policy's tie-breaking: its seeded generator and the rule (TieBreak).
+struct TieBreaker {
+  TieBreaker(uint64_t seed, TieBreak rule) : rng(seed), rule(rule) {}
+  std::mt19937_64 rng;
+  TieBreak rule;
+};
+
+// Keeps the least normalised load seen so far. Ties: kRandom breaks them uniformly at random
+// (reservoir sampling: the n-th tied worker replaces the pick with probability 1/n; the generator
+// is drawn from only when there is a tie, so untied decisions do not advance it); kLowestIndex
+// keeps the lowest worker index, whatever order the workers are offered in.
 class LeastLoaded {
  public:
-  explicit LeastLoaded(std::mt19937_64* rng) : rng_(rng) {}
+  explicit LeastLoaded(TieBreaker* ties) : ties_(ties) {}
 
   void Offer(int index, double load) {
     if (pick_ < 0 || (load < best_ && !SameLoad(load, best_))) {
       pick_ = index;
       best_ = load;
-      ties_ = 1;
+      tied_ = 1;
       return;
     }
-    if (SameLoad(load, best_)) {
-      ++ties_;
-      if (std::uniform_int_distribution<uint64_t>(0, ties_ - 1)(*rng_) == 0) pick_ = index;
+    if (!SameLoad(load, best_)) return;
+    if (ties_->rule == TieBreak::kLowestIndex) {
+      pick_ = std::min(pick_, index);
+      return;
     }
+    ++tied_;
+    if (std::uniform_int_distribution<uint64_t>(0, tied_ - 1)(ties_->rng) == 0) pick_ = index;
   }
   int pick() const { return pick_; }
 
  private:
-  std::mt19937_64* rng_;
+  TieBreaker* ties_;
   int pick_ = -1;
   double best_ = 0;
-  uint64_t ties_ = 0;
+  uint64_t tied_ = 0;
 };
 
 int EligibleCount(absl::Span<const WorkerLoadView> workers) {
@@ -68,8 +79,8 @@ int NthEligible(absl::Span<const WorkerLoadView> workers, int k) {
   return -1;
 }
 
-int PickJsq(absl::Span<const WorkerLoadView> workers, std::mt19937_64* rng) {
-  LeastLoaded least(rng);
+int PickJsq(absl::Span<const WorkerLoadView> workers, TieBreaker* ties) {
+  LeastLoaded least(ties);
   for (int i = 0; i < static_cast<int>(workers.size()); ++i) {
     if (workers[i].eligible) least.Offer(i, NormalisedLoad(workers[i]));
   }
@@ -78,20 +89,20 @@ int PickJsq(absl::Span<const WorkerLoadView> workers, std::mt19937_64* rng) {
 
 // The overload spill: least loaded among eligible workers below their limit, or among every
 // eligible worker when all are at their limit (the request still has to go somewhere).
-int PickSpill(absl::Span<const WorkerLoadView> workers, std::mt19937_64* rng) {
-  LeastLoaded below_limit(rng);
+int PickSpill(absl::Span<const WorkerLoadView> workers, TieBreaker* ties) {
+  LeastLoaded below_limit(ties);
   for (int i = 0; i < static_cast<int>(workers.size()); ++i) {
     if (workers[i].eligible && !AtLimit(workers[i])) {
       below_limit.Offer(i, NormalisedLoad(workers[i]));
     }
   }
   if (below_limit.pick() >= 0) return below_limit.pick();
-  return PickJsq(workers, rng);
+  return PickJsq(workers, ties);
 }
 
 class EldrPolicy final : public RoutingPolicy {
  public:
-  explicit EldrPolicy(uint64_t seed) : rng_(seed) {}
+  EldrPolicy(uint64_t seed, TieBreak rule) : ties_(seed, rule) {}
   PolicyKind kind() const override { return PolicyKind::kEldr; }
 
   PolicyDecision Pick(const PolicyInput& input) override {
@@ -111,13 +122,13 @@ class EldrPolicy final : public RoutingPolicy {
       decision.fallback = input.candidates.empty() ? input.no_scores_reason : FallbackReason::kNoEligibleCentroid;
       if (decision.fallback == FallbackReason::kNone) decision.fallback = FallbackReason::kNoSignature;
       decision.used = PolicyKind::kJsq;
-      decision.worker = PickJsq(workers, &rng_);
+      decision.worker = PickJsq(workers, &ties_);
       return decision;
     }
 
     // Scores are floats; the band edge is compared in double so tau = 0 keeps exactly the best.
     const double edge = static_cast<double>(best) - std::max(0.0, input.tau);
-    LeastLoaded least(&rng_);
+    LeastLoaded least(&ties_);
     int band_size = 0;
     for (const WorkerScore& candidate : input.candidates) {
       if (candidate.worker < 0 || candidate.worker >= n) continue;
@@ -134,12 +145,12 @@ class EldrPolicy final : public RoutingPolicy {
     }
     decision.fallback = FallbackReason::kOverload;
     decision.used = PolicyKind::kJsq;
-    decision.worker = PickSpill(workers, &rng_);
+    decision.worker = PickSpill(workers, &ties_);
     return decision;
   }
 
  private:
-  std::mt19937_64 rng_;
+  TieBreaker ties_;
 };
 
 class RoundRobinPolicy final : public RoutingPolicy {
@@ -186,23 +197,23 @@ class RandomPolicy final : public RoutingPolicy {
 
 class JsqPolicy final : public RoutingPolicy {
  public:
-  explicit JsqPolicy(uint64_t seed) : rng_(seed) {}
+  JsqPolicy(uint64_t seed, TieBreak rule) : ties_(seed, rule) {}
   PolicyKind kind() const override { return PolicyKind::kJsq; }
 
   PolicyDecision Pick(const PolicyInput& input) override {
     PolicyDecision decision;
     decision.used = PolicyKind::kJsq;
-    decision.worker = PickJsq(input.workers, &rng_);
+    decision.worker = PickJsq(input.workers, &ties_);
     return decision;
   }
 
  private:
-  std::mt19937_64 rng_;
+  TieBreaker ties_;
 };
 
 class P2cPolicy final : public RoutingPolicy {
  public:
-  explicit P2cPolicy(uint64_t seed) : rng_(seed) {}
+  P2cPolicy(uint64_t seed, TieBreak rule) : ties_(seed, rule) {}
   PolicyKind kind() const override { return PolicyKind::kP2c; }
 
   PolicyDecision Pick(const PolicyInput& input) override {
@@ -215,15 +226,17 @@ class P2cPolicy final : public RoutingPolicy {
       return decision;
     }
     // Two distinct draws: the second is uniform over the other eligible - 1 workers.
-    const int first = std::uniform_int_distribution<int>(0, eligible - 1)(rng_);
-    int second = std::uniform_int_distribution<int>(0, eligible - 2)(rng_);
+    const int first = std::uniform_int_distribution<int>(0, eligible - 1)(ties_.rng);
+    int second = std::uniform_int_distribution<int>(0, eligible - 2)(ties_.rng);
     if (second >= first) ++second;
     const int a = NthEligible(input.workers, first);
     const int b = NthEligible(input.workers, second);
     const double load_a = NormalisedLoad(input.workers[a]);
     const double load_b = NormalisedLoad(input.workers[b]);
     if (SameLoad(load_a, load_b)) {
-      decision.worker = std::uniform_int_distribution<int>(0, 1)(rng_) == 0 ? a : b;
+      decision.worker = ties_.rule == TieBreak::kLowestIndex                       ? std::min(a, b)
+                        : std::uniform_int_distribution<int>(0, 1)(ties_.rng) == 0 ? a
+                                                                                   : b;
     } else {
       decision.worker = load_a < load_b ? a : b;
     }
@@ -231,7 +244,7 @@ class P2cPolicy final : public RoutingPolicy {
   }
 
  private:
-  std::mt19937_64 rng_;
+  TieBreaker ties_;
 };
 
 }  // namespace
@@ -282,20 +295,30 @@ absl::string_view FallbackReasonLabel(FallbackReason reason) {
   return "";
 }
 
-std::unique_ptr<RoutingPolicy> MakePolicy(PolicyKind kind, uint64_t seed) {
+std::unique_ptr<RoutingPolicy> MakePolicy(PolicyKind kind, uint64_t seed, TieBreak tie_break) {
   switch (kind) {
     case PolicyKind::kEldr:
-      return std::make_unique<EldrPolicy>(seed);
+      return std::make_unique<EldrPolicy>(seed, tie_break);
     case PolicyKind::kRoundRobin:
       return std::make_unique<RoundRobinPolicy>();
     case PolicyKind::kRandom:
       return std::make_unique<RandomPolicy>(seed);
     case PolicyKind::kJsq:
-      return std::make_unique<JsqPolicy>(seed);
+      return std::make_unique<JsqPolicy>(seed, tie_break);
     case PolicyKind::kP2c:
-      return std::make_unique<P2cPolicy>(seed);
+      return std::make_unique<P2cPolicy>(seed, tie_break);
   }
-  return std::make_unique<JsqPolicy>(seed);
+  return std::make_unique<JsqPolicy>(seed, tie_break);
+}
+
+absl::StatusOr<TieBreak> ParseTieBreak(absl::string_view name) {
+  if (name == "random") return TieBreak::kRandom;
+  if (name == "lowest_index") return TieBreak::kLowestIndex;
+  return absl::InvalidArgumentError(absl::StrCat("unknown tie break '", name, "' (expected random or lowest_index)"));
+}
+
+absl::string_view TieBreakName(TieBreak tie_break) {
+  return tie_break == TieBreak::kLowestIndex ? "lowest_index" : "random";
 }
 
 }  // namespace eldr

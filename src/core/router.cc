@@ -212,7 +212,7 @@ absl::Status ValidateRouterOptions(const RouterOptions& options) {
 class RouterImpl final : public Router {
  public:
   explicit RouterImpl(RouterOptions options) : options_(std::move(options)) {
-    policies_[static_cast<size_t>(options_.policy)] = MakePolicy(options_.policy, options_.seed);
+    policies_[static_cast<size_t>(options_.policy)] = MakePolicy(options_.policy, options_.seed, options_.tie_break);
   }
 
   absl::StatusOr<RouteResult> Route(const RouteInput& input) override;
@@ -481,7 +481,7 @@ RoutingPolicy& RouterImpl::PolicyLocked(std::optional<PolicyKind> requested) {
   std::unique_ptr<RoutingPolicy>& policy = policies_[static_cast<size_t>(kind)];
   // A seed of its own per kind, so the configured policy's sequence does not depend on whether
   // other kinds were asked for.
-  if (policy == nullptr) policy = MakePolicy(kind, options_.seed + 1 + static_cast<uint64_t>(kind));
+  if (policy == nullptr) policy = MakePolicy(kind, options_.seed + 1 + static_cast<uint64_t>(kind), options_.tie_break);
   return *policy;
 }
 

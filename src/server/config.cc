@@ -258,6 +258,12 @@ const std::vector<OptionDef>& OptionTable() {
                                PolicyKindName),
       DoubleOption("tau", "Locality band width in [0, 1] (eldr).",
                    [](ServerOptions& o) -> double& { return o.router.tau; }),
+      ChoiceOption<TieBreak>("tie_break",
+                             "Among equally loaded workers (band, jsq, spill, p2c): random, or lowest_index (the "
+                             "reference implementation's rule, to reproduce its decisions).",
+                             "random or lowest_index",
+                             [](ServerOptions& o) -> TieBreak& { return o.router.tie_break; }, ParseTieBreak,
+                             TieBreakName),
       SeedOption(),
       DurationOption("lease_ttl", "A lease without Complete expires after this.",
                      [](ServerOptions& o) -> absl::Duration& { return o.router.load.lease_ttl; }),

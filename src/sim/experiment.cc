@@ -152,7 +152,7 @@ class RouterPool {
     if (it == in_process_.end()) {
       ELDR_ASSIGN_OR_RETURN(std::unique_ptr<RoutingBackend> created,
                             MakeInProcessBackend(kind, options_.tau, options_.router_seed, options_.cluster.decoders,
-                                                 options_.max_inflight));
+                                                 options_.max_inflight, options_.tie_break));
       it = in_process_.emplace(kind, std::move(created)).first;
     }
     return it->second.get();
@@ -171,7 +171,7 @@ class RouterPool {
       ELDR_ASSIGN_OR_RETURN(
           std::unique_ptr<RoutingBackend> created,
           MakeInProcessBackend(kind, options_.tau, ReplicaSeed(options_.router_seed, static_cast<int>(replicas.size())),
-                               options_.cluster.decoders, options_.max_inflight));
+                               options_.cluster.decoders, options_.max_inflight, options_.tie_break));
       replicas.push_back(std::move(created));
     }
     std::vector<RoutingBackend*> backends;

@@ -62,12 +62,13 @@ CalibrationData WeightByDecodeTokens(const CalibrationData& data);
 struct ExperimentOptions {
   ClusterOptions cluster;
   std::vector<PolicySpec> policies;
-  std::vector<double> rates;      // empty: DefaultRates of the estimated capacity
-  int requests = 4000;            // arrivals per rate
-  double tau = 0.1;               // in-process routers; a daemon uses its own
-  int64_t max_inflight = 0;       // in-process routers' per-worker overload guard (0: none)
-  uint64_t seed = 1;              // arrivals, calibration, refit
-  uint64_t router_seed = 0x5eed;  // in-process routers' tie-breaking (eldr-router's default)
+  std::vector<double> rates;               // empty: DefaultRates of the estimated capacity
+  int requests = 4000;                     // arrivals per rate
+  double tau = 0.1;                        // in-process routers; a daemon uses its own
+  int64_t max_inflight = 0;                // in-process routers' per-worker overload guard (0: none)
+  uint64_t seed = 1;                       // arrivals, calibration, refit
+  uint64_t router_seed = 0x5eed;           // in-process routers' tie-breaking (eldr-router's default)
+  TieBreak tie_break = TieBreak::kRandom;  // in-process routers' rule among equally loaded workers
   SignatureVariant variant = SignatureVariant::kCountIdf;
   bool select_layers = true;            // greedy layer mask during calibration
   bool weight_by_decode_tokens = true;  // calibrate on WeightByDecodeTokens(calibration split)

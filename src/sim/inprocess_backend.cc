@@ -98,12 +98,13 @@ absl::Status RoutingBackend::SetPeerLeases(const absl::flat_hash_map<std::string
 
 absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind policy, double tau,
                                                                      uint64_t router_seed, int workers,
-                                                                     int64_t max_inflight) {
+                                                                     int64_t max_inflight, TieBreak tie_break) {
   if (workers < 1) return absl::InvalidArgumentError("--decoders must be >= 1");
   RouterOptions options;
   options.policy = policy;
   options.tau = tau;
   options.seed = router_seed;
+  options.tie_break = tie_break;
   std::vector<WorkerSpec> specs;
   std::vector<std::string> ids;
   for (int i = 0; i < workers; ++i) {

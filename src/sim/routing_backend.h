@@ -68,11 +68,12 @@ class RoutingBackend {
 
 // An eldr::Router in this process with `policy`, `tau` and the tie-breaking seed `router_seed`,
 // over workers "decode-0" .. "decode-{workers-1}", each with the overload guard `max_inflight`
-// (0: none). Simulated time is passed to the router as absl::Time, advancing monotonically across
-// runs.
+// (0: none), ties among equally loaded workers broken by `tie_break`. Simulated time is passed to the router as
+// absl::Time, advancing monotonically across runs.
 absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind policy, double tau,
                                                                      uint64_t router_seed, int workers,
-                                                                     int64_t max_inflight);
+                                                                     int64_t max_inflight,
+                                                                     TieBreak tie_break = TieBreak::kRandom);
 
 // What a running daemon says about itself (RouterAdmin.GetState).
 struct DaemonInfo {

@@ -77,6 +77,9 @@ ABSL_FLAG(double, kv_transfer_us, kCluster.cost.kv_transfer_us, "KV handoff pref
 ABSL_FLAG(std::string, policies, "rr,random,jsq,p2c,eldr,eldr_refit",
           "Policies to compare: rr, random, jsq, p2c, eldr, eldr_refit");
 ABSL_FLAG(double, tau, 0.1, "eldr locality band width (in-process routers; a daemon uses its own)");
+ABSL_FLAG(std::string, tie_break, "random",
+          "Among equally loaded workers (in-process routers): random, or lowest_index (the reference implementation's "
+          "rule)");
 ABSL_FLAG(int64_t, max_inflight, -1,
           "Overload guard of the in-process routers (WorkerSpec::max_inflight): a worker with this "
           "many in-flight requests leaves eldr's band. -1: --max_batch; 0: no guard");
@@ -243,6 +246,9 @@ int main(int argc, char** argv) {
   }
   options.requests = requests;
   options.tau = absl::GetFlag(FLAGS_tau);
+  absl::StatusOr<eldr::TieBreak> tie_break = eldr::ParseTieBreak(absl::GetFlag(FLAGS_tie_break));
+  if (!tie_break.ok()) return Fail(tie_break.status());
+  options.tie_break = *tie_break;
   options.seed = absl::GetFlag(FLAGS_seed);
   options.router_seed = absl::GetFlag(FLAGS_router_seed);
   options.max_inflight = absl::GetFlag(FLAGS_max_inflight);

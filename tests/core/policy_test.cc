@@ -269,5 +269,57 @@ TEST(P2cPolicyTest, ReproducibleForASeed) {
   for (int i = 0; i < 500; ++i) EXPECT_EQ(a->Pick(input).worker, b->Pick(input).worker);
 }
 
+// ---- tie break ---------------------------------------------------------------------------------
+
+TEST(TieBreakTest, NamesParseAndPrint) {
+  EXPECT_EQ(*ParseTieBreak("random"), TieBreak::kRandom);
+  EXPECT_EQ(*ParseTieBreak("lowest_index"), TieBreak::kLowestIndex);
+  EXPECT_EQ(TieBreakName(TieBreak::kLowestIndex), "lowest_index");
+  EXPECT_EQ(TieBreakName(TieBreak::kRandom), "random");
+  EXPECT_EQ(ParseTieBreak("first").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// lowest_index: among equally loaded band members the lowest worker index wins, whatever order
+// the candidates come in (the reference's np.argmin over the band in worker order); random
+// spreads the same ties over every tied member.
+TEST(TieBreakTest, LowestIndexInTheBandWhateverTheCandidateOrder) {
+  const auto workers = Loads({2, 1, 1, 1, 0});
+  // Band {1, 2, 3} (worker 4 is idle but far): loads tie at 1.
+  const std::vector<WorkerScore> scores = {{3, 0.95f}, {2, 0.93f}, {1, 0.90f}, {0, 0.92f}, {4, 0.1f}};
+  auto lowest = MakePolicy(PolicyKind::kEldr, 7, TieBreak::kLowestIndex);
+  std::set<int> random_picks;
+  auto random = MakePolicy(PolicyKind::kEldr, 7, TieBreak::kRandom);
+  for (int n = 0; n < 200; ++n) {
+    EXPECT_EQ(PickEldr(*lowest, workers, scores, 0.1).worker, 1);
+    random_picks.insert(PickEldr(*random, workers, scores, 0.1).worker);
+  }
+  EXPECT_EQ(random_picks, (std::set<int>{1, 2, 3}));
+}
+
+TEST(TieBreakTest, LowestIndexInJsqSpillAndP2c) {
+  const auto workers = Loads({3, 1, 5, 1, 1});
+  PolicyInput input;
+  input.workers = workers;
+  auto jsq = MakePolicy(PolicyKind::kJsq, 3, TieBreak::kLowestIndex);
+  for (int n = 0; n < 50; ++n) EXPECT_EQ(jsq->Pick(input).worker, 1);
+  // p2c: of two tied draws, the lower index.
+  const auto tied = Loads({1, 1});
+  PolicyInput pair;
+  pair.workers = tied;
+  auto p2c = MakePolicy(PolicyKind::kP2c, 3, TieBreak::kLowestIndex);
+  for (int n = 0; n < 50; ++n) EXPECT_EQ(p2c->Pick(pair).worker, 0);
+  // Spill (every band member at its limit): the least loaded overall, lowest index among ties.
+  std::vector<WorkerLoadView> limited = Loads({4, 2, 2, 4});
+  limited[0].max_inflight = 4;
+  limited[3].max_inflight = 4;
+  auto eldr = MakePolicy(PolicyKind::kEldr, 3, TieBreak::kLowestIndex);
+  const std::vector<WorkerScore> band = {{3, 0.9f}, {0, 0.9f}, {2, 0.1f}, {1, 0.1f}};
+  for (int n = 0; n < 50; ++n) {
+    const PolicyDecision d = PickEldr(*eldr, limited, band, 0.05);
+    EXPECT_EQ(d.fallback, FallbackReason::kOverload);
+    EXPECT_EQ(d.worker, 1);
+  }
+}
+
 }  // namespace
 }  // namespace eldr

@@ -96,12 +96,20 @@ TEST(ConfigJson, SetsEveryKindOfValue) {
   EXPECT_EQ(o.metrics_http.listen, ServerOptions().metrics_http.listen);
 }
 
+TEST(ConfigJson, TieBreak) {
+  ServerOptions o;
+  EXPECT_EQ(o.router.tie_break, TieBreak::kRandom);
+  ASSERT_TRUE(ApplyConfigJson(R"({"tie_break": "lowest_index"})", &o).ok());
+  EXPECT_EQ(o.router.tie_break, TieBreak::kLowestIndex);
+}
+
 TEST(ConfigJson, ErrorsNameTheSetting) {
   ServerOptions o;
   EXPECT_THAT(ApplyConfigJson(R"({"tua": 0.1})", &o).message(), HasSubstr("unknown setting 'tua'"));
   EXPECT_THAT(ApplyConfigJson(R"({"tau": "wide"})", &o).message(), HasSubstr("'tau'"));
   EXPECT_THAT(ApplyConfigJson(R"({"tau": [1]})", &o).message(), HasSubstr("'tau'"));
   EXPECT_THAT(ApplyConfigJson(R"({"policy": "fastest"})", &o).message(), HasSubstr("eldr, rr, random, jsq or p2c"));
+  EXPECT_THAT(ApplyConfigJson(R"({"tie_break": "first"})", &o).message(), HasSubstr("random or lowest_index"));
   EXPECT_THAT(ApplyConfigJson(R"({"lease_ttl": "soon"})", &o).message(), HasSubstr("duration"));
   EXPECT_THAT(ApplyConfigJson(R"({"seed": -1})", &o).message(), HasSubstr("'seed'"));
   EXPECT_THAT(ApplyConfigJson("[]", &o).message(), HasSubstr("JSON object"));

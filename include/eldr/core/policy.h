@@ -63,12 +63,12 @@ struct PolicyInput {
 
 // eldr: the band is every eligible candidate whose score >= best - tau (best = the highest score
 // among eligible candidates; band_size counts them); members at their in-flight limit cannot be
-// picked; the least load/capacity member wins, ties at random. If every band member is at its limit, the request spills
-// to the least loaded eligible worker overall (fallback kOverload, used = jsq). If `candidates` is empty, fallback =
-// no_scores_reason; if no candidate is eligible, fallback = kNoEligibleCentroid; both decide as jsq. rr: next eligible
-// worker in index order. random: uniform over eligible workers. jsq: least load/capacity, ties at random. p2c: two
-// distinct eligible workers at random, the lower load/capacity wins (ties at random); a single eligible worker is
-// picked directly.
+// picked; the least load/capacity member wins, ties by TieBreak (below). If every band member is at its limit, the
+// request spills to the least loaded eligible worker overall (fallback kOverload, used = jsq). If `candidates` is
+// empty, fallback = no_scores_reason; if no candidate is eligible, fallback = kNoEligibleCentroid; both decide as jsq.
+// rr: next eligible worker in index order. random: uniform over eligible workers. jsq: least load/capacity, ties at
+// random. p2c: two distinct eligible workers at random, the lower load/capacity wins (ties at random); a single
+// eligible worker is picked directly.
 struct PolicyDecision {
   int worker = -1;            // index into PolicyInput::workers; -1 when none is eligible
   float best_similarity = 0;  // eldr: best score among eligible candidates; 0 otherwise
@@ -85,9 +85,20 @@ class RoutingPolicy {
   virtual PolicyDecision Pick(const PolicyInput& input) = 0;
 };
 
+// How a policy chooses among workers of equal least load (load / capacity within a relative
+// 1e-9): in the locality band, in jsq, in the overload spill and between p2c's two draws.
+//  - kRandom (the default): uniformly at random. In-flight counts are small integers, so ties are
+//    common; a fixed order would send every tie to the same worker and skew a band's load.
+//  - kLowestIndex: the lowest worker index (pool order), the reference implementation's rule
+//    (np.argmin over the band in worker order): use it to reproduce its decisions exactly.
+enum class TieBreak { kRandom, kLowestIndex };
+// "random", "lowest_index"; INVALID_ARGUMENT naming the accepted values.
+absl::StatusOr<TieBreak> ParseTieBreak(absl::string_view name);
+absl::string_view TieBreakName(TieBreak tie_break);
+
 // `seed` seeds the tie-breaking / sampling generator (std::mt19937_64), so a decision sequence is
 // reproducible for a given seed and input sequence.
-std::unique_ptr<RoutingPolicy> MakePolicy(PolicyKind kind, uint64_t seed);
+std::unique_ptr<RoutingPolicy> MakePolicy(PolicyKind kind, uint64_t seed, TieBreak tie_break = TieBreak::kRandom);
 
 }  // namespace eldr
 

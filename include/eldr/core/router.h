@@ -70,10 +70,11 @@ enum class WorkerState { kActive, kDraining };
 
 struct RouterOptions {
   PolicyKind policy = PolicyKind::kEldr;
-  double tau = 0.1;            // locality band width, in [0, 1]
-  uint64_t seed = 0x5eed;      // tie-breaking and sampling generator seed
-  LoadOptions load;            // lease TTL, snapshot staleness
-  CentroidIndexOptions index;  // exact vs FAISS crossover and its parameters
+  double tau = 0.1;                        // locality band width, in [0, 1]
+  uint64_t seed = 0x5eed;                  // tie-breaking and sampling generator seed
+  TieBreak tie_break = TieBreak::kRandom;  // among equally loaded workers (policy.h)
+  LoadOptions load;                        // lease TTL, snapshot staleness
+  CentroidIndexOptions index;              // exact vs FAISS crossover and its parameters
   // Live leases at most (>= 1). At the limit a new route first releases the oldest live lease of
   // the pool (counted in RouterState::leases_evicted_total), so a caller that never completes
   // cannot grow the router's memory without bound and routing goes on.
