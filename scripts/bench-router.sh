@@ -7,8 +7,10 @@
 # eldr_route_duration_seconds histogram: the difference of two scrapes taken right before and right
 # after the load, so warm-up and start-up are not counted. Prints one JSON object per run: the
 # client's figures (requests, errors, qps, p50_us, p90_us, p99_us, ...) plus server_decisions,
-# server_p50_us, server_p90_us, server_p99_us, server_p999_us (bucket-interpolated upper estimates)
-# and router_rss_kib.
+# server_p50_us, server_p90_us, server_p99_us, server_p999_us (bucket-interpolated upper estimates),
+# router_rss_kib and router_peak_rss_kib (VmRSS and VmHWM right after the load), and the online
+# refit's gauges from the last scrape (refit_last_duration_s, refit_window_signatures,
+# refit_window_bytes; null when refit is off or the build does not export them).
 #
 # Placement: with PIN=1 (the default on machines with at least two CPUs) the daemon runs on CPU 0
 # and the load generator on CPU 1 (taskset), as a router with a dedicated core would in production
@@ -116,10 +118,28 @@ for run in $(seq 1 "$RUNS"); do
     --encoding=int16 --complete --json ${BENCH_ARGS:-})"
   curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/after.txt"
   rss_kib="$(awk '/^VmRSS:/ {print $2}' "/proc/$ROUTER_PID/status")"
+  peak_rss_kib="$(awk '/^VmHWM:/ {print $2}' "/proc/$ROUTER_PID/status")"
   server_json="$(histogram_delta "$WORK_DIR/before.txt" "$WORK_DIR/after.txt")"
   kill -TERM "$ROUTER_PID"
   wait "$ROUTER_PID" || { echo "bench-router.sh: eldr-router exited with $?" >&2; exit 1; }
   ROUTER_PID=""
-  "$PYTHON" -c 'import json,sys; c=json.loads(sys.argv[1]); c.update(json.loads(sys.argv[2])); c["router_rss_kib"]=int(sys.argv[3]); c["pinned"]=sys.argv[4]=="1"; print(json.dumps(c))' \
-    "$client_json" "$server_json" "$rss_kib" "$PIN"
+  "$PYTHON" - "$client_json" "$server_json" "$rss_kib" "$peak_rss_kib" "$PIN" "$WORK_DIR/after.txt" <<'EOF'
+import json, re, sys
+
+c = json.loads(sys.argv[1])
+c.update(json.loads(sys.argv[2]))
+c["router_rss_kib"] = int(sys.argv[3])
+c["router_peak_rss_kib"] = int(sys.argv[4])
+c["pinned"] = sys.argv[5] == "1"
+gauges = {}
+for line in open(sys.argv[6]):
+    m = re.match(r"(eldr_refit_[a-z_]+) (\S+)$", line)
+    if m:
+        gauges[m.group(1)] = float(m.group(2))
+for field, metric in (("refit_last_duration_s", "eldr_refit_last_duration_seconds"),
+                      ("refit_window_signatures", "eldr_refit_window_signatures"),
+                      ("refit_window_bytes", "eldr_refit_window_bytes")):
+    c[field] = gauges.get(metric)
+print(json.dumps(c))
+EOF
 done

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -31,30 +32,74 @@ bool NormaliseRow(float* row, int dim) {
   return true;
 }
 
-absl::Status ValidatePoints(absl::Span<const float> points, int n, int dim) {
-  for (int i = 0; i < n; ++i) {
-    const float* row = points.data() + static_cast<size_t>(i) * dim;
-    double sum = 0;
-    for (int d = 0; d < dim; ++d) {
-      if (!std::isfinite(row[d])) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("balanced k-means: point ", i, " has a non-finite value at index ", d));
-      }
-      sum += static_cast<double>(row[d]) * row[d];
-    }
-    if (std::abs(std::sqrt(sum) - 1.0) > 1e-3) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("balanced k-means: point ", i, " has norm ", std::sqrt(sum), "; points must be unit rows"));
-    }
+// Calls fn(begin, count, rows) for consecutive blocks of `points` (PointRows::block_rows each,
+// the last one shorter), `rows` holding count * dim floats; stops early and returns the first
+// error fn returns.
+template <typename Fn>
+absl::Status ForEachBlock(const PointRows& points, std::vector<float>* scratch, Fn fn) {
+  const int n = points.rows();
+  const int block = std::max(1, points.block_rows());
+  for (int begin = 0; begin < n; begin += block) {
+    const int count = std::min(block, n - begin);
+    if (absl::Status status = fn(begin, count, points.Read(begin, count, scratch)); !status.ok()) return status;
   }
   return absl::OkStatus();
 }
 
+absl::Status ValidatePoints(const PointRows& points, std::vector<float>* scratch) {
+  const int dim = points.dim();
+  return ForEachBlock(points, scratch, [dim](int begin, int count, absl::Span<const float> rows) -> absl::Status {
+    for (int r = 0; r < count; ++r) {
+      const int i = begin + r;
+      const float* row = rows.data() + static_cast<size_t>(r) * dim;
+      double sum = 0;
+      for (int d = 0; d < dim; ++d) {
+        if (!std::isfinite(row[d])) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("balanced k-means: point ", i, " has a non-finite value at index ", d));
+        }
+        sum += static_cast<double>(row[d]) * row[d];
+      }
+      if (std::abs(std::sqrt(sum) - 1.0) > 1e-3) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("balanced k-means: point ", i, " has norm ", std::sqrt(sum), "; points must be unit rows"));
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
+// The rows `sample` (indices into `base`, any order) of `base`, read through it one block at a
+// time.
+class SampledRows final : public PointRows {
+ public:
+  SampledRows(const PointRows& base, const std::vector<int>& sample) : base_(base), sample_(sample) {}
+  int rows() const override { return static_cast<int>(sample_.size()); }
+  int dim() const override { return base_.dim(); }
+  int block_rows() const override { return base_.block_rows(); }
+  absl::Span<const float> Read(int begin, int count, std::vector<float>* scratch) const override {
+    const size_t dim = static_cast<size_t>(base_.dim());
+    scratch->resize(static_cast<size_t>(count) * dim);
+    std::vector<float> row_scratch;
+    for (int r = 0; r < count; ++r) {
+      const absl::Span<const float> row = base_.Read(sample_[begin + r], 1, &row_scratch);
+      std::copy(row.begin(), row.end(), scratch->begin() + static_cast<ptrdiff_t>(r * dim));
+    }
+    return absl::MakeConstSpan(*scratch);
+  }
+
+ private:
+  const PointRows& base_;
+  const std::vector<int>& sample_;
+};
+
 // k-means++ for cosine distance: the first centre uniformly, each next one with probability
 // proportional to 1 - (best cosine to the centres so far), i.e. to the squared Euclidean distance
 // between unit vectors. Runs on a seeded sample of the points.
-std::vector<float> SeedKMeansPlusPlus(absl::Span<const float> points, int n, int dim, int clusters, int sample_limit,
-                                      uint64_t seed) {
+std::vector<float> SeedKMeansPlusPlus(const PointRows& points, int clusters, int sample_limit, uint64_t seed,
+                                      std::vector<float>* scratch) {
+  const int n = points.rows();
+  const int dim = points.dim();
   std::mt19937_64 rng(seed);
   std::vector<int> sample(n);
   std::iota(sample.begin(), sample.end(), 0);
@@ -67,10 +112,16 @@ std::vector<float> SeedKMeansPlusPlus(absl::Span<const float> points, int n, int
     std::sort(sample.begin(), sample.end());
   }
   const int s = static_cast<int>(sample.size());
-  std::vector<float> sampled(static_cast<size_t>(s) * dim);
-  for (int i = 0; i < s; ++i) {
-    std::copy_n(points.data() + static_cast<size_t>(sample[i]) * dim, dim,
-                sampled.data() + static_cast<size_t>(i) * dim);
+  // A sample that fits in one block (always, for a dense matrix) is gathered once; a larger one of
+  // a decoding store is read again in blocks for every cluster, so seeding never holds more than
+  // a block of it in fp32.
+  const SampledRows sampled_rows(points, sample);
+  std::vector<float> gathered;
+  std::optional<DensePointRows> gathered_rows;
+  const PointRows* sampled = &sampled_rows;
+  if (s <= points.block_rows()) {
+    sampled_rows.Read(0, s, &gathered);
+    sampled = &gathered_rows.emplace(gathered, s, dim);
   }
 
   std::vector<float> centroids(static_cast<size_t>(clusters) * dim);
@@ -99,8 +150,9 @@ std::vector<float> SeedKMeansPlusPlus(absl::Span<const float> points, int n, int
     }
     chosen[pick] = 1;
     float* centre = centroids.data() + static_cast<size_t>(c) * dim;
-    std::copy_n(sampled.data() + static_cast<size_t>(pick) * dim, dim, centre);
-    ScoreAllPairs(sampled, s, absl::Span<const float>(centre, dim), 1, dim, absl::MakeSpan(similarity));
+    const absl::Span<const float> picked = sampled->Read(pick, 1, scratch);
+    std::copy(picked.begin(), picked.end(), centre);
+    ScorePointRows(*sampled, absl::Span<const float>(centre, dim), 1, absl::MakeSpan(similarity), scratch);
     for (int i = 0; i < s; ++i) {
       const double d = std::max(0.0, 1.0 - static_cast<double>(similarity[i]));
       distance[i] = c == 0 ? d : std::min(distance[i], d);
@@ -109,20 +161,15 @@ std::vector<float> SeedKMeansPlusPlus(absl::Span<const float> points, int n, int
   return centroids;
 }
 
-// Checks FitBalancedKMeans's sizes and options: clusters and dim >= 1, n >= clusters, n * dim
-// values, a finite tolerance >= 0, max_iterations >= 1.
-absl::Status ValidateKMeansArguments(absl::Span<const float> points, int n, int dim,
-                                     const BalancedKMeansOptions& options) {
+// Checks FitBalancedKMeans's sizes and options: clusters and dim >= 1, n >= clusters, a finite
+// tolerance >= 0, max_iterations >= 1.
+absl::Status ValidateKMeansArguments(int n, int dim, const BalancedKMeansOptions& options) {
   const int k = options.clusters;
   if (k < 1) return absl::InvalidArgumentError(absl::StrCat("balanced k-means: clusters = ", k, ", need >= 1"));
   if (dim < 1) return absl::InvalidArgumentError(absl::StrCat("balanced k-means: dim = ", dim, ", need >= 1"));
   if (n < k) {
     return absl::InvalidArgumentError(
         absl::StrCat("balanced k-means: ", n, " points for ", k, " clusters; need at least one point per cluster"));
-  }
-  if (points.size() != static_cast<size_t>(n) * dim) {
-    return absl::InvalidArgumentError(absl::StrCat("balanced k-means: ", points.size(),
-                                                   " values, expected n * dim = ", static_cast<int64_t>(n) * dim));
   }
   if (!(options.tolerance >= 0) || !std::isfinite(options.tolerance)) {
     return absl::InvalidArgumentError(
@@ -137,9 +184,10 @@ absl::Status ValidateKMeansArguments(absl::Span<const float> points, int n, int 
 
 // Validates the arguments, then the points, and returns the capacity of each cluster
 // (ClusterCapacities).
-absl::StatusOr<std::vector<int>> ValidatedCapacities(absl::Span<const float> points, int n, int dim,
-                                                     const BalancedKMeansOptions& options) {
-  if (absl::Status status = ValidateKMeansArguments(points, n, dim, options); !status.ok()) return status;
+absl::StatusOr<std::vector<int>> ValidatedCapacities(const PointRows& points, const BalancedKMeansOptions& options,
+                                                     std::vector<float>* scratch) {
+  const int n = points.rows();
+  if (absl::Status status = ValidateKMeansArguments(n, points.dim(), options); !status.ok()) return status;
   const int k = options.clusters;
   std::vector<int> capacity = ClusterCapacities(n, k, options.capacity_weights);
   if (capacity.empty()) {
@@ -147,7 +195,7 @@ absl::StatusOr<std::vector<int>> ValidatedCapacities(absl::Span<const float> poi
                                                    " finite positive values (got ", options.capacity_weights.size(),
                                                    ")"));
   }
-  if (absl::Status status = ValidatePoints(points, n, dim); !status.ok()) return status;
+  if (absl::Status status = ValidatePoints(points, scratch); !status.ok()) return status;
   return capacity;
 }
 
@@ -170,12 +218,12 @@ absl::StatusOr<std::vector<float>> WarmStartCentroids(const std::vector<float>& 
 }
 
 // The starting centroids: the normalised warm start when one is given, else k-means++ seeds.
-absl::StatusOr<std::vector<float>> InitialCentroids(absl::Span<const float> points, int n, int dim,
-                                                    const BalancedKMeansOptions& options) {
+absl::StatusOr<std::vector<float>> InitialCentroids(const PointRows& points, const BalancedKMeansOptions& options,
+                                                    std::vector<float>* scratch) {
   if (!options.initial_centroids.empty()) {
-    return WarmStartCentroids(options.initial_centroids, options.clusters, dim);
+    return WarmStartCentroids(options.initial_centroids, options.clusters, points.dim());
   }
-  return SeedKMeansPlusPlus(points, n, dim, options.clusters, options.seeding_sample, options.seed);
+  return SeedKMeansPlusPlus(points, options.clusters, options.seeding_sample, options.seed, scratch);
 }
 
 // Total cost (cosine distance) of assigning the n points to `assignment` under the
@@ -188,16 +236,22 @@ double AssignmentObjective(const std::vector<double>& cost, const std::vector<in
 
 // Moves each centroid to the renormalised mean of its assigned points; an empty cluster (or one
 // whose points cancel out) restarts at the next worst-served point.
-void MoveCentroidsToMeans(absl::Span<const float> points, int n, int dim, int k, const std::vector<int>& assignment,
-                          const std::vector<double>& cost, std::vector<float>* centroids) {
+void MoveCentroidsToMeans(const PointRows& points, int k, const std::vector<int>& assignment,
+                          const std::vector<double>& cost, std::vector<float>* centroids, std::vector<float>* scratch) {
+  const int n = points.rows();
+  const int dim = points.dim();
   std::vector<float> sums(static_cast<size_t>(k) * dim, 0.0f);
   std::vector<int> sizes(k, 0);
-  for (int i = 0; i < n; ++i) {
-    const float* x = points.data() + static_cast<size_t>(i) * dim;
-    float* sum = sums.data() + static_cast<size_t>(assignment[i]) * dim;
-    for (int d = 0; d < dim; ++d) sum[d] += x[d];
-    ++sizes[assignment[i]];
-  }
+  ForEachBlock(points, scratch, [&](int begin, int count, absl::Span<const float> rows) {
+    for (int r = 0; r < count; ++r) {
+      const int i = begin + r;
+      const float* x = rows.data() + static_cast<size_t>(r) * dim;
+      float* sum = sums.data() + static_cast<size_t>(assignment[i]) * dim;
+      for (int d = 0; d < dim; ++d) sum[d] += x[d];
+      ++sizes[assignment[i]];
+    }
+    return absl::OkStatus();
+  }).IgnoreError();               // the callback never fails
   std::vector<int> worst_served;  // lazily: points by decreasing cost of their assignment
   size_t next_reseed = 0;
   for (int c = 0; c < k; ++c) {
@@ -214,16 +268,42 @@ void MoveCentroidsToMeans(absl::Span<const float> points, int n, int dim, int k,
       });
     }
     const int point = worst_served[next_reseed++ % worst_served.size()];
-    std::copy_n(points.data() + static_cast<size_t>(point) * dim, dim,
-                centroids->data() + static_cast<size_t>(c) * dim);
+    const absl::Span<const float> row = points.Read(point, 1, scratch);
+    std::copy(row.begin(), row.end(), centroids->begin() + static_cast<ptrdiff_t>(static_cast<size_t>(c) * dim));
   }
 }
 
 }  // namespace
 
+absl::Span<const float> DensePointRows::Read(int begin, int count, std::vector<float>* /*scratch*/) const {
+  return points_.subspan(static_cast<size_t>(begin) * dim_, static_cast<size_t>(count) * dim_);
+}
+
+void ScorePointRows(const PointRows& points, absl::Span<const float> centroids, int k, absl::Span<float> scores,
+                    std::vector<float>* scratch) {
+  const int dim = points.dim();
+  ForEachBlock(points, scratch, [&](int begin, int count, absl::Span<const float> rows) {
+    ScoreAllPairs(rows, count, centroids, k, dim,
+                  scores.subspan(static_cast<size_t>(begin) * k, static_cast<size_t>(count) * k));
+    return absl::OkStatus();
+  }).IgnoreError();  // the callback never fails
+}
+
 absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> points, int n, int dim,
                                                        const BalancedKMeansOptions& options) {
-  absl::StatusOr<std::vector<int>> validated = ValidatedCapacities(points, n, dim, options);
+  if (absl::Status status = ValidateKMeansArguments(n, dim, options); !status.ok()) return status;
+  if (points.size() != static_cast<size_t>(n) * dim) {
+    return absl::InvalidArgumentError(absl::StrCat("balanced k-means: ", points.size(),
+                                                   " values, expected n * dim = ", static_cast<int64_t>(n) * dim));
+  }
+  return FitBalancedKMeans(DensePointRows(points, n, dim), options);
+}
+
+absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(const PointRows& points, const BalancedKMeansOptions& options) {
+  const int n = points.rows();
+  const int dim = points.dim();
+  std::vector<float> scratch;  // one block of decoded rows (unused by a dense matrix)
+  absl::StatusOr<std::vector<int>> validated = ValidatedCapacities(points, options, &scratch);
   if (!validated.ok()) return validated.status();
   const std::vector<int> capacity = *std::move(validated);
   const int k = options.clusters;
@@ -232,7 +312,7 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> p
   result.capacities = capacity;
 
   Clock::time_point phase = Clock::now();
-  absl::StatusOr<std::vector<float>> seeded = InitialCentroids(points, n, dim, options);
+  absl::StatusOr<std::vector<float>> seeded = InitialCentroids(points, options, &scratch);
   if (!seeded.ok()) return seeded.status();
   std::vector<float> centroids = *std::move(seeded);
   result.seconds_seeding = SecondsSince(phase);
@@ -243,7 +323,7 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> p
   double previous_objective = 0;
   for (int iteration = 0; iteration < options.max_iterations; ++iteration) {
     phase = Clock::now();
-    ScoreAllPairs(points, n, centroids, k, dim, absl::MakeSpan(scores));
+    ScorePointRows(points, centroids, k, absl::MakeSpan(scores), &scratch);
     for (size_t i = 0; i < cost.size(); ++i) cost[i] = 1.0 - static_cast<double>(scores[i]);
     result.seconds_scoring += SecondsSince(phase);
 
@@ -269,7 +349,7 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> p
     previous_objective = objective;
 
     phase = Clock::now();
-    MoveCentroidsToMeans(points, n, dim, k, assignment, cost, &centroids);
+    MoveCentroidsToMeans(points, k, assignment, cost, &centroids, &scratch);
     previous = assignment;
     result.seconds_update += SecondsSince(phase);
   }

@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -63,6 +64,55 @@ void AccumulateColumnsScalar(const float* columns, int k, int n, int stride, con
     const float* column = columns + static_cast<size_t>(c) * stride;
     for (int j = 0; j < n; ++j) out[j] += w * column[j];
   }
+}
+
+// Set bits in order; the zeros between them are written as the scan passes them, so a value
+// converted into the tail of `out` is always read before its slot is reached.
+void ExpandBitmapScalar(const uint16_t* words, int dim, const float* values, float* out) {
+  int next = 0;  // entries below this are written
+  for (int w = 0; w * 16 < dim; ++w) {
+    for (uint32_t bits = words[w]; bits != 0; bits &= bits - 1) {
+      const int index = w * 16 + __builtin_ctz(bits);
+      const float value = *values++;
+      for (; next < index; ++next) out[next] = 0.f;
+      out[index] = value;
+      next = index + 1;
+    }
+  }
+  for (; next < dim; ++next) out[next] = 0.f;
+}
+
+uint32_t MaxMagnitudeBitsScalar(const float* in, size_t n) {
+  uint32_t max_bits = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, in + i, sizeof(bits));
+    max_bits = std::max(max_bits, bits & 0x7fffffffu);
+  }
+  return max_bits;
+}
+
+// The bitmap and the non-zero halves of halves[0, dim), without branches: every half is written,
+// and the write position advances past the non-zero ones only.
+size_t PackNonZeroHalves(const uint16_t* halves, int dim, uint16_t* words, uint16_t* values) {
+  size_t count = 0;
+  for (int w = 0; w * 16 < dim; ++w) {
+    uint32_t bits = 0;
+    const int end = std::min(dim, w * 16 + 16);
+    for (int i = w * 16; i < end; ++i) {
+      const uint32_t set = (halves[i] & 0x7fffu) != 0 ? 1u : 0u;
+      values[count] = halves[i];
+      count += set;
+      bits |= set << (i - w * 16);
+    }
+    words[w] = static_cast<uint16_t>(bits);
+  }
+  return count;
+}
+
+size_t EncodeHalvesScalar(const float* in, int dim, float scale, uint16_t* halves, uint16_t* words, uint16_t* values) {
+  for (int i = 0; i < dim; ++i) halves[i] = FloatToHalf(in[i] * scale);
+  return PackNonZeroHalves(halves, dim, words, values);
 }
 
 // ---- AVX2 + FMA + F16C --------------------------------------------------------------------------
@@ -246,6 +296,65 @@ ELDR_TARGET_AVX2 void AccumulateColumnsAvx2(const float* columns, int k, int n, 
 // ---- AVX-512 ------------------------------------------------------------------------------------
 // Same structure with 16 lanes; the tail (dim % 32) uses masked loads instead of a scalar loop.
 #define ELDR_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c")))
+
+ELDR_TARGET_AVX512 uint32_t MaxMagnitudeBitsAvx512(const float* in, size_t n) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  __m512i a = _mm512_setzero_si512();
+  size_t i = 0;
+  // The zero-masked forms (all lanes on) keep GCC 12 from warning about its headers' undefined
+  // pass-through operands.
+  constexpr __mmask16 kAll = 0xffff;
+  for (; i + 16 <= n; i += 16) {
+    a = _mm512_maskz_max_epu32(kAll, a, _mm512_and_si512(_mm512_loadu_si512(in + i), magnitude));
+  }
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    a = _mm512_maskz_max_epu32(kAll, a, _mm512_and_si512(_mm512_maskz_loadu_epi32(tail, in + i), magnitude));
+  }
+  alignas(64) uint32_t lanes[16];
+  _mm512_store_si512(lanes, a);
+  uint32_t max_bits = 0;
+  for (const uint32_t lane : lanes) max_bits = std::max(max_bits, lane);
+  return max_bits;
+}
+
+// 16 entries a step: convert, test the halves, and compress the non-zero ones (as 32-bit lanes,
+// AVX-512F having no 16-bit compress) into `values` with one store of 16 halves.
+ELDR_TARGET_AVX512 size_t EncodeHalvesAvx512(const float* in, int dim, float scale, uint16_t* halves, uint16_t* words,
+                                             uint16_t* values) {
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+  size_t count = 0;
+  for (int i = 0; i < dim; i += 16) {
+    const __mmask16 lanes =
+        dim - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (dim - i)) - 1);
+    const __m256i h = _mm512_maskz_cvtps_ph(lanes, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, in + i), s),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_mask_storeu_epi16(halves + i, lanes, h);
+    const __mmask16 set = _mm256_mask_test_epi16_mask(lanes, h, magnitude);
+    words[i / 16] = static_cast<uint16_t>(set);
+    const __m512i packed = _mm512_maskz_compress_epi32(set, _mm512_maskz_cvtepu16_epi32(lanes, h));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + count), _mm512_maskz_cvtepi32_epi16(lanes, packed));
+    count += static_cast<size_t>(__builtin_popcount(set));
+  }
+  return count;
+}
+
+// One expanding load per 16 entries (vexpandps takes exactly the set lanes' values, in order); the
+// load of a block precedes its store, and the values still to come lie beyond the block.
+ELDR_TARGET_AVX512 void ExpandBitmapAvx512(const uint16_t* words, int dim, const float* values, float* out) {
+  int i = 0;
+  for (; i + 16 <= dim; i += 16) {
+    const __mmask16 mask = words[i / 16];
+    const __m512 v = _mm512_maskz_expandloadu_ps(mask, values);
+    values += __builtin_popcount(mask);
+    _mm512_storeu_ps(out + i, v);
+  }
+  if (i < dim) {
+    const __m512 v = _mm512_maskz_expandloadu_ps(static_cast<__mmask16>(words[i / 16]), values);
+    _mm512_mask_storeu_ps(out + i, static_cast<__mmask16>((1u << (dim - i)) - 1), v);
+  }
+}
 
 // The zero-masked forms of the conversion and the extraction compile to the same instructions as
 // the plain intrinsics, whose GCC 12 implementations read an "undefined" register and trip
@@ -436,6 +545,113 @@ ELDR_TARGET_AVX2 void FloatsToHalvesF16c(const float* in, size_t n, uint16_t* ou
   for (; i < n; ++i) out[i] = FloatToHalf(in[i]);
 }
 
+ELDR_TARGET_AVX2 uint32_t MaxMagnitudeBitsAvx2(const float* in, size_t n) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  __m256i a = _mm256_setzero_si256();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    a = _mm256_max_epu32(a, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)), magnitude));
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a);
+  uint32_t max_bits = MaxMagnitudeBitsScalar(in + i, n - i);
+  for (const uint32_t lane : lanes) max_bits = std::max(max_bits, lane);
+  return max_bits;
+}
+
+// Lookup tables for compressing and expanding 8 lanes by an 8-bit mask (AVX2 has neither
+// instruction): for mask m, the pshufb byte order that moves the set 16-bit lanes to the front,
+// and for each of 8 float lanes the rank of the value it takes (its index among the set lanes).
+struct LaneTables {
+  alignas(16) uint8_t compress16[256][16];
+  alignas(32) int32_t expand32[256][8];
+  LaneTables() {
+    for (int m = 0; m < 256; ++m) {
+      int next = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        expand32[m][lane] = next;
+        if ((m >> lane) & 1) {
+          compress16[m][2 * next] = static_cast<uint8_t>(2 * lane);
+          compress16[m][2 * next + 1] = static_cast<uint8_t>(2 * lane + 1);
+          ++next;
+        }
+      }
+      for (int b = 2 * next; b < 16; ++b) compress16[m][b] = 0x80;  // zero the rest
+    }
+  }
+};
+const LaneTables& Tables() {
+  static const LaneTables tables;
+  return tables;
+}
+
+// F16C conversion, then 8 halves a step: test, and compress the non-zero ones with one shuffle.
+ELDR_TARGET_AVX2 size_t EncodeHalvesAvx2(const float* in, int dim, float scale, uint16_t* halves, uint16_t* words,
+                                         uint16_t* values) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(in + i), s), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(halves + i), h);
+  }
+  for (; i < dim; ++i) halves[i] = FloatToHalf(in[i] * scale);
+  const LaneTables& tables = Tables();
+  const __m128i magnitude = _mm_set1_epi16(0x7fff);
+  size_t count = 0;
+  i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + i));
+    const __m128i zero = _mm_cmpeq_epi16(_mm_and_si128(h, magnitude), _mm_setzero_si128());
+    const int set = ~_mm_movemask_epi8(_mm_packs_epi16(zero, zero)) & 0xff;
+    const __m128i order = _mm_load_si128(reinterpret_cast<const __m128i*>(tables.compress16[set]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(values + count), _mm_shuffle_epi8(h, order));
+    count += static_cast<size_t>(__builtin_popcount(set));
+    if (i % 16 == 0) {
+      words[i / 16] = static_cast<uint16_t>(set);
+    } else {
+      words[i / 16] = static_cast<uint16_t>(words[i / 16] | (set << 8));
+    }
+  }
+  if (i < dim) {  // the last dim % 8 entries: the scalar packing, merged into the last word
+    uint16_t tail_word = 0;
+    count += PackNonZeroHalves(halves + i, dim - i, &tail_word, values + count);
+    const int shift = i % 16;
+    words[i / 16] = static_cast<uint16_t>((shift == 0 ? 0 : words[i / 16]) | (tail_word << shift));
+  }
+  return count;
+}
+
+// 8 entries a step: a masked load of the values the set lanes take (never reading past them, so
+// the in-place form stays in bounds), a permutation to their lanes, zeros elsewhere.
+ELDR_TARGET_AVX2 void ExpandBitmapAvx2(const uint16_t* words, int dim, const float* values, float* out) {
+  const LaneTables& tables = Tables();
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    const int set = (words[i / 16] >> (i % 16)) & 0xff;
+    const int taken = __builtin_popcount(set);
+    const __m256i first = _mm256_cmpgt_epi32(_mm256_set1_epi32(taken), lane_index);  // lanes < taken
+    const __m256 v = _mm256_maskload_ps(values, first);
+    const __m256i order = _mm256_load_si256(reinterpret_cast<const __m256i*>(tables.expand32[set]));
+    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(set), lane_bits), lane_bits);
+    _mm256_storeu_ps(out + i, _mm256_and_ps(_mm256_permutevar8x32_ps(v, order), _mm256_castsi256_ps(on)));
+    values += taken;
+  }
+  if (i < dim) {  // the last dim % 8 entries
+    const uint16_t tail_word = static_cast<uint16_t>((words[i / 16] >> (i % 16)) & ((1u << (dim - i)) - 1));
+    ExpandBitmapScalar(&tail_word, dim - i, values, out + i);
+  }
+}
+
+ELDR_TARGET_AVX2 void HalvesToFloatsF16c(const uint16_t* in, size_t n, float* out) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  }
+  for (; i < n; ++i) out[i] = HalfToFloat(in[i]);
+}
+
 SimdLevel ComputeCpuSimdLevel() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
@@ -501,12 +717,15 @@ absl::string_view SimdLevelName(SimdLevel level) {
 }
 
 const ScorerKernels& KernelsFor(SimdLevel level) {
-  static const ScorerKernels kScalar{SimdLevel::kScalar, DotRowsF32Scalar,    DotRowsF16Scalar,
-                                     DotRowsBf16Scalar,  GatherColumnsScalar, AccumulateColumnsScalar};
-  static const ScorerKernels kAvx2{SimdLevel::kAvx2, DotRowsF32Avx2,    DotRowsF16Avx2,
-                                   DotRowsBf16Avx2,  GatherColumnsAvx2, AccumulateColumnsAvx2};
-  static const ScorerKernels kAvx512{SimdLevel::kAvx512, DotRowsF32Avx512,    DotRowsF16Avx512,
-                                     DotRowsBf16Avx512,  GatherColumnsAvx512, AccumulateColumnsAvx512};
+  static const ScorerKernels kScalar{SimdLevel::kScalar, DotRowsF32Scalar,       DotRowsF16Scalar,
+                                     DotRowsBf16Scalar,  GatherColumnsScalar,    AccumulateColumnsScalar,
+                                     ExpandBitmapScalar, MaxMagnitudeBitsScalar, EncodeHalvesScalar};
+  static const ScorerKernels kAvx2{SimdLevel::kAvx2, DotRowsF32Avx2,       DotRowsF16Avx2,
+                                   DotRowsBf16Avx2,  GatherColumnsAvx2,    AccumulateColumnsAvx2,
+                                   ExpandBitmapAvx2, MaxMagnitudeBitsAvx2, EncodeHalvesAvx2};
+  static const ScorerKernels kAvx512{SimdLevel::kAvx512, DotRowsF32Avx512,       DotRowsF16Avx512,
+                                     DotRowsBf16Avx512,  GatherColumnsAvx512,    AccumulateColumnsAvx512,
+                                     ExpandBitmapAvx512, MaxMagnitudeBitsAvx512, EncodeHalvesAvx512};
   if (static_cast<int>(level) > static_cast<int>(CpuSimdLevel())) level = CpuSimdLevel();
   switch (level) {
     case SimdLevel::kAvx512:
@@ -567,6 +786,14 @@ void FloatsToHalves(const float* in, size_t n, uint16_t* out) {
     return;
   }
   for (size_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
+}
+
+void HalvesToFloats(const uint16_t* in, size_t n, float* out) {
+  if (CpuSimdLevel() != SimdLevel::kScalar) {
+    HalvesToFloatsF16c(in, n, out);
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) out[i] = HalfToFloat(in[i]);
 }
 
 uint16_t FloatToBfloat16(float value) {

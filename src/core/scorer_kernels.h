@@ -53,6 +53,24 @@ using GatherColumnsFn = float (*)(const float* in, int dim, const uint16_t* mask
 // every centroid in the reduced space at once.
 using AccumulateColumnsFn = void (*)(const float* columns, int k, int n, int stride, const float* weights, float* out);
 
+// Expands a bitmap-sparse row: for i in [0, dim), out[i] = the next of `values` (in order) where
+// bit i % 16 of words[i / 16] is set, else 0. `values` holds one float per set bit; it may lie in
+// `out` itself at out + dim - (set bits), as every value is read before its slot is overwritten
+// (the online refit window decodes its rows that way); elsewhere it must not overlap `out`. Bits
+// at or beyond dim must be clear.
+using ExpandBitmapFn = void (*)(const uint16_t* words, int dim, const float* values, float* out);
+
+// The largest magnitude bits (bits & 0x7fffffff) of n floats: their integer order is the order of
+// |x|, with Inf and NaN above every finite value. 0 for n = 0.
+using MaxMagnitudeBitsFn = uint32_t (*)(const float* in, size_t n);
+
+// Encodes a row in binary16 both ways at once: halves[i] = FloatToHalf(in[i] * scale) for i in
+// [0, dim); the bitmap of the non-zero halves ((h & 0x7fff) != 0) into words[0, ceil(dim / 16))
+// (bit i % 16 of word i / 16, bits beyond dim clear); those halves in order into `values`, which
+// needs room for dim + 16 (the vector version stores whole registers). Returns how many there are.
+using EncodeHalvesFn = size_t (*)(const float* in, int dim, float scale, uint16_t* halves, uint16_t* words,
+                                  uint16_t* values);
+
 struct ScorerKernels {
   SimdLevel level = SimdLevel::kScalar;
   DotRowsF32Fn dot_rows_f32 = nullptr;
@@ -60,6 +78,9 @@ struct ScorerKernels {
   DotRowsBf16Fn dot_rows_bf16 = nullptr;
   GatherColumnsFn gather_columns = nullptr;
   AccumulateColumnsFn accumulate_columns = nullptr;
+  ExpandBitmapFn expand_bitmap = nullptr;
+  MaxMagnitudeBitsFn max_magnitude_bits = nullptr;
+  EncodeHalvesFn encode_halves = nullptr;
 };
 
 // Kernels of `level`, which must not exceed CpuSimdLevel() (it is clamped to it).
@@ -75,6 +96,9 @@ int AccumulationDepth(int dim);
 uint16_t FloatToHalf(float value);
 float HalfToFloat(uint16_t half);
 void FloatsToHalves(const float* in, size_t n, uint16_t* out);
+// Exact (every binary16 value is a float; a NaN stays a NaN, F16C quiets a signalling one); F16C
+// where the CPU has it. `in` and `out` must not overlap.
+void HalvesToFloats(const uint16_t* in, size_t n, float* out);
 
 // bfloat16 (the top 16 bits of a float), round to nearest even; NaN stays NaN.
 uint16_t FloatToBfloat16(float value);

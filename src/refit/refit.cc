@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -28,9 +29,16 @@
 #include "eldr/calib/calibration.h"
 #include "eldr/core/centroid_artifact.h"
 #include "eldr/core/centroid_index.h"
+#include "refit/signature_chunk.h"
 
 namespace eldr {
 namespace {
+
+// Window chunks: at most this many bytes of halves (and at most 1/kMinChunksPerBudget of the
+// budget), at most kChunkMaxRows rows.
+constexpr size_t kChunkBytes = size_t{256} << 10;
+constexpr size_t kMinChunksPerBudget = 16;
+constexpr int kChunkMaxRows = 256;
 
 // Clients remembered by the fair-share admission; beyond this, clients not seen for a window are
 // forgotten first, and a flood of fresh names shares one account.
@@ -83,11 +91,12 @@ bool LimitRotation(absl::Span<const float> from, absl::Span<float> to, double ma
 // window point goes to its nearest kept centroid; the cluster with the largest total cosine
 // distance (the most spread-out zone, whose split lowers the objective most) gives up its point
 // farthest from the centre as the new worker's seed, then the next largest, and so on.
-std::vector<float> SplitSeeds(const std::vector<float>& points, int m, const std::vector<float>& kept, int kept_k,
-                              int dim, int added) {
+std::vector<float> SplitSeeds(const PointRows& points, const std::vector<float>& kept, int kept_k, int added) {
+  const int m = points.rows();
   std::vector<float> seeds;
   std::vector<float> scores(static_cast<size_t>(m) * kept_k);
-  ScoreAllPairs(points, m, kept, kept_k, dim, absl::MakeSpan(scores));
+  std::vector<float> scratch;
+  ScorePointRows(points, kept, kept_k, absl::MakeSpan(scores), &scratch);
   std::vector<double> spread(kept_k, 0.0);
   std::vector<int> farthest(kept_k, -1);
   std::vector<double> farthest_distance(kept_k, -1.0);
@@ -122,8 +131,8 @@ std::vector<float> SplitSeeds(const std::vector<float>& points, int m, const std
       }
     }
     used_point[seed_point] = 1;
-    seeds.insert(seeds.end(), points.begin() + static_cast<size_t>(seed_point) * dim,
-                 points.begin() + static_cast<size_t>(seed_point + 1) * dim);
+    const absl::Span<const float> seed = points.Read(seed_point, 1, &scratch);
+    seeds.insert(seeds.end(), seed.begin(), seed.end());
   }
   return seeds;
 }
@@ -139,13 +148,19 @@ struct OnlineRefitter::RefitPlan {
   int kept_k = 0;
   int added = 0;
   int dropped = 0;
-  std::vector<float> points;  // the window, usable for these centroids
+  refit_internal::SignatureRows points;  // the window, usable for these centroids
   int m = 0;
 };
 
 // ---- Construction and lifecycle ----------------------------------------------------------------
 
-OnlineRefitter::OnlineRefitter(RefitOptions options, Router* router) : options_(std::move(options)), router_(router) {}
+OnlineRefitter::OnlineRefitter(RefitOptions options, Router* router)
+    : options_(std::move(options)),
+      router_(router),
+      encode_scratch_(std::make_unique<refit_internal::EncodeScratch>()) {
+  absl::MutexLock lock(&window_mu_);
+  window_capacity_ = options_.max_window_signatures;  // until the first signature sets the geometry
+}
 
 absl::StatusOr<std::unique_ptr<OnlineRefitter>> OnlineRefitter::Create(RefitOptions options, Router* router) {
   if (router == nullptr) return absl::InvalidArgumentError("refit: router must not be null");
@@ -160,6 +175,10 @@ absl::StatusOr<std::unique_ptr<OnlineRefitter>> OnlineRefitter::Create(RefitOpti
   if (options.max_window_signatures < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("refit: max_window_signatures = ", options.max_window_signatures, ", need >= 1"));
+  }
+  if (options.max_window_bytes < kMinRefitWindowBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("refit: max_window_bytes = ", options.max_window_bytes, ", need >= ", kMinRefitWindowBytes));
   }
   if (!(options.max_client_share > 0 && options.max_client_share <= 1)) {
     return absl::InvalidArgumentError(
@@ -321,7 +340,7 @@ bool OnlineRefitter::AdmitClient(absl::string_view client, absl::Time now) {
   ClientBucket& bucket = it->second;
   if (created) ++active_clients_;
   const double fair = 1.0 / static_cast<double>(std::max<int64_t>(1, active_clients_));
-  const double capacity = options_.max_window_signatures * std::min(options_.max_client_share, fair);
+  const double capacity = window_capacity_ * std::min(options_.max_client_share, fair);
   if (created) {
     bucket.tokens = capacity;
     bucket.refilled_at = now;
@@ -337,20 +356,106 @@ bool OnlineRefitter::AdmitClient(absl::string_view client, absl::Time now) {
   return true;
 }
 
+void OnlineRefitter::RestartWindow(int dim, std::vector<std::shared_ptr<Chunk>>* released) {
+  released->insert(released->end(), chunks_.begin(), chunks_.end());
+  chunks_.clear();
+  if (spare_chunk_ != nullptr) released->push_back(std::move(spare_chunk_));
+  spare_chunk_.reset();
+  front_skip_ = 0;
+  window_rows_ = 0;
+  window_elements_ = 0;
+  window_dim_ = dim;
+  // Chunks of at most kChunkBytes and at most 1/kMinChunksPerBudget of the budget (so a small
+  // budget is still evicted in fine steps), but always room for one dense row.
+  const size_t budget = static_cast<size_t>(options_.max_window_bytes);
+  const size_t bytes = std::min(kChunkBytes, budget / kMinChunksPerBudget);
+  chunk_elements_ = std::max(static_cast<size_t>(dim), bytes / sizeof(uint16_t));
+  chunk_bytes_ = Chunk::FootprintBytes(chunk_elements_, kChunkMaxRows);
+  max_chunks_ = budget / chunk_bytes_;
+  UpdateWindowCapacity(static_cast<size_t>(dim));  // until rows arrive: as if they were dense
+}
+
+void OnlineRefitter::EvictOldestRow(std::vector<std::shared_ptr<Chunk>>* released) {
+  const Chunk& front = *chunks_.front();
+  window_elements_ -= static_cast<int64_t>(front.row_elements(front_skip_));
+  --window_rows_;
+  ++front_skip_;
+  // The newest chunk stays even when emptied: it is the one being appended to.
+  if (front_skip_ < front.size() || chunks_.size() == 1) return;
+  // Kept as the spare when no fit reads it any more; the previous spare is released.
+  if (spare_chunk_ != nullptr) released->push_back(std::move(spare_chunk_));
+  spare_chunk_ = std::move(chunks_.front());
+  chunks_.erase(chunks_.begin());
+  front_skip_ = 0;
+}
+
+void OnlineRefitter::OpenChunk(std::vector<std::shared_ptr<Chunk>>* released) {
+  // A chunk is reused only once the window holds its last reference: a fit's snapshot may still
+  // read it. The acquire fence pairs with the release of the snapshot's reference, so the fit's
+  // reads happen before the chunk is overwritten.
+  const auto reusable = [](const std::shared_ptr<Chunk>& chunk) {
+    if (chunk.use_count() != 1) return false;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return true;
+  };
+  std::shared_ptr<Chunk> chunk;
+  if (spare_chunk_ != nullptr && reusable(spare_chunk_)) chunk = std::move(spare_chunk_);
+  if (spare_chunk_ != nullptr) released->push_back(std::move(spare_chunk_));  // still read by a fit
+  spare_chunk_.reset();
+  // The byte budget: with the new chunk, at most max_chunks_; the oldest signatures make room. A
+  // fully evicted chunk (kept only while it was the newest) goes too.
+  while (!chunks_.empty() && (chunks_.size() + 1 > max_chunks_ || front_skip_ == chunks_.front()->size())) {
+    std::shared_ptr<Chunk> oldest = std::move(chunks_.front());
+    chunks_.erase(chunks_.begin());
+    window_rows_ -= oldest->size() - front_skip_;
+    for (int r = front_skip_; r < oldest->size(); ++r)
+      window_elements_ -= static_cast<int64_t>(oldest->row_elements(r));
+    front_skip_ = 0;
+    if (chunk == nullptr && reusable(oldest)) {
+      chunk = std::move(oldest);
+    } else {
+      released->push_back(std::move(oldest));
+    }
+  }
+  if (chunk != nullptr) {
+    chunk->Clear();
+  } else {
+    chunk = std::make_shared<Chunk>(window_dim_, chunk_elements_, kChunkMaxRows);
+  }
+  chunks_.push_back(std::move(chunk));
+}
+
+void OnlineRefitter::UpdateWindowCapacity(size_t last_elements) {
+  // What the budget holds at the window's mean row size: whole chunks, less two for the partly
+  // evicted oldest and the partly filled newest (so a window at capacity is evicted by age, the
+  // even sample, rather than by the budget).
+  const double mean_elements = window_rows_ > 0 ? static_cast<double>(window_elements_) / window_rows_
+                                                : static_cast<double>(std::max<size_t>(1, last_elements));
+  const double rows_per_chunk =
+      std::min<double>(kChunkMaxRows, std::floor(static_cast<double>(chunk_elements_) / mean_elements));
+  const double chunks = static_cast<double>(max_chunks_ > 2 ? max_chunks_ - 2 : 1);
+  window_capacity_ =
+      std::max(1.0, std::min<double>(options_.max_window_signatures, std::floor(chunks * rows_per_chunk)));
+}
+
+int64_t OnlineRefitter::WindowBytes() const {
+  const size_t held = chunks_.size() + (spare_chunk_ != nullptr ? 1 : 0);
+  return static_cast<int64_t>(held * chunk_bytes_);
+}
+
 void OnlineRefitter::Observe(absl::Span<const float> signature, absl::string_view client) {
   if (signature.empty()) return;
   const int dim = static_cast<int>(signature.size());
   const absl::Time now = Now();
-  std::vector<std::shared_ptr<Chunk>> evicted;  // freed after the lock is released
+  std::vector<std::shared_ptr<Chunk>> released;  // freed after the lock is released
   absl::MutexLock lock(&window_mu_);
   ++observed_;
-  if (dim != window_dim_) {  // a different transform is in service: the old rows are useless
-    evicted.swap(chunks_);
-    spare_chunk_.reset();
-    window_rows_ = 0;
-    window_dim_ = dim;
+  if (dim != window_dim_) RestartWindow(dim, &released);  // another transform: the old rows are useless
+  if (max_chunks_ == 0) {                                 // one chunk of this dimension is larger than the whole budget
+    ++sampled_out_;
+    return;
   }
-  const double capacity = options_.max_window_signatures;
+  const double capacity = window_capacity_;
   if (admission_tokens_ < 0) {
     admission_tokens_ = capacity;
   } else if (now > admission_refilled_at_) {
@@ -367,89 +472,47 @@ void OnlineRefitter::Observe(absl::Span<const float> signature, absl::string_vie
     return;
   }
   admission_tokens_ -= 1;
-  if (chunks_.empty() || chunks_.back()->count == kChunkRows) {
-    std::shared_ptr<Chunk> chunk;
-    // A snapshot may still read an evicted chunk; it is reused only once the window holds the
-    // last reference.
-    if (spare_chunk_ != nullptr && spare_chunk_.use_count() == 1) {
-      chunk = std::move(spare_chunk_);
-      chunk->count = 0;
-      chunk->times.clear();
-    } else {
-      chunk = std::make_shared<Chunk>();
-      chunk->rows.resize(static_cast<size_t>(kChunkRows) * dim);
-      chunk->times.reserve(kChunkRows);
-    }
-    spare_chunk_.reset();
-    chunks_.push_back(std::move(chunk));
+  const refit_internal::EncodedSignature encoded = refit_internal::EncodeSignature(signature, encode_scratch_.get());
+  if (chunks_.empty() || !chunks_.back()->Append(encoded, now)) {
+    OpenChunk(&released);
+    chunks_.back()->Append(encoded, now);  // an empty chunk has room for any one row
   }
-  Chunk& chunk = *chunks_.back();
-  std::copy(signature.begin(), signature.end(), chunk.rows.begin() + static_cast<size_t>(chunk.count) * dim);
-  chunk.times.push_back(now);
-  ++chunk.count;
   ++window_rows_;
-  // Drop whole chunks that are too old or beyond the size bound (kept: at most one chunk more).
+  window_elements_ += static_cast<int64_t>(encoded.elements.size());
+  // Signatures too old or beyond the size bound leave, oldest first.
   const absl::Time oldest_kept = now - options_.window;
-  size_t drop = 0;
-  while (drop + 1 < chunks_.size()) {
-    const Chunk& front = *chunks_[drop];
-    const bool too_many = window_rows_ - front.count >= options_.max_window_signatures;
-    const bool too_old = front.times.back() < oldest_kept;
-    if (!too_many && !too_old) break;
-    window_rows_ -= front.count;
-    ++drop;
+  while (window_rows_ > 0 &&
+         (window_rows_ > options_.max_window_signatures || chunks_.front()->time(front_skip_) < oldest_kept)) {
+    EvictOldestRow(&released);
   }
-  if (drop > 0) {
-    spare_chunk_ = chunks_[drop - 1];
-    evicted.insert(evicted.end(), chunks_.begin(), chunks_.begin() + drop - 1);
-    chunks_.erase(chunks_.begin(), chunks_.begin() + drop);
-  }
+  UpdateWindowCapacity(encoded.elements.size());
 }
 
 void OnlineRefitter::ResetWindow() {
-  std::vector<std::shared_ptr<Chunk>> evicted;
+  std::vector<std::shared_ptr<Chunk>> released;
   absl::MutexLock lock(&window_mu_);
-  evicted.swap(chunks_);
-  window_rows_ = 0;
+  RestartWindow(window_dim_, &released);
   clients_.clear();
   active_clients_ = 0;
 }
 
-int OnlineRefitter::SnapshotWindow(absl::Time now, std::vector<float>* points, int* dim) {
-  std::vector<std::shared_ptr<Chunk>> full;  // immutable: read outside the lock
-  std::vector<float> tail_rows;              // the chunk still being written: copied under it
-  std::vector<absl::Time> tail_times;
+refit_internal::SignatureRows OnlineRefitter::SnapshotWindow(absl::Time now) {
+  refit_internal::SignatureRows snapshot;
   {
     absl::MutexLock lock(&window_mu_);
-    *dim = window_dim_;
-    for (const auto& chunk : chunks_) {
-      if (chunk->count == kChunkRows) {
-        full.push_back(chunk);
-      } else {
-        tail_rows.assign(chunk->rows.begin(), chunk->rows.begin() + static_cast<size_t>(chunk->count) * window_dim_);
-        tail_times = chunk->times;
-      }
+    snapshot.set_dim(window_dim_);
+    for (size_t c = 0; c < chunks_.size(); ++c) {
+      const int first = c == 0 ? front_skip_ : 0;
+      snapshot.Add(chunks_[c], first, chunks_[c]->size() - first);
     }
   }
-  const int d = *dim;
-  const absl::Time oldest_kept = now - options_.window;
-  // Rows in time order: full chunks, then the tail. Keep the newest max_window_signatures that are
+  // Outside the lock (the rows are immutable): keep the newest max_window_signatures that are
   // young enough.
-  std::vector<std::pair<const float*, absl::Time>> rows;
-  for (const auto& chunk : full) {
-    for (int r = 0; r < chunk->count; ++r)
-      rows.emplace_back(chunk->rows.data() + static_cast<size_t>(r) * d, chunk->times[r]);
-  }
-  for (size_t r = 0; r < tail_times.size(); ++r) rows.emplace_back(tail_rows.data() + r * d, tail_times[r]);
-  size_t first = 0;
-  while (first < rows.size() && rows[first].second < oldest_kept) ++first;
-  first = std::max(first, rows.size() > static_cast<size_t>(options_.max_window_signatures)
-                              ? rows.size() - options_.max_window_signatures
-                              : size_t{0});
-  const int m = static_cast<int>(rows.size() - first);
-  points->resize(static_cast<size_t>(m) * d);
-  for (int i = 0; i < m; ++i) std::copy_n(rows[first + i].first, d, points->data() + static_cast<size_t>(i) * d);
-  return m;
+  const absl::Time oldest_kept = now - options_.window;
+  int old = 0;
+  while (old < snapshot.rows() && snapshot.time(old) < oldest_kept) ++old;
+  snapshot.DropOldest(std::max(old, snapshot.rows() - options_.max_window_signatures));
+  return snapshot;
 }
 
 // ---- Refit -------------------------------------------------------------------------------------
@@ -551,11 +614,11 @@ absl::StatusOr<OnlineRefitter::RefitPlan> OnlineRefitter::PlanRefit(absl::Time n
   plan.dropped = plan.current.k - plan.kept_k;
   if (plan.target.empty()) return absl::FailedPreconditionError("refit skipped: no active workers");
 
-  int window_dim = 0;
-  plan.m = SnapshotWindow(now, &plan.points, &window_dim);
-  if (plan.m > 0 && window_dim != dim) {  // signatures of another transform: unusable here
+  plan.points = SnapshotWindow(now);
+  plan.m = plan.points.rows();
+  if (plan.m > 0 && plan.points.dim() != dim) {  // signatures of another transform: unusable here
     plan.m = 0;
-    plan.points.clear();
+    plan.points = refit_internal::SignatureRows();
   }
   return plan;
 }
@@ -572,11 +635,11 @@ absl::StatusOr<std::vector<float>> OnlineRefitter::FitAligned(const RefitPlan& p
   if (plan.kept_k > 0) {
     fit_options.initial_centroids = plan.kept_rows;
     if (plan.added > 0) {
-      const std::vector<float> seeds = SplitSeeds(plan.points, plan.m, plan.kept_rows, plan.kept_k, dim, plan.added);
+      const std::vector<float> seeds = SplitSeeds(plan.points, plan.kept_rows, plan.kept_k, plan.added);
       fit_options.initial_centroids.insert(fit_options.initial_centroids.end(), seeds.begin(), seeds.end());
     }
   }
-  absl::StatusOr<BalancedKMeansResult> fit = FitBalancedKMeans(plan.points, plan.m, dim, fit_options);
+  absl::StatusOr<BalancedKMeansResult> fit = FitBalancedKMeans(plan.points, fit_options);
   if (!fit.ok()) return absl::Status(fit.status().code(), absl::StrCat("refit: ", fit.status().message()));
   outcome->iterations = fit->iterations;
   outcome->converged = fit->converged;
@@ -704,6 +767,8 @@ RefitStats OnlineRefitter::stats() const {
   }
   absl::MutexLock lock(&window_mu_);
   stats.window_signatures = window_rows_;
+  stats.window_bytes = WindowBytes();
+  stats.window_capacity = static_cast<int64_t>(window_capacity_);
   stats.window_clients = active_clients_;
   stats.signatures_observed = observed_;
   stats.signatures_sampled_out = sampled_out_;

@@ -301,6 +301,10 @@ const std::vector<OptionDef>& OptionTable() {
                    [](ServerOptions& o) -> std::string& { return o.refit.state_dir; }),
       IntOption<int>("refit_max_window_signatures", "Signatures the refit window keeps at most (an even sample).",
                      [](ServerOptions& o) -> int& { return o.refit.max_window_signatures; }),
+      IntOption<int64_t>("refit_window_bytes",
+                         "Bytes the refit window's storage may hold (half-precision signatures); fewer signatures "
+                         "than --refit_max_window_signatures are kept when they do not fit. At least 1 MiB.",
+                         [](ServerOptions& o) -> int64_t& { return o.refit.max_window_bytes; }),
       DoubleOption("refit_max_client_share",
                    "Largest fraction of the refit window one client may hold (on top of the fair share 1/n).",
                    [](ServerOptions& o) -> double& { return o.refit.max_client_share; }),
@@ -700,6 +704,9 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   if (o.refit.window < absl::Seconds(1)) return bad("refit_window", "must be at least 1s");
   if (o.refit.interval < absl::ZeroDuration()) return bad("refit_interval", "must not be negative");
   if (o.refit.max_window_signatures < 1) return bad("refit_max_window_signatures", "must be at least 1");
+  if (o.refit.max_window_bytes < kMinRefitWindowBytes) {
+    return bad("refit_window_bytes", absl::StrCat("must be at least ", kMinRefitWindowBytes, " (1 MiB)"));
+  }
   if (!(o.refit.max_client_share > 0 && o.refit.max_client_share <= 1)) {
     return bad("refit_max_client_share", "must be a fraction in (0, 1]");
   }

@@ -55,6 +55,13 @@ class RefitStatsCollector : public prometheus::Collectable {
                      stats.last_fit_seconds),
         SingleSample("eldr_refit_window_signatures", "Signatures in the refit window now.", MetricType::Gauge,
                      static_cast<double>(stats.window_signatures)),
+        SingleSample("eldr_refit_window_bytes",
+                     "Bytes of the refit window's storage now (at most --refit_window_bytes).", MetricType::Gauge,
+                     static_cast<double>(stats.window_bytes)),
+        SingleSample("eldr_refit_window_capacity_signatures",
+                     "Signatures the refit window admits per --refit_window now: --refit_max_window_signatures, or "
+                     "fewer when --refit_window_bytes holds fewer of the window's mean size.",
+                     MetricType::Gauge, static_cast<double>(stats.window_capacity)),
         SingleSample("eldr_refit_window_clients", "Clients with signatures admitted to the refit window lately.",
                      MetricType::Gauge, static_cast<double>(stats.window_clients)),
         SingleSample("eldr_refit_signatures_sampled_out_total",
@@ -127,6 +134,8 @@ class RefitComponent : public BackgroundComponent {
     ELDR_LOG(Info, "refit_started")
         .With("window", options.refit.window)
         .With("interval", options.refit.interval)
+        .With("window_signatures", options.refit.max_window_signatures)
+        .With("window_bytes", options.refit.max_window_bytes)
         .With("max_step", options.refit.max_step_distance)
         .With("max_drift", options.refit.max_drift_distance)
         .With("state_dir", options.refit.state_dir);

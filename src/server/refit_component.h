@@ -14,8 +14,9 @@
 // Metrics (read from RefitStats at scrape time):
 //   eldr_refits_started_total, eldr_refits_completed_total, eldr_refits_failed_total,
 //   eldr_refits_skipped_total, eldr_refit_last_duration_seconds, eldr_refit_window_signatures,
-//   eldr_refit_window_clients, eldr_refit_signatures_sampled_out_total,
-//   eldr_refit_signatures_client_limited_total, eldr_refit_rows_bounded_total{bound}.
+//   eldr_refit_window_bytes, eldr_refit_window_capacity_signatures, eldr_refit_window_clients,
+//   eldr_refit_signatures_sampled_out_total, eldr_refit_signatures_client_limited_total,
+//   eldr_refit_rows_bounded_total{bound}.
 #ifndef ELDR_SERVER_REFIT_COMPONENT_H_
 #define ELDR_SERVER_REFIT_COMPONENT_H_
 

@@ -162,6 +162,55 @@ TEST(BalancedKMeansTest, SeedingSampleStillCoversLargeInputs) {
   EXPECT_GT(Purity(fit->assignment, p.truth, 8), 0.95);
 }
 
+// Rows served through PointRows a few at a time, copied into the caller's scratch (as a store
+// that decodes would), to check that the blocked passes compute what the dense ones do.
+class CopiedBlocks final : public PointRows {
+ public:
+  CopiedBlocks(const std::vector<float>& points, int dim, int block) : points_(points), dim_(dim), block_(block) {}
+  int rows() const override { return static_cast<int>(points_.size()) / dim_; }
+  int dim() const override { return dim_; }
+  int block_rows() const override { return block_; }
+  absl::Span<const float> Read(int begin, int count, std::vector<float>* scratch) const override {
+    ++reads_;
+    scratch->assign(points_.begin() + static_cast<ptrdiff_t>(begin) * dim_,
+                    points_.begin() + static_cast<ptrdiff_t>(begin + count) * dim_);
+    return *scratch;
+  }
+  int reads() const { return reads_; }
+
+ private:
+  const std::vector<float>& points_;
+  const int dim_, block_;
+  mutable int reads_ = 0;
+};
+
+// Blocks of 7 rows: scoring, means, validation and k-means++ seeding on a sample larger than a
+// block (read again per cluster) all go through Read, and the fit is the dense one.
+TEST(BalancedKMeansTest, BlockwiseReadingMatchesTheDenseFit) {
+  const Planted p = MakePlanted({70, 50, 40, 30, 30, 20}, 20, 0.6f, 12);
+  const int n = static_cast<int>(p.truth.size());
+  BalancedKMeansOptions options;
+  options.clusters = 6;
+  options.seed = 5;
+  options.seeding_sample = 100;
+  options.tolerance = 0;
+  const absl::StatusOr<BalancedKMeansResult> dense = FitBalancedKMeans(p.points, n, 20, options);
+  const CopiedBlocks blocks(p.points, 20, 7);
+  const absl::StatusOr<BalancedKMeansResult> blocked = FitBalancedKMeans(blocks, options);
+  ASSERT_TRUE(dense.ok() && blocked.ok());
+  EXPECT_GT(blocks.reads(), 6 * (100 / 7) + dense->iterations * (n / 7));
+  EXPECT_EQ(blocked->assignment, dense->assignment);
+  EXPECT_EQ(blocked->iterations, dense->iterations);
+  ASSERT_EQ(blocked->centroids.size(), dense->centroids.size());
+  for (size_t i = 0; i < dense->centroids.size(); ++i) EXPECT_NEAR(blocked->centroids[i], dense->centroids[i], 1e-6);
+  EXPECT_NEAR(blocked->objective, dense->objective, 1e-4);
+  // Errors name the same point as the dense path.
+  std::vector<float> bad = p.points;
+  bad[20 * 9 + 3] = std::nanf("");
+  EXPECT_THAT(FitBalancedKMeans(CopiedBlocks(bad, 20, 7), options).status().message(),
+              HasSubstr("point 9 has a non-finite value at index 3"));
+}
+
 TEST(BalancedKMeansTest, RejectsBadInput) {
   const Planted p = MakePlanted({5, 5}, 4, 0.1f, 1);
   BalancedKMeansOptions options;

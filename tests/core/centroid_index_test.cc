@@ -217,9 +217,89 @@ TEST(HalfConversionTest, MatchesHardwareOnRandomFloats) {
   for (float& f : batch) f = std::ldexp(mantissa(rng), static_cast<int>(exponent(rng)));
   internal::FloatsToHalves(batch.data(), batch.size(), halves.data());
   for (size_t i = 0; i < batch.size(); ++i) ASSERT_EQ(halves[i], FloatToHalf(batch[i]));
+  // And back: every half converts in bulk as it does alone (a NaN stays a NaN; F16C quiets a
+  // signalling one).
+  std::vector<uint16_t> every(65536 + 5);
+  for (size_t h = 0; h < every.size(); ++h) every[h] = static_cast<uint16_t>(h);
+  std::vector<float> floats(every.size());
+  internal::HalvesToFloats(every.data(), every.size(), floats.data());
+  for (size_t h = 0; h < every.size(); ++h) {
+    if (std::isnan(HalfToFloat(every[h]))) {
+      ASSERT_TRUE(std::isnan(floats[h])) << h;
+    } else {
+      ASSERT_EQ(Bits(floats[h]), Bits(HalfToFloat(every[h]))) << h;
+    }
+  }
 }
 
 // ---- Kernels ------------------------------------------------------------------------------------
+
+// Every level finds the largest magnitude and encodes rows in binary16 (dense and bitmap forms)
+// exactly as the definitions in scorer_kernels.h say, for every tail length.
+TEST(ScorerKernelsTest, HalfEncodingMatchesTheDefinitionAtEveryLevel) {
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> normal;
+  for (SimdLevel level : AvailableLevels()) {
+    const internal::ScorerKernels& kernels = KernelsFor(level);
+    for (int dim : {0, 1, 15, 16, 17, 31, 100, 1664, 6144}) {
+      for (double density : {0.0, 0.1, 0.6, 1.0}) {
+        std::bernoulli_distribution keep(density);
+        std::vector<float> row(dim, 0.f);
+        for (float& v : row) {
+          if (keep(rng)) v = normal(rng) * (keep(rng) ? 1.f : 1e-9f);  // some round to a zero half
+        }
+        uint32_t max_bits = 0;
+        for (float v : row) max_bits = std::max(max_bits, Bits(std::abs(v)));
+        ASSERT_EQ(kernels.max_magnitude_bits(row.data(), row.size()), max_bits) << SimdLevelName(level);
+        const float scale = 4096.f;
+        std::vector<uint16_t> halves(dim), words((dim + 15) / 16, 0xabcd), values(dim + 16);
+        const size_t count = kernels.encode_halves(row.data(), dim, scale, halves.data(), words.data(), values.data());
+        size_t expected_count = 0;
+        for (int i = 0; i < dim; ++i) {
+          const uint16_t h = FloatToHalf(row[i] * scale);
+          ASSERT_EQ(halves[i], h) << SimdLevelName(level) << " dim " << dim << " entry " << i;
+          const bool set = (h & 0x7fff) != 0;
+          ASSERT_EQ(((words[i / 16] >> (i % 16)) & 1) != 0, set) << SimdLevelName(level) << " entry " << i;
+          if (set) ASSERT_EQ(values[expected_count++], h) << SimdLevelName(level) << " entry " << i;
+        }
+        ASSERT_EQ(count, expected_count) << SimdLevelName(level) << " dim " << dim;
+        if (dim % 16 != 0) ASSERT_EQ(words.back() >> (dim % 16), 0) << "bits beyond dim";
+      }
+    }
+  }
+  float nan = std::nanf("");
+  EXPECT_GT(KernelsFor(CpuSimdLevel()).max_magnitude_bits(&nan, 1), 0x7f800000u);
+}
+
+// Every level expands a bitmap-sparse row like the definition, from a separate buffer and from the
+// tail of the output itself (the refit window's in-place decode).
+TEST(ScorerKernelsTest, ExpandBitmapMatchesTheDefinitionAtEveryLevel) {
+  std::mt19937_64 rng(5);
+  for (SimdLevel level : AvailableLevels()) {
+    const internal::ExpandBitmapFn expand = KernelsFor(level).expand_bitmap;
+    for (int dim : {1, 15, 16, 17, 100, 1664, 6144}) {
+      for (double density : {0.0, 0.05, 0.5, 0.95, 1.0}) {
+        std::bernoulli_distribution set(density);
+        std::vector<uint16_t> words((dim + 15) / 16, 0);
+        std::vector<float> expected(dim, 0.f), values;
+        for (int i = 0; i < dim; ++i) {
+          if (!set(rng)) continue;
+          words[i / 16] = static_cast<uint16_t>(words[i / 16] | (1u << (i % 16)));
+          expected[i] = static_cast<float>(i + 1);
+          values.push_back(expected[i]);
+        }
+        std::vector<float> out(dim + 16, -1.f);  // the guard must stay untouched
+        expand(words.data(), dim, values.data(), out.data());
+        for (int i = 0; i < dim; ++i) ASSERT_EQ(out[i], expected[i]) << SimdLevelName(level) << " dim " << dim;
+        for (int i = dim; i < dim + 16; ++i) ASSERT_EQ(out[i], -1.f) << SimdLevelName(level) << " guard";
+        std::fill(out.begin(), out.end(), -1.f);
+        std::copy(values.begin(), values.end(), out.begin() + (dim - static_cast<int>(values.size())));
+        expand(words.data(), dim, out.data() + (dim - values.size()), out.data());
+        for (int i = 0; i < dim; ++i) ASSERT_EQ(out[i], expected[i]) << SimdLevelName(level) << " in place, " << dim;
+      }
+    }
+  }
+}
 
 TEST(ScorerKernelsTest, EveryLevelMatchesDoubleReference) {
   std::mt19937_64 rng(11);

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "eldr/calib/calibration.h"
 #include "eldr/core/centroid_artifact.h"
 #include "eldr/core/router.h"
+#include "eldr/core/signature.h"
 #include "eldr/trace/trace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -444,8 +446,7 @@ TEST_F(RefitTest, WindowIsBoundedBySize) {
   RouteAll();
   const RefitStats stats = refitter_->stats();
   EXPECT_EQ(stats.signatures_observed, static_cast<uint64_t>(data_->n));
-  EXPECT_GE(stats.window_signatures, 64);
-  EXPECT_LE(stats.window_signatures, 64 + 32);  // whole chunks are dropped
+  EXPECT_EQ(stats.window_signatures, 64);  // the oldest are evicted one by one
 }
 
 // Under sustained traffic faster than max_window_signatures per window, the window admits a
@@ -480,9 +481,149 @@ TEST_F(RefitTest, WindowIsAnEvenSampleUnderSustainedTraffic) {
   stats = refitter_->stats();
   EXPECT_EQ(stats.signatures_observed, 20250u);
   EXPECT_NEAR(static_cast<double>(stats.signatures_observed - stats.signatures_sampled_out), 100 + 200, 2);
-  // The window spans its full 10 s: about 100 signatures, whole chunks of 32 dropped by age.
-  EXPECT_GE(stats.window_signatures, 100 - 32);
-  EXPECT_LE(stats.window_signatures, 100 + 32);
+  // The window spans its full 10 s: about 100 signatures, each evicted once it is 10 s old.
+  EXPECT_GE(stats.window_signatures, 100 - 2);
+  EXPECT_LE(stats.window_signatures, 100 + 2);
+}
+
+// A unit row of `dim` entries, `non_zero` of them (the first ones) set from the seed.
+std::vector<float> UnitRow(int dim, int non_zero, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> value(0.1f, 1.f);
+  std::vector<float> row(dim, 0.f);
+  double sum = 0;
+  for (int i = 0; i < non_zero; ++i) {
+    row[i] = value(rng);
+    sum += row[i] * row[i];
+  }
+  for (float& v : row) v = static_cast<float>(v / std::sqrt(sum));
+  return row;
+}
+
+// The window's storage never exceeds max_window_bytes, also when its signatures grow (sparse
+// ones first, then dense ones the budget holds fewer of), and what the budget evicts is the
+// oldest: the window keeps exactly the newest signatures.
+TEST_F(RefitTest, WindowAtItsByteBudgetKeepsTheNewestSignatures) {
+  absl::Time fake_now = absl::FromUnixSeconds(1000);
+  int snapshot_rows = -1;
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  options.window = absl::Seconds(1000);
+  options.max_window_bytes = kMinRefitWindowBytes;
+  options.clock = [&] { return fake_now; };
+  options.on_refit = [&](const RefitOutcome& outcome) { snapshot_rows = outcome.window_signatures; };
+  MakeRefitter(options);
+  const std::vector<float> sparse = UnitRow(static_cast<int>(kCells), 60, 1);
+  const std::vector<float> dense = UnitRow(static_cast<int>(kCells), static_cast<int>(kCells), 2);
+  int64_t largest_bytes = 0;
+  const auto observe = [&](const std::vector<float>& signature, int count) {
+    for (int i = 0; i < count; ++i) {
+      fake_now += absl::Seconds(1);
+      refitter_->Observe(signature, "engine");
+      const RefitStats stats = refitter_->stats();
+      ASSERT_LE(stats.window_bytes, options.max_window_bytes) << stats.window_signatures << " signatures";
+      largest_bytes = std::max(largest_bytes, stats.window_bytes);
+    }
+  };
+  observe(sparse, 300);
+  RefitStats stats = refitter_->stats();
+  EXPECT_EQ(stats.window_signatures, 300);  // sparse: about 10x fewer bytes each, all fit
+  EXPECT_GT(stats.window_capacity, 1000);
+  observe(dense, 400);
+  stats = refitter_->stats();
+  ASSERT_EQ(stats.signatures_sampled_out + stats.signatures_client_limited, 0u);  // all 700 admitted
+  EXPECT_GT(largest_bytes, options.max_window_bytes * 3 / 4);                     // the budget was reached
+  const int64_t kept = stats.window_signatures;
+  EXPECT_LT(kept, 400);  // evicted by the budget, not by age or count
+  EXPECT_GT(kept, 150);
+  EXPECT_LT(stats.window_capacity, kept + 40);  // the admission rate now follows what the budget holds
+  // The kept rows are the newest `kept` ones: with the window's edge half a second before the
+  // oldest of those, a snapshot takes all of them; one second later, one fewer.
+  const absl::Time last = fake_now;
+  fake_now = last - absl::Seconds(kept - 1) - absl::Milliseconds(500) + options.window;
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  EXPECT_EQ(snapshot_rows, kept);
+  fake_now += absl::Seconds(1);
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  EXPECT_EQ(snapshot_rows, kept - 1);
+}
+
+// With a byte budget smaller than max_window_signatures dense rows, sustained traffic still gives
+// an even sample of the whole window (the admission rate follows what the budget holds), not the
+// newest fraction of it that the budget would keep.
+TEST_F(RefitTest, WindowUnderAByteBudgetIsAnEvenSample) {
+  absl::Time fake_now = absl::FromUnixSeconds(1000);
+  int snapshot_rows = -1;
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  options.window = absl::Seconds(10);
+  options.max_window_bytes = kMinRefitWindowBytes;
+  options.clock = [&] { return fake_now; };
+  options.on_refit = [&](const RefitOutcome& outcome) { snapshot_rows = outcome.window_signatures; };
+  MakeRefitter(options);
+  const std::vector<float> dense = UnitRow(static_cast<int>(kCells), static_cast<int>(kCells), 3);
+  for (int step = 0; step < 30000; ++step) {  // 1,000 per second for 30 s
+    fake_now += absl::Milliseconds(1);
+    refitter_->Observe(dense, "engine");
+  }
+  const RefitStats stats = refitter_->stats();
+  EXPECT_LE(stats.window_bytes, options.max_window_bytes);
+  EXPECT_LT(stats.window_capacity, options.max_window_signatures);  // the budget binds
+  EXPECT_GE(stats.window_signatures, stats.window_capacity * 9 / 10);
+  EXPECT_LE(stats.window_signatures, stats.window_capacity + 1);
+  // Half a window later, about half of the window is still young enough: it spans all 10 s.
+  fake_now += absl::Seconds(5);
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  EXPECT_NEAR(snapshot_rows, stats.window_signatures / 2.0, stats.window_signatures * 0.1);
+}
+
+// The fit the refitter runs on its compact window (half precision, decoded block by block) and
+// the fit on the same signatures in fp32 agree. Every stored entry is within 2^-11 relative, so a
+// point moves by at most 2^-11 in norm, and so does the mean of a cluster whose points are the
+// same: 1 - cos <= (2^-11)^2 / 2 = 1.2e-7 between the two centroids (asserted: 1e-6). Only a point
+// within about 2^-10 of a zone boundary may be assigned differently (allowed: 1% of them).
+TEST_F(RefitTest, FitOnTheCompactWindowMatchesTheFp32Fit) {
+  absl::StatusOr<SignatureTransform> transform = SignatureTransform::Create(artifact_->spec);
+  ASSERT_TRUE(transform.ok());
+  const int dim = transform->dim();
+  std::vector<float> points(static_cast<size_t>(data_->n) * dim);
+  for (int r = 0; r < data_->n; ++r) {
+    ASSERT_TRUE(transform->Apply(Request(r), absl::MakeSpan(points).subspan(static_cast<size_t>(r) * dim, dim)).ok());
+  }
+  RefitOptions options;
+  options.interval = absl::ZeroDuration();
+  options.max_step_distance = 2;  // unbounded: compare the fits themselves
+  options.max_drift_distance = 2;
+  MakeRefitter(options);
+  RouteAll();
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  ASSERT_EQ(refitter_->stats().refits_completed, 1u) << refitter_->stats().last_error;
+  const auto compact = RowsByWorker(*router_->CurrentCentroids());
+
+  BalancedKMeansOptions fit_options;
+  fit_options.clusters = artifact_->k;
+  fit_options.max_iterations = options.max_iterations;
+  fit_options.tolerance = options.tolerance;
+  fit_options.initial_centroids = artifact_->centroids;
+  absl::StatusOr<BalancedKMeansResult> fp32 = FitBalancedKMeans(points, data_->n, dim, fit_options);
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  // Warm-started rows keep their order, so fp32 row r belongs to artifact row r's worker.
+  for (int r = 0; r < artifact_->k; ++r) {
+    const absl::Span<const float> row(fp32->centroids.data() + static_cast<size_t>(r) * dim, dim);
+    EXPECT_LT(1 - Cosine(row, compact.at(artifact_->workers[r])), 1e-6) << artifact_->workers[r];
+  }
+  // Assignments: the balanced assignment of the fp32 points to each set of centroids.
+  std::vector<float> compact_rows;
+  for (const std::string& id : artifact_->workers) {
+    compact_rows.insert(compact_rows.end(), compact.at(id).begin(), compact.at(id).end());
+  }
+  fit_options.initial_centroids = compact_rows;
+  fit_options.max_iterations = 1;
+  absl::StatusOr<BalancedKMeansResult> assigned = FitBalancedKMeans(points, data_->n, dim, fit_options);
+  ASSERT_TRUE(assigned.ok());
+  int differ = 0;
+  for (int i = 0; i < data_->n; ++i) differ += assigned->assignment[i] != fp32->assignment[i];
+  EXPECT_LE(differ, data_->n / 100);
 }
 
 TEST_F(RefitTest, DestroyedRefitterUnsubscribes) {

@@ -204,6 +204,14 @@ TEST(RefitSettings, ParsedCheckedAndDecideWhetherRefitRuns) {
   bad = ServerOptions();
   bad.refit.max_client_share = 1.5;
   EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_max_client_share'"));
+  // The window's byte budget: 1 MiB at least; the default passes.
+  bad = ServerOptions();
+  EXPECT_TRUE(ValidateServerOptions(bad).ok());
+  ASSERT_TRUE(SetServerOption("refit_window_bytes", "1048576", &bad).ok());
+  EXPECT_EQ(bad.refit.max_window_bytes, 1 << 20);
+  EXPECT_TRUE(ValidateServerOptions(bad).ok());
+  ASSERT_TRUE(SetServerOption("refit_window_bytes", "1048575", &bad).ok());
+  EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_window_bytes'"));
 }
 
 std::vector<const char*> Argv(std::initializer_list<const char*> args) {

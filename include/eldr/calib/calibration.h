@@ -95,6 +95,43 @@ struct BalancedKMeansResult {
   double seconds_seeding = 0, seconds_scoring = 0, seconds_assignment = 0, seconds_update = 0;
 };
 
+// The points of a fit, read a block of rows at a time, so that a compact store (the online refit
+// window keeps half-precision rows, src/refit/signature_chunk.h) is decoded to fp32 only one
+// block at a time instead of as a whole n x dim matrix. Implementations must be safe to Read from
+// one thread while no one modifies the rows read.
+class PointRows {
+ public:
+  virtual ~PointRows() = default;
+  virtual int rows() const = 0;
+  virtual int dim() const = 0;
+  // The block size (rows) a pass should use: all rows for a dense matrix (one view, one sgemm),
+  // a few dozen for a store that decodes (its fp32 scratch is block_rows() * dim floats). >= 1.
+  virtual int block_rows() const = 0;
+  // Rows [begin, begin + count) as count * dim row-major floats: a view into the storage, or into
+  // `scratch` (resized as needed) after decoding them there. Valid until the next Read with the
+  // same scratch. Requires 0 <= begin, count >= 0, begin + count <= rows().
+  virtual absl::Span<const float> Read(int begin, int count, std::vector<float>* scratch) const = 0;
+};
+
+// A dense row-major n x dim fp32 matrix (not copied: it must outlive the view).
+class DensePointRows final : public PointRows {
+ public:
+  DensePointRows(absl::Span<const float> points, int n, int dim) : points_(points), n_(n), dim_(dim) {}
+  int rows() const override { return n_; }
+  int dim() const override { return dim_; }
+  int block_rows() const override { return n_ > 0 ? n_ : 1; }
+  absl::Span<const float> Read(int begin, int count, std::vector<float>* scratch) const override;
+
+ private:
+  absl::Span<const float> points_;
+  int n_, dim_;
+};
+
+// scores[i * k + c] = cosine of point i and centroid c (k * dim unit rows), for every point, one
+// block (PointRows::block_rows) at a time; `scratch` as in PointRows::Read.
+void ScorePointRows(const PointRows& points, absl::Span<const float> centroids, int k, absl::Span<float> scores,
+                    std::vector<float>* scratch);
+
 // points: n unit rows of dim floats (norm within 1e-3 of 1). Iterates: exact balanced assignment
 // against the current centroids, then each centroid becomes the renormalised mean of its points
 // (an emptied cluster is re-seeded at the worst-served point), until an assignment repeats the
@@ -104,6 +141,11 @@ struct BalancedKMeansResult {
 // non-finite values, rows that are not unit, bad weights or a bad warm start.
 absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> points, int n, int dim,
                                                        const BalancedKMeansOptions& options);
+// The same fit on points read block by block (n = points.rows(), dim = points.dim()). Memory
+// beyond the points: n * k scores and costs, k * dim sums, and block_rows() * dim floats of scratch
+// (k-means++ seeding of a source that decodes reads its sample the same way, once per cluster).
+// On a DensePointRows it computes exactly what the overload above computes.
+absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(const PointRows& points, const BalancedKMeansOptions& options);
 
 // Aligns new centroids to old identities: the permutation p (new row p[i] takes old row i's worker)
 // maximising total similarity, by an exact K x K assignment. Both are k * dim row-major.

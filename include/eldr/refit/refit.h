@@ -21,20 +21,32 @@
 // spread-out cluster, then refined by the fit with K+1 clusters), and a removed or draining
 // worker's row disappears and its zone is absorbed by the others (fit with K-1).
 //
-// Admission to the window is bounded twice: a token bucket of max_window_signatures per window
+// Admission to the window is bounded twice: a token bucket of the window's capacity per window
 // (under sustained traffic the window is an even sample of the whole window, not its newest
 // fraction of a second), and a fair share per client (RouteInput::client): while n clients are
 // active, one client may fill at most 1/n of the window (and never more than max_client_share),
-// so a single caller cannot replace everyone else's traffic with its own.
+// so a single caller cannot replace everyone else's traffic with its own. The capacity is
+// max_window_signatures, or fewer when max_window_bytes holds fewer signatures of the size the
+// window's signatures have on average (RefitStats::window_capacity).
+//
+// Storage (src/refit/signature_chunk.h): each admitted signature is kept in IEEE half precision
+// under an exact power-of-two row scale (every entry within 2^-11 relative of the fp32 value,
+// entries below 2^-28 of the row's largest within 2^-39 of it absolutely), densely or as a bitmap
+// of its non-zero entries when that is smaller, in chunks of at most 256 KiB. The chunks the
+// window holds (a recycled spare included) never exceed max_window_bytes: opening a chunk beyond
+// it evicts the oldest signatures first. A fit reads the window in blocks decoded to fp32 (at most
+// 4 MiB of scratch), never as a whole fp32 matrix.
 //
 // Persistence: after every installed refit the artifact is written atomically to
 // StatePath(state_dir), and LoadStartupCentroids prefers it at start over the configured artifact
 // when both describe the same transform, so a restart keeps what was learned.
 //
 // Thread-safety: every method may be called from any thread. Observe takes one short mutex and
-// copies an admitted signature into a preallocated chunk (chunks are recycled, so the routing
-// thread does not allocate or zero-fill in steady state); refits are serialised among themselves
-// and never hold that mutex while fitting.
+// encodes an admitted signature into a preallocated chunk (1-3 us for 48 x 128 with AVX-512 or
+// AVX2; chunks are recycled, so the routing thread does not allocate or zero-fill in steady state); refits are
+// serialised among themselves and never hold that mutex while fitting. A fit pins the chunks it reads; chunks the
+// window evicts meanwhile are freed when the fit ends (so memory may exceed max_window_bytes by the signatures admitted
+// during one fit).
 #ifndef ELDR_REFIT_REFIT_H_
 #define ELDR_REFIT_REFIT_H_
 
@@ -58,6 +70,15 @@
 
 namespace eldr {
 
+namespace refit_internal {
+class SignatureChunk;
+class SignatureRows;
+struct EncodeScratch;
+}  // namespace refit_internal
+
+// The smallest RefitOptions::max_window_bytes accepted.
+inline constexpr int64_t kMinRefitWindowBytes = int64_t{1} << 20;
+
 // What one refit did, for the owner's logs (RefitOptions::on_refit).
 struct RefitOutcome {
   enum class Kind { kInstalled, kSkipped, kFailed } kind = Kind::kSkipped;
@@ -79,9 +100,15 @@ struct RefitOptions {
   // Time between periodic refits; zero or infinite: no periodic refit (pool changes and RefitNow
   // still refit).
   absl::Duration interval = absl::Seconds(10);
-  // Signatures kept (memory: this * dim * 4 bytes; 4096 x 6144 floats = 100 MB), and the tokens of
-  // the admission bucket, refilled at this many per `window`.
+  // Signatures kept at most, and the tokens of the admission bucket, refilled at this many per
+  // `window` (fewer when max_window_bytes holds fewer).
   int max_window_signatures = 4096;
+  // Bytes the window's storage may hold (at least kMinRefitWindowBytes). The default holds about
+  // 1,600 dense 48 x 128 signatures (12 KiB each in half precision) or all 4,096 of a sparser kind
+  // (bitmap rows: a 48 x 128 signature with a quarter of its entries non-zero takes about 3.8 KiB),
+  // and keeps the daemon with refit on within about 64 MB (docs/benchmarks.md). Signatures so large
+  // that one chunk of them exceeds the budget are never admitted (counted as sampled out).
+  int64_t max_window_bytes = int64_t{20} << 20;
   // Largest fraction of the window one client may hold, on top of the fair share (1/n of the
   // window while n clients are active). In (0, 1].
   double max_client_share = 1.0;
@@ -126,7 +153,11 @@ struct RefitStats {
   double last_fit_seconds = 0;       // wall time of the last completed refit (fit + align + install)
   uint64_t centroid_generation = 0;  // the router's generation after the last completed refit
   int64_t window_signatures = 0;     // gauge: signatures in the window now
-  int64_t window_clients = 0;        // gauge: clients with signatures admitted in the last window
+  int64_t window_bytes = 0;          // gauge: bytes of the window's storage now (<= max_window_bytes)
+  // gauge: signatures the window admits per window length now: max_window_signatures, or what
+  // max_window_bytes holds at the window's mean signature size when that is fewer
+  int64_t window_capacity = 0;
+  int64_t window_clients = 0;  // gauge: clients with signatures admitted in the last window
   uint64_t signatures_observed = 0;
   uint64_t signatures_sampled_out = 0;                // not admitted: the window's token bucket was empty
   uint64_t signatures_client_limited = 0;             // not admitted: their client had used its share
@@ -144,9 +175,9 @@ struct StartupCentroids {
 class OnlineRefitter final : public RouterObserver {
  public:
   // `router` must outlive the refitter; the refitter subscribes to it. INVALID_ARGUMENT for bad
-  // options (non-positive window or window size, negative interval, minimum or max_iterations
-  // below 1, negative tolerance, a share outside (0, 1], a bound outside (0, 2], a state folder
-  // that cannot be created). Does not start the background thread.
+  // options (non-positive window or window size, a byte budget below kMinRefitWindowBytes,
+  // negative interval, minimum or max_iterations below 1, negative tolerance, a share outside
+  // (0, 1], a bound outside (0, 2], a state folder that cannot be created). Does not start the background thread.
   static absl::StatusOr<std::unique_ptr<OnlineRefitter>> Create(RefitOptions options, Router* router);
   ~OnlineRefitter() override;  // Stop()s and unsubscribes
 
@@ -203,15 +234,12 @@ class OnlineRefitter final : public RouterObserver {
  private:
   OnlineRefitter(RefitOptions options, Router* router);
 
-  // The window is a queue of chunks of up to kChunkRows signatures. Only the newest chunk is ever
-  // written; a full chunk is immutable, so a snapshot copies the chunk pointers under window_mu_
-  // and the rows themselves outside it, and Observe never waits for a copy of the whole window.
-  struct Chunk {
-    std::vector<float> rows;        // kChunkRows * dim, the first `count` rows valid
-    std::vector<absl::Time> times;  // observation time of each valid row
-    int count = 0;
-  };
-  static constexpr int kChunkRows = 32;
+  // The window is a queue of append-only chunks (refit_internal::SignatureChunk); only the newest
+  // is appended to, and rows once appended never change, so a snapshot copies the chunk pointers
+  // and row ranges under window_mu_ and a fit decodes the rows outside it: Observe never waits for
+  // a fit, and nothing copies the whole window. The oldest rows are evicted one at a time (the
+  // front chunk's first front_skip_ rows are gone); a chunk is released once all its rows are.
+  using Chunk = refit_internal::SignatureChunk;
   // A client's admission account (fair share of the window).
   struct ClientBucket {
     double tokens = 0;
@@ -232,9 +260,16 @@ class OnlineRefitter final : public RouterObserver {
   // Applies max_step_distance / max_drift_distance to `rows` (the plan's targets, in order).
   void BoundMovement(const RefitPlan& plan, std::vector<float>* rows, RefitOutcome* outcome)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
-  // Copies the newest signatures younger than the window (at most max_window_signatures) into
-  // `points`, oldest first; sets `dim` to the window's dimension; returns how many.
-  int SnapshotWindow(absl::Time now, std::vector<float>* points, int* dim) ABSL_LOCKS_EXCLUDED(window_mu_);
+  // The newest signatures younger than the window (at most max_window_signatures), oldest first,
+  // of the window's dimension.
+  refit_internal::SignatureRows SnapshotWindow(absl::Time now) ABSL_LOCKS_EXCLUDED(window_mu_);
+  // Window bookkeeping, all under window_mu_; chunks that leave the window go to `released`
+  // (freed by the caller once the lock is released).
+  void RestartWindow(int dim, std::vector<std::shared_ptr<Chunk>>* released) ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
+  void EvictOldestRow(std::vector<std::shared_ptr<Chunk>>* released) ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
+  void OpenChunk(std::vector<std::shared_ptr<Chunk>>* released) ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
+  void UpdateWindowCapacity(size_t last_elements) ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
+  int64_t WindowBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
   // Whether `client` may add one more signature now (its fair share).
   bool AdmitClient(absl::string_view client, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
   // Stats bookkeeping; each returns the status the refit reports to its caller.
@@ -259,8 +294,17 @@ class OnlineRefitter final : public RouterObserver {
 
   mutable absl::Mutex window_mu_;
   int window_dim_ ABSL_GUARDED_BY(window_mu_) = 0;
+  // Chunk geometry for window_dim_: halves per chunk, its footprint, and how many fit the budget.
+  size_t chunk_elements_ ABSL_GUARDED_BY(window_mu_) = 0;
+  size_t chunk_bytes_ ABSL_GUARDED_BY(window_mu_) = 0;
+  size_t max_chunks_ ABSL_GUARDED_BY(window_mu_) = 0;
   std::vector<std::shared_ptr<Chunk>> chunks_ ABSL_GUARDED_BY(window_mu_);  // oldest first
+  int front_skip_ ABSL_GUARDED_BY(window_mu_) = 0;  // evicted rows at the start of chunks_.front()
   int64_t window_rows_ ABSL_GUARDED_BY(window_mu_) = 0;
+  int64_t window_elements_ ABSL_GUARDED_BY(window_mu_) = 0;  // halves the window's rows occupy
+  // Signatures admitted per window (RefitStats::window_capacity).
+  double window_capacity_ ABSL_GUARDED_BY(window_mu_) = 0;
+  std::unique_ptr<refit_internal::EncodeScratch> encode_scratch_ ABSL_GUARDED_BY(window_mu_);
   uint64_t observed_ ABSL_GUARDED_BY(window_mu_) = 0;
   uint64_t sampled_out_ ABSL_GUARDED_BY(window_mu_) = 0;
   uint64_t client_limited_ ABSL_GUARDED_BY(window_mu_) = 0;
@@ -270,8 +314,8 @@ class OnlineRefitter final : public RouterObserver {
   absl::flat_hash_map<std::string, ClientBucket> clients_ ABSL_GUARDED_BY(window_mu_);
   int64_t active_clients_ ABSL_GUARDED_BY(window_mu_) = 0;
   absl::Time clients_counted_at_ ABSL_GUARDED_BY(window_mu_) = absl::InfinitePast();
-  // An evicted chunk kept for reuse, so a full chunk does not cost an allocation and zero-fill of
-  // kChunkRows * dim floats on the routing thread.
+  // An evicted chunk kept for reuse, so opening a chunk does not cost the routing thread an
+  // allocation and zero-fill of a whole chunk.
   std::shared_ptr<Chunk> spare_chunk_ ABSL_GUARDED_BY(window_mu_);
 
   mutable absl::Mutex stats_mu_;
