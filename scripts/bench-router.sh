@@ -7,8 +7,8 @@
 # eldr_route_duration_seconds histogram: the difference of two scrapes taken right before and right
 # after the load, so warm-up and start-up are not counted. Prints one JSON object per run: the
 # client's figures (requests, errors, qps, p50_us, p90_us, p99_us, ...) plus server_decisions,
-# server_p50_us, server_p90_us, server_p99_us, server_p999_us (bucket-interpolated upper estimates)
-# and router_rss_kib.
+# server_p50_us, server_p90_us, server_p99_us, server_p999_us (bucket-interpolated upper estimates),
+# router_rss_kib and run (its number).
 #
 # Placement: with PIN=1 (the default on machines with at least two CPUs) the daemon runs on CPU 0
 # and the load generator on CPU 1 (taskset), as a router with a dedicated core would in production
@@ -16,15 +16,21 @@
 # processes' threads preempt each other on both cores and the decision's tail measures the
 # scheduler (docs/benchmarks.md has both).
 #
+# Client APIs: APIS="cq stream" measures the unary RPCs (eldr-bench --api=cq) and RouteStream
+# (--api=stream: the same CONCURRENCY routes in flight, pipelined on one stream) side by side,
+# alternating within each run (a fresh daemon for each), so that both see the same machine; every
+# line names its `api`.
+#
 # Usage: scripts/bench-router.sh [BUILD_DIR]
-#   env: RUNS (1), DURATION_S (10), CONCURRENCY (16), GEOMETRY (48x128), WORKERS (16), PIN (auto),
-#        ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra eldr-bench flags)
+#   env: RUNS (1), APIS (cq), DURATION_S (10), CONCURRENCY (16), GEOMETRY (48x128), WORKERS (16),
+#        PIN (auto), ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra eldr-bench flags)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${1:-$ROOT/build}"
 BIN="$BUILD_DIR/bin"
 RUNS="${RUNS:-1}"
+APIS="${APIS:-cq}"
 DURATION_S="${DURATION_S:-10}"
 CONCURRENCY="${CONCURRENCY:-16}"
 GEOMETRY="${GEOMETRY:-48x128}"
@@ -93,6 +99,7 @@ EOF
 }
 
 for run in $(seq 1 "$RUNS"); do
+for api in $APIS; do
   rm -f "$WORK_DIR/ports.json"
   # shellcheck disable=SC2086  # word splitting of the optional extra flags is intended
   "${ROUTER_CPU[@]}" "$BIN/eldr-router" --listen=127.0.0.1:0 --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
@@ -113,13 +120,14 @@ for run in $(seq 1 "$RUNS"); do
   # shellcheck disable=SC2086
   client_json="$("${BENCH_CPU[@]}" "$BIN/eldr-bench" --target="127.0.0.1:$grpc_port" \
     --duration_s="$DURATION_S" --concurrency="$CONCURRENCY" --geometry="$GEOMETRY" \
-    --encoding=int16 --complete --json ${BENCH_ARGS:-})"
+    --encoding=int16 --complete --json --api="$api" ${BENCH_ARGS:-})"
   curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/after.txt"
   rss_kib="$(awk '/^VmRSS:/ {print $2}' "/proc/$ROUTER_PID/status")"
   server_json="$(histogram_delta "$WORK_DIR/before.txt" "$WORK_DIR/after.txt")"
   kill -TERM "$ROUTER_PID"
   wait "$ROUTER_PID" || { echo "bench-router.sh: eldr-router exited with $?" >&2; exit 1; }
   ROUTER_PID=""
-  "$PYTHON" -c 'import json,sys; c=json.loads(sys.argv[1]); c.update(json.loads(sys.argv[2])); c["router_rss_kib"]=int(sys.argv[3]); c["pinned"]=sys.argv[4]=="1"; print(json.dumps(c))' \
-    "$client_json" "$server_json" "$rss_kib" "$PIN"
+  "$PYTHON" -c 'import json,sys; c=json.loads(sys.argv[1]); c.update(json.loads(sys.argv[2])); c["router_rss_kib"]=int(sys.argv[3]); c["pinned"]=sys.argv[4]=="1"; c["run"]=int(sys.argv[5]); print(json.dumps(c))' \
+    "$client_json" "$server_json" "$rss_kib" "$PIN" "$run"
+done
 done
