@@ -344,16 +344,10 @@ class DecodeRouterService::RouteStreamReactor final
     StartRead(&frame_);
   }
 
-  // An answer that another one will follow (queued behind it, or being computed) is written with
-  // the buffer hint: gRPC completes the write at once and sends it with the next unhinted one, so a
-  // burst of answers leaves in one send instead of one each. The last answer of a burst is never
-  // hinted, so nothing waits for a write that will not come.
   void WriteNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (writing_ || queue_.empty() || cancelled_) return;
     writing_ = true;
-    grpc::WriteOptions options;
-    if (queue_.size() > 1 || answering_) options.set_buffer_hint();
-    StartWrite(&queue_.front().buffer, options);
+    StartWrite(&queue_.front().buffer);
   }
 
   // Releases every answer not handed to gRPC, and the one being written when its write failed.

@@ -606,11 +606,7 @@ class StreamCall {
     if (writing_) return;
     if (!outbox_.empty()) {
       writing_ = true;
-      // As the router does: a message with others queued behind it is buffered and sent with the
-      // last one (never hinted), one send for a burst.
-      grpc::WriteOptions options;
-      if (outbox_.size() > 1) options.set_buffer_hint();
-      call_->Write(outbox_.front(), options, &write_tag_);
+      call_->Write(outbox_.front(), &write_tag_);
     } else if (active_ == 0 && !writes_done_) {
       writes_done_ = true;  // every slot is done: half-close; the server answers the rest and ends OK
       call_->WritesDone(&writes_done_tag_);
