@@ -308,6 +308,15 @@ class Run {
     interval_ns_ = routes_per_s > 0 ? static_cast<int64_t>(1e9 / routes_per_s) : 0;
     schedule_start_ = start;
   }
+  // When a slot's next route starts: now, or later on the --rate schedule; nullopt once the run
+  // is over (the slot is then done).
+  std::optional<Clock::time_point> NextStart(Clock::time_point now) {
+    if (stopping(now)) return std::nullopt;
+    const std::optional<Clock::time_point> due = ClaimStart();
+    if (!due.has_value() || *due <= now) return now;
+    if (stopping(*due)) return std::nullopt;
+    return due;
+  }
   bool complete() const { return complete_; }
   bool stopping(Clock::time_point now) const { return now >= to_; }
   bool measured(Clock::time_point t) const { return t >= from_ && t < to_; }
@@ -337,16 +346,12 @@ class Run {
 
 void Slot::StartRoute() {
   const Clock::time_point now = Clock::now();
-  if (run_->stopping(now)) {
+  const std::optional<Clock::time_point> due = run_->NextStart(now);
+  if (!due.has_value()) {
     run_->SlotFinished();
     return;
   }
-  const std::optional<Clock::time_point> due = run_->ClaimStart();
-  if (due.has_value() && *due > now) {
-    if (run_->stopping(*due)) {
-      run_->SlotFinished();
-      return;
-    }
+  if (*due > now) {
     phase_ = Phase::kWait;
     const auto deadline = std::chrono::system_clock::now() + (*due - now);
     if (cq_ != nullptr) {
@@ -540,20 +545,14 @@ class StreamCall {
   // The slot's next Route now, or at its scheduled time with --rate; none once the run is over.
   void NextRoute(StreamSlot* slot) {
     const Clock::time_point now = Clock::now();
-    if (run_->stopping(now)) {
+    const std::optional<Clock::time_point> due = run_->NextStart(now);
+    if (!due.has_value()) {
       SlotDone();
-      return;
-    }
-    const std::optional<Clock::time_point> due = run_->ClaimStart();
-    if (due.has_value() && *due > now) {
-      if (run_->stopping(*due)) {
-        SlotDone();
-        return;
-      }
+    } else if (*due > now) {
       slot->alarm.Set(cq_, std::chrono::system_clock::now() + (*due - now), slot);
-      return;
+    } else {
+      SendRoute(slot);
     }
-    SendRoute(slot);
   }
 
   void SendRoute(StreamSlot* slot) {

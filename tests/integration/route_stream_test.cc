@@ -55,13 +55,6 @@ RouteStreamResponse Exchange(Stream* stream, const RouteStreamRequest& message) 
   return answer;
 }
 
-double Scraped(const RouterProcess& router, const std::string& name,
-               const std::map<std::string, std::string>& labels = {}) {
-  auto metrics = ScrapeMetrics(router.metrics_port());
-  EXPECT_TRUE(metrics.ok()) << metrics.status();
-  return metrics.ok() ? metrics->Value(name, labels).value_or(-1) : -1;
-}
-
 // Polls until `done` holds (bounded; a test failure otherwise).
 template <typename Predicate>
 void WaitUntil(Predicate done, const std::string& what, absl::Duration timeout = absl::Seconds(10)) {
