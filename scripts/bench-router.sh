@@ -8,9 +8,10 @@
 # after the load, so warm-up and start-up are not counted. Prints one JSON object per run: the
 # client's figures (requests, errors, qps, p50_us, p90_us, p99_us, ...) plus server_decisions,
 # server_p50_us, server_p90_us, server_p99_us, server_p999_us (bucket-interpolated upper estimates),
-# router_rss_kib and router_peak_rss_kib (VmRSS and VmHWM right after the load), and the online
+# router_rss_kib and router_peak_rss_kib (VmRSS and VmHWM right after the load), the online
 # refit's gauges from the last scrape (refit_last_duration_s, refit_window_signatures,
-# refit_window_bytes; null when refit is off or the build does not export them).
+# refit_window_bytes; null when refit is off or the build does not export them), and run (its
+# number).
 #
 # Placement: with PIN=1 (the default on machines with at least two CPUs) the daemon runs on CPU 0
 # and the load generator on CPU 1 (taskset), as a router with a dedicated core would in production
@@ -18,15 +19,21 @@
 # processes' threads preempt each other on both cores and the decision's tail measures the
 # scheduler (docs/benchmarks.md has both).
 #
+# Client APIs: APIS="cq stream" measures the unary RPCs (eldr-bench --api=cq) and RouteStream
+# (--api=stream: the same CONCURRENCY routes in flight, pipelined on one stream) side by side,
+# alternating within each run (a fresh daemon for each), so that both see the same machine; every
+# line names its `api`.
+#
 # Usage: scripts/bench-router.sh [BUILD_DIR]
-#   env: RUNS (1), DURATION_S (10), CONCURRENCY (16), GEOMETRY (48x128), WORKERS (16), PIN (auto),
-#        ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra eldr-bench flags)
+#   env: RUNS (1), APIS (cq), DURATION_S (10), CONCURRENCY (16), GEOMETRY (48x128), WORKERS (16),
+#        PIN (auto), ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra eldr-bench flags)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${1:-$ROOT/build}"
 BIN="$BUILD_DIR/bin"
 RUNS="${RUNS:-1}"
+APIS="${APIS:-cq}"
 DURATION_S="${DURATION_S:-10}"
 CONCURRENCY="${CONCURRENCY:-16}"
 GEOMETRY="${GEOMETRY:-48x128}"
@@ -95,6 +102,7 @@ EOF
 }
 
 for run in $(seq 1 "$RUNS"); do
+for api in $APIS; do
   rm -f "$WORK_DIR/ports.json"
   # shellcheck disable=SC2086  # word splitting of the optional extra flags is intended
   "${ROUTER_CPU[@]}" "$BIN/eldr-router" --listen=127.0.0.1:0 --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
@@ -115,7 +123,7 @@ for run in $(seq 1 "$RUNS"); do
   # shellcheck disable=SC2086
   client_json="$("${BENCH_CPU[@]}" "$BIN/eldr-bench" --target="127.0.0.1:$grpc_port" \
     --duration_s="$DURATION_S" --concurrency="$CONCURRENCY" --geometry="$GEOMETRY" \
-    --encoding=int16 --complete --json ${BENCH_ARGS:-})"
+    --encoding=int16 --complete --json --api="$api" ${BENCH_ARGS:-})"
   curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/after.txt"
   rss_kib="$(awk '/^VmRSS:/ {print $2}' "/proc/$ROUTER_PID/status")"
   peak_rss_kib="$(awk '/^VmHWM:/ {print $2}' "/proc/$ROUTER_PID/status")"
@@ -123,7 +131,7 @@ for run in $(seq 1 "$RUNS"); do
   kill -TERM "$ROUTER_PID"
   wait "$ROUTER_PID" || { echo "bench-router.sh: eldr-router exited with $?" >&2; exit 1; }
   ROUTER_PID=""
-  "$PYTHON" - "$client_json" "$server_json" "$rss_kib" "$peak_rss_kib" "$PIN" "$WORK_DIR/after.txt" <<'EOF'
+  "$PYTHON" - "$client_json" "$server_json" "$rss_kib" "$peak_rss_kib" "$PIN" "$WORK_DIR/after.txt" "$run" <<'EOF'
 import json, re, sys
 
 c = json.loads(sys.argv[1])
@@ -131,6 +139,7 @@ c.update(json.loads(sys.argv[2]))
 c["router_rss_kib"] = int(sys.argv[3])
 c["router_peak_rss_kib"] = int(sys.argv[4])
 c["pinned"] = sys.argv[5] == "1"
+c["run"] = int(sys.argv[7])
 gauges = {}
 for line in open(sys.argv[6]):
     m = re.match(r"(eldr_refit_[a-z_]+) (\S+)$", line)
@@ -142,4 +151,5 @@ for field, metric in (("refit_last_duration_s", "eldr_refit_last_duration_second
     c[field] = gauges.get(metric)
 print(json.dumps(c))
 EOF
+done
 done

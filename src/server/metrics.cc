@@ -149,8 +149,9 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   auto& requests = prometheus::BuildCounter()
                        .Name("eldr_route_requests_total")
                        .Help(
-                           "Route RPCs by the policy that decided (the configured one when the route "
-                           "failed) and outcome: ok, fallback, invalid, unavailable, error.")
+                           "Route requests (unary RPCs and RouteStream messages) by the policy that decided "
+                           "(the configured one when the route failed) and outcome: ok, fallback, invalid, "
+                           "unavailable, error.")
                        .Register(*registry_);
   for (size_t p = 0; p < kNumPolicies; ++p) {
     for (size_t o = 0; o < kNumOutcomes; ++o) {
@@ -266,6 +267,33 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                        .Help("ReportLoad streams open now.")
                        .Register(*registry_)
                        .Add({});
+  route_streams_open_ = &prometheus::BuildGauge()
+                             .Name("eldr_route_streams_open")
+                             .Help("RouteStream streams open now.")
+                             .Register(*registry_)
+                             .Add({});
+  auto& stream_messages = prometheus::BuildCounter()
+                              .Name("eldr_route_stream_messages_total")
+                              .Help(
+                                  "RouteStream messages answered, by kind (route, complete, none: unparsable or "
+                                  "neither set) and outcome (ok, or error: answered with an error).")
+                              .Register(*registry_);
+  auto& undelivered = prometheus::BuildCounter()
+                          .Name("eldr_route_stream_undelivered_total")
+                          .Help(
+                              "RouteStream answers a stream that ended early (cancelled, connection lost) "
+                              "could not deliver, by kind; their Route leases were released.")
+                          .Register(*registry_);
+  for (size_t k = 0; k < kNumStreamKinds; ++k) {
+    const std::string kind = k == static_cast<size_t>(StreamMessageKind::kRoute)      ? "route"
+                             : k == static_cast<size_t>(StreamMessageKind::kComplete) ? "complete"
+                                                                                      : "none";
+    if (k != static_cast<size_t>(StreamMessageKind::kNone)) {
+      stream_messages_[k][1] = &stream_messages.Add({{"kind", kind}, {"outcome", "ok"}});
+    }
+    stream_messages_[k][0] = &stream_messages.Add({{"kind", kind}, {"outcome", "error"}});
+    stream_undelivered_[k] = &undelivered.Add({{"kind", kind}});
+  }
   auto& tls = prometheus::BuildCounter()
                   .Name("eldr_tls_rotations_total")
                   .Help(
@@ -358,6 +386,17 @@ void ServerMetrics::RecordReportStreamRefused(bool per_peer) {
 void ServerMetrics::RecordReportStreamIdleEnded() { streams_idle_ended_->Increment(); }
 
 void ServerMetrics::SetReportStreamsOpen(int64_t open) { streams_open_->Set(static_cast<double>(open)); }
+
+void ServerMetrics::SetRouteStreamsOpen(int64_t open) { route_streams_open_->Set(static_cast<double>(open)); }
+
+void ServerMetrics::RecordRouteStreamMessage(StreamMessageKind kind, bool ok) {
+  prometheus::Counter* c = stream_messages_[static_cast<size_t>(kind)][ok ? 1 : 0];
+  if (c != nullptr) c->Increment();
+}
+
+void ServerMetrics::RecordRouteStreamUndelivered(StreamMessageKind kind) {
+  stream_undelivered_[static_cast<size_t>(kind)]->Increment();
+}
 
 void ServerMetrics::RecordTlsRotation(bool installed) { (installed ? tls_installed_ : tls_refused_)->Increment(); }
 

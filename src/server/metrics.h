@@ -50,6 +50,10 @@ absl::string_view RouteOutcomeLabel(RouteOutcome outcome);
 // Bucket upper bounds of eldr_route_duration_seconds: 1 us .. 10 ms, denser where decisions land.
 const std::vector<double>& RouteDurationBuckets();
 
+// What a RouteStream message asked for (eldr_route_stream_messages_total{kind}): a Route, a
+// Complete, or neither (unparsable, or no oneof member set).
+enum class StreamMessageKind { kRoute, kComplete, kNone };
+
 // Which credential check refused a call (eldr_auth_refused_total{plane}).
 enum class AuthPlane { kAdmin, kData, kReporter };
 
@@ -87,6 +91,12 @@ class ServerMetrics {
   void RecordReportStreamRefused(bool per_peer);
   void RecordReportStreamIdleEnded();
   void SetReportStreamsOpen(int64_t open);
+  // RouteStream: streams open now; one answered message by kind and outcome (ok, or an error
+  // answer); answers that a stream ending early could not deliver, by kind (their leases are
+  // released).
+  void SetRouteStreamsOpen(int64_t open);
+  void RecordRouteStreamMessage(StreamMessageKind kind, bool ok);
+  void RecordRouteStreamUndelivered(StreamMessageKind kind);
   // TLS rotations of the certificate files: installed, or refused (the old pair stays).
   void RecordTlsRotation(bool installed);
 
@@ -98,6 +108,7 @@ class ServerMetrics {
   static constexpr int kNumOutcomes = 5;
   static constexpr int kNumFallbacks = 7;
   static constexpr int kNumPlanes = 3;
+  static constexpr int kNumStreamKinds = 3;
 
   std::vector<std::weak_ptr<prometheus::Collectable>> AllCollectables() const;
 
@@ -120,6 +131,9 @@ class ServerMetrics {
   prometheus::Counter* streams_refused_peer_ = nullptr;
   prometheus::Counter* streams_idle_ended_ = nullptr;
   prometheus::Gauge* streams_open_ = nullptr;
+  prometheus::Gauge* route_streams_open_ = nullptr;
+  std::array<std::array<prometheus::Counter*, 2>, kNumStreamKinds> stream_messages_{};  // [kind][ok]; null: impossible
+  std::array<prometheus::Counter*, kNumStreamKinds> stream_undelivered_{};
   prometheus::Counter* tls_installed_ = nullptr;
   prometheus::Counter* tls_refused_ = nullptr;
 };

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -57,6 +58,32 @@ absl::Status ParseRaw(const grpc::ByteBuffer& buffer, Message* message) {
                         absl::StrCat("the request is not a valid ", Message::descriptor()->full_name(), " message"));
   }
   return absl::OkStatus();
+}
+
+// A `parse` callback of RouteMessage/CompleteMessage that parses `raw` into `*into`.
+template <typename Message>
+auto ParseInto(const grpc::ByteBuffer& raw, Message* into) {
+  return [&raw, into](const Message** out) -> absl::Status {
+    ELDR_RETURN_IF_ERROR(ParseRaw(raw, into));
+    *out = into;
+    return absl::OkStatus();
+  };
+}
+
+// A `parse` callback of RouteMessage/CompleteMessage for a message parsed already.
+template <typename Message>
+auto Parsed(const Message& message) {
+  return [&message](const Message** out) -> absl::Status {
+    *out = &message;
+    return absl::OkStatus();
+  };
+}
+
+// How a RouteStream ends when the daemon shuts down.
+grpc::Status RouteStreamShutdownStatus() {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                      "eldr-router is shutting down: every request it read on this stream was answered; send the "
+                      "unanswered ones to another replica");
 }
 
 template <typename Message>
@@ -214,6 +241,148 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
   eldr::v1::ReportLoadResponse summary_;
 };
 
+// One RouteStream. The read chain (OnReadDone) answers each message synchronously and queues the
+// answer; the write chain (OnWriteDone) writes the queue in order, one message at a time; the two
+// run concurrently, on gRPC's threads. mu_ guards what they share. gRPC never runs a reaction
+// inline from StartRead/StartWrite/Finish, so calling those under mu_ cannot deadlock.
+//
+// The stream finishes once reads are closed (half-close, shutdown, cancellation or a failed
+// write), no message is being answered, and no answer waits or is being written. A read may still
+// be outstanding then (gRPC allows it); a message it still delivers is not answered.
+class DecodeRouterService::RouteStreamReactor final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  RouteStreamReactor(DecodeRouterService* service, std::string client)
+      : service_(service), client_(std::move(client)) {}
+
+  // Starts reading, or ends the stream at once with `finish_now`.
+  void Begin(const std::optional<grpc::Status>& finish_now) {
+    absl::MutexLock lock(&mu_);
+    if (finish_now.has_value()) CloseReadsLocked(*finish_now);
+    ReadNextLocked();
+    MaybeFinishLocked();
+  }
+
+  void OnReadDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      read_pending_ = false;
+      if (!ok) CloseReadsLocked(grpc::Status::OK);  // the client half-closed (or the call is gone)
+      if (read_closed_) {                           // a message that arrives after the end was decided is not answered
+        MaybeFinishLocked();
+        return;
+      }
+      answering_ = true;
+    }
+    // Only the read chain touches frame_, request_ and response_: no lock while the core works.
+    Answer answer;
+    answer.lease = service_->AnswerStreamMessage(client_, frame_, &request_, &response_, &answer.buffer, &answer.kind);
+    frame_.Clear();
+    absl::MutexLock lock(&mu_);
+    answering_ = false;
+    if (cancelled_) {
+      service_->ReleaseUndelivered(answer.kind, answer.lease);
+    } else {
+      queue_.push_back(std::move(answer));
+      WriteNextLocked();
+      ReadNextLocked();
+    }
+    MaybeFinishLocked();
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (!ok) {  // the call is gone: this answer and those behind it never reach the client
+      cancelled_ = true;
+      CloseReadsLocked(grpc::Status(grpc::StatusCode::CANCELLED, "RouteStream write failed"));
+      DropQueuedLocked();
+    } else {
+      queue_.pop_front();
+      WriteNextLocked();
+      ReadNextLocked();
+    }
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    CloseReadsLocked(grpc::Status(grpc::StatusCode::CANCELLED, "RouteStream cancelled"));
+    DropQueuedLocked();
+    MaybeFinishLocked();
+  }
+
+  void FinishForShutdown() {
+    absl::MutexLock lock(&mu_);
+    CloseReadsLocked(RouteStreamShutdownStatus());
+    MaybeFinishLocked();
+  }
+
+  void OnDone() override {
+    service_->RouteStreamDone(this);
+    delete this;
+  }
+
+ private:
+  struct Answer {
+    grpc::ByteBuffer buffer;  // a serialized RouteStreamResponse
+    StreamMessageKind kind = StreamMessageKind::kNone;
+    uint64_t lease = 0;  // of a successful Route: released if the answer is never delivered
+  };
+
+  // No more reads; the first reason decides the status the stream ends with.
+  void CloseReadsLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (read_closed_) return;
+    read_closed_ = true;
+    end_ = status;
+  }
+
+  void ReadNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (read_closed_ || read_pending_ || answering_ || queue_.size() >= kRouteStreamMaxPending) return;
+    read_pending_ = true;
+    StartRead(&frame_);
+  }
+
+  void WriteNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || queue_.empty() || cancelled_) return;
+    writing_ = true;
+    StartWrite(&queue_.front().buffer);
+  }
+
+  // Releases every answer not handed to gRPC, and the one being written when its write failed.
+  void DropQueuedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t keep = writing_ ? 1 : 0;  // its OnWriteDone(false) drops it
+    while (queue_.size() > keep) {
+      service_->ReleaseUndelivered(queue_.back().kind, queue_.back().lease);
+      queue_.pop_back();
+    }
+  }
+
+  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || !read_closed_ || answering_ || writing_ || !queue_.empty()) return;
+    finished_ = true;
+    Finish(end_);
+  }
+
+  DecodeRouterService* const service_;
+  const std::string client_;  // the caller's key for the router, computed once per stream
+  // The read chain's own: one read is outstanding or one message answered at a time.
+  grpc::ByteBuffer frame_;
+  eldr::v1::RouteStreamRequest request_;
+  eldr::v1::RouteStreamResponse response_;
+
+  absl::Mutex mu_;
+  std::deque<Answer> queue_ ABSL_GUARDED_BY(mu_);  // in request order; front() is written when writing_
+  grpc::Status end_ ABSL_GUARDED_BY(mu_);
+  bool read_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool answering_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 DecodeRouterService::DecodeRouterService(ServiceContext context) : ctx_(std::move(context)) {}
 
 DecodeRouterService::~DecodeRouterService() = default;
@@ -225,18 +394,12 @@ absl::Status DecodeRouterService::CheckDataToken(const grpc::CallbackServerConte
   return status;
 }
 
-absl::Status DecodeRouterService::RouteOnce(grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw,
-                                            eldr::v1::RouteResponse* response, RouteResult* decided,
-                                            std::string* request_id) {
-  ELDR_RETURN_IF_ERROR(CheckDataToken(*context, "Route"));
-  if (ctx_.max_request_bytes > 0 && static_cast<int64_t>(raw.Length()) > ctx_.max_request_bytes) {
-    return MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
-                          absl::StrCat("RouteRequest is ", raw.Length(), " bytes; the router accepts at most ",
-                                       ctx_.max_request_bytes, " (--max_message_bytes)"));
-  }
-  eldr::v1::RouteRequest request;
-  ELDR_RETURN_IF_ERROR(ParseRaw(raw, &request));
-  *request_id = request.request_id();
+std::string DecodeRouterService::RouteClientKey(const grpc::CallbackServerContext& context) const {
+  return ctx_.route_client_keys ? ClientKey(context, ctx_.mutual_tls) : std::string();
+}
+
+absl::Status DecodeRouterService::ValidateAndRoute(absl::string_view client, const eldr::v1::RouteRequest& request,
+                                                   eldr::v1::RouteResponse* response, RouteResult* decided) {
   if (request.request_id().size() > kMaxRequestIdBytes) {
     return MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
                           absl::StrCat("request_id is ", request.request_id().size(), " bytes; at most ",
@@ -249,7 +412,6 @@ absl::Status DecodeRouterService::RouteOnce(grpc::CallbackServerContext* context
   SignatureInput input;
   bool present = false;
   ELDR_RETURN_IF_ERROR(SignatureFromProto(request, &input, &present));
-  const std::string client = ctx_.route_client_keys ? ClientKey(*context, ctx_.mutual_tls) : std::string();
   RouteInput route;
   route.signature = present ? &input : nullptr;
   route.now = absl::Now();
@@ -282,27 +444,65 @@ absl::Status DecodeRouterService::RouteOnce(grpc::CallbackServerContext* context
   return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* DecodeRouterService::Route(grpc::CallbackServerContext* context,
-                                                     const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+absl::Status DecodeRouterService::RouteMessage(absl::string_view client, absl::Status status, int64_t bytes,
+                                               absl::FunctionRef<absl::Status(const eldr::v1::RouteRequest**)> parse,
+                                               eldr::v1::RouteResponse* response) {
   const Clock::time_point start = Clock::now();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  eldr::v1::RouteResponse message;
+  const eldr::v1::RouteRequest* request = nullptr;
   RouteResult decided;
-  std::string request_id;
-  const absl::Status status = RouteOnce(context, *request, &message, &decided, &request_id);
+  if (status.ok() && ctx_.max_request_bytes > 0 && bytes > ctx_.max_request_bytes) {
+    status = MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
+                            absl::StrCat("RouteRequest is ", bytes, " bytes; the router accepts at most ",
+                                         ctx_.max_request_bytes, " (--max_message_bytes)"));
+  }
+  if (status.ok()) status = parse(&request);
+  if (status.ok()) status = ValidateAndRoute(client, *request, response, &decided);
   const double seconds = SecondsSince(start);
   if (status.ok()) {
-    SerializeRaw(message, response);
     ctx_.metrics->RecordRoute(decided, seconds);
-  } else {
-    ctx_.metrics->RecordRouteFailure(ctx_.configured_policy, status, seconds);
-    const absl::string_view reason = RejectReasonLabel(RejectReasonOf(status));
-    ELDR_LOG_LIMITED(Debug, "route_failed",
-                     absl::StrCat("route_failed/", absl::StatusCodeToString(status.code()), "/", reason))
-        .With("request_id", Shown(request_id))
-        .With("reason", reason)
-        .With("code", status);
+    return status;
   }
+  ctx_.metrics->RecordRouteFailure(ctx_.configured_policy, status, seconds);
+  const absl::string_view reason = RejectReasonLabel(RejectReasonOf(status));
+  ELDR_LOG_LIMITED(Debug, "route_failed",
+                   absl::StrCat("route_failed/", absl::StatusCodeToString(status.code()), "/", reason))
+      .With("request_id", Shown(request != nullptr ? request->request_id() : absl::string_view()))
+      .With("reason", reason)
+      .With("code", status);
+  return status;
+}
+
+absl::Status DecodeRouterService::CompleteMessage(
+    absl::Status status, absl::FunctionRef<absl::Status(const eldr::v1::CompleteRequest**)> parse,
+    eldr::v1::CompleteResponse* response) {
+  const eldr::v1::CompleteRequest* request = nullptr;
+  if (status.ok()) {
+    status = parse(&request);
+    if (!status.ok()) ctx_.metrics->RecordRejected(RejectReason::kMalformed);
+  }
+  if (status.ok() && request->output_tokens() < 0) {
+    status = InvalidInput(RejectReason::kNegativeCount,
+                          absl::StrCat("output_tokens must not be negative, got ", request->output_tokens()));
+    ctx_.metrics->RecordRejected(RejectReason::kNegativeCount);
+  }
+  if (status.ok()) {
+    absl::StatusOr<std::string> worker = ctx_.router->Complete(request->lease_id());
+    status = worker.status();
+    ctx_.metrics->RecordComplete(status.ok());
+    if (worker.ok()) response->set_worker_id(*std::move(worker));
+  }
+  return status;
+}
+
+grpc::ServerUnaryReactor* DecodeRouterService::Route(grpc::CallbackServerContext* context,
+                                                     const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  eldr::v1::RouteRequest parsed;
+  eldr::v1::RouteResponse answer;
+  const absl::Status status =
+      RouteMessage(RouteClientKey(*context), CheckDataToken(*context, "Route"), static_cast<int64_t>(request->Length()),
+                   ParseInto(*request, &parsed), &answer);
+  if (status.ok()) SerializeRaw(answer, response);
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
@@ -310,29 +510,99 @@ grpc::ServerUnaryReactor* DecodeRouterService::Route(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* DecodeRouterService::Complete(grpc::CallbackServerContext* context,
                                                         const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = CheckDataToken(*context, "Complete");
-  eldr::v1::CompleteRequest message;
-  if (status.ok()) {
-    status = ParseRaw(*request, &message);
-    if (!status.ok()) ctx_.metrics->RecordRejected(RejectReason::kMalformed);
-  }
-  if (status.ok() && message.output_tokens() < 0) {
-    status = InvalidInput(RejectReason::kNegativeCount,
-                          absl::StrCat("output_tokens must not be negative, got ", message.output_tokens()));
-    ctx_.metrics->RecordRejected(RejectReason::kNegativeCount);
-  }
-  if (status.ok()) {
-    absl::StatusOr<std::string> worker = ctx_.router->Complete(message.lease_id());
-    status = worker.status();
-    ctx_.metrics->RecordComplete(status.ok());
-    if (worker.ok()) {
-      eldr::v1::CompleteResponse answer;
-      answer.set_worker_id(*std::move(worker));
-      SerializeRaw(answer, response);
-    }
-  }
+  eldr::v1::CompleteRequest parsed;
+  eldr::v1::CompleteResponse answer;
+  const absl::Status status =
+      CompleteMessage(CheckDataToken(*context, "Complete"), ParseInto(*request, &parsed), &answer);
+  if (status.ok()) SerializeRaw(answer, response);
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
+}
+
+uint64_t DecodeRouterService::AnswerStreamMessage(absl::string_view client, const grpc::ByteBuffer& frame,
+                                                  eldr::v1::RouteStreamRequest* request,
+                                                  eldr::v1::RouteStreamResponse* response, grpc::ByteBuffer* answer,
+                                                  StreamMessageKind* kind) {
+  using eldr::v1::RouteStreamRequest;
+  request->Clear();
+  response->Clear();
+  *kind = StreamMessageKind::kNone;
+  uint64_t lease = 0;
+  absl::Status status = ParseRaw(frame, request);
+  if (!status.ok()) {
+    ctx_.metrics->RecordRejected(RejectReason::kMalformed);  // answered with id 0
+  } else {
+    response->set_id(request->id());
+    switch (request->kind_case()) {
+      case RouteStreamRequest::kRoute: {
+        *kind = StreamMessageKind::kRoute;
+        // The frame is the RouteRequest plus a few bytes: the request's own size is computed only
+        // when the frame is over the limit.
+        const auto frame_bytes = static_cast<int64_t>(frame.Length());
+        const int64_t bytes = ctx_.max_request_bytes > 0 && frame_bytes > ctx_.max_request_bytes
+                                  ? static_cast<int64_t>(request->route().ByteSizeLong())
+                                  : frame_bytes;
+        status = RouteMessage(client, absl::OkStatus(), bytes, Parsed(request->route()), response->mutable_route());
+        if (status.ok()) lease = response->route().lease_id();
+        break;
+      }
+      case RouteStreamRequest::kComplete:
+        *kind = StreamMessageKind::kComplete;
+        status = CompleteMessage(absl::OkStatus(), Parsed(request->complete()), response->mutable_complete());
+        break;
+      case RouteStreamRequest::KIND_NOT_SET:
+        status = InvalidInput(RejectReason::kMalformed, "RouteStreamRequest: neither route nor complete is set");
+        ctx_.metrics->RecordRejected(RejectReason::kMalformed);
+        break;
+    }
+  }
+  if (!status.ok()) {
+    const grpc::Status wire = ToGrpcStatus(status);  // the code and message the unary RPC ends with
+    eldr::v1::RouteStreamError* error = response->mutable_error();
+    error->set_code(static_cast<int32_t>(wire.error_code()));
+    SetString(error->mutable_message(), wire.error_message());
+  }
+  ctx_.metrics->RecordRouteStreamMessage(*kind, status.ok());
+  SerializeRaw(*response, answer);
+  return lease;
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* DecodeRouterService::RouteStream(
+    grpc::CallbackServerContext* context) {
+  auto* reactor = new RouteStreamReactor(this, RouteClientKey(*context));
+  const absl::Status refuse = CheckDataToken(*context, "RouteStream");
+  bool shutting_down = false;
+  int64_t open = 0;
+  {
+    absl::MutexLock lock(&streams_mu_);
+    shutting_down = shutting_down_;
+    route_streams_.insert(reactor);
+    open = static_cast<int64_t>(route_streams_.size());
+  }
+  ctx_.metrics->SetRouteStreamsOpen(open);
+  std::optional<grpc::Status> finish_now;
+  if (shutting_down) {
+    finish_now = RouteStreamShutdownStatus();
+  } else if (!refuse.ok()) {
+    finish_now = ToGrpcStatus(refuse);
+  }
+  reactor->Begin(finish_now);
+  return reactor;
+}
+
+void DecodeRouterService::RouteStreamDone(RouteStreamReactor* reactor) {
+  int64_t open = 0;
+  {
+    absl::MutexLock lock(&streams_mu_);
+    route_streams_.erase(reactor);
+    open = static_cast<int64_t>(route_streams_.size());
+  }
+  ctx_.metrics->SetRouteStreamsOpen(open);
+}
+
+void DecodeRouterService::ReleaseUndelivered(StreamMessageKind kind, uint64_t lease) {
+  ctx_.metrics->RecordRouteStreamUndelivered(kind);
+  if (lease != 0) (void)ctx_.router->Complete(lease);  // NOT_FOUND: it expired or was evicted meanwhile
 }
 
 absl::Status DecodeRouterService::ApplyReport(const grpc::CallbackServerContext& context,
@@ -426,6 +696,7 @@ void DecodeRouterService::FinishStreamsForShutdown() {
   absl::MutexLock lock(&streams_mu_);
   shutting_down_ = true;
   for (LoadReportReactor* reactor : streams_) reactor->FinishForShutdown();
+  for (RouteStreamReactor* reactor : route_streams_) reactor->FinishForShutdown();
 }
 
 void DecodeRouterService::EndIdleStreams(absl::Time now) {

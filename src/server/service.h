@@ -7,6 +7,21 @@
 // (eldr_rejected_total{reason="malformed"}), and an oversized one is refused from its byte length
 // before it is parsed.
 //
+// RouteStream carries Route and Complete as messages of one bidirectional stream. Each message goes
+// through the same function as its unary RPC (RouteMessage, CompleteMessage: validation, the core
+// call, metrics, the failure log), and its status becomes the message's error through the same
+// ToGrpcStatus. Contract of a stream (docs/api.md, "RouteStream"):
+//  - answers are written in the order the requests were read (the core answers synchronously);
+//  - flow control: the next message is read while earlier answers are still being written, up to
+//    kRouteStreamMaxPending answers waiting; then reading pauses until the client reads (HTTP/2 flow
+//    control then holds back its writes), so a client that stops reading stalls only its own stream;
+//  - the client half-closes: every message read is answered, then the stream ends OK;
+//  - cancellation (or a lost connection): answers not yet handed to gRPC are dropped and the leases
+//    of dropped Route answers released (eldr_route_stream_undelivered_total);
+//  - shutdown (FinishStreamsForShutdown): no further message is read, everything read is answered,
+//    then the stream ends UNAVAILABLE (retry what was not answered on another replica);
+//  - credentials (data-plane token) are checked once when the stream opens, like ReportLoad.
+//
 // Status codes (docs/api.md has the full table):
 //   INVALID_ARGUMENT    malformed input, with the reason (counted in eldr_rejected_total{reason})
 //   NOT_FOUND           unknown lease or worker
@@ -24,6 +39,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -48,6 +64,8 @@ inline constexpr size_t kMaxRequestIdBytes = 256;
 inline constexpr int64_t kTransportMessageHeadroom = 4;
 // layers * experts above this is rejected before any allocation (far beyond any real model).
 inline constexpr int64_t kMaxSignatureCells = int64_t{1} << 24;
+// Answers of one RouteStream that may wait to be written before the stream stops reading.
+inline constexpr size_t kRouteStreamMaxPending = 64;
 
 // The signature carried by `request`, as a view into it (valid while `request` lives).
 // Returns false in *present when the request has none. INVALID_ARGUMENT (with a RejectReason) when
@@ -77,10 +95,11 @@ struct ServiceContext {
   bool pool_discovered = false;
 };
 
-// eldr.v1.DecodeRouter: Route, Complete, ReportLoad (raw methods, see above).
+// eldr.v1.DecodeRouter: Route, Complete, RouteStream, ReportLoad (raw methods, see above).
 class DecodeRouterService final
     : public eldr::v1::DecodeRouter::WithRawCallbackMethod_Route<eldr::v1::DecodeRouter::WithRawCallbackMethod_Complete<
-          eldr::v1::DecodeRouter::WithRawCallbackMethod_ReportLoad<eldr::v1::DecodeRouter::Service>>> {
+          eldr::v1::DecodeRouter::WithRawCallbackMethod_RouteStream<
+              eldr::v1::DecodeRouter::WithRawCallbackMethod_ReportLoad<eldr::v1::DecodeRouter::Service>>>> {
  public:
   explicit DecodeRouterService(ServiceContext context);
   ~DecodeRouterService() override;
@@ -89,11 +108,14 @@ class DecodeRouterService final
                                   grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Complete(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
                                      grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RouteStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* ReportLoad(grpc::CallbackServerContext* context,
                                                         grpc::ByteBuffer* response) override;
 
-  // Ends every open ReportLoad stream with OK and its summary, and makes new streams end at once,
-  // so a graceful shutdown does not wait for workers to hang up.
+  // Ends every open ReportLoad stream with OK and its summary, drains every RouteStream (no more
+  // reads; what was read is answered, then UNAVAILABLE), and makes new streams end at once, so a
+  // graceful shutdown does not wait for clients to hang up.
   void FinishStreamsForShutdown();
   // Ends the ReportLoad streams that received nothing for report_stream_idle_timeout (called
   // every second by the server).
@@ -102,21 +124,49 @@ class DecodeRouterService final
  private:
   class LoadReportReactor;
   friend class LoadReportReactor;
+  class RouteStreamReactor;
+  friend class RouteStreamReactor;
 
-  // Parses and routes one request into `response`; fills `decided` for the metrics.
-  absl::Status RouteOnce(grpc::CallbackServerContext* context, const grpc::ByteBuffer& request,
-                         eldr::v1::RouteResponse* response, RouteResult* decided, std::string* request_id);
+  // One Route, unary or streamed, from the credential check's verdict `admitted` on: the size
+  // limit (`bytes`: the serialized RouteRequest), the request (`parse` yields it, valid for the
+  // call), validation, the core's decision, the metrics and the failure log. `client` is the
+  // caller's key for the router (RouteClientKey). Fills `response` on success.
+  absl::Status RouteMessage(absl::string_view client, absl::Status admitted, int64_t bytes,
+                            absl::FunctionRef<absl::Status(const eldr::v1::RouteRequest**)> parse,
+                            eldr::v1::RouteResponse* response);
+  // Validates one parsed request and routes it into `response`; fills `decided` for the metrics.
+  absl::Status ValidateAndRoute(absl::string_view client, const eldr::v1::RouteRequest& request,
+                                eldr::v1::RouteResponse* response, RouteResult* decided);
+  // One Complete, unary or streamed, from the credential check's verdict on: the request (`parse`
+  // yields it; a failure counts as malformed), validation, the release and its metrics.
+  absl::Status CompleteMessage(absl::Status admitted,
+                               absl::FunctionRef<absl::Status(const eldr::v1::CompleteRequest**)> parse,
+                               eldr::v1::CompleteResponse* response);
+  // One RouteStream message (`frame`, a serialized RouteStreamRequest) answered into `answer`
+  // (a serialized RouteStreamResponse) through RouteMessage or CompleteMessage; `request` and
+  // `response` are the stream's scratch messages. Returns the lease of a successful Route (0
+  // otherwise) and what the message asked for in *kind.
+  uint64_t AnswerStreamMessage(absl::string_view client, const grpc::ByteBuffer& frame,
+                               eldr::v1::RouteStreamRequest* request, eldr::v1::RouteStreamResponse* response,
+                               grpc::ByteBuffer* answer, StreamMessageKind* kind);
+  // The key Route passes to the router for this caller: empty unless route_client_keys.
+  std::string RouteClientKey(const grpc::CallbackServerContext& context) const;
   // The data-plane token check; counts and logs a refusal.
   absl::Status CheckDataToken(const grpc::CallbackServerContext& context, absl::string_view method);
   // Applies one load report of a stream whose bearer token is `stream_token`.
   absl::Status ApplyReport(const grpc::CallbackServerContext& context, const eldr::v1::LoadReport& report,
                            const std::string& stream_token);
   void StreamDone(LoadReportReactor* reactor);
+  void RouteStreamDone(RouteStreamReactor* reactor);
+  // An answer of `kind` that its stream could not deliver: counted, and its Route lease (when not
+  // 0) released.
+  void ReleaseUndelivered(StreamMessageKind kind, uint64_t lease);
 
   const ServiceContext ctx_;
   absl::Mutex streams_mu_;
   bool shutting_down_ ABSL_GUARDED_BY(streams_mu_) = false;
   absl::flat_hash_set<LoadReportReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  absl::flat_hash_set<RouteStreamReactor*> route_streams_ ABSL_GUARDED_BY(streams_mu_);
   absl::flat_hash_map<std::string, int64_t> streams_per_peer_ ABSL_GUARDED_BY(streams_mu_);
 };
 

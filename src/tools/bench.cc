@@ -1,11 +1,18 @@
 // eldr-bench: closed-loop load generator for eldr-router.
 //
 // --concurrency slots each run Route (and, with --complete, the Complete of its lease) back to
-// back over the async callback API, on one or more channels, for --warmup_s + --duration_s.
-// Only RPCs that finish inside the measured window count. With --rate the slots start their routes
-// on a shared schedule of that many routes per second (at most --concurrency in flight): a fixed
-// load instead of the closed loop's maximum; latency counts from each route's actual send. Signatures come from the
-// bundled real traces (--trace: each sequence's prefill counts) or are random counts of --geometry.
+// back, on one or more channels, for --warmup_s + --duration_s. Only answers that arrive inside the
+// measured window count. With --rate the slots start their routes on a shared schedule of that
+// many routes per second (at most --concurrency in flight): a fixed load instead of the closed
+// loop's maximum; latency counts from each route's actual send. Signatures come from the bundled
+// real traces (--trace: each sequence's prefill counts) or are random counts of --geometry.
+//
+// Client APIs (--api): cq and callback send unary Route/Complete RPCs, one slot per RPC in flight;
+// stream sends them as messages of --streams RouteStream calls (spread over the channels), the
+// --concurrency slots spread over the streams, so a stream has about concurrency/streams messages
+// in flight, pipelined (a slot's next message is written as soon as its previous one was
+// answered, whatever the others do). Latency is counted from the moment a slot hands its message
+// to the stream (queued behind the stream's earlier writes) until its answer is read.
 //
 // Also writes fixtures for a benchmark: --write_artifact (random unit centroids of --geometry for
 // --workers workers named w0..wN-1) and --write_workers (their worker file).
@@ -16,6 +23,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -40,7 +48,9 @@
 #include "eldr/trace/trace.h"
 #include "eldr/v1/router.grpc.pb.h"
 #include "grpcpp/alarm.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "host:port of eldr-router.");
@@ -52,9 +62,13 @@ ABSL_FLAG(double, rate, 0,
           "the slots go.");
 ABSL_FLAG(int, channels, 1, "gRPC channels (TCP connections) the slots are spread over.");
 ABSL_FLAG(std::string, api, "cq",
-          "Client API: cq (completion queues polled by --client_threads threads; the cheapest per "
-          "RPC) or callback (gRPC's callback API and its own threads).");
-ABSL_FLAG(int, client_threads, 1, "With --api=cq: threads polling completion queues.");
+          "Client API: cq (unary RPCs on completion queues polled by --client_threads threads; the "
+          "cheapest per RPC), callback (unary RPCs on gRPC's callback API and its own threads) or "
+          "stream (Route and Complete as messages of --streams RouteStream calls, on completion queues).");
+ABSL_FLAG(int, client_threads, 1, "With --api=cq or stream: threads polling completion queues.");
+ABSL_FLAG(int, streams, 0,
+          "With --api=stream: RouteStream calls, spread over the channels; the --concurrency slots are "
+          "spread over them. 0: one per channel.");
 ABSL_FLAG(std::string, trace, "",
           "Directory of real expert traces (data/esft-routing): signatures are each sequence's "
           "prefill counts. Empty: random counts of --geometry.");
@@ -223,16 +237,23 @@ struct SlotStats {
 
 class Run;
 
+// What a completion-queue tag points to: the poller hands it the event.
+class CqTag {
+ public:
+  virtual ~CqTag() = default;
+  virtual void OnCqEvent(bool ok) = 0;
+};
+
 // One closed-loop slot: Route, then (with --complete) Complete of its lease, then the next Route.
 // With a completion queue the slot is the tag of its one outstanding RPC; otherwise gRPC's
 // callback threads drive it.
-class Slot {
+class Slot final : public CqTag {
  public:
   Slot(Run* run, eldr::v1::DecodeRouter::Stub* stub, grpc::CompletionQueue* cq, size_t first)
       : run_(run), stub_(stub), cq_(cq), next_(first) {}
   void Start() { StartRoute(); }
-  // Completion-queue mode: the outstanding RPC finished.
-  void OnCqEvent() {
+  // Completion-queue mode: the outstanding RPC finished (its status says how).
+  void OnCqEvent(bool /*ok*/) override {
     if (phase_ == Phase::kWait) {
       SendRoute();
     } else if (phase_ == Phase::kRoute) {
@@ -287,6 +308,15 @@ class Run {
     interval_ns_ = routes_per_s > 0 ? static_cast<int64_t>(1e9 / routes_per_s) : 0;
     schedule_start_ = start;
   }
+  // When a slot's next route starts: now, or later on the --rate schedule; nullopt once the run
+  // is over (the slot is then done).
+  std::optional<Clock::time_point> NextStart(Clock::time_point now) {
+    if (stopping(now)) return std::nullopt;
+    const std::optional<Clock::time_point> due = ClaimStart();
+    if (!due.has_value() || *due <= now) return now;
+    if (stopping(*due)) return std::nullopt;
+    return due;
+  }
   bool complete() const { return complete_; }
   bool stopping(Clock::time_point now) const { return now >= to_; }
   bool measured(Clock::time_point t) const { return t >= from_ && t < to_; }
@@ -316,16 +346,12 @@ class Run {
 
 void Slot::StartRoute() {
   const Clock::time_point now = Clock::now();
-  if (run_->stopping(now)) {
+  const std::optional<Clock::time_point> due = run_->NextStart(now);
+  if (!due.has_value()) {
     run_->SlotFinished();
     return;
   }
-  const std::optional<Clock::time_point> due = run_->ClaimStart();
-  if (due.has_value() && *due > now) {
-    if (run_->stopping(*due)) {
-      run_->SlotFinished();
-      return;
-    }
+  if (*due > now) {
     phase_ = Phase::kWait;
     const auto deadline = std::chrono::system_clock::now() + (*due - now);
     if (cq_ != nullptr) {
@@ -352,10 +378,14 @@ void Slot::SendRoute() {
   stub_->async()->Route(context_.get(), &request, &route_response_, [this](grpc::Status status) { OnRoute(status); });
 }
 
+void RecordError(SlotStats* stats, int code, const std::string& message) {
+  ++stats->errors;
+  ++stats->error_codes[absl::StrCat(code)];
+  stats->last_error = message;
+}
+
 void Slot::RecordError(const grpc::Status& status) {
-  ++stats_.errors;
-  ++stats_.error_codes[absl::StrCat(status.error_code())];
-  stats_.last_error = status.error_message();
+  ::RecordError(&stats_, status.error_code(), status.error_message());
 }
 
 void Slot::OnRoute(const grpc::Status& status) {
@@ -394,6 +424,228 @@ void Slot::OnComplete(const grpc::Status& status) {
   StartRoute();
 }
 
+// Protobuf wire encoding of the few fields a RouteStreamRequest frame needs, so that a frame is a
+// small header slice plus the shared, pre-serialized RouteRequest slice (no copy per message).
+void AppendVarint(uint64_t value, std::string* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>((value & 0x7f) | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+// Field numbers of eldr.v1.RouteStreamRequest / CompleteRequest (proto/eldr/v1/router.proto).
+constexpr char kTagId = 0x08;        // id = 1, varint
+constexpr char kTagRoute = 0x12;     // route = 2, length-delimited
+constexpr char kTagComplete = 0x1a;  // complete = 3, length-delimited
+constexpr char kTagLease = 0x08;     // CompleteRequest.lease_id = 1, varint
+
+grpc::ByteBuffer RouteFrame(uint64_t id, const grpc::Slice& route) {
+  std::string header;
+  header.push_back(kTagId);
+  AppendVarint(id, &header);
+  header.push_back(kTagRoute);
+  AppendVarint(route.size(), &header);
+  grpc::Slice slices[2] = {grpc::Slice(header), route};
+  return grpc::ByteBuffer(slices, 2);
+}
+
+grpc::ByteBuffer CompleteFrame(uint64_t id, uint64_t lease) {
+  std::string inner;
+  inner.push_back(kTagLease);
+  AppendVarint(lease, &inner);
+  std::string frame;
+  frame.push_back(kTagId);
+  AppendVarint(id, &frame);
+  frame.push_back(kTagComplete);
+  AppendVarint(inner.size(), &frame);
+  frame += inner;
+  grpc::Slice slice(frame);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// One RouteStream call driving its share of the slots (--api=stream). Every event of the call
+// arrives on one completion queue polled by one thread, so nothing here is locked. Each slot has
+// one message in flight, whose id is the slot's index + 1; writes go out one at a time, in the
+// order the slots queue them; one read is always outstanding.
+class StreamCall {
+ public:
+  StreamCall(Run* run, grpc::GenericStub* stub, grpc::CompletionQueue* cq, const std::vector<grpc::Slice>* routes,
+             const std::vector<size_t>& first_requests)
+      : run_(run), stub_(stub), cq_(cq), routes_(routes) {
+    for (size_t first : first_requests) {
+      slots_.push_back(std::make_unique<StreamSlot>(this, slots_.size() + 1, first));
+    }
+    active_ = slots_.size();
+  }
+
+  void Start() {
+    call_ = stub_->PrepareCall(&context_, "/eldr.v1.DecodeRouter/RouteStream", cq_);
+    call_->StartCall(&start_tag_);
+  }
+  SlotStats& stats() { return stats_; }
+
+ private:
+  enum class Op { kStart, kRead, kWrite, kWritesDone, kFinish };
+  struct OpTag final : CqTag {
+    OpTag(StreamCall* c, Op o) : call(c), op(o) {}
+    void OnCqEvent(bool ok) override { call->OnEvent(op, ok); }
+    StreamCall* call;
+    Op op;
+  };
+  struct StreamSlot final : CqTag {
+    StreamSlot(StreamCall* c, uint64_t i, size_t first) : call(c), id(i), next(first) {}
+    void OnCqEvent(bool ok) override { call->OnAlarm(this, ok); }  // --rate: its start time came
+    StreamCall* call;
+    const uint64_t id;       // of its messages: its index + 1
+    size_t next;             // index of its next request
+    bool in_flight = false;  // a message of this slot awaits its answer
+    bool routing = false;    // that message is a Route (else a Complete)
+    Clock::time_point sent;
+    grpc::Alarm alarm;
+  };
+
+  void OnEvent(Op op, bool ok) {
+    switch (op) {
+      case Op::kStart:
+        if (!ok) {
+          Fail();
+          return;
+        }
+        call_->Read(&read_buffer_, &read_tag_);
+        for (auto& slot : slots_) NextRoute(slot.get());
+        return;
+      case Op::kRead:
+        if (!ok) {  // the server ended the stream
+          read_closed_ = true;
+          call_->Finish(&status_, &finish_tag_);
+          return;
+        }
+        OnAnswer();
+        call_->Read(&read_buffer_, &read_tag_);
+        return;
+      case Op::kWrite:
+        writing_ = false;
+        outbox_.pop_front();
+        if (ok) WriteNext();
+        return;
+      case Op::kWritesDone:
+        return;
+      case Op::kFinish:
+        if (!status_.ok()) RecordError(&stats_, status_.error_code(), "stream: " + status_.error_message());
+        run_->SlotFinished();
+        return;
+    }
+  }
+
+  void OnAlarm(StreamSlot* slot, bool ok) {
+    if (ok && !read_closed_) SendRoute(slot);
+  }
+
+  // The slot's next Route now, or at its scheduled time with --rate; none once the run is over.
+  void NextRoute(StreamSlot* slot) {
+    const Clock::time_point now = Clock::now();
+    const std::optional<Clock::time_point> due = run_->NextStart(now);
+    if (!due.has_value()) {
+      SlotDone();
+    } else if (*due > now) {
+      slot->alarm.Set(cq_, std::chrono::system_clock::now() + (*due - now), slot);
+    } else {
+      SendRoute(slot);
+    }
+  }
+
+  void SendRoute(StreamSlot* slot) {
+    slot->in_flight = true;
+    slot->routing = true;
+    slot->sent = Clock::now();
+    Send(RouteFrame(slot->id, (*routes_)[slot->next++ % routes_->size()]));
+  }
+
+  void OnAnswer() {
+    const Clock::time_point done = Clock::now();
+    eldr::v1::RouteStreamResponse answer;
+    grpc::ProtoBufferReader reader(&read_buffer_);
+    const bool parsed = answer.ParseFromZeroCopyStream(&reader);
+    const uint64_t id = answer.id();
+    if (!parsed || id == 0 || id > slots_.size() || !slots_[id - 1]->in_flight) {
+      RecordError(&stats_, -1, absl::StrCat("stream: an answer for no message in flight (id ", id, ")"));
+      return;
+    }
+    StreamSlot* slot = slots_[id - 1].get();
+    slot->in_flight = false;
+    const bool measured = run_->measured(done);
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(done - slot->sent).count();
+    if (measured) {
+      if (slot->routing) {
+        ++stats_.routes;
+        stats_.route_ns.push_back(ns);
+      } else {
+        ++stats_.completes;
+        stats_.complete_ns.push_back(ns);
+      }
+      if (answer.has_error()) RecordError(&stats_, answer.error().code(), answer.error().message());
+    }
+    if (slot->routing && answer.has_route() && run_->complete()) {
+      slot->in_flight = true;
+      slot->routing = false;
+      slot->sent = Clock::now();
+      Send(CompleteFrame(id, answer.route().lease_id()));
+      return;
+    }
+    NextRoute(slot);
+  }
+
+  void Send(grpc::ByteBuffer frame) {
+    outbox_.push_back(std::move(frame));
+    WriteNext();
+  }
+
+  void WriteNext() {
+    if (writing_) return;
+    if (!outbox_.empty()) {
+      writing_ = true;
+      call_->Write(outbox_.front(), &write_tag_);
+    } else if (active_ == 0 && !writes_done_) {
+      writes_done_ = true;  // every slot is done: half-close; the server answers the rest and ends OK
+      call_->WritesDone(&writes_done_tag_);
+    }
+  }
+
+  void SlotDone() {
+    --active_;
+    WriteNext();
+  }
+
+  // The call could not start: nothing more will happen on it.
+  void Fail() {
+    RecordError(&stats_, static_cast<int>(grpc::StatusCode::UNAVAILABLE), "stream: the call did not start");
+    read_closed_ = true;
+    call_->Finish(&status_, &finish_tag_);
+  }
+
+  Run* const run_;
+  grpc::GenericStub* const stub_;
+  grpc::CompletionQueue* const cq_;
+  const std::vector<grpc::Slice>* const routes_;
+  std::vector<std::unique_ptr<StreamSlot>> slots_;
+  size_t active_ = 0;  // slots that will still send routes
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+  OpTag start_tag_{this, Op::kStart};
+  OpTag read_tag_{this, Op::kRead};
+  OpTag write_tag_{this, Op::kWrite};
+  OpTag writes_done_tag_{this, Op::kWritesDone};
+  OpTag finish_tag_{this, Op::kFinish};
+  grpc::ByteBuffer read_buffer_;
+  std::deque<grpc::ByteBuffer> outbox_;  // front() is being written while writing_
+  bool writing_ = false;
+  bool writes_done_ = false;
+  bool read_closed_ = false;
+  grpc::Status status_;
+  SlotStats stats_;
+};
+
 double PercentileUs(std::vector<int64_t>& ns, double q) {
   if (ns.empty()) return 0;
   const size_t i = std::min(ns.size() - 1, static_cast<size_t>(std::ceil(q * ns.size())) - (q > 0 ? 1 : 0));
@@ -430,8 +682,9 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_write_artifact).empty()) return WriteFixtures(geometry->first, geometry->second);
 
   const std::string encoding = absl::GetFlag(FLAGS_encoding);
-  if (absl::GetFlag(FLAGS_api) != "cq" && absl::GetFlag(FLAGS_api) != "callback") {
-    std::fprintf(stderr, "eldr-bench: --api must be cq or callback\n");
+  const std::string api = absl::GetFlag(FLAGS_api);
+  if (api != "cq" && api != "callback" && api != "stream") {
+    std::fprintf(stderr, "eldr-bench: --api must be cq, callback or stream\n");
     return 2;
   }
   if (encoding != "int16" && encoding != "int32") {
@@ -448,6 +701,11 @@ int main(int argc, char** argv) {
   }
   if (concurrency <= 0 || channels <= 0 || !(duration_s > 0) || !(warmup_s >= 0)) {
     std::fprintf(stderr, "eldr-bench: --concurrency, --channels and --duration_s must be positive\n");
+    return 2;
+  }
+  const int streams = api != "stream" ? 0 : absl::GetFlag(FLAGS_streams) == 0 ? channels : absl::GetFlag(FLAGS_streams);
+  if (api == "stream" && (streams < 0 || streams > concurrency)) {
+    std::fprintf(stderr, "eldr-bench: --streams must be between 0 and --concurrency\n");
     return 2;
   }
 
@@ -468,6 +726,7 @@ int main(int argc, char** argv) {
   const auto credentials = MakeCredentials();
   std::vector<std::shared_ptr<grpc::Channel>> channel_list;
   std::vector<std::unique_ptr<eldr::v1::DecodeRouter::Stub>> stubs;
+  std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs;
   for (int c = 0; c < channels; ++c) {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // one connection per channel
@@ -488,6 +747,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     stubs.push_back(eldr::v1::DecodeRouter::NewStub(channel));
+    generic_stubs.push_back(std::make_unique<grpc::GenericStub>(channel));
     channel_list.push_back(std::move(channel));
   }
 
@@ -496,32 +756,49 @@ int main(int argc, char** argv) {
   const auto to = from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration_s));
   Run run(&requests, absl::GetFlag(FLAGS_complete), from, to);
   run.SetRate(absl::GetFlag(FLAGS_rate), start);
-  const std::string api = absl::GetFlag(FLAGS_api);
-  const int client_threads = api == "cq" ? std::max(1, absl::GetFlag(FLAGS_client_threads)) : 0;
+  const int client_threads = api == "callback" ? 0 : std::max(1, absl::GetFlag(FLAGS_client_threads));
   std::vector<std::unique_ptr<grpc::CompletionQueue>> queues;
   for (int t = 0; t < client_threads; ++t) queues.push_back(std::make_unique<grpc::CompletionQueue>());
   std::vector<std::unique_ptr<Slot>> slots;
-  for (int i = 0; i < concurrency; ++i) {
-    const size_t first = static_cast<size_t>(i) * requests.size() / concurrency;
-    grpc::CompletionQueue* cq = queues.empty() ? nullptr : queues[i % queues.size()].get();
-    slots.push_back(std::make_unique<Slot>(&run, stubs[i % channels].get(), cq, first));
+  std::vector<std::unique_ptr<StreamCall>> calls;
+  std::vector<grpc::Slice> route_slices;  // --api=stream: each request serialized once
+  if (api == "stream") {
+    for (const eldr::v1::RouteRequest& request : requests) route_slices.emplace_back(request.SerializeAsString());
+    for (int c = 0; c < streams; ++c) {
+      std::vector<size_t> firsts;  // slots c, c + streams, c + 2 * streams, ...
+      for (int i = c; i < concurrency; i += streams)
+        firsts.push_back(static_cast<size_t>(i) * requests.size() / concurrency);
+      calls.push_back(std::make_unique<StreamCall>(&run, generic_stubs[c % channels].get(),
+                                                   queues[c % queues.size()].get(), &route_slices, firsts));
+    }
+  } else {
+    for (int i = 0; i < concurrency; ++i) {
+      const size_t first = static_cast<size_t>(i) * requests.size() / concurrency;
+      grpc::CompletionQueue* cq = queues.empty() ? nullptr : queues[i % queues.size()].get();
+      slots.push_back(std::make_unique<Slot>(&run, stubs[i % channels].get(), cq, first));
+    }
   }
   std::vector<std::thread> pollers;
   for (auto& queue : queues) {
     pollers.emplace_back([cq = queue.get()] {
       void* tag = nullptr;
       bool ok = false;
-      while (cq->Next(&tag, &ok)) static_cast<Slot*>(tag)->OnCqEvent();
+      while (cq->Next(&tag, &ok)) static_cast<CqTag*>(tag)->OnCqEvent(ok);
     });
   }
   for (auto& slot : slots) slot->Start();
-  run.WaitForSlots(concurrency);
+  for (auto& call : calls) call->Start();
+  // A slot reports when it is done; a stream when its call finished (after all its slots).
+  run.WaitForSlots(api == "stream" ? streams : concurrency);
   for (auto& queue : queues) queue->Shutdown();
   for (auto& poller : pollers) poller.join();
 
   SlotStats total;
-  for (auto& slot : slots) {
-    SlotStats& s = slot->stats();
+  std::vector<SlotStats*> parts;
+  for (auto& slot : slots) parts.push_back(&slot->stats());
+  for (auto& call : calls) parts.push_back(&call->stats());
+  for (SlotStats* part : parts) {
+    SlotStats& s = *part;
     total.routes += s.routes;
     total.completes += s.completes;
     total.errors += s.errors;
@@ -547,6 +824,8 @@ int main(int argc, char** argv) {
       {"concurrency", concurrency},
       {"target_rate", absl::GetFlag(FLAGS_rate)},
       {"channels", channels},
+      {"api", api},
+      {"streams", streams},
       {"geometry", geometry_label},
       {"encoding", encoding},
       {"signatures", requests.size()},

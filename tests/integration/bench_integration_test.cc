@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -72,6 +73,62 @@ TEST(BenchIntegration, BundledTracesDriveLocalityRoutes) {
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   // Real signatures are scored against the centroids (no fallback).
   EXPECT_GE(metrics->Value("eldr_band_size_count").value_or(0), out["requests"].get<double>());
+}
+
+TEST(BenchIntegration, StreamModePipelinesRouteAndCompleteOverRouteStreams) {
+  TempDir dir;
+  auto router = RouterProcess::Start(dir, StandardArgs(dir));
+  ASSERT_TRUE(router.ok()) << router.status();
+  nlohmann::json out =
+      RunBench({"--target=" + (*router)->target(), "--api=stream", "--channels=2", "--streams=3", "--concurrency=9",
+                "--duration_s=1", "--warmup_s=0.2", "--geometry=26x64", "--complete", "--json"});
+  ASSERT_TRUE(out.is_object());
+  EXPECT_EQ(out["api"], "stream");
+  EXPECT_EQ(out["streams"].get<int>(), 3);
+  EXPECT_GT(out["requests"].get<int64_t>(), 50);
+  EXPECT_EQ(out["errors"].get<int64_t>(), 0) << out.dump();
+  EXPECT_LE(out["p50_us"].get<double>(), out["p99_us"].get<double>());
+  EXPECT_GT(out["complete_p50_us"].get<double>(), 0);
+  // At most one message per slot is unanswered when the window closes.
+  EXPECT_GE(out["completes"].get<int64_t>(), out["requests"].get<int64_t>() - 9);
+
+  // Every message went over RouteStream, and the half-close at the end left no lease behind.
+  auto metrics = ScrapeMetrics((*router)->metrics_port());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(metrics->Value("eldr_live_leases"), 0);
+  const double streamed =
+      metrics->Value("eldr_route_stream_messages_total", {{"kind", "route"}, {"outcome", "ok"}}).value_or(0);
+  EXPECT_GE(streamed, out["requests"].get<double>());
+  EXPECT_EQ(metrics->Value("eldr_route_duration_seconds_count"), streamed) << "every route was streamed";
+  EXPECT_EQ(metrics->Value("eldr_complete_requests_total", {{"outcome", "released"}}), streamed);
+  // eldr-bench exits once it has its streams' statuses; the router releases the calls right after.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (metrics.ok() && metrics->Value("eldr_route_streams_open") != 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+    metrics = ScrapeMetrics((*router)->metrics_port());
+  }
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(metrics->Value("eldr_route_streams_open"), 0);
+}
+
+TEST(BenchIntegration, StreamModeFollowsTheRate) {
+  TempDir dir;
+  auto router = RouterProcess::Start(dir, StandardArgs(dir));
+  ASSERT_TRUE(router.ok()) << router.status();
+  nlohmann::json out = RunBench({"--target=" + (*router)->target(), "--api=stream", "--concurrency=8", "--rate=400",
+                                 "--duration_s=1.5", "--warmup_s=0.2", "--geometry=26x64", "--complete", "--json"});
+  ASSERT_TRUE(out.is_object());
+  EXPECT_EQ(out["errors"].get<int64_t>(), 0) << out.dump();
+  EXPECT_EQ(out["target_rate"].get<double>(), 400);
+  EXPECT_NEAR(out["qps"].get<double>(), 400, 40) << out.dump();
+}
+
+TEST(BenchIntegration, StreamModeRejectsMoreStreamsThanSlots) {
+  ProcessResult result =
+      RunProcess(BinaryPath("eldr-bench"), {"--target=127.0.0.1:1", "--api=stream", "--streams=4", "--concurrency=2"},
+                 absl::Seconds(60));
+  EXPECT_EQ(result.exit_code, 2);
+  EXPECT_THAT(result.stderr_text, ::testing::HasSubstr("--streams"));
 }
 
 TEST(BenchIntegration, UnreachableTargetFailsClearly) {

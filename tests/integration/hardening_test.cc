@@ -39,29 +39,6 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-double MetricSum(const ParsedMetrics& metrics, const std::string& name,
-                 const std::map<std::string, std::string>& labels = {}) {
-  double sum = 0;
-  auto it = metrics.samples.find(name);
-  if (it == metrics.samples.end()) return 0;
-  for (const Sample& sample : it->second) {
-    bool match = true;
-    for (const auto& [key, value] : labels) {
-      auto label = sample.labels.find(key);
-      match = match && label != sample.labels.end() && label->second == value;
-    }
-    if (match) sum += sample.value;
-  }
-  return sum;
-}
-
-double Scraped(const RouterProcess& router, const std::string& name,
-               const std::map<std::string, std::string>& labels = {}) {
-  absl::StatusOr<ParsedMetrics> metrics = ScrapeMetrics(router.metrics_port());
-  EXPECT_TRUE(metrics.ok()) << metrics.status();
-  return metrics.ok() ? MetricSum(*metrics, name, labels) : -1;
-}
-
 // Whether the daemon still routes: a locality route to w1.
 void ExpectRoutes(const RouterProcess& router) {
   eldr::v1::RouteResponse response;

@@ -210,6 +210,28 @@ absl::StatusOr<ParsedMetrics> ScrapeMetrics(int port) {
   return ParsePrometheusText(*body);
 }
 
+double MetricSum(const ParsedMetrics& metrics, const std::string& name,
+                 const std::map<std::string, std::string>& labels) {
+  double sum = 0;
+  auto it = metrics.samples.find(name);
+  if (it == metrics.samples.end()) return 0;
+  for (const Sample& sample : it->second) {
+    bool match = true;
+    for (const auto& [key, value] : labels) {
+      auto label = sample.labels.find(key);
+      match = match && label != sample.labels.end() && label->second == value;
+    }
+    if (match) sum += sample.value;
+  }
+  return sum;
+}
+
+double Scraped(const RouterProcess& router, const std::string& name, const std::map<std::string, std::string>& labels) {
+  absl::StatusOr<ParsedMetrics> metrics = ScrapeMetrics(router.metrics_port());
+  EXPECT_TRUE(metrics.ok()) << metrics.status();
+  return metrics.ok() ? MetricSum(*metrics, name, labels) : -1;
+}
+
 absl::StatusOr<CertificateSet> MakeCertificates(const TempDir& dir, const std::string& prefix) {
   CertificateSet set;
   const std::string p = dir.File(prefix);

@@ -149,6 +149,12 @@ struct ParsedMetrics {
 };
 absl::StatusOr<ParsedMetrics> ParsePrometheusText(const std::string& text);
 absl::StatusOr<ParsedMetrics> ScrapeMetrics(int port);
+// The sum of the samples of `name` whose labels include all of `labels` (0 when none).
+double MetricSum(const ParsedMetrics& metrics, const std::string& name,
+                 const std::map<std::string, std::string>& labels = {});
+// MetricSum of a fresh scrape of the daemon; a failed scrape is a test failure (and -1).
+double Scraped(const RouterProcess& router, const std::string& name,
+               const std::map<std::string, std::string>& labels = {});
 
 // ---- TLS ----
 struct CertificateSet {
