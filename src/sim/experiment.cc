@@ -19,6 +19,16 @@
 #include "sim/routing_backend.h"
 
 namespace eldr::sim {
+
+absl::StatusOr<TtftDefinition> ParseTtftDefinition(absl::string_view name) {
+  if (name == "decode") return TtftDefinition::kDecode;
+  if (name == "prefill") return TtftDefinition::kPrefill;
+  return absl::InvalidArgumentError(absl::StrCat("--ttft must be decode or prefill, got '", name, "'"));
+}
+
+absl::string_view TtftDefinitionName(TtftDefinition definition) {
+  return definition == TtftDefinition::kPrefill ? "prefill" : "decode";
+}
 namespace {
 
 constexpr uint64_t kStreamCapacity = 11;
@@ -439,6 +449,7 @@ std::vector<double> DefaultRates(const CapacityEstimate& capacity) {
 absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload, const ExperimentOptions& options) {
   ELDR_RETURN_IF_ERROR(ValidateExperiment(workload, options));
   ExperimentResult result;
+  result.ttft = options.ttft;
   result.workload = workload.description;
   result.setups = options.setups;
   result.replica = options.replica;

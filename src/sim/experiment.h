@@ -59,16 +59,26 @@ absl::StatusOr<std::vector<ReplicaSetup>> ExpandReplicaSetups(const std::vector<
 // decode work per worker instead of request counts. Unchanged without decode counts.
 CalibrationData WeightByDecodeTokens(const CalibrationData& data);
 
+// Which TTFT the table shows (the JSON and CSV carry both).
+enum class TtftDefinition {
+  kDecode,   // arrival to the end of the first decode step (the first token the decode worker sends)
+  kPrefill,  // the reference implementation's: arrival to the end of prefill (its first token)
+};
+// "decode", "prefill"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<TtftDefinition> ParseTtftDefinition(absl::string_view name);
+absl::string_view TtftDefinitionName(TtftDefinition definition);
+
 struct ExperimentOptions {
   ClusterOptions cluster;
   std::vector<PolicySpec> policies;
-  std::vector<double> rates;               // empty: DefaultRates of the estimated capacity
-  int requests = 4000;                     // arrivals per rate
-  double tau = 0.1;                        // in-process routers; a daemon uses its own
-  int64_t max_inflight = 0;                // in-process routers' per-worker overload guard (0: none)
-  uint64_t seed = 1;                       // arrivals, calibration, refit
-  uint64_t router_seed = 0x5eed;           // in-process routers' tie-breaking (eldr-router's default)
-  TieBreak tie_break = TieBreak::kRandom;  // in-process routers' rule among equally loaded workers
+  std::vector<double> rates;                      // empty: DefaultRates of the estimated capacity
+  int requests = 4000;                            // arrivals per rate
+  double tau = 0.1;                               // in-process routers; a daemon uses its own
+  int64_t max_inflight = 0;                       // in-process routers' per-worker overload guard (0: none)
+  uint64_t seed = 1;                              // arrivals, calibration, refit
+  uint64_t router_seed = 0x5eed;                  // in-process routers' tie-breaking (eldr-router's default)
+  TieBreak tie_break = TieBreak::kRandom;         // in-process routers' rule among equally loaded workers
+  TtftDefinition ttft = TtftDefinition::kDecode;  // what the table's TTFT columns show
   SignatureVariant variant = SignatureVariant::kCountIdf;
   bool select_layers = true;            // greedy layer mask during calibration
   bool weight_by_decode_tokens = true;  // calibrate on WeightByDecodeTokens(calibration split)
@@ -109,6 +119,7 @@ struct ExperimentCell {
 };
 
 struct ExperimentResult {
+  TtftDefinition ttft = TtftDefinition::kDecode;  // the table's TTFT columns
   std::string workload;
   LocalityStats locality;
   CapacityEstimate capacity;

@@ -73,8 +73,9 @@ std::string FormatTable(const ExperimentResult& result) {
     absl::StrAppendFormat(&out, "\nrate %g req/s (%s)\n", rate, LoadLabel(rate, result.capacity.requests_per_s));
     absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "policy", "TPOT p50", "p90", "p99 ms",
                           "TTFT p50", "p99 ms", "experts/", "load", "batch", "vs best LB");
-    absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "", "", "", "", "", "", "layer",
-                          "imbalance", "", "p50 / p99");
+    absl::StrAppendFormat(&out, "%-11s %8s %8s %8s %9s %9s %9s %9s %7s %15s\n", "", "", "", "",
+                          result.ttft == TtftDefinition::kPrefill ? "(prefill)" : "", "", "layer", "imbalance", "",
+                          "p50 / p99");
     for (const ReplicaSetup& setup : result.setups) {
       if (label_setups) absl::StrAppendFormat(&out, "[%s]\n", ReplicaSetupLabel(setup));
       const Baseline best = BestBaseline(result, rate, setup);
@@ -87,7 +88,9 @@ std::string FormatTable(const ExperimentResult& result) {
                                    100 * (m.tpot_p99_ms / best.p99 - 1));
         }
         absl::StrAppendFormat(&out, "%-11s %8.2f %8.2f %8.2f %9.1f %9.1f %9.1f %9.2f %7.1f %15s\n", cell.policy.name,
-                              m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms, m.ttft_p50_ms, m.ttft_p99_ms,
+                              m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms,
+                              result.ttft == TtftDefinition::kPrefill ? m.ttft_prefill_p50_ms : m.ttft_p50_ms,
+                              result.ttft == TtftDefinition::kPrefill ? m.ttft_prefill_p99_ms : m.ttft_p99_ms,
                               m.distinct_experts_per_layer, m.load_imbalance, m.mean_batch, versus);
       }
       if (std::isfinite(best.p50)) {
@@ -122,6 +125,7 @@ nlohmann::json ToJson(const ExperimentResult& result, bool with_samples) {
       {"cluster_sizes", result.calibration.cluster_sizes}, {"signature_dim", result.signature_dim},
   };
   json["router"] = result.router;
+  json["ttft_definition"] = std::string(TtftDefinitionName(result.ttft));
   json["tau"] = result.tau;
   json["rates"] = result.rates;
   nlohmann::json setups = nlohmann::json::array();
@@ -150,6 +154,8 @@ nlohmann::json ToJson(const ExperimentResult& result, bool with_samples) {
         {"tpot_p99_ms", m.tpot_p99_ms},
         {"ttft_p50_ms", m.ttft_p50_ms},
         {"ttft_p99_ms", m.ttft_p99_ms},
+        {"ttft_prefill_p50_ms", m.ttft_prefill_p50_ms},
+        {"ttft_prefill_p99_ms", m.ttft_prefill_p99_ms},
         {"distinct_experts_per_layer", m.distinct_experts_per_layer},
         {"load_imbalance", m.load_imbalance},
         {"mean_batch", m.mean_batch},
@@ -173,13 +179,14 @@ std::string FormatCsv(const ExperimentResult& result) {
   std::string out =
       "rate_rps,policy,tpot_p50_ms,tpot_p90_ms,tpot_p99_ms,ttft_p50_ms,ttft_p99_ms,"
       "distinct_experts_per_layer,load_imbalance,mean_batch,decode_tokens_per_s,measured_requests,replicas,"
-      "shared_state\n";
+      "shared_state,ttft_prefill_p50_ms,ttft_prefill_p99_ms\n";
   for (const ExperimentCell& cell : result.cells) {
     const RunMetrics& m = cell.run.metrics;
-    absl::StrAppendFormat(&out, "%g,%s,%.4f,%.4f,%.4f,%.3f,%.3f,%.3f,%.4f,%.3f,%.1f,%d,%d,%d\n", cell.rate,
+    absl::StrAppendFormat(&out, "%g,%s,%.4f,%.4f,%.4f,%.3f,%.3f,%.3f,%.4f,%.3f,%.1f,%d,%d,%d,%.3f,%.3f\n", cell.rate,
                           cell.policy.name, m.tpot_p50_ms, m.tpot_p90_ms, m.tpot_p99_ms, m.ttft_p50_ms, m.ttft_p99_ms,
                           m.distinct_experts_per_layer, m.load_imbalance, m.mean_batch, m.decode_tokens_per_s,
-                          m.measured_requests, cell.setup.replicas, cell.setup.shared_state ? 1 : 0);
+                          m.measured_requests, cell.setup.replicas, cell.setup.shared_state ? 1 : 0,
+                          m.ttft_prefill_p50_ms, m.ttft_prefill_p99_ms);
   }
   return out;
 }

@@ -77,6 +77,10 @@ ABSL_FLAG(double, kv_transfer_us, kCluster.cost.kv_transfer_us, "KV handoff pref
 ABSL_FLAG(std::string, policies, "rr,random,jsq,p2c,eldr,eldr_refit",
           "Policies to compare: rr, random, jsq, p2c, eldr, eldr_refit");
 ABSL_FLAG(double, tau, 0.1, "eldr locality band width (in-process routers; a daemon uses its own)");
+ABSL_FLAG(std::string, ttft, "decode",
+          "TTFT in the table: decode (arrival to the end of the first decode step) or prefill (the reference "
+          "implementation's: arrival to the end of prefill, whose first token its proxy delivers); JSON and CSV carry "
+          "both");
 ABSL_FLAG(std::string, tie_break, "random",
           "Among equally loaded workers (in-process routers): random, or lowest_index (the reference implementation's "
           "rule)");
@@ -249,6 +253,9 @@ int main(int argc, char** argv) {
   absl::StatusOr<eldr::TieBreak> tie_break = eldr::ParseTieBreak(absl::GetFlag(FLAGS_tie_break));
   if (!tie_break.ok()) return Fail(tie_break.status());
   options.tie_break = *tie_break;
+  absl::StatusOr<eldr::sim::TtftDefinition> ttft = eldr::sim::ParseTtftDefinition(absl::GetFlag(FLAGS_ttft));
+  if (!ttft.ok()) return Fail(ttft.status());
+  options.ttft = *ttft;
   options.seed = absl::GetFlag(FLAGS_seed);
   options.router_seed = absl::GetFlag(FLAGS_router_seed);
   options.max_inflight = absl::GetFlag(FLAGS_max_inflight);

@@ -67,6 +67,9 @@ struct RunMetrics {
   int measured_requests = 0;
   double tpot_p50_ms = 0, tpot_p90_ms = 0, tpot_p99_ms = 0;
   double ttft_p50_ms = 0, ttft_p99_ms = 0;
+  // The reference implementation's TTFT: arrival to the end of prefill, when its proxy delivers
+  // the prefill instance's first token to the client (before the KV handoff and decode).
+  double ttft_prefill_p50_ms = 0, ttft_prefill_p99_ms = 0;
   // Mean over measured-window steps of (distinct experts summed over layers) / layers.
   double distinct_experts_per_layer = 0;
   // Time average of max_w(in-flight_w) / mean_w(in-flight_w) over the measured window, where a

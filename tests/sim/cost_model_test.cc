@@ -124,6 +124,9 @@ TEST(SimulatorTest, HandComputedTwoRequestRun) {
   EXPECT_DOUBLE_EQ(m.tpot_ms[1], 1.11);
   EXPECT_DOUBLE_EQ(m.tpot_p50_ms, 1.115);
   EXPECT_DOUBLE_EQ(m.ttft_p50_ms, (1.21 + 2.33) / 2);
+  // The reference's TTFT ends with prefill: 0.1 and 0.2 ms.
+  EXPECT_DOUBLE_EQ(m.ttft_prefill_p50_ms, (0.1 + 0.2) / 2);
+  EXPECT_DOUBLE_EQ(m.ttft_prefill_p99_ms, 0.1 + 0.99 * (0.2 - 0.1));
   // The measured window is the span of the measured arrivals (both at 0): the step starting at
   // 100 falls outside it, so no step is averaged; the run is still complete.
   EXPECT_DOUBLE_EQ(run->simulated_seconds, 3440e-6);

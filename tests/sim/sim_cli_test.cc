@@ -1,7 +1,9 @@
 // eldr-sim as users run it: determinism of the JSON for a seed, the output formats, the figure,
 // and clear failures on bad flags and unreadable traces.
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -63,7 +65,33 @@ TEST(SimCliTest, SameSeedSameJsonOtherSeedOtherJson) {
     EXPECT_LE(result["tpot_p50_ms"].get<double>(), result["tpot_p90_ms"].get<double>());
     EXPECT_LE(result["tpot_p90_ms"].get<double>(), result["tpot_p99_ms"].get<double>());
     EXPECT_GE(result["load_imbalance"].get<double>(), 1.0);
+    // The reference's TTFT (end of prefill) comes before the first decoded token.
+    EXPECT_GT(result["ttft_prefill_p50_ms"].get<double>(), 0);
+    EXPECT_LT(result["ttft_prefill_p50_ms"].get<double>(), result["ttft_p50_ms"].get<double>());
   }
+  EXPECT_EQ(json["ttft_definition"], "decode");
+}
+
+// --ttft=prefill puts the reference's TTFT in the table's columns, and says so.
+TEST(SimCliTest, TtftDefinitionSelectsTheTableColumns) {
+  const ProcessResult decode = Sim(SmallSynthetic("7"), {"--policies=jsq", "--json"});
+  const ProcessResult prefill = Sim(SmallSynthetic("7"), {"--policies=jsq", "--ttft=prefill"});
+  ASSERT_EQ(decode.exit_code, 0) << decode.stderr_text;
+  ASSERT_EQ(prefill.exit_code, 0) << prefill.stderr_text;
+  EXPECT_THAT(prefill.stdout_text, HasSubstr("(prefill)"));
+  const nlohmann::json json = nlohmann::json::parse(decode.stdout_text);
+  const nlohmann::json& first = json["results"][0];
+  // The first rate's jsq row: policy, TPOT p50 / p90 / p99, then the TTFT p50 shown.
+  std::istringstream table(prefill.stdout_text);
+  std::string line;
+  while (std::getline(table, line) && line.rfind("jsq ", 0) != 0) {
+  }
+  std::istringstream row(line);
+  std::string policy;
+  double tpot50 = 0, tpot90 = 0, tpot99 = 0, ttft50 = 0;
+  ASSERT_TRUE(row >> policy >> tpot50 >> tpot90 >> tpot99 >> ttft50) << prefill.stdout_text;
+  EXPECT_NEAR(ttft50, first["ttft_prefill_p50_ms"].get<double>(), 0.051);
+  EXPECT_GT(std::abs(ttft50 - first["ttft_p50_ms"].get<double>()), 0.051) << "the decode TTFT was shown";
 }
 
 TEST(SimCliTest, RealTracesTableCsvAndFigure) {
@@ -169,6 +197,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadInvocation{
             "BadSyncPeriod", {"--synthetic=8x16x2", "--replicas=3", "--replica_sync_ms=0"}, "--replica_sync_ms"},
         BadInvocation{"BadSyncPhases", {"--synthetic=8x16x2", "--replica_sync_phases=random"}, "--replica_sync_phases"},
+        BadInvocation{"BadTtft", {"--synthetic=8x16x2", "--ttft=first"}, "--ttft must be decode or prefill"},
+        BadInvocation{"BadTieBreak", {"--synthetic=8x16x2", "--tie_break=first"}, "random or lowest_index"},
         BadInvocation{"BadAssignment", {"--synthetic=8x16x2", "--replica_assignment=hash"}, "--replica_assignment"},
         BadInvocation{"ReplicasThroughADaemon",
                       {"--synthetic=8x16x2", "--replicas=3", "--router=grpc://127.0.0.1:1"},
