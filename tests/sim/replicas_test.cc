@@ -63,6 +63,21 @@ std::unique_ptr<CountingBackend> Replica(PolicyKind policy, uint64_t seed, int w
   return std::make_unique<CountingBackend>(*std::move(backend));
 }
 
+// `count` replicas of `policy` (seeds 0x5eed + r) over `workers` workers, owned here, and the
+// routers view of them a replicated run takes.
+struct ReplicaSet {
+  std::vector<std::unique_ptr<CountingBackend>> owned;
+  ReplicaRouters routers;
+};
+ReplicaSet MakeReplicas(PolicyKind policy, int count, int workers, int64_t max_inflight = 0) {
+  ReplicaSet set;
+  for (int r = 0; r < count; ++r) {
+    set.owned.push_back(Replica(policy, 0x5eed + r, workers, max_inflight));
+    set.routers.replicas.push_back(set.owned.back().get());
+  }
+  return set;
+}
+
 SyntheticOptions SmallOptions(uint64_t seed) {
   SyntheticOptions synthetic;
   synthetic.layers = 8;
@@ -215,12 +230,9 @@ TEST(ReplicasTest, TrafficSplitsOneOverRPerReplica) {
   const std::vector<Arrival> arrivals = MakeArrivals(*workload, 60, 400, 3);
   for (ReplicaAssignment assignment : {ReplicaAssignment::kModulo, ReplicaAssignment::kRandom}) {
     SCOPED_TRACE(ReplicaAssignmentName(assignment));
-    std::vector<std::unique_ptr<CountingBackend>> owned;
-    ReplicaRouters routers;
-    for (int r = 0; r < 3; ++r) {
-      owned.push_back(Replica(PolicyKind::kRoundRobin, 0x5eed + r, cluster.decoders));
-      routers.replicas.push_back(owned.back().get());
-    }
+    ReplicaSet set = MakeReplicas(PolicyKind::kRoundRobin, 3, cluster.decoders);
+    std::vector<std::unique_ptr<CountingBackend>>& owned = set.owned;
+    ReplicaRouters& routers = set.routers;
     ReplicaOptions replica;
     replica.assignment = assignment;
     replica.assignment_seed = 3;
@@ -256,13 +268,10 @@ TEST(ReplicasTest, TrafficSplitsOneOverRPerReplica) {
 // worker is the pool's lease count there (its own plus the others'), and its peer leases the
 // others'.
 TEST(ReplicasTest, SyncGivesEveryReplicaTheOthersLeases) {
-  std::vector<std::unique_ptr<CountingBackend>> owned;
-  std::vector<RoutingBackend*> replicas;
-  for (int r = 0; r < 3; ++r) {
-    owned.push_back(Replica(PolicyKind::kRoundRobin, 0x5eed + r, 4));
-    replicas.push_back(owned.back().get());
-    replicas.back()->StartRun();
-  }
+  ReplicaSet set = MakeReplicas(PolicyKind::kRoundRobin, 3, 4);
+  std::vector<std::unique_ptr<CountingBackend>>& owned = set.owned;
+  std::vector<RoutingBackend*>& replicas = set.routers.replicas;
+  for (RoutingBackend* replica : replicas) replica->StartRun();
   const std::vector<int16_t> counts(2 * 4, 1);
   RouteCall call;
   call.layers = 2;
@@ -307,12 +316,9 @@ TEST(ReplicasTest, SharedLoadAppliesThePoolsLeasesAtEverySync) {
   ASSERT_TRUE(workload.ok()) << workload.status();
   const ClusterOptions cluster = SmallCluster();
   const std::vector<Arrival> arrivals = MakeArrivals(*workload, 120, 400, 4);
-  std::vector<std::unique_ptr<CountingBackend>> owned;
-  ReplicaRouters routers;
-  for (int r = 0; r < 3; ++r) {
-    owned.push_back(Replica(PolicyKind::kJsq, 0x5eed + r, cluster.decoders));
-    routers.replicas.push_back(owned.back().get());
-  }
+  ReplicaSet set = MakeReplicas(PolicyKind::kJsq, 3, cluster.decoders);
+  std::vector<std::unique_ptr<CountingBackend>>& owned = set.owned;
+  ReplicaRouters& routers = set.routers;
   ReplicaOptions replica;
   replica.shared_load = true;
   replica.sync_period_ms = 50;
@@ -354,12 +360,9 @@ TEST(ReplicasTest, StaggeredSyncsRefreshOneReplicaAtATime) {
   ASSERT_TRUE(workload.ok()) << workload.status();
   const ClusterOptions cluster = SmallCluster();
   const std::vector<Arrival> arrivals = MakeArrivals(*workload, 120, 400, 4);
-  std::vector<std::unique_ptr<CountingBackend>> owned;
-  ReplicaRouters routers;
-  for (int r = 0; r < 3; ++r) {
-    owned.push_back(Replica(PolicyKind::kJsq, 0x5eed + r, cluster.decoders));
-    routers.replicas.push_back(owned.back().get());
-  }
+  ReplicaSet set = MakeReplicas(PolicyKind::kJsq, 3, cluster.decoders);
+  std::vector<std::unique_ptr<CountingBackend>>& owned = set.owned;
+  ReplicaRouters& routers = set.routers;
   ReplicaOptions replica;
   replica.shared_load = true;
   replica.sync_period_ms = 60;
@@ -437,14 +440,10 @@ TEST(ReplicasTest, RefitIsOneDriverForThePoolOrOnePerReplica) {
     }
   }
   // A driver count that is neither one nor one per replica is refused.
-  std::vector<std::unique_ptr<CountingBackend>> owned;
-  ReplicaRouters routers;
+  ReplicaSet set = MakeReplicas(PolicyKind::kEldr, 3, cluster.decoders);
+  ReplicaRouters& routers = set.routers;
   CentroidArtifact named = calibrated->artifact;
-  for (int r = 0; r < 3; ++r) {
-    owned.push_back(Replica(PolicyKind::kEldr, 0x5eed + r, cluster.decoders));
-    routers.replicas.push_back(owned.back().get());
-  }
-  named.workers = owned[0]->worker_ids();
+  named.workers = set.owned[0]->worker_ids();
   std::unique_ptr<SimRefitDriver> first = *SimRefitDriver::Create(named, refit_options);
   std::unique_ptr<SimRefitDriver> second = *SimRefitDriver::Create(named, refit_options);
   routers.refits = {first.get(), second.get()};
