@@ -231,15 +231,12 @@ class P2cPolicy final : public RoutingPolicy {
     if (second >= first) ++second;
     const int a = NthEligible(input.workers, first);
     const int b = NthEligible(input.workers, second);
-    const double load_a = NormalisedLoad(input.workers[a]);
-    const double load_b = NormalisedLoad(input.workers[b]);
-    if (SameLoad(load_a, load_b)) {
-      decision.worker = ties_.rule == TieBreak::kLowestIndex                       ? std::min(a, b)
-                        : std::uniform_int_distribution<int>(0, 1)(ties_.rng) == 0 ? a
-                                                                                   : b;
-    } else {
-      decision.worker = load_a < load_b ? a : b;
-    }
+    // The lower load wins, ties by the tie-break rule (b offered first: a random tie's draw of 0
+    // picks a, the first draw).
+    LeastLoaded least(&ties_);
+    least.Offer(b, NormalisedLoad(input.workers[b]));
+    least.Offer(a, NormalisedLoad(input.workers[a]));
+    decision.worker = least.pick();
     return decision;
   }
 
