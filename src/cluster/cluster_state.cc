@@ -165,6 +165,11 @@ class ClusterState::Impl {
     return peers_;
   }
 
+  int PeerCount() const {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(peers_.size());
+  }
+
   ClusterRole role() const {
     absl::MutexLock lock(&mu_);
     return status_.role;
@@ -759,6 +764,7 @@ std::map<std::string, ClusterState::LeaseCount> ClusterState::OthersLeaseCounts(
   return impl_->OthersLeaseCounts();
 }
 std::vector<PeerLoad> ClusterState::PeerLoads() const { return impl_->PeerLoads(); }
+int ClusterState::PeerCount() const { return impl_->PeerCount(); }
 ClusterRole ClusterState::role() const { return impl_->role(); }
 ClusterStatus ClusterState::status() const { return impl_->status(); }
 const ClusterOptions& ClusterState::options() const { return impl_->options(); }

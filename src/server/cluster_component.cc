@@ -314,7 +314,7 @@ class ClusterComponent : public BackgroundComponent, public RouterObserver {
         peers[worker] = PeerLeaseCount{count.live, count.since_snapshot};
       }
       context_.router->SetPeerLeases(peers);
-      replicas_.store(1 + static_cast<int>(state_->PeerLoads().size()), std::memory_order_relaxed);
+      replicas_.store(1 + state_->PeerCount(), std::memory_order_relaxed);
       stop_mu_.Lock();
       stop_mu_.AwaitWithTimeout(absl::Condition(&stopping_), load_interval_);
     }

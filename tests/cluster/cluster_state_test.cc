@@ -202,6 +202,7 @@ TEST_F(ClusterStateTest, ThreeReplicasOneLeaderOneGeneration) {
   EXPECT_EQ(leader->state->status().redis_errors[static_cast<int>(RedisErrorKind::kScript)], 0);
   // Peers see each other (and each other's installed generation).
   ASSERT_TRUE(WaitFor([&] { return a->state->status().peers.size() == 2; }, absl::Seconds(1)));
+  EXPECT_EQ(a->state->PeerCount(), 2);
   ASSERT_TRUE(WaitFor(
       [&] {
         for (const PeerStatus& peer : a->state->status().peers) {

@@ -210,8 +210,9 @@ class ClusterState {
     int64_t since_snapshot = 0;
   };
   std::map<std::string, LeaseCount> OthersLeaseCounts() const;
-  // The other replicas' last published loads.
+  // The other replicas' last published loads, and how many they are (without the copy).
   std::vector<PeerLoad> PeerLoads() const;
+  int PeerCount() const;
 
   ClusterRole role() const;
   ClusterStatus status() const;
