@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -58,14 +59,7 @@ RouteStreamResponse Exchange(Stream* stream, const RouteStreamRequest& message) 
 // Polls until `done` holds (bounded; a test failure otherwise).
 template <typename Predicate>
 void WaitUntil(Predicate done, const std::string& what, absl::Duration timeout = absl::Seconds(10)) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (!done()) {
-    if (absl::Now() > deadline) {
-      ADD_FAILURE() << "timed out waiting for " << what;
-      return;
-    }
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  if (!PollUntil(std::move(done), timeout, absl::Milliseconds(10))) ADD_FAILURE() << "timed out waiting for " << what;
 }
 
 void ExpectSameDecision(const RouteResponse& unary, const RouteResponse& streamed, const std::string& what) {
