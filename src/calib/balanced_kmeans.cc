@@ -182,69 +182,27 @@ absl::Status ValidateKMeansArguments(int n, int dim, const BalancedKMeansOptions
   return absl::OkStatus();
 }
 
-// Largest replicated assignment (units * clusters cells) a weighted fit quantises to.
-constexpr int64_t kMaxWeightedCells = int64_t{1} << 23;
-
-// Integer units of weighted points (BalancedKMeansOptions::point_weights).
-struct PointUnits {
-  std::vector<int> units;  // per point
-  int64_t total = 0;
-  double unit_weight = 0;
-};
-
-// Quantises the weights: a point of mean weight gets `resolution` units (fewer, down to 1, when
-// n * resolution * k cells would exceed kMaxWeightedCells), each point round(weight / unit).
-absl::StatusOr<PointUnits> QuantiseWeights(const std::vector<double>& weights, int n, int k, int resolution) {
-  if (weights.size() != static_cast<size_t>(n)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("balanced k-means: ", weights.size(), " point weights for ", n, " points"));
-  }
-  if (resolution < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("balanced k-means: weight_resolution = ", resolution, ", need >= 1"));
-  }
-  double total = 0;
-  for (int i = 0; i < n; ++i) {
-    if (!std::isfinite(weights[i]) || weights[i] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("balanced k-means: weight of point ", i, " is ", weights[i], "; need a finite value >= 0"));
-    }
-    total += weights[i];
-  }
-  if (!(total > 0) || !std::isfinite(total)) {
-    return absl::InvalidArgumentError("balanced k-means: the point weights sum to zero (or overflow)");
-  }
-  const int64_t cells_per_resolution = static_cast<int64_t>(n) * k;
-  const int effective = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(resolution, kMaxWeightedCells / std::max<int64_t>(1, cells_per_resolution))));
-  PointUnits result;
-  result.unit_weight = total / (static_cast<double>(n) * effective);
-  result.units.resize(n);
-  for (int i = 0; i < n; ++i) {
-    result.units[i] = static_cast<int>(std::llround(weights[i] / result.unit_weight));
-    result.total += result.units[i];
-  }
-  if (result.total == 0) {  // cannot happen (the units of the mean sum to n * effective), but be safe
-    return absl::InvalidArgumentError("balanced k-means: every point weight rounds to zero units");
-  }
-  return result;
-}
-
 // Validates the arguments, then the points, and returns the capacity of each cluster
 // (ClusterCapacities; in units for a weighted fit, whose units `units` receives).
 absl::StatusOr<std::vector<int>> ValidatedCapacities(const PointRows& points, const BalancedKMeansOptions& options,
-                                                     std::vector<float>* scratch, std::optional<PointUnits>* units) {
+                                                     std::vector<float>* scratch, std::optional<WeightUnits>* units) {
   const int n = points.rows();
   if (absl::Status status = ValidateKMeansArguments(n, points.dim(), options); !status.ok()) return status;
   const int k = options.clusters;
   int64_t balanced_amount = n;
   if (!options.point_weights.empty()) {
-    absl::StatusOr<PointUnits> quantised = QuantiseWeights(options.point_weights, n, k, options.weight_resolution);
+    if (options.point_weights.size() != static_cast<size_t>(n)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("balanced k-means: ", options.point_weights.size(), " point weights for ", n, " points"));
+    }
+    absl::StatusOr<WeightUnits> quantised = QuantiseWeights(options.point_weights, k, options.weight_resolution);
     if (!quantised.ok()) return quantised.status();
     balanced_amount = quantised->total;
     units->emplace(*std::move(quantised));
   }
   std::vector<int> capacity = ClusterCapacities(static_cast<int>(balanced_amount), k, options.capacity_weights);
+  // Unbalanced: validated the same way, then every cluster may hold everything.
+  if (!options.balanced && !capacity.empty()) capacity.assign(k, static_cast<int>(balanced_amount));
   if (capacity.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("balanced k-means: capacity weights must be empty or ", k,
                                                    " finite positive values (got ", options.capacity_weights.size(),
@@ -357,6 +315,37 @@ void MoveCentroidsToMeans(const PointRows& points, int k, const std::vector<int>
 
 }  // namespace
 
+absl::StatusOr<WeightUnits> QuantiseWeights(absl::Span<const double> weights, int clusters, int resolution) {
+  const int n = static_cast<int>(weights.size());
+  if (resolution < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("balanced k-means: weight_resolution = ", resolution, ", need >= 1"));
+  }
+  if (n < 1 || clusters < 1) return absl::InvalidArgumentError("balanced k-means: no weights or no clusters");
+  double total = 0;
+  for (int i = 0; i < n; ++i) {
+    if (!std::isfinite(weights[i]) || weights[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("balanced k-means: weight of point ", i, " is ", weights[i], "; need a finite value >= 0"));
+    }
+    total += weights[i];
+  }
+  if (!(total > 0) || !std::isfinite(total)) {
+    return absl::InvalidArgumentError("balanced k-means: the point weights sum to zero (or overflow)");
+  }
+  const int64_t cells_per_resolution = static_cast<int64_t>(n) * clusters;
+  const int effective = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(resolution, kMaxWeightedCells / std::max<int64_t>(1, cells_per_resolution))));
+  WeightUnits result;
+  result.unit_weight = total / (static_cast<double>(n) * effective);
+  result.units.resize(n);
+  for (int i = 0; i < n; ++i) {
+    result.units[i] = static_cast<int>(std::llround(weights[i] / result.unit_weight));
+    result.total += result.units[i];
+  }
+  return result;
+}
+
 absl::Span<const float> DensePointRows::Read(int begin, int count, std::vector<float>* /*scratch*/) const {
   return points_.subspan(static_cast<size_t>(begin) * dim_, static_cast<size_t>(count) * dim_);
 }
@@ -385,7 +374,7 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(const PointRows& points, 
   const int n = points.rows();
   const int dim = points.dim();
   std::vector<float> scratch;  // one block of decoded rows (unused by a dense matrix)
-  std::optional<PointUnits> units;
+  std::optional<WeightUnits> units;
   absl::StatusOr<std::vector<int>> validated = ValidatedCapacities(points, options, &scratch, &units);
   if (!validated.ok()) return validated.status();
   const std::vector<int> capacity = *std::move(validated);

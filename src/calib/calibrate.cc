@@ -61,6 +61,16 @@ absl::StatusOr<std::vector<float>> TransformRequests(const CalibrationData& data
   return out;
 }
 
+std::vector<double> DecodeTokenWeights(const CalibrationData& data) {
+  if (data.decode_counts.empty() || data.n == 0) return {};
+  const size_t plane = static_cast<size_t>(data.layers) * data.experts;
+  std::vector<double> tokens(data.n, 0.0);
+  for (int i = 0; i < data.n; ++i) {
+    for (int e = 0; e < data.experts; ++e) tokens[i] += data.decode_counts[plane * i + e];
+  }
+  return tokens;
+}
+
 namespace {
 
 // Checks the data (ValidateCalibrationData) and the options Calibrate needs: clusters, capacity
@@ -100,9 +110,10 @@ absl::Status ValidateCalibrateInputs(const CalibrationData& data, const Calibrat
   return absl::OkStatus();
 }
 
-// The signature spec to calibrate: for count_idf, IDF weights and (when asked and decode counts
-// exist) the greedy layer mask; count and gate_prob keep every layer, unweighted. Fills the IDF
-// and mask parts of `report`.
+// The signature spec to calibrate: for count_idf, IDF weights; for count_idf and gate_prob (when
+// asked and decode counts exist) the greedy layer mask; count keeps every layer, unweighted. Fills
+// the IDF and mask parts of `report`. Every request counts once here, whatever the clustering's
+// weights.
 absl::StatusOr<SignatureSpec> ChooseSignatureSpec(const CalibrationData& data, const CalibrationOptions& options,
                                                   CalibrationReport* report) {
   SignatureSpec spec;
@@ -119,12 +130,20 @@ absl::StatusOr<SignatureSpec> ChooseSignatureSpec(const CalibrationData& data, c
   report->seconds_idf = SecondsSince(phase);
 
   phase = std::chrono::steady_clock::now();
-  if (options.variant == SignatureVariant::kCountIdf && options.select_layers && !data.decode_counts.empty() &&
-      data.n >= 3) {
-    absl::StatusOr<LayerMaskSearchResult> mask = SearchLayerMask(data, idf, options.mask_pairs, options.seed);
+  report->mask_rule = options.mask_rule;
+  const bool searchable =
+      options.variant == SignatureVariant::kCountIdf || options.variant == SignatureVariant::kGateProb;
+  if (searchable && options.select_layers && !data.decode_counts.empty() && data.n >= 3) {
+    LayerMaskSearchOptions search;
+    search.max_pairs = options.mask_pairs;
+    search.seed = options.seed;
+    search.rule = options.mask_rule;
+    search.variant = options.variant;
+    absl::StatusOr<LayerMaskSearchResult> mask = SearchLayerMask(data, idf, search);
     if (!mask.ok()) return mask.status();
     spec.layer_mask = mask->layer_mask;
     report->mask_steps = mask->steps;
+    report->mask_peak_step = mask->peak_step;
     report->mask_correlation = mask->correlation;
     report->all_layers_correlation = mask->all_layers_correlation;
     report->mask_pairs = mask->pairs;
@@ -177,12 +196,53 @@ absl::StatusOr<CalibrationPoints> TransformUsableRequests(const CalibrationData&
   return points;
 }
 
+// The clustering's weight of each usable request (empty: unweighted) and its name for the
+// report: explicit weights, decode tokens, or none.
+absl::StatusOr<std::vector<double>> ClusteringWeights(const CalibrationData& data, const CalibrationOptions& options,
+                                                      const std::vector<int>& usable, std::string* weighting) {
+  std::vector<double> per_request;
+  *weighting = "none";
+  if (!options.request_weights.empty()) {
+    if (options.request_weights.size() != static_cast<size_t>(data.n)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(options.request_weights.size(), " request weights for ", data.n, " requests"));
+    }
+    per_request = options.request_weights;
+    *weighting = "explicit";
+  } else if (options.weight_by_decode_tokens && !data.decode_counts.empty()) {
+    per_request = DecodeTokenWeights(data);
+    *weighting = "decode_tokens";
+  }
+  if (per_request.empty()) return per_request;
+  std::vector<double> weights;
+  weights.reserve(usable.size());
+  for (int r : usable) {
+    if (!std::isfinite(per_request[r]) || per_request[r] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", r, " has weight ", per_request[r], "; need a finite value >= 0"));
+    }
+    weights.push_back(per_request[r]);
+  }
+  double total = 0;
+  for (double w : weights) total += w;
+  if (!(total > 0)) {
+    if (*weighting == "explicit") return absl::InvalidArgumentError("the request weights sum to zero");
+    // No request generated a decode token: nothing to weight by.
+    *weighting = "none";
+    weights.clear();
+  }
+  return weights;
+}
+
 // Balanced spherical k-means of the points with the options' clusters, weights, seed and limits;
 // records its time in report->seconds_kmeans.
 absl::StatusOr<BalancedKMeansResult> FitCentroids(const CalibrationPoints& points, const CalibrationOptions& options,
-                                                  CalibrationReport* report) {
+                                                  std::vector<double> weights, CalibrationReport* report) {
   const auto phase = std::chrono::steady_clock::now();
   BalancedKMeansOptions kmeans;
+  kmeans.point_weights = std::move(weights);
+  kmeans.weight_resolution = options.weight_resolution;
+  kmeans.balanced = options.balanced;
   kmeans.clusters = options.clusters;
   kmeans.capacity_weights = options.capacity_weights;
   kmeans.seed = options.seed;
@@ -209,6 +269,9 @@ void RecordFit(const BalancedKMeansResult& fit, const std::vector<int>& usable, 
   report->seconds_scoring = fit.seconds_scoring;
   report->seconds_assignment = fit.seconds_assignment;
   report->seconds_update = fit.seconds_update;
+  report->cluster_weights = fit.cluster_weights;
+  report->unit_weight = fit.unit_weight;
+  report->split_points = fit.split_points;
   report->assignment.assign(n, -1);
   for (size_t i = 0; i < usable.size(); ++i) report->assignment[usable[i]] = fit.assignment[i];
 }
@@ -226,7 +289,10 @@ absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data, const C
   if (!spec.ok()) return spec.status();
   absl::StatusOr<CalibrationPoints> points = TransformUsableRequests(data, *spec, k, &report);
   if (!points.ok()) return points.status();
-  absl::StatusOr<BalancedKMeansResult> fit = FitCentroids(*points, options, &report);
+  absl::StatusOr<std::vector<double>> weights = ClusteringWeights(data, options, points->usable, &report.weighting);
+  if (!weights.ok()) return weights.status();
+  report.balanced = options.balanced;
+  absl::StatusOr<BalancedKMeansResult> fit = FitCentroids(*points, options, *std::move(weights), &report);
   if (!fit.ok()) return fit.status();
   RecordFit(*fit, points->usable, data.n, &report);
 

@@ -63,7 +63,19 @@ ABSL_FLAG(double, tolerance, 1e-4,
           "the assignment is stable)");
 ABSL_FLAG(int, mask_pairs, 30000, "Request pairs for the layer-mask Spearman search");
 ABSL_FLAG(bool, select_layers, true,
-          "Greedy layer mask (variant count_idf with decode counts); false keeps every layer");
+          "Greedy layer mask (variants count_idf and gate_prob, with decode counts); false keeps every layer");
+ABSL_FLAG(std::string, mask_rule, "global_maximum",
+          "Layer mask from the greedy curve: global_maximum (all L steps, keep the prefix up to the "
+          "maximum: the reference's rule) or first_decrease (stop at the first step that does not "
+          "raise the correlation)");
+ABSL_FLAG(bool, weight_by_decode_tokens, true,
+          "Balance the clustering by each request's decode tokens (captures with decode counts): each "
+          "worker's zone gets an equal share of the decode work; IDF and the layer mask count every "
+          "request once");
+ABSL_FLAG(int, weight_resolution, 8,
+          "Weighted balance: integer units per request of mean weight in the exact assignment");
+ABSL_FLAG(bool, balanced, true,
+          "Capacity-balanced k-means; false: plain spherical k-means (the cluster-balance ablation)");
 ABSL_FLAG(int, seeding_sample, 4096, "k-means++ runs on a sample of at most this many requests (0: all)");
 ABSL_FLAG(std::string, model, "", "Model name stored in the artifact");
 ABSL_FLAG(std::string, write_captures, "",
@@ -153,6 +165,13 @@ int RunCalibration(const std::vector<std::string>& extra_captures) {
   if (!(options.tolerance >= 0) || !std::isfinite(options.tolerance)) return UsageError("--tolerance must be >= 0");
   options.mask_pairs = absl::GetFlag(FLAGS_mask_pairs);
   options.select_layers = absl::GetFlag(FLAGS_select_layers);
+  absl::StatusOr<LayerMaskRule> mask_rule = ParseLayerMaskRule(absl::GetFlag(FLAGS_mask_rule));
+  if (!mask_rule.ok()) return UsageError(absl::StrCat("--mask_rule: ", mask_rule.status().message()));
+  options.mask_rule = *mask_rule;
+  options.weight_by_decode_tokens = absl::GetFlag(FLAGS_weight_by_decode_tokens);
+  options.weight_resolution = absl::GetFlag(FLAGS_weight_resolution);
+  if (options.weight_resolution < 1) return UsageError("--weight_resolution must be >= 1");
+  options.balanced = absl::GetFlag(FLAGS_balanced);
   options.seeding_sample = absl::GetFlag(FLAGS_seeding_sample);
   options.model = absl::GetFlag(FLAGS_model);
   if (options.max_iterations < 1) return UsageError("--max_iterations must be >= 1");
@@ -215,10 +234,22 @@ int RunCalibration(const std::vector<std::string>& extra_captures) {
       split->calibration.n, split->holdout.n, report.objective, report.iterations,
       report.converged ? " (converged)" : "", report.seconds_total);
   std::cout << "cluster sizes: " << absl::StrJoin(report.cluster_sizes, ",") << "\n";
+  if (report.weighting != "none") {
+    std::vector<std::string> work;
+    for (double w : report.cluster_weights) work.push_back(absl::StrFormat("%.0f", w));
+    std::cout << "cluster decode work (" << report.weighting << "): " << absl::StrJoin(work, ",") << "\n";
+  }
   if (!report.mask_steps.empty()) {
-    std::cout << absl::StrFormat("layer mask (%d layers): %s; Spearman %.4f (all layers %.4f)\n",
-                                 report.layer_mask.size(), absl::StrJoin(report.layer_mask, ","),
-                                 report.mask_correlation, report.all_layers_correlation);
+    std::cout << absl::StrFormat("layer mask (%d layers, %s): %s; Spearman %.4f (all layers %.4f)\n",
+                                 report.layer_mask.size(), LayerMaskRuleName(report.mask_rule),
+                                 absl::StrJoin(report.layer_mask, ","), report.mask_correlation,
+                                 report.all_layers_correlation);
+    std::vector<std::string> curve;
+    for (size_t i = 0; i < report.mask_steps.size(); ++i) {
+      curve.push_back(absl::StrFormat("%s+%d:%.4f", static_cast<int>(i) == report.mask_peak_step ? "*" : "",
+                                      report.mask_steps[i].layer, report.mask_steps[i].correlation));
+    }
+    std::cout << "layer curve (step: +layer:Spearman, * = kept up to here): " << absl::StrJoin(curve, " ") << "\n";
   }
   if (!split->calibration.labels.empty()) {
     std::cout << absl::StrFormat("purity %.4f", evaluation->purity);

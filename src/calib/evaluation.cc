@@ -2,6 +2,7 @@
 // (docs/calibration.md, "Verifying"). Also the report JSON.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -119,9 +120,32 @@ absl::StatusOr<CalibrationEvaluation> EvaluateCalibration(const CalibrationResul
   ScoreAllPairs(joint, total, artifact.centroids, k, dim, absl::MakeSpan(scores));
   std::vector<double> cost(scores.size());
   for (size_t i = 0; i < scores.size(); ++i) cost[i] = 1.0 - static_cast<double>(scores[i]);
-  const std::vector<int> capacity = ClusterCapacities(total, k, options.capacity_weights);
+  // Balanced the way the fit was: by decode tokens when it was (explicit weights exist for the
+  // calibration requests only, so their evaluation balances counts), else by counts.
+  std::optional<WeightUnits> units;
+  if (result.report.weighting == "decode_tokens") {
+    const std::vector<double> calibration_tokens = DecodeTokenWeights(calibration);
+    const std::vector<double> holdout_tokens = DecodeTokenWeights(*holdout);
+    std::vector<double> joint_weights;
+    for (int r : usable) joint_weights.push_back(calibration_tokens[r]);
+    for (int r : held_usable) joint_weights.push_back(holdout_tokens.empty() ? 0.0 : holdout_tokens[r]);
+    absl::StatusOr<WeightUnits> quantised = QuantiseWeights(joint_weights, k, options.weight_resolution);
+    if (!quantised.ok()) return quantised.status();
+    units = *std::move(quantised);
+  }
+  const int amount = units.has_value() ? static_cast<int>(units->total) : total;
+  std::vector<int> capacity = ClusterCapacities(amount, k, options.capacity_weights);
   if (capacity.empty()) return absl::InvalidArgumentError("bad capacity weights");
-  absl::StatusOr<std::vector<int>> joint_assignment = SolveBalancedAssignment(cost, total, k, capacity);
+  if (!options.balanced) capacity.assign(k, amount);  // unbalanced fit: the nearest centroid
+  absl::StatusOr<std::vector<int>> joint_assignment;
+  if (units.has_value()) {
+    absl::StatusOr<WeightedAssignment> weighted =
+        SolveWeightedBalancedAssignment(cost, total, k, units->units, capacity);
+    if (!weighted.ok()) return weighted.status();
+    joint_assignment = std::move(weighted->assignment);
+  } else {
+    joint_assignment = SolveBalancedAssignment(cost, total, k, capacity);
+  }
   if (!joint_assignment.ok()) return joint_assignment.status();
   int assignment_agree = 0;
   for (int i = 0; i < m; ++i) assignment_agree += held_nearest[i] == (*joint_assignment)[n + i];
@@ -160,8 +184,16 @@ std::string CalibrationReportJson(const CalibrationResult& result, const Calibra
   json["converged"] = report.converged;
   json["objective_per_iteration"] = report.objective_per_iteration;
   json["layer_mask"] = report.layer_mask;
+  json["balanced"] = report.balanced;
+  json["weighting"] = report.weighting;
+  if (report.weighting != "none") {
+    json["cluster_weights"] = report.cluster_weights;
+    json["unit_weight"] = report.unit_weight;
+  }
   nlohmann::ordered_json mask;
   mask["searched"] = !report.mask_steps.empty();
+  mask["rule"] = LayerMaskRuleName(report.mask_rule);
+  mask["peak_step"] = report.mask_peak_step;
   mask["correlation"] = report.mask_correlation;
   mask["all_layers_correlation"] = report.all_layers_correlation;
   mask["pairs"] = report.mask_pairs;

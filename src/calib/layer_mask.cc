@@ -1,6 +1,7 @@
-// Greedy forward layer selection (docs/calibration.md, "What calibration computes"): add the layer that most raises the
-// Spearman correlation between signature cosine distances and decode-usage cosine distances over
-// request pairs; stop at the peak.
+// Greedy forward layer selection (docs/calibration.md, "What calibration computes"): at each of the
+// L steps add the layer that most raises the Spearman correlation between prefill-signature cosine
+// distances and decode-usage cosine distances over request pairs; keep the prefix up to the
+// global maximum of that curve (the reference's rule), or stop at its first non-increase.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -64,9 +65,11 @@ double CorrelationWithReference(absl::Span<const double> values, const std::vect
   return dot / (norm * reference_norm);
 }
 
-// Checks SearchLayerMask's arguments: geometry, counts of every request, at least 3 requests,
-// one IDF weight per cell, max_pairs >= 2.
-absl::Status ValidateSearchInputs(const CalibrationData& data, absl::Span<const float> idf, int max_pairs) {
+// Checks SearchLayerMask's arguments: geometry, counts of every request (gate sums for gate_prob),
+// at least 3 requests, one IDF weight per cell for count_idf (none otherwise), max_pairs >= 2.
+absl::Status ValidateSearchInputs(const CalibrationData& data, absl::Span<const float> idf,
+                                  const LayerMaskSearchOptions& options) {
+  const int max_pairs = options.max_pairs;
   const int n = data.n, layers = data.layers, experts = data.experts;
   const size_t per_request = static_cast<size_t>(layers) * experts;
   if (layers < 1 || experts < 1) {
@@ -80,9 +83,16 @@ absl::Status ValidateSearchInputs(const CalibrationData& data, absl::Span<const 
     return absl::InvalidArgumentError(
         absl::StrCat("layer mask: ", n, " requests; need at least 3 to rank request pairs"));
   }
-  if (idf.size() != per_request) {
+  if (options.variant == SignatureVariant::kCountIdf && idf.size() != per_request) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer mask: ", idf.size(), " IDF weights, expected layers * experts = ", per_request));
+  }
+  if (options.variant != SignatureVariant::kCountIdf && !idf.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer mask: IDF weights given for variant ",
+                                                   SignatureVariantName(options.variant), ", which has none"));
+  }
+  if (options.variant == SignatureVariant::kGateProb && data.gate_prob_sums.size() != per_request * n) {
+    return absl::InvalidArgumentError("layer mask: variant gate_prob needs the gate-probability sums of every request");
   }
   if (max_pairs < 2) {
     return absl::InvalidArgumentError(absl::StrCat("layer mask: max_pairs = ", max_pairs, ", need >= 2"));
@@ -113,25 +123,26 @@ std::vector<std::pair<int, int>> SampleRequestPairs(int n, int max_pairs, uint64
   return pairs;
 }
 
-// Per-layer pieces of the IDF-weighted prefill signatures: the cosine distance of a pair over any
+// Per-layer pieces of the prefill signatures (before normalisation: IDF-weighted counts for
+// count_idf, counts for count, gate sums for gate_prob): the cosine distance of a pair over any
 // set of layers follows from sums of them.
 struct LayerPieces {
   std::vector<double> norm;  // [request][layer]: squared norm of the request's layer
   std::vector<double> dot;   // [pair][layer]: dot product of the pair's layers
 };
 
-// Computes the squared norms of every request's layers and the dot products of every pair's.
-LayerPieces ComputeLayerPieces(const CalibrationData& data, absl::Span<const float> idf,
+// Computes the squared norms of every request's layers and the dot products of every pair's, from
+// `values` ([request][layer][expert]) weighted per cell by idf_squared.
+template <typename Value>
+LayerPieces ComputeLayerPieces(const Value* values, const CalibrationData& data, const std::vector<double>& idf_squared,
                                const std::vector<std::pair<int, int>>& pairs) {
   const int n = data.n, layers = data.layers, experts = data.experts;
   const size_t per_request = static_cast<size_t>(layers) * experts;
   const int num_pairs = static_cast<int>(pairs.size());
-  std::vector<double> idf_squared(per_request);
-  for (size_t i = 0; i < per_request; ++i) idf_squared[i] = static_cast<double>(idf[i]) * idf[i];
   LayerPieces pieces;
   pieces.norm.assign(static_cast<size_t>(n) * layers, 0.0);
   for (int r = 0; r < n; ++r) {
-    const int32_t* counts = data.prefill_counts.data() + r * per_request;
+    const Value* counts = values + r * per_request;
     for (int l = 0; l < layers; ++l) {
       double sum = 0;
       for (int e = 0; e < experts; ++e) {
@@ -143,8 +154,8 @@ LayerPieces ComputeLayerPieces(const CalibrationData& data, absl::Span<const flo
   }
   pieces.dot.resize(static_cast<size_t>(num_pairs) * layers);
   for (int p = 0; p < num_pairs; ++p) {
-    const int32_t* pa = data.prefill_counts.data() + pairs[p].first * per_request;
-    const int32_t* pb = data.prefill_counts.data() + pairs[p].second * per_request;
+    const Value* pa = values + pairs[p].first * per_request;
+    const Value* pb = values + pairs[p].second * per_request;
     for (int l = 0; l < layers; ++l) {
       double sum = 0;
       for (int e = 0; e < experts; ++e) {
@@ -155,6 +166,20 @@ LayerPieces ComputeLayerPieces(const CalibrationData& data, absl::Span<const flo
     }
   }
   return pieces;
+}
+
+// The pieces of the variant's prefill signatures.
+LayerPieces ComputeVariantPieces(const CalibrationData& data, absl::Span<const float> idf, SignatureVariant variant,
+                                 const std::vector<std::pair<int, int>>& pairs) {
+  const size_t per_request = static_cast<size_t>(data.layers) * data.experts;
+  std::vector<double> idf_squared(per_request, 1.0);
+  if (variant == SignatureVariant::kCountIdf) {
+    for (size_t i = 0; i < per_request; ++i) idf_squared[i] = static_cast<double>(idf[i]) * idf[i];
+  }
+  if (variant == SignatureVariant::kGateProb) {
+    return ComputeLayerPieces(data.gate_prob_sums.data(), data, idf_squared, pairs);
+  }
+  return ComputeLayerPieces(data.prefill_counts.data(), data, idf_squared, pairs);
 }
 
 // Cosine distance of every pair's decode usage over all layers (1 when either is all zero).
@@ -258,11 +283,15 @@ class LayerSetScorer {
   std::vector<double> chosen_dot_, chosen_norm_a_, chosen_norm_b_;
 };
 
-// Greedy forward selection: adds the layer that most raises the correlation until none does;
-// fills result->steps, layer_mask (ascending) and correlation.
-void SelectLayersGreedily(LayerSetScorer& scorer, int layers, LayerMaskSearchResult* result) {
+// Greedy forward selection: at each step adds the layer that most raises the correlation (the
+// lowest layer among equal ones). kGlobalMaximum runs all L steps and keeps the prefix up to the
+// curve's maximum (the earliest step among equal maxima); kFirstDecrease stops at the first step
+// that does not raise the correlation and keeps what came before. Fills result->steps (the whole
+// curve walked), peak_step, layer_mask (ascending) and correlation.
+void SelectLayersGreedily(LayerSetScorer& scorer, int layers, LayerMaskRule rule, LayerMaskSearchResult* result) {
   std::vector<char> chosen(layers, 0);
   double best_so_far = -std::numeric_limits<double>::infinity();
+  int peak = -1;
   std::vector<int> candidates;
   std::vector<double> correlation;
   for (int step = 0; step < layers; ++step) {
@@ -271,21 +300,24 @@ void SelectLayersGreedily(LayerSetScorer& scorer, int layers, LayerMaskSearchRes
       if (!chosen[l]) candidates.push_back(l);
     }
     scorer.ScoreCandidates(candidates, correlation);
-    int best = -1;  // the lowest layer among equal correlations, so the result is deterministic
+    int best = -1;
     for (size_t c = 0; c < candidates.size(); ++c) {
       if (best < 0 || correlation[c] > correlation[best]) best = static_cast<int>(c);
     }
-    // Stop at the peak: the best addition must raise the correlation.
-    if (best < 0 || !(correlation[best] > best_so_far + 1e-12)) break;
+    const bool raises = correlation[best] > best_so_far + 1e-12;
+    if (rule == LayerMaskRule::kFirstDecrease && !raises) break;
     chosen[candidates[best]] = 1;
     scorer.AddLayer(candidates[best]);
-    best_so_far = correlation[best];
     result->steps.push_back(LayerMaskStep{candidates[best], correlation[best]});
+    if (raises) {
+      best_so_far = correlation[best];
+      peak = step;
+    }
   }
-  for (int l = 0; l < layers; ++l) {
-    if (chosen[l]) result->layer_mask.push_back(l);
-  }
-  result->correlation = result->steps.empty() ? 0 : result->steps.back().correlation;
+  result->peak_step = peak;
+  for (int s = 0; s <= peak; ++s) result->layer_mask.push_back(result->steps[s].layer);
+  std::sort(result->layer_mask.begin(), result->layer_mask.end());
+  result->correlation = peak < 0 ? 0 : result->steps[peak].correlation;
 }
 
 }  // namespace
@@ -299,11 +331,30 @@ double SpearmanCorrelation(absl::Span<const double> x, absl::Span<const double> 
   return CorrelationWithReference(x, reference, reference_norm, order, ranks);
 }
 
+const char* LayerMaskRuleName(LayerMaskRule rule) {
+  return rule == LayerMaskRule::kFirstDecrease ? "first_decrease" : "global_maximum";
+}
+
+absl::StatusOr<LayerMaskRule> ParseLayerMaskRule(absl::string_view name) {
+  if (name == "global_maximum") return LayerMaskRule::kGlobalMaximum;
+  if (name == "first_decrease") return LayerMaskRule::kFirstDecrease;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown layer-mask rule '", name, "' (expected global_maximum or first_decrease)"));
+}
+
 absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data, absl::Span<const float> idf,
                                                       int max_pairs, uint64_t seed) {
-  if (absl::Status s = ValidateSearchInputs(data, idf, max_pairs); !s.ok()) return s;
-  const std::vector<std::pair<int, int>> pairs = SampleRequestPairs(data.n, max_pairs, seed);
-  const LayerPieces pieces = ComputeLayerPieces(data, idf, pairs);
+  LayerMaskSearchOptions options;
+  options.max_pairs = max_pairs;
+  options.seed = seed;
+  return SearchLayerMask(data, idf, options);
+}
+
+absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data, absl::Span<const float> idf,
+                                                      const LayerMaskSearchOptions& options) {
+  if (absl::Status s = ValidateSearchInputs(data, idf, options); !s.ok()) return s;
+  const std::vector<std::pair<int, int>> pairs = SampleRequestPairs(data.n, options.max_pairs, options.seed);
+  const LayerPieces pieces = ComputeVariantPieces(data, idf, options.variant, pairs);
 
   std::vector<std::pair<double, int>> order;
   std::vector<double> reference;
@@ -313,7 +364,8 @@ absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& dat
   LayerSetScorer scorer(pairs, pieces, data.layers, reference, reference_norm);
   LayerMaskSearchResult result;
   result.pairs = static_cast<int>(pairs.size());
-  SelectLayersGreedily(scorer, data.layers, &result);
+  result.rule = options.rule;
+  SelectLayersGreedily(scorer, data.layers, options.rule, &result);
   result.all_layers_correlation = scorer.AllLayersCorrelation();
   return result;
 }

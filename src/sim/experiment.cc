@@ -205,10 +205,12 @@ absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload, co
   calibration.variant = options.variant;
   calibration.seed = options.seed;
   calibration.select_layers = options.select_layers;
+  calibration.mask_rule = options.mask_rule;
+  calibration.weight_by_decode_tokens = options.weight_by_decode_tokens;
+  calibration.balanced = options.balanced;
   calibration.model = workload.description;
   const auto start = std::chrono::steady_clock::now();
-  const CalibrationData data =
-      options.weight_by_decode_tokens ? WeightByDecodeTokens(workload.calibration) : workload.calibration;
+  const CalibrationData& data = workload.calibration;
   absl::StatusOr<CalibrationResult> calibrated = Calibrate(data, calibration);
   if (!calibrated.ok()) {
     return absl::Status(calibrated.status().code(),
@@ -218,16 +220,16 @@ absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload, co
   CentroidArtifact centroids = calibrated->artifact;
   result->calibration = calibrated->report;
   result->calibration_requests = workload.calibration.n;
-  result->calibration_points = data.n;
+  result->calibration_points = data.n - static_cast<int>(calibrated->report.excluded_requests.size());
   result->signature_dim = centroids.dim();
-  Log(options,
-      absl::StrFormat(
-          "calibrated %d centroids on %d requests disjoint from the evaluated ones%s: %d of %d layers "
-          "kept (correlation %.3f), dimension %d, %.1f s",
-          centroids.k, workload.calibration.n,
-          options.weight_by_decode_tokens ? absl::StrFormat(" (weighted by decode tokens: %d copies)", data.n) : "",
-          centroids.spec.masked_layers(), workload.layers, calibrated->report.mask_correlation, centroids.dim(),
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+  Log(options, absl::StrFormat(
+                   "calibrated %d centroids on %d requests disjoint from the evaluated ones%s: %d of %d layers "
+                   "kept (correlation %.3f), dimension %d, %.1f s",
+                   centroids.k, workload.calibration.n,
+                   calibrated->report.weighting != "none" ? " (balanced by decode tokens)"
+                                                          : (options.balanced ? "" : " (unbalanced)"),
+                   centroids.spec.masked_layers(), workload.layers, calibrated->report.mask_correlation,
+                   centroids.dim(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
   return centroids;
 }
 
@@ -330,38 +332,6 @@ absl::StatusOr<std::vector<ReplicaSetup>> ExpandReplicaSetups(const std::vector<
     for (bool shared : modes) setups.push_back(ReplicaSetup{count, shared});
   }
   return setups;
-}
-
-CalibrationData WeightByDecodeTokens(const CalibrationData& data) {
-  if (data.decode_counts.empty() || data.n == 0) return data;
-  const size_t plane = static_cast<size_t>(data.layers) * data.experts;
-  // Each decode token adds top_k to every layer's counts, so layer 0's sum is tokens * top_k: a
-  // length up to the constant factor top_k, which the ratio to the unit below cancels.
-  std::vector<double> tokens(data.n);
-  for (int i = 0; i < data.n; ++i) {
-    double sum = 0;
-    for (int e = 0; e < data.experts; ++e) sum += data.decode_counts[plane * i + e];
-    tokens[i] = sum;
-  }
-  std::vector<double> sorted = tokens;
-  std::sort(sorted.begin(), sorted.end());
-  const double unit = std::max(1.0, sorted[sorted.size() / 10]);
-  CalibrationData weighted;
-  weighted.layers = data.layers;
-  weighted.experts = data.experts;
-  weighted.label_names = data.label_names;
-  for (int i = 0; i < data.n; ++i) {
-    const int copies = std::clamp(static_cast<int>(std::lround(tokens[i] / unit)), 1, 64);
-    for (int c = 0; c < copies; ++c) {
-      weighted.prefill_counts.insert(weighted.prefill_counts.end(), data.prefill_counts.begin() + plane * i,
-                                     data.prefill_counts.begin() + plane * (i + 1));
-      weighted.decode_counts.insert(weighted.decode_counts.end(), data.decode_counts.begin() + plane * i,
-                                    data.decode_counts.begin() + plane * (i + 1));
-      if (!data.labels.empty()) weighted.labels.push_back(data.labels[i]);
-      ++weighted.n;
-    }
-  }
-  return weighted;
 }
 
 absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {

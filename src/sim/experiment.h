@@ -54,11 +54,6 @@ absl::StatusOr<std::vector<int>> ParseReplicaCounts(absl::string_view list);
 absl::StatusOr<std::vector<ReplicaSetup>> ExpandReplicaSetups(const std::vector<int>& counts,
                                                               absl::string_view shared_state);
 
-// The calibration set with each request repeated in proportion to its decode tokens (the tenth
-// percentile of decode lengths is one copy; at most 64 copies), so that balanced k-means balances
-// decode work per worker instead of request counts. Unchanged without decode counts.
-CalibrationData WeightByDecodeTokens(const CalibrationData& data);
-
 // Which TTFT the table shows (the JSON and CSV carry both).
 enum class TtftDefinition {
   kDecode,   // arrival to the end of the first decode step (the first token the decode worker sends)
@@ -80,8 +75,11 @@ struct ExperimentOptions {
   TieBreak tie_break = TieBreak::kRandom;         // in-process routers' rule among equally loaded workers
   TtftDefinition ttft = TtftDefinition::kDecode;  // what the table's TTFT columns show
   SignatureVariant variant = SignatureVariant::kCountIdf;
-  bool select_layers = true;            // greedy layer mask during calibration
-  bool weight_by_decode_tokens = true;  // calibrate on WeightByDecodeTokens(calibration split)
+  bool select_layers = true;  // greedy layer mask during calibration
+  // Calibration's balance by decode tokens (CalibrationOptions::weight_by_decode_tokens).
+  bool weight_by_decode_tokens = true;
+  LayerMaskRule mask_rule = LayerMaskRule::kGlobalMaximum;
+  bool balanced = true;  // false: plain spherical k-means (the cluster-balance ablation)
   SimRefitOptions refit;
   // Router setups, each run on every rate and policy; replicas > 1 need in-process routers (no
   // grpc_target). The replicas of one setup get tie-breaking seeds derived from router_seed
@@ -125,7 +123,7 @@ struct ExperimentResult {
   CapacityEstimate capacity;
   CalibrationReport calibration;
   int calibration_requests = 0;  // requests of the calibration split
-  int calibration_points = 0;    // points k-means saw (more with weight_by_decode_tokens)
+  int calibration_points = 0;    // requests k-means clustered (those with a non-zero signature)
   int signature_dim = 0;
   std::string router;  // in-process, or the daemon's description
   double tau = 0;

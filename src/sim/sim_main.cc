@@ -90,8 +90,11 @@ ABSL_FLAG(int64_t, max_inflight, -1,
 ABSL_FLAG(std::string, variant, "count_idf", "Signature variant for calibration: count or count_idf");
 ABSL_FLAG(bool, select_layers, true, "Calibration: greedy layer-mask search");
 ABSL_FLAG(bool, weight_by_decode_tokens, true,
-          "Calibration: repeat each request in proportion to its decode tokens, so balanced "
-          "clusters balance decode work rather than request counts");
+          "Calibration: balance the clusters by each request's decode tokens (decode work) rather "
+          "than by request counts; IDF and the layer mask count every request once");
+ABSL_FLAG(std::string, mask_rule, "global_maximum",
+          "Calibration: layer mask from the greedy curve, global_maximum (the reference's rule) or first_decrease");
+ABSL_FLAG(bool, balanced, true, "Calibration: capacity-balanced k-means; false: plain spherical k-means");
 ABSL_FLAG(std::string, router, "",
           "grpc://HOST:PORT of a running eldr-router: every Route and Complete of the policies it "
           "serves goes to it; empty: the routing library in this process");
@@ -269,6 +272,10 @@ int main(int argc, char** argv) {
   options.variant = *variant;
   options.select_layers = absl::GetFlag(FLAGS_select_layers);
   options.weight_by_decode_tokens = absl::GetFlag(FLAGS_weight_by_decode_tokens);
+  options.balanced = absl::GetFlag(FLAGS_balanced);
+  absl::StatusOr<eldr::LayerMaskRule> mask_rule = eldr::ParseLayerMaskRule(absl::GetFlag(FLAGS_mask_rule));
+  if (!mask_rule.ok()) return Fail(mask_rule.status());
+  options.mask_rule = *mask_rule;
   options.refit.interval_s = absl::GetFlag(FLAGS_refit_interval_s);
   options.refit.window_s = absl::GetFlag(FLAGS_refit_window_s);
   if (!(options.refit.interval_s > 0) || !(options.refit.window_s > 0)) {

@@ -93,8 +93,14 @@ TEST_F(CalibrateCliTest, CalibratesTheRealTraces) {
   const nlohmann::json report = nlohmann::json::parse(in);
   EXPECT_EQ(report["clusters"], 4);
   EXPECT_EQ(report["requests"], 213 - 43);
-  // Capacities 1:1:2:2 of 170 requests: ceil(170/6), ceil(170/6), ceil(340/6), ceil(340/6).
-  EXPECT_EQ(report["cluster_capacities"], nlohmann::json({29, 29, 57, 57}));
+  // Balanced by decode tokens (the default): 170 requests of 8 units on average are 1,360 units;
+  // capacities 1:1:2:2 of them: ceil(1360/6), ceil(1360/6), ceil(2720/6), ceil(2720/6).
+  EXPECT_EQ(report["weighting"], "decode_tokens");
+  EXPECT_EQ(report["cluster_capacities"], nlohmann::json({227, 227, 454, 454}));
+  EXPECT_EQ(report["cluster_weights"].size(), 4u);
+  EXPECT_EQ(report["mask"]["rule"], "global_maximum");
+  EXPECT_EQ(report["mask"]["steps"].size(), 26u);
+  EXPECT_THAT(outcome.output, HasSubstr("layer curve"));
   EXPECT_FALSE(report["mask"]["steps"].empty());
   EXPECT_GT(report["evaluation"]["holdout_requests"].get<int>(), 0);
   for (const char* phase : {"idf", "mask", "kmeans", "total"}) EXPECT_TRUE(report["seconds"].contains(phase));

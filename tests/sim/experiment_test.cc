@@ -36,34 +36,6 @@ TEST(ExperimentTest, ParsesRateLists) {
   }
 }
 
-// Decode lengths 10 (x 9, so the tenth percentile is 10), 20 and 55: one, two and six copies
-// (55 / 10 = 5.5 rounds to 6).
-TEST(ExperimentTest, WeightByDecodeTokensRepeatsRequestsByDecodeWork) {
-  CalibrationData data;
-  data.layers = 2;
-  data.experts = 3;
-  const std::vector<int> lengths = {10, 10, 10, 10, 10, 10, 10, 10, 10, 20, 55};
-  data.n = static_cast<int>(lengths.size());
-  for (int i = 0; i < data.n; ++i) {
-    // Layer sums are tokens * top_k (top-2 here); prefill counts mark the request.
-    data.decode_counts.insert(data.decode_counts.end(), {lengths[i], lengths[i], 0, lengths[i], lengths[i], 0});
-    data.prefill_counts.insert(data.prefill_counts.end(), {i, 1, 0, 0, 0, 1});
-    data.labels.push_back(i % 2);
-  }
-  const CalibrationData weighted = WeightByDecodeTokens(data);
-  EXPECT_EQ(weighted.n, 9 + 2 + 6);
-  ASSERT_EQ(weighted.prefill_counts.size(), static_cast<size_t>(weighted.n) * 6);
-  ASSERT_EQ(weighted.decode_counts.size(), static_cast<size_t>(weighted.n) * 6);
-  ASSERT_EQ(weighted.labels.size(), static_cast<size_t>(weighted.n));
-  std::vector<int> copies(data.n, 0);
-  for (int i = 0; i < weighted.n; ++i) ++copies[weighted.prefill_counts[i * 6]];
-  EXPECT_EQ(copies, (std::vector<int>{1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 6}));
-
-  CalibrationData without_decode = data;
-  without_decode.decode_counts.clear();
-  EXPECT_EQ(WeightByDecodeTokens(without_decode).n, data.n);
-}
-
 absl::StatusOr<Workload> Small() {
   SyntheticOptions synthetic;
   synthetic.layers = 8;

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "eldr/core/centroid_artifact.h"
 #include "eldr/core/signature.h"
@@ -80,6 +81,19 @@ absl::StatusOr<WeightedAssignment> SolveWeightedBalancedAssignment(absl::Span<co
                                                                    absl::Span<const int> capacities,
                                                                    AssignmentMethod method = AssignmentMethod::kAuto);
 
+// Weights quantised to integer units for SolveWeightedBalancedAssignment: a point of mean weight
+// is `resolution` units (fewer, down to 1, when points * resolution * clusters would exceed 2^23
+// cells), each point round(weight / unit_weight) units (a point below half a unit: 0).
+// INVALID_ARGUMENT for no weights, clusters < 1, resolution < 1, a negative or non-finite weight,
+// or weights summing to zero.
+struct WeightUnits {
+  std::vector<int> units;  // per point
+  int64_t total = 0;       // sum of units
+  double unit_weight = 0;  // weight of one unit
+};
+inline constexpr int64_t kMaxWeightedCells = int64_t{1} << 23;
+absl::StatusOr<WeightUnits> QuantiseWeights(absl::Span<const double> weights, int clusters, int resolution);
+
 // Integer capacities for n points over clusters with relative weights (empty: equal weights):
 // proportional, rounded up so that they sum to at least n; equal weights give ceil(n / k) each.
 // Returns an empty vector when n < 0, k < 1, or weights is neither empty nor k finite positive values.
@@ -112,6 +126,9 @@ struct BalancedKMeansOptions {
   // cells); a point below half a unit takes no capacity.
   std::vector<double> point_weights;
   int weight_resolution = 8;
+  // false: no capacities (each cluster may take every point), i.e. plain spherical k-means: each
+  // point goes to its nearest centroid. For the cluster-balance ablation.
+  bool balanced = true;
 };
 
 struct BalancedKMeansResult {
@@ -258,14 +275,47 @@ absl::Status WriteCaptureFile(const std::string& path, const CalibrationData& da
 absl::StatusOr<std::string> SerializeCaptureFile(const CalibrationData& data, const CaptureWriteOptions& options = {});
 
 // ---- Full calibration ---------------------------------------------------------------------------
+// How the greedy layer-mask search picks its mask from the curve of correlations it walks.
+enum class LayerMaskRule {
+  // All L steps; keep the layers added up to the curve's global maximum (the earliest among equal
+  // maxima). The reference implementation's rule: a curve that dips and rises again keeps the
+  // layers of the later, higher peak.
+  kGlobalMaximum,
+  // Stop at the first step that does not raise the correlation; keep the layers before it.
+  kFirstDecrease,
+};
+// "global_maximum", "first_decrease".
+const char* LayerMaskRuleName(LayerMaskRule rule);
+absl::StatusOr<LayerMaskRule> ParseLayerMaskRule(absl::string_view name);
+
+// Decode tokens of each request of `data`, up to a common factor: the sum of its decode counts
+// over layer 0's experts (each generated token adds top_k there). Empty when the data has no
+// decode counts.
+std::vector<double> DecodeTokenWeights(const CalibrationData& data);
+
 struct CalibrationOptions {
   int clusters = 16;
   SignatureVariant variant = SignatureVariant::kCountIdf;
   std::vector<double> capacity_weights;  // empty: equal
   std::vector<std::string> worker_ids;   // optional names for the rows (size clusters)
   uint64_t seed = 0;
-  bool select_layers = true;  // greedy mask (count_idf, decode counts present)
-  int mask_pairs = 30000;     // random request pairs for the Spearman search
+  // Greedy layer-mask search, for count_idf and gate_prob when decode counts are present (count
+  // keeps every layer: the reference rejects a count artifact with a partial mask).
+  bool select_layers = true;
+  LayerMaskRule mask_rule = LayerMaskRule::kGlobalMaximum;
+  int mask_pairs = 30000;  // random request pairs for the Spearman search
+  // Balance the clustering by each request's decode work (DecodeTokenWeights, when the data has
+  // decode counts): a worker's zone then holds an equal share of the decode tokens, not of the
+  // requests. The weights act on the clustering only: IDF and the layer-mask search always count
+  // every request once.
+  bool weight_by_decode_tokens = true;
+  // Explicit weights per request (n finite values >= 0; e.g. output tokens known otherwise);
+  // non-empty overrides weight_by_decode_tokens.
+  std::vector<double> request_weights;
+  int weight_resolution = 8;  // see BalancedKMeansOptions
+  // false: plain spherical k-means (every cluster may take any number of requests; each request
+  // goes to its nearest centroid), the paper's cluster-balance ablation.
+  bool balanced = true;
   int max_iterations = 50;
   double tolerance = 1e-4;  // see BalancedKMeansOptions
   std::string model;
@@ -283,9 +333,19 @@ struct CalibrationReport {
   std::vector<int> cluster_capacities;
   std::vector<int> layer_mask;
   double mask_correlation = 0;            // at the peak
-  std::vector<LayerMaskStep> mask_steps;  // every greedy step
-  double all_layers_correlation = 0;      // the same correlation with every layer kept
-  int mask_pairs = 0;                     // request pairs the correlations were measured on
+  std::vector<LayerMaskStep> mask_steps;  // every greedy step walked (all L under kGlobalMaximum)
+  int mask_peak_step = -1;                // index into mask_steps of the kept prefix's last step
+  LayerMaskRule mask_rule = LayerMaskRule::kGlobalMaximum;
+  // The clustering's weighting: "none", "decode_tokens" or "explicit"; with weights, the sum of
+  // weights per cluster (cluster_capacities are then in units of unit_weight).
+  std::string weighting = "none";
+  std::vector<double> cluster_weights;
+  double unit_weight = 0;
+  int split_points =
+      0;  // requests the exact weighted optimum split before rounding (see SolveWeightedBalancedAssignment)
+  bool balanced = true;
+  double all_layers_correlation = 0;  // the same correlation with every layer kept
+  int mask_pairs = 0;                 // request pairs the correlations were measured on
   int iterations = 0;
   bool converged = false;
   std::vector<double> objective_per_iteration;
@@ -307,16 +367,31 @@ struct CalibrationResult {
 // than clusters; variant gate_prob without gate sums; weights or worker ids of the wrong count).
 absl::StatusOr<CalibrationResult> Calibrate(const CalibrationData& data, const CalibrationOptions& options);
 
-// The greedy layer-mask search on its own (Calibrate runs it for count_idf when decode counts are
-// present). idf: all layers' weights [layers][experts] (ComputeIdf). Pairs of distinct requests are
-// all pairs when n * (n - 1) / 2 <= max_pairs, otherwise max_pairs seeded random pairs.
+// The greedy layer-mask search on its own (Calibrate runs it for count_idf and gate_prob when
+// decode counts are present). The prefill side of each pair's distance is the variant's signature
+// before normalisation (count_idf: counts times `idf`, all layers' weights [layers][experts] from
+// ComputeIdf; gate_prob: gate-probability sums, `idf` empty); the decode side, the cosine distance
+// of the decode counts over all layers. Pairs of distinct requests are all pairs when
+// n * (n - 1) / 2 <= max_pairs, otherwise max_pairs seeded random pairs. Every request counts
+// once: pass unique requests (a repeated request forms pairs at distance 0 that distort the ranks).
+struct LayerMaskSearchOptions {
+  int max_pairs = 30000;
+  uint64_t seed = 0;
+  LayerMaskRule rule = LayerMaskRule::kGlobalMaximum;
+  SignatureVariant variant = SignatureVariant::kCountIdf;  // kCountIdf or kGateProb
+};
 struct LayerMaskSearchResult {
-  std::vector<int> layer_mask;       // sorted
-  std::vector<LayerMaskStep> steps;  // in the order layers were added
-  double correlation = 0;            // at the peak (the last step)
+  std::vector<int> layer_mask;       // sorted: the layers of steps[0..peak_step]
+  std::vector<LayerMaskStep> steps;  // every step walked, in the order layers were added
+  int peak_step = -1;                // the kept prefix's last step
+  double correlation = 0;            // at the peak
   double all_layers_correlation = 0;
   int pairs = 0;
+  LayerMaskRule rule = LayerMaskRule::kGlobalMaximum;
 };
+absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data, absl::Span<const float> idf,
+                                                      const LayerMaskSearchOptions& options);
+// count_idf with the default rule.
 absl::StatusOr<LayerMaskSearchResult> SearchLayerMask(const CalibrationData& data, absl::Span<const float> idf,
                                                       int max_pairs, uint64_t seed);
 
