@@ -395,23 +395,41 @@ absl::StatusOr<WeightedAssignment> SolveWeightedBalancedAssignment(absl::Span<co
     for (size_t r = 0; r < owner.size(); ++r)
       ++result.units_per_cluster[static_cast<size_t>(owner[r]) * k + (*solved)[r]];
   }
+  // Whole points first: a point whose units all went to one cluster stays there; a weightless
+  // point goes to its cheapest cluster. Then the split points, heaviest first, each to the cluster
+  // (among those holding some of its units) with the most capacity left, so that rounding spreads
+  // the overshoot instead of piling it onto one cluster.
   result.assignment.assign(n, -1);
+  std::vector<int64_t> load(k, 0);
+  std::vector<int> split;
   for (int i = 0; i < n; ++i) {
     const double* row = cost.data() + static_cast<size_t>(i) * k;
+    if (units[i] == 0) {
+      result.assignment[i] = static_cast<int>(std::min_element(row, row + k) - row);
+      continue;
+    }
+    const int* held = result.units_per_cluster.data() + static_cast<size_t>(i) * k;
+    const int* whole = std::find(held, held + k, units[i]);
+    if (whole != held + k) {
+      result.assignment[i] = static_cast<int>(whole - held);
+      load[result.assignment[i]] += units[i];
+    } else {
+      split.push_back(i);
+    }
+  }
+  std::stable_sort(split.begin(), split.end(), [&](int a, int b) { return units[a] > units[b]; });
+  for (int i : split) {
+    const int* held = result.units_per_cluster.data() + static_cast<size_t>(i) * k;
     int best = -1;
     for (int j = 0; j < k; ++j) {
-      const int held = units[i] == 0 ? 0 : result.units_per_cluster[static_cast<size_t>(i) * k + j];
-      if (units[i] > 0 && held == 0) continue;
-      if (best < 0) {
-        best = j;
-        continue;
-      }
-      const int best_held = units[i] == 0 ? 0 : result.units_per_cluster[static_cast<size_t>(i) * k + best];
-      if (held > best_held || (held == best_held && row[j] < row[best])) best = j;
+      if (held[j] == 0) continue;
+      const int64_t room = capacities[j] - load[j], best_room = best < 0 ? 0 : capacities[best] - load[best];
+      if (best < 0 || room > best_room || (room == best_room && held[j] > held[best])) best = j;
     }
     result.assignment[i] = best;
-    if (units[i] > 0 && result.units_per_cluster[static_cast<size_t>(i) * k + best] < units[i]) ++result.split_points;
+    load[best] += units[i];
   }
+  result.split_points = static_cast<int>(split.size());
   return result;
 }
 

@@ -304,12 +304,11 @@ TEST(WeightedBalancedAssignmentTest, SplitOptimumMatchesAnIndependentTransportat
       std::vector<int> load(k, 0), rounded_load(k, 0), split_units(k, 0);
       int splits = 0;
       for (int i = 0; i < n; ++i) {
-        int held = 0, most = 0, clusters_used = 0;
+        int held = 0, clusters_used = 0;
         for (int j = 0; j < k; ++j) {
           const int u = solved->units_per_cluster[i * k + j];
           ASSERT_GE(u, 0);
           held += u;
-          most = std::max(most, u);
           clusters_used += u > 0;
           load[j] += u;
           total += u * cost[i * k + j];
@@ -322,7 +321,8 @@ TEST(WeightedBalancedAssignmentTest, SplitOptimumMatchesAnIndependentTransportat
           // A weightless point goes to its cheapest cluster.
           EXPECT_EQ(cost[i * k + a], *std::min_element(cost.begin() + i * k, cost.begin() + (i + 1) * k));
         } else {
-          EXPECT_EQ(solved->units_per_cluster[i * k + a], most) << "a point goes where most of its units went";
+          EXPECT_GT(solved->units_per_cluster[i * k + a], 0) << "a point goes where some of its units went";
+          if (clusters_used == 1) EXPECT_EQ(solved->units_per_cluster[i * k + a], units[i]);
         }
         rounded_load[a] += units[i];
         if (clusters_used > 1) {

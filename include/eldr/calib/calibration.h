@@ -63,10 +63,11 @@ absl::StatusOr<std::vector<int>> SolveBalancedAssignment(absl::Span<const double
 // capacities[j] units (sum of capacities >= sum of units). The exact problem is the transportation
 // problem in which a point's units may be split between clusters: it is solved exactly (same
 // integer scaling and solvers as SolveBalancedAssignment) on the replicated problem, one row per
-// unit. A point then goes wholly to the cluster that received most of its units (ties: the cheaper
-// one); an optimal split touches few points (a basic optimum splits at most k - 1), so a cluster
-// exceeds its capacity by at most the units of the split points rounded into it. Points of 0 units
-// take no capacity and go to their cheapest cluster.
+// unit. A point whose units went to one cluster stays there; the split points (an optimal split
+// touches few: a basic optimum splits at most k - 1) are then rounded whole, heaviest first, each
+// to the cluster with the most capacity left among those that received some of its units. A
+// cluster exceeds its capacity by at most the units of the split points rounded into it. Points of
+// 0 units take no capacity and go to their cheapest cluster.
 //
 // Errors: those of SolveBalancedAssignment (with the units' sum for n), a units vector whose size
 // is not n, a negative unit count, more than kMaxAssignmentUnits units in all.
