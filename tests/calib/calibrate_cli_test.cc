@@ -169,6 +169,32 @@ TEST_F(CalibrateCliTest, WrongGeometryTooFewRequestsAndUsageErrors) {
   EXPECT_FALSE(std::filesystem::exists(Path("d.json")));
 }
 
+TEST_F(CalibrateCliTest, UnbalancedCountWeightedAndFirstDecreaseRuns) {
+  const Outcome outcome = Run("--trace " + TraceDir() +
+                              " --clusters 4 --seed 1 --balanced=false --weight_by_decode_tokens=false "
+                              "--mask_rule first_decrease --out " +
+                              Path("u.json") + " --report " + Path("u-report.json"));
+  ASSERT_EQ(outcome.exit_code, 0) << outcome.output;
+  std::ifstream in(Path("u-report.json"));
+  const nlohmann::json report = nlohmann::json::parse(in);
+  EXPECT_EQ(report["balanced"], false);
+  EXPECT_EQ(report["weighting"], "none");
+  EXPECT_FALSE(report.contains("cluster_weights"));
+  // No capacities: every cluster may take all 213 requests, and each request is at its nearest.
+  EXPECT_EQ(report["cluster_capacities"], nlohmann::json({213, 213, 213, 213}));
+  EXPECT_EQ(report["evaluation"]["calibration_nearest_agreement"], 1.0);
+  EXPECT_EQ(report["mask"]["rule"], "first_decrease");
+  // first_decrease walks up to the peak and one step past it at most.
+  EXPECT_LE(report["mask"]["steps"].size(), report["layer_mask"].size());
+
+  Outcome bad = Run("--trace " + TraceDir() + " --clusters 4 --mask_rule peak --out " + Path("v.json"));
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.output, HasSubstr("unknown layer-mask rule 'peak'"));
+  bad = Run("--trace " + TraceDir() + " --clusters 4 --weight_resolution 0 --out " + Path("v.json"));
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.output, HasSubstr("--weight_resolution must be >= 1"));
+}
+
 TEST_F(CalibrateCliTest, NonFiniteGateSumsAreRejected) {
   CalibrationData data;
   data.layers = 2;
