@@ -65,6 +65,9 @@ class GrpcBackend final : public RoutingBackend {
     eldr::v1::RouteRequest request;
     request.set_request_id(absl::StrCat("sim-", call.request_id));
     request.set_prompt_tokens(call.prompt_tokens);
+    if (!call.prompt_gate_sums.empty()) {
+      return absl::FailedPreconditionError("gate-probability sums cannot be sent to eldr-router by this build");
+    }
     eldr::v1::ExpertCounts* counts = request.mutable_counts();
     counts->set_layers(call.layers);
     counts->set_experts(call.experts);

@@ -38,9 +38,11 @@ class InProcessBackend final : public RoutingBackend {
 
   absl::StatusOr<RouteDecision> Route(const RouteCall& call, double now_us) override {
     const SignatureInput signature =
-        CountsInt16Le{call.layers, call.experts,
-                      absl::string_view(reinterpret_cast<const char*>(call.prompt_counts.data()),
-                                        call.prompt_counts.size() * sizeof(int16_t))};
+        call.prompt_gate_sums.empty()
+            ? SignatureInput(CountsInt16Le{call.layers, call.experts,
+                                           absl::string_view(reinterpret_cast<const char*>(call.prompt_counts.data()),
+                                                             call.prompt_counts.size() * sizeof(int16_t))})
+            : SignatureInput(GateProbSums{call.layers, call.experts, call.prompt_gate_sums});
     ELDR_ASSIGN_OR_RETURN(RouteResult result, router_->Route(&signature, Clock(now_us)));
     RouteDecision decision;
     auto it = index_.find(result.worker_id);

@@ -27,6 +27,9 @@ struct RouteCall {
   int layers = 0;
   int experts = 0;
   absl::Span<const int16_t> prompt_counts;  // [layers][experts]
+  // [layers][experts] gate-probability sums; when non-empty the backend routes on them (variant
+  // gate_prob) instead of the counts.
+  absl::Span<const float> prompt_gate_sums;
   int prompt_tokens = 0;
 };
 

@@ -87,7 +87,8 @@ ABSL_FLAG(std::string, tie_break, "random",
 ABSL_FLAG(int64_t, max_inflight, -1,
           "Overload guard of the in-process routers (WorkerSpec::max_inflight): a worker with this "
           "many in-flight requests leaves eldr's band. -1: --max_batch; 0: no guard");
-ABSL_FLAG(std::string, variant, "count_idf", "Signature variant for calibration: count or count_idf");
+ABSL_FLAG(std::string, variant, "count_idf",
+          "Signature variant: count, count_idf or gate_prob (synthetic workloads: prompts' gate-probability sums)");
 ABSL_FLAG(bool, select_layers, true, "Calibration: greedy layer-mask search");
 ABSL_FLAG(bool, weight_by_decode_tokens, true,
           "Calibration: balance the clusters by each request's decode tokens (decode work) rather "
@@ -265,11 +266,14 @@ int main(int argc, char** argv) {
   if (options.max_inflight == -1) options.max_inflight = options.cluster.max_batch;
   if (options.max_inflight < 0) return Fail("--max_inflight must be -1 (= --max_batch), 0 (none) or positive");
   absl::StatusOr<eldr::SignatureVariant> variant = eldr::ParseSignatureVariant(absl::GetFlag(FLAGS_variant));
-  if (!variant.ok() || *variant == eldr::SignatureVariant::kGateProb) {
-    return Fail(absl::StrCat("--variant '", absl::GetFlag(FLAGS_variant),
-                             "': the simulator replays expert counts, so count or count_idf"));
+  if (!variant.ok()) return Fail(absl::StrCat("--variant: ", variant.status().message()));
+  if (*variant == eldr::SignatureVariant::kGateProb && !trace_dir.empty()) {
+    return Fail(
+        "--variant gate_prob needs gate probabilities, which the real traces do not carry (expert ids only); "
+        "use a --synthetic workload, or count / count_idf");
   }
   options.variant = *variant;
+  options.cluster.gate_prob_signatures = *variant == eldr::SignatureVariant::kGateProb;
   options.select_layers = absl::GetFlag(FLAGS_select_layers);
   options.weight_by_decode_tokens = absl::GetFlag(FLAGS_weight_by_decode_tokens);
   options.balanced = absl::GetFlag(FLAGS_balanced);

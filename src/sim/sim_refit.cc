@@ -52,11 +52,15 @@ SimRefitDriver::~SimRefitDriver() {
 }
 
 void SimRefitDriver::Observe(absl::Span<const int16_t> counts, int layers, int experts, double now_us) {
+  Observe(
+      CountsInt16Le{layers, experts,
+                    absl::string_view(reinterpret_cast<const char*>(counts.data()), counts.size() * sizeof(int16_t))},
+      now_us);
+}
+
+void SimRefitDriver::Observe(const SignatureInput& input, double now_us) {
   *clock_us_ = now_us;
   scratch_.resize(transform_.dim());
-  const SignatureInput input =
-      CountsInt16Le{layers, experts,
-                    absl::string_view(reinterpret_cast<const char*>(counts.data()), counts.size() * sizeof(int16_t))};
   if (!transform_.Apply(input, absl::MakeSpan(scratch_)).ok()) return;
   refitter_->Observe(scratch_, "");
 }

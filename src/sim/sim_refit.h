@@ -53,6 +53,8 @@ class SimRefitDriver {
   // Signatures the transform rejects (e.g. all zero on the masked layers) are skipped, as the
   // router skips them.
   void Observe(absl::Span<const int16_t> counts, int layers, int experts, double now_us);
+  // The same for a signature of any input form (e.g. gate-probability sums).
+  void Observe(const SignatureInput& input, double now_us);
 
   // Refits at simulated time `now_us`. Returns the new artifact, or nullopt when the refitter
   // skipped (too few signatures in the window).

@@ -192,6 +192,7 @@ class Simulation {
     call.layers = workload_.layers;
     call.experts = workload_.experts;
     call.prompt_counts = request.prompt_counts;
+    if (cluster_.gate_prob_signatures) call.prompt_gate_sums = request.prompt_gate_sums;
     call.prompt_tokens = request.prompt_tokens;
     absl::StatusOr<RouteDecision> decision = ReplicaOf(arrival)->Route(call, now_us_);
     if (!decision.ok()) {
@@ -214,7 +215,11 @@ class Simulation {
     ++routed_;
     ++result_.routes_per_replica[record.replica];
     if (SimRefitDriver* refit = RefitOf(record.replica); refit != nullptr) {
-      refit->Observe(request.prompt_counts, workload_.layers, workload_.experts, now_us_);
+      if (cluster_.gate_prob_signatures) {
+        refit->Observe(GateProbSums{workload_.layers, workload_.experts, request.prompt_gate_sums}, now_us_);
+      } else {
+        refit->Observe(request.prompt_counts, workload_.layers, workload_.experts, now_us_);
+      }
     }
     Push(now_us_ + cluster_.cost.kv_transfer_us, EventKind::kDecodeArrive, arrival);
     return absl::OkStatus();

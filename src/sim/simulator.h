@@ -45,6 +45,9 @@ struct ClusterOptions {
   double warmup_fraction = 0.25;    // of the arrivals, not measured
   double cooldown_fraction = 0.1;   // of the arrivals, not measured
   double imbalance_sample_ms = 10;  // load imbalance is sampled at this simulated period
+  // Route (and refit) on each request's prompt gate-probability sums instead of its counts (the
+  // gate_prob variant); the workload must carry them (synthetic workloads do).
+  bool gate_prob_signatures = false;
 };
 
 absl::Status ValidateClusterOptions(const ClusterOptions& options);

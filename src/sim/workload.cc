@@ -144,11 +144,15 @@ SyntheticFields MakeFields(const SyntheticOptions& o) {
   return fields;
 }
 
-// One synthetic request: its prompt counts, and its decode tokens (stored when `decode_topk` is
-// non-null) and/or decode counts (when `decode_counts` is non-null).
+// One synthetic request: its prompt counts, its prompt's gate-probability sums (when
+// `prompt_gate_sums` is non-null: every prompt token of a request shares its softmax, so the sums
+// are prompt_tokens x softmax per layer, over all experts, as the reference's gate_prob_all
+// captures them), and its decode tokens (stored when `decode_topk` is non-null) and/or decode
+// counts (when `decode_counts` is non-null).
 void GenerateRequest(const SyntheticOptions& o, const SyntheticFields& fields, uint64_t stream, int* domain_out,
                      int* prompt_tokens_out, int* decode_steps_out, std::vector<int32_t>* prompt_counts,
-                     std::vector<uint8_t>* decode_topk, std::vector<int32_t>* decode_counts) {
+                     std::vector<float>* prompt_gate_sums, std::vector<uint8_t>* decode_topk,
+                     std::vector<int32_t>* decode_counts) {
   Rng rng = Rng::ForStream(o.seed, stream);
   const int domain = static_cast<int>(rng.Below(o.domains));
   const int topic = domain * o.topics_per_domain + static_cast<int>(rng.Below(o.topics_per_domain));
@@ -172,6 +176,14 @@ void GenerateRequest(const SyntheticOptions& o, const SyntheticFields& fields, u
     const double peak = *std::max_element(logits.begin(), logits.end());
     for (int e = 0; e < experts; ++e) weights[e] = std::exp(logits[e] - peak);
     prompt_tables[l].Build(weights);
+    if (prompt_gate_sums != nullptr) {
+      if (l == 0) prompt_gate_sums->assign(plane, 0.0f);
+      double total = 0;
+      for (int e = 0; e < experts; ++e) total += weights[e];
+      for (int e = 0; e < experts; ++e) {
+        (*prompt_gate_sums)[row + e] = static_cast<float>(prompt_tokens * weights[e] / total);
+      }
+    }
     for (int e = 0; e < experts; ++e) logits[e] += o.drift_scale * rng.Normal();
     const double decode_peak = *std::max_element(logits.begin(), logits.end());
     for (int e = 0; e < experts; ++e) weights[e] = std::exp(logits[e] - decode_peak);
@@ -373,6 +385,7 @@ absl::StatusOr<Workload> GenerateSyntheticWorkload(const SyntheticOptions& o) {
   calibration.n = o.calibration_requests;
   calibration.prefill_counts.resize(plane * o.calibration_requests);
   calibration.decode_counts.resize(plane * o.calibration_requests);
+  calibration.gate_prob_sums.resize(plane * o.calibration_requests);
   calibration.labels.resize(o.calibration_requests);
 
   // Every request draws from its own random stream and writes only its own slots, so the
@@ -381,11 +394,13 @@ absl::StatusOr<Workload> GenerateSyntheticWorkload(const SyntheticOptions& o) {
   std::atomic<int> next{0};
   auto generate = [&] {
     std::vector<int32_t> prompt_counts, decode_counts;
+    std::vector<float> gate_sums;
     for (int i = next++; i < total; i = next++) {
       if (i < o.requests) {
         SimRequest& request = workload.pool[i];
         GenerateRequest(o, fields, kStreamRequestBase + i, &request.domain, &request.prompt_tokens,
-                        &request.decode_steps, &prompt_counts, &workload.generated_tokens[i], nullptr);
+                        &request.decode_steps, &prompt_counts, &request.prompt_gate_sums, &workload.generated_tokens[i],
+                        nullptr);
         request.prompt_counts = ToInt16(prompt_counts);
         request.decode_topk = workload.generated_tokens[i].data();
         request.source = absl::StrCat("synthetic#", i);
@@ -393,8 +408,9 @@ absl::StatusOr<Workload> GenerateSyntheticWorkload(const SyntheticOptions& o) {
         const int r = i - o.requests;
         int prompt_tokens = 0, decode_steps = 0;
         GenerateRequest(o, fields, kStreamRequestBase + kCalibrationRequestOffset + r, &calibration.labels[r],
-                        &prompt_tokens, &decode_steps, &prompt_counts, nullptr, &decode_counts);
+                        &prompt_tokens, &decode_steps, &prompt_counts, &gate_sums, nullptr, &decode_counts);
         std::copy(prompt_counts.begin(), prompt_counts.end(), calibration.prefill_counts.begin() + plane * r);
+        std::copy(gate_sums.begin(), gate_sums.end(), calibration.gate_prob_sums.begin() + plane * r);
         std::copy(decode_counts.begin(), decode_counts.end(), calibration.decode_counts.begin() + plane * r);
       }
     }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "eldr/core/signature.h"
 #include "gtest/gtest.h"
 #include "sim/workload.h"
 
@@ -112,6 +113,44 @@ TEST(ExperimentTest, EveryPolicyRunsOnTheSameArrivals) {
   EXPECT_GT(result->cells[4].run.metrics.mean_similarity, 0.5);
   EXPECT_EQ(result->calibration_requests, 64);
   EXPECT_GE(result->calibration_points, 64);
+}
+
+// The synthetic prompts' gate-probability sums: per layer they sum to the prompt's tokens (each
+// token's softmax over all experts sums to 1), and eldr routes on them with variant gate_prob.
+TEST(ExperimentTest, GateProbRoutesOnTheSyntheticGateSums) {
+  absl::StatusOr<Workload> workload = Small();
+  ASSERT_TRUE(workload.ok());
+  for (const SimRequest& request : workload->pool) {
+    ASSERT_EQ(request.prompt_gate_sums.size(), static_cast<size_t>(8 * 32));
+    for (int l = 0; l < 8; ++l) {
+      double sum = 0;
+      for (int e = 0; e < 32; ++e) {
+        const float v = request.prompt_gate_sums[l * 32 + e];
+        EXPECT_GT(v, 0.0f);  // a softmax gives every expert some probability
+        sum += v;
+      }
+      EXPECT_NEAR(sum, request.prompt_tokens, 1e-3 * request.prompt_tokens);
+    }
+  }
+  ASSERT_EQ(workload->calibration.gate_prob_sums.size(), workload->calibration.prefill_counts.size());
+
+  ExperimentOptions options;
+  options.cluster.decoders = 4;
+  options.cluster.gate_prob_signatures = true;
+  options.variant = SignatureVariant::kGateProb;
+  options.policies = *ParsePolicies("jsq,eldr,eldr_refit");
+  options.rates = {30};
+  options.requests = 300;
+  options.refit.interval_s = 1;
+  options.refit.window_s = 5;
+  options.refit.min_signatures_per_centroid = 4;
+  absl::StatusOr<ExperimentResult> result = RunExperiment(*workload, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->cells.size(), 3u);
+  EXPECT_EQ(result->calibration.mask_steps.size(), 8u) << "gate_prob runs the layer search";
+  EXPECT_GT(result->cells[1].run.metrics.mean_similarity, 0.5);
+  EXPECT_TRUE(result->cells[1].run.fallbacks.empty()) << "every request has a gate signature";
+  EXPECT_GT(result->cells[2].run.refits, 0);
 }
 
 }  // namespace
