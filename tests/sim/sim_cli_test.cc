@@ -200,6 +200,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadInvocation{"BadTtft", {"--synthetic=8x16x2", "--ttft=first"}, "--ttft must be decode or prefill"},
         BadInvocation{"BadTieBreak", {"--synthetic=8x16x2", "--tie_break=first"}, "random or lowest_index"},
         BadInvocation{"BadAssignment", {"--synthetic=8x16x2", "--replica_assignment=hash"}, "--replica_assignment"},
+        BadInvocation{"GateProbOnTraces", {"--trace=" + TraceDir(), "--variant=gate_prob"}, "do not carry"},
+        BadInvocation{"BadMaskRule", {"--synthetic=8x16x2", "--mask_rule=peak"}, "unknown layer-mask rule"},
         BadInvocation{"ReplicasThroughADaemon",
                       {"--synthetic=8x16x2", "--replicas=3", "--router=grpc://127.0.0.1:1"},
                       "drop --router"},
