@@ -110,8 +110,8 @@ absl::StatusOr<DriftPlan> PlanDrift(const Workload& workload, const DriftOptions
       if (!options.new_domain.empty()) {
         const auto it = std::find(workload.domains.begin(), workload.domains.end(), options.new_domain);
         if (it == workload.domains.end()) {
-          return absl::InvalidArgumentError(absl::StrCat("--drift_new_domain: the workload has no domain '",
-                                                         options.new_domain, "'"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("--drift_new_domain: the workload has no domain '", options.new_domain, "'"));
         }
         fresh = static_cast<int>(it - workload.domains.begin());
       }

@@ -49,6 +49,13 @@ std::string PmSigned(const MeanSe& value) {
   return absl::StrFormat("%+.1f ± %.1f%%", value.mean, value.se);
 }
 
+// `text` right-aligned in `width` columns; "±" is two bytes in UTF-8 but one column.
+std::string Right(const std::string& text, size_t width) {
+  size_t columns = 0;
+  for (unsigned char c : text) columns += (c & 0xC0) != 0x80 ? 1 : 0;
+  return std::string(columns < width ? width - columns : 0, ' ') + text;
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<uint64_t>> ParseSeeds(absl::string_view list) {
@@ -217,7 +224,8 @@ std::string FormatSeedsTable(const MultiSeedResult& result) {
       phase = cell.phase;
       setup = ReplicaSetup{-1, false};
       if (phase >= 0 || first.drift.scenario != DriftScenario::kNone) {
-        absl::StrAppendFormat(&out, "-- %s\n", phase < 0 ? "whole run" : absl::StrCat("phase ", PhaseName(first, phase)));
+        absl::StrAppendFormat(&out, "-- %s\n",
+                              phase < 0 ? "whole run" : absl::StrCat("phase ", PhaseName(first, phase)));
       }
       absl::StrAppendFormat(&out, "%-11s %16s %16s %16s %16s %16s %16s\n", "policy", "TPOT p50 ms", "TPOT p99 ms",
                             first.ttft == TtftDefinition::kPrefill ? "TTFT(pf) p50 ms" : "TTFT p50 ms",
@@ -229,11 +237,12 @@ std::string FormatSeedsTable(const MultiSeedResult& result) {
       absl::StrAppendFormat(&out, "[%s]\n", ReplicaSetupLabel(setup));
     }
     const bool prefill = first.ttft == TtftDefinition::kPrefill;
-    absl::StrAppendFormat(&out, "%-11s %16s %16s %16s %16s %16s %16s\n", cell.policy.name, Pm(cell.tpot_p50, 2),
-                          Pm(cell.tpot_p99, 2), Pm(prefill ? cell.ttft_prefill_p50 : cell.ttft_p50, 1),
-                          Pm(prefill ? cell.ttft_prefill_p99 : cell.ttft_p99, 1),
-                          cell.has_versus ? PmSigned(cell.p50_vs_best_pct) : "",
-                          cell.has_versus ? PmSigned(cell.p99_vs_best_pct) : "");
+    absl::StrAppendFormat(&out, "%-11s %s %s %s %s %s %s\n", cell.policy.name, Right(Pm(cell.tpot_p50, 2), 16),
+                          Right(Pm(cell.tpot_p99, 2), 16),
+                          Right(Pm(prefill ? cell.ttft_prefill_p50 : cell.ttft_p50, 1), 16),
+                          Right(Pm(prefill ? cell.ttft_prefill_p99 : cell.ttft_p99, 1), 16),
+                          Right(cell.has_versus ? PmSigned(cell.p50_vs_best_pct) : "", 16),
+                          Right(cell.has_versus ? PmSigned(cell.p99_vs_best_pct) : "", 16));
   }
   return out;
 }

@@ -59,7 +59,8 @@ const ExperimentCell* Find(const ExperimentResult& result, const std::string& po
 // Every route of `cell` as (worker, finish time, similarity), to compare runs decision by decision.
 std::vector<std::tuple<int, double, float>> Decisions(const ExperimentCell& cell) {
   std::vector<std::tuple<int, double, float>> out;
-  for (const RequestRecord& record : cell.run.requests) out.emplace_back(record.worker, record.finish_us, record.similarity);
+  for (const RequestRecord& record : cell.run.requests)
+    out.emplace_back(record.worker, record.finish_us, record.similarity);
   return out;
 }
 
@@ -130,11 +131,11 @@ TEST(OracleTest, NeverRoutesOutsideItsDomainsGroup) {
     absl::StatusOr<ExperimentResult> result = RunExperiment(*workload, options);
     ASSERT_TRUE(result.ok()) << result.status();
     for (double rate : options.rates) {
-      const std::vector<Arrival> arrivals = MakeDriftArrivals(*workload, result->drift, rate, options.requests, options.seed);
+      const std::vector<Arrival> arrivals =
+          MakeDriftArrivals(*workload, result->drift, rate, options.requests, options.seed);
       const int change = scenario == DriftScenario::kNone ? options.requests : result->drift.change_arrival;
       const double change_us = change < options.requests ? arrivals[change].time_us : 1e300;
-      const std::vector<std::vector<int>> before =
-          DomainGroups(WorkShares(*workload, arrivals, 0, change), kDecoders);
+      const std::vector<std::vector<int>> before = DomainGroups(WorkShares(*workload, arrivals, 0, change), kDecoders);
       const std::vector<std::vector<int>> after =
           DomainGroups(WorkShares(*workload, arrivals, change, options.requests), kDecoders);
       const ExperimentCell* oracle = Find(*result, "oracle", rate);
@@ -220,8 +221,8 @@ TEST(DriftTest, NewDomainIsUnseenByTheCalibrationAndArrivesAtTheChange) {
   absl::StatusOr<ExperimentResult> result = RunExperiment(*workload, options);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->drift.excluded_domain, 1);  // the last domain by default
-  const int calibrated_without = static_cast<int>(
-      std::count(workload->calibration.labels.begin(), workload->calibration.labels.end(), 0));
+  const int calibrated_without =
+      static_cast<int>(std::count(workload->calibration.labels.begin(), workload->calibration.labels.end(), 0));
   EXPECT_EQ(result->calibration_requests, calibrated_without);
   EXPECT_LT(result->calibration_requests, workload->calibration.n);
   const int change = result->drift.change_arrival;
@@ -315,8 +316,7 @@ TEST(DriftTest, PhasesSplitTheMeasuredRequestsAtTheChange) {
       // Measured: arrivals 100 (warm-up 25%) to 360 (cool-down 10%).
       EXPECT_EQ(before.metrics.measured_requests, 100);
       EXPECT_EQ(after.metrics.measured_requests, 160);
-      EXPECT_EQ(before.metrics.measured_requests + after.metrics.measured_requests,
-                cell.run.metrics.measured_requests);
+      EXPECT_EQ(before.metrics.measured_requests + after.metrics.measured_requests, cell.run.metrics.measured_requests);
       EXPECT_GT(before.metrics.tpot_p50_ms, 0);
       EXPECT_GT(after.metrics.distinct_experts_per_layer, 0);
       EXPECT_GE(after.metrics.load_imbalance, 1.0);
