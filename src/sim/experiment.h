@@ -1,5 +1,8 @@
 // One eldr-sim invocation: calibrate eldr's centroids on the workload's calibration split, then run
-// every (rate, router setup, policy) triple on the identical arrival sequence of that rate.
+// every (rate, router setup, policy) triple on the identical arrival sequence of that rate (with a
+// drift scenario: the drifted sequence and the scenario's schedule, drift.h). Every triple gets
+// routers of its own (tie-breaking seeded with router_seed), so no policy's results depend on which
+// other policies ran, or in what order.
 #ifndef ELDR_SIM_EXPERIMENT_H_
 #define ELDR_SIM_EXPERIMENT_H_
 
