@@ -5,7 +5,6 @@
 #include <cmath>
 #include <map>
 #include <memory>
-#include <tuple>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -79,6 +78,19 @@ absl::Status ValidateExperiment(const Workload& workload, const ExperimentOption
           "--replicas > 1 runs in-process router replicas: it cannot be combined with --router");
     }
   }
+  for (const PolicySpec& policy : options.policies) {
+    if (!policy.oracle) continue;
+    for (const ReplicaSetup& setup : options.setups) {
+      if (setup.replicas > 1) {
+        return absl::InvalidArgumentError("policy oracle runs with one router only: drop it or use --replicas 1");
+      }
+    }
+  }
+  if (options.drift.scenario == DriftScenario::kPoolChange && !options.grpc_target.empty()) {
+    return absl::InvalidArgumentError(
+        "--drift=pool_change changes the pool through the in-process router's elastic-pool path: it cannot be "
+        "combined with --router");
+  }
   if (!(options.replica.sync_period_ms > 0)) return absl::InvalidArgumentError("--replica_sync_ms must be > 0");
   if (!(options.replica.install_lag_ms >= 0)) {
     return absl::InvalidArgumentError("--replica_install_lag_ms must be >= 0");
@@ -105,8 +117,14 @@ void MeasureWorkloadAndCapacity(const Workload& workload, const ExperimentOption
                       result->capacity.step_ms, result->capacity.mixed_distinct, result->capacity.mean_decode_steps));
 }
 
-// The routers of one invocation: the daemon (when options.grpc_target names one) and in-process
-// routers, one per policy kind, created on first use.
+// The routers of one cell: what it routes with, and those created for it alone.
+struct CellRouters {
+  std::vector<RoutingBackend*> replicas;
+  std::vector<std::unique_ptr<RoutingBackend>> owned;
+};
+
+// The routers of one invocation: the daemon (when options.grpc_target names one), and in-process
+// routers made for each cell.
 class RouterPool {
  public:
   explicit RouterPool(const ExperimentOptions& options) : options_(options) {}
@@ -147,7 +165,7 @@ class RouterPool {
     result->router = daemon_->Describe();
     result->tau = daemon_->tau();
     for (const PolicySpec& policy : options_.policies) {
-      if (policy.kind != daemon_->policy()) {
+      if (policy.kind != daemon_->policy() || policy.oracle) {
         Log(options_, absl::StrFormat("note: %s runs in-process: the daemon serves policy %s only", policy.name,
                                       PolicyKindName(daemon_->policy())));
       }
@@ -155,45 +173,32 @@ class RouterPool {
     return absl::OkStatus();
   }
 
-  // The daemon when it serves `kind`, else the in-process router of `kind`.
-  absl::StatusOr<RoutingBackend*> For(PolicyKind kind) {
-    if (daemon_ != nullptr && daemon_->policy() == kind) return daemon_.get();
-    auto it = in_process_.find(kind);
-    if (it == in_process_.end()) {
-      ELDR_ASSIGN_OR_RETURN(std::unique_ptr<RoutingBackend> created,
-                            MakeInProcessBackend(kind, options_.tau, options_.router_seed, options_.cluster.decoders,
-                                                 options_.max_inflight, options_.tie_break));
-      it = in_process_.emplace(kind, std::move(created)).first;
+  // The routers of one cell of `policy` in `setup`: the daemon when it serves the policy's kind
+  // (one router); otherwise routers created for this cell alone, so that no cell depends on which
+  // policies, rates or setups ran before it: one in-process router (or the oracle) seeded with
+  // router_seed, or R replicas, replica r seeded with ReplicaSeed(router_seed, r).
+  absl::StatusOr<CellRouters> ForCell(const ReplicaSetup& setup, const PolicySpec& policy) {
+    CellRouters routers;
+    if (setup.replicas == 1 && !policy.oracle && daemon_ != nullptr && daemon_->policy() == policy.kind) {
+      routers.replicas.push_back(daemon_.get());
+      return routers;
     }
-    return it->second.get();
-  }
-
-  // The routers of `setup` for `kind`: For(kind) with one router; R in-process replicas otherwise,
-  // created on first use and kept per (R, shared state, kind), replica r with
-  // ReplicaSeed(router_seed, r).
-  absl::StatusOr<std::vector<RoutingBackend*>> ForSetup(const ReplicaSetup& setup, PolicyKind kind) {
-    if (setup.replicas == 1) {
-      ELDR_ASSIGN_OR_RETURN(RoutingBackend * backend, For(kind));
-      return std::vector<RoutingBackend*>{backend};
+    for (int r = 0; r < setup.replicas; ++r) {
+      const uint64_t seed = ReplicaSeed(options_.router_seed, r);
+      absl::StatusOr<std::unique_ptr<RoutingBackend>> created =
+          policy.oracle ? MakeOracleBackend(options_.cluster.decoders, seed, options_.tie_break)
+                        : MakeInProcessBackend(policy.kind, options_.tau, seed, options_.cluster.decoders,
+                                               options_.max_inflight, options_.tie_break);
+      if (!created.ok()) return created.status();
+      routers.replicas.push_back(created->get());
+      routers.owned.push_back(*std::move(created));
     }
-    std::vector<std::unique_ptr<RoutingBackend>>& replicas = replicas_[{setup.replicas, setup.shared_state, kind}];
-    while (static_cast<int>(replicas.size()) < setup.replicas) {
-      ELDR_ASSIGN_OR_RETURN(
-          std::unique_ptr<RoutingBackend> created,
-          MakeInProcessBackend(kind, options_.tau, ReplicaSeed(options_.router_seed, static_cast<int>(replicas.size())),
-                               options_.cluster.decoders, options_.max_inflight, options_.tie_break));
-      replicas.push_back(std::move(created));
-    }
-    std::vector<RoutingBackend*> backends;
-    for (const std::unique_ptr<RoutingBackend>& replica : replicas) backends.push_back(replica.get());
-    return backends;
+    return routers;
   }
 
  private:
   const ExperimentOptions& options_;
   std::unique_ptr<RoutingBackend> daemon_;
-  std::map<PolicyKind, std::unique_ptr<RoutingBackend>> in_process_;
-  std::map<std::tuple<int, bool, PolicyKind>, std::vector<std::unique_ptr<RoutingBackend>>> replicas_;
 };
 
 // Calibrates eldr's centroids on the calibration split (weighted by decode tokens when asked),
@@ -210,22 +215,21 @@ absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload, co
   calibration.balanced = options.balanced;
   calibration.model = workload.description;
   const auto start = std::chrono::steady_clock::now();
-  const CalibrationData& data = workload.calibration;
+  const CalibrationData data = WithoutDomain(workload.calibration, result->drift.excluded_domain);
   absl::StatusOr<CalibrationResult> calibrated = Calibrate(data, calibration);
   if (!calibrated.ok()) {
-    return absl::Status(calibrated.status().code(),
-                        absl::StrCat("calibrating eldr's centroids on ", workload.calibration.n,
-                                     " requests: ", calibrated.status().message()));
+    return absl::Status(calibrated.status().code(), absl::StrCat("calibrating eldr's centroids on ", data.n,
+                                                                 " requests: ", calibrated.status().message()));
   }
   CentroidArtifact centroids = calibrated->artifact;
   result->calibration = calibrated->report;
-  result->calibration_requests = workload.calibration.n;
+  result->calibration_requests = data.n;
   result->calibration_points = data.n - static_cast<int>(calibrated->report.excluded_requests.size());
   result->signature_dim = centroids.dim();
   Log(options, absl::StrFormat(
                    "calibrated %d centroids on %d requests disjoint from the evaluated ones%s: %d of %d layers "
                    "kept (correlation %.3f), dimension %d, %.1f s",
-                   centroids.k, workload.calibration.n,
+                   centroids.k, data.n,
                    calibrated->report.weighting != "none" ? " (balanced by decode tokens)"
                                                           : (options.balanced ? "" : " (unbalanced)"),
                    centroids.spec.masked_layers(), workload.layers, calibrated->report.mask_correlation,
@@ -237,13 +241,14 @@ absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload, co
 // centroids named after the workers into every replica, plus for eldr_refit one refit driver for
 // the pool, or one per replica without shared state) and logs the TPOT.
 absl::StatusOr<ExperimentCell> RunCell(const Workload& workload, const std::vector<Arrival>& arrivals,
-                                       const ExperimentOptions& options, double rate, const PolicySpec& policy,
-                                       const ReplicaSetup& setup, const CentroidArtifact& centroids,
+                                       const RunSchedule& schedule, const ExperimentOptions& options, double rate,
+                                       const PolicySpec& policy, const ReplicaSetup& setup,
+                                       const CentroidArtifact& centroids,
                                        const std::vector<RoutingBackend*>& replicas) {
   ReplicaRouters routers;
   routers.replicas = replicas;
   std::vector<std::unique_ptr<SimRefitDriver>> refits;
-  if (policy.kind == PolicyKind::kEldr) {
+  if (policy.kind == PolicyKind::kEldr && !policy.oracle) {
     const CentroidArtifact named = WithWorkers(centroids, replicas.front()->worker_ids());
     for (RoutingBackend* replica : replicas) ELDR_RETURN_IF_ERROR(replica->InstallCentroids(named));
     if (policy.refit) {
@@ -262,7 +267,8 @@ absl::StatusOr<ExperimentCell> RunCell(const Workload& workload, const std::vect
   replica.shared_load = setup.shared_state;
   const std::string label = CellLabel(policy.name, setup);
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<RunResult> run = SimulateReplicatedRun(workload, arrivals, options.cluster, routers, replica);
+  absl::StatusOr<RunResult> run =
+      SimulateReplicatedRun(workload, arrivals, options.cluster, routers, replica, schedule);
   if (!run.ok()) {
     return absl::Status(run.status().code(),
                         absl::StrFormat("rate %g, policy %s: %s", rate, label, run.status().message()));
@@ -344,11 +350,14 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
     if (name == "eldr_refit") {
       spec.kind = PolicyKind::kEldr;
       spec.refit = true;
+    } else if (name == "oracle") {
+      spec.kind = PolicyKind::kJsq;
+      spec.oracle = true;
     } else {
       absl::StatusOr<PolicyKind> kind = ParsePolicyKind(name);
       if (!kind.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--policies: unknown policy '", name, "' (expected rr, random, jsq, p2c, eldr, eldr_refit)"));
+        return absl::InvalidArgumentError(absl::StrCat("--policies: unknown policy '", name,
+                                                       "' (expected rr, random, jsq, p2c, eldr, eldr_refit, oracle)"));
       }
       spec.kind = *kind;
     }
@@ -421,32 +430,41 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload, const E
   ExperimentResult result;
   result.ttft = options.ttft;
   result.workload = workload.description;
+  result.domains = workload.domains;
   result.setups = options.setups;
   result.replica = options.replica;
   result.replica.on_sync = nullptr;
   MeasureWorkloadAndCapacity(workload, options, &result);
+  ELDR_ASSIGN_OR_RETURN(
+      result.drift, PlanDrift(workload, options.drift, options.requests, options.cluster.decoders, options.cluster));
+  const RunSchedule schedule = ScheduleFor(result.drift);
+  if (result.drift.scenario != DriftScenario::kNone) {
+    Log(options, absl::StrFormat("drift %s: the change at arrival %d of %d", DriftScenarioName(result.drift.scenario),
+                                 result.drift.change_arrival, options.requests));
+  }
 
-  // Routers. In-process ones are created per policy kind and kept for the whole invocation, in
-  // the order the runs use them, exactly as one long-running daemon would see the calls.
+  // Routers: the daemon, or routers made for each cell (RouterPool::ForCell).
   RouterPool routers(options);
   ELDR_RETURN_IF_ERROR(routers.ConnectDaemon(&result));
 
   // Centroids, calibrated on the calibration split only.
   CentroidArtifact centroids;
-  const bool needs_centroids = std::any_of(options.policies.begin(), options.policies.end(),
-                                           [](const PolicySpec& p) { return p.kind == PolicyKind::kEldr; });
+  const bool needs_centroids = std::any_of(options.policies.begin(), options.policies.end(), [](const PolicySpec& p) {
+    return p.kind == PolicyKind::kEldr && !p.oracle;
+  });
   if (needs_centroids) {
     ELDR_ASSIGN_OR_RETURN(centroids, CalibrateCentroids(workload, options, &result));
     result.centroids = centroids;
   }
 
   for (double rate : result.rates) {
-    const std::vector<Arrival> arrivals = MakeArrivals(workload, rate, options.requests, options.seed);
+    const std::vector<Arrival> arrivals =
+        MakeDriftArrivals(workload, result.drift, rate, options.requests, options.seed);
     for (const ReplicaSetup& setup : options.setups) {
       for (const PolicySpec& policy : options.policies) {
-        ELDR_ASSIGN_OR_RETURN(std::vector<RoutingBackend*> replicas, routers.ForSetup(setup, policy.kind));
-        ELDR_ASSIGN_OR_RETURN(ExperimentCell cell,
-                              RunCell(workload, arrivals, options, rate, policy, setup, centroids, replicas));
+        ELDR_ASSIGN_OR_RETURN(CellRouters cell_routers, routers.ForCell(setup, policy));
+        ELDR_ASSIGN_OR_RETURN(ExperimentCell cell, RunCell(workload, arrivals, schedule, options, rate, policy, setup,
+                                                           centroids, cell_routers.replicas));
         result.cells.push_back(std::move(cell));
       }
     }

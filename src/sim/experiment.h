@@ -1,5 +1,8 @@
 // One eldr-sim invocation: calibrate eldr's centroids on the workload's calibration split, then run
-// every (rate, router setup, policy) triple on the identical arrival sequence of that rate.
+// every (rate, router setup, policy) triple on the identical arrival sequence of that rate (with a
+// drift scenario: the drifted sequence and the scenario's schedule, drift.h). Every triple gets
+// routers of its own (tie-breaking seeded with router_seed), so no policy's results depend on which
+// other policies ran, or in what order.
 #ifndef ELDR_SIM_EXPERIMENT_H_
 #define ELDR_SIM_EXPERIMENT_H_
 
@@ -14,19 +17,22 @@
 #include "eldr/core/centroid_artifact.h"
 #include "eldr/core/policy.h"
 #include "eldr/core/signature.h"
+#include "sim/drift.h"
 #include "sim/simulator.h"
 #include "sim/workload.h"
 
 namespace eldr::sim {
 
-// A policy under test: a router policy, optionally with online refit ("eldr_refit").
+// A policy under test: a router policy, optionally with online refit ("eldr_refit"), or the
+// domain oracle ("oracle", MakeOracleBackend: kind kJsq, not a load balancer).
 struct PolicySpec {
   std::string name;
   PolicyKind kind = PolicyKind::kEldr;
   bool refit = false;
+  bool oracle = false;
 };
 
-// Parses a comma-separated list of rr, random, jsq, p2c, eldr, eldr_refit (no duplicates).
+// Parses a comma-separated list of rr, random, jsq, p2c, eldr, eldr_refit, oracle (no duplicates).
 absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list);
 // Parses a comma-separated list of positive rates (requests per second).
 absl::StatusOr<std::vector<double>> ParseRates(absl::string_view list);
@@ -81,6 +87,7 @@ struct ExperimentOptions {
   LayerMaskRule mask_rule = LayerMaskRule::kGlobalMaximum;
   bool balanced = true;  // false: plain spherical k-means (the cluster-balance ablation)
   SimRefitOptions refit;
+  DriftOptions drift;  // the workload's change during each run (drift.h); none by default
   // Router setups, each run on every rate and policy; replicas > 1 need in-process routers (no
   // grpc_target). The replicas of one setup get tie-breaking seeds derived from router_seed
   // (replica 0: router_seed itself) and, refitting alone, refit seeds derived from `seed`.
@@ -119,6 +126,7 @@ struct ExperimentCell {
 struct ExperimentResult {
   TtftDefinition ttft = TtftDefinition::kDecode;  // the table's TTFT columns
   std::string workload;
+  std::vector<std::string> domains;  // the workload's domain names
   LocalityStats locality;
   CapacityEstimate capacity;
   CalibrationReport calibration;
@@ -128,6 +136,7 @@ struct ExperimentResult {
   std::string router;  // in-process, or the daemon's description
   double tau = 0;
   std::vector<double> rates;
+  DriftPlan drift;                    // the scenario as resolved (none: no phases)
   std::vector<ReplicaSetup> setups;   // as given
   ReplicaOptions replica;             // as given (no on_sync)
   std::vector<ExperimentCell> cells;  // rate-major, then setups, then policies, each in the given order

@@ -18,8 +18,13 @@ namespace {
 
 class InProcessBackend final : public RoutingBackend {
  public:
-  InProcessBackend(std::unique_ptr<Router> router, std::vector<std::string> worker_ids, PolicyKind policy, double tau)
-      : router_(std::move(router)), worker_ids_(std::move(worker_ids)), policy_(policy), tau_(tau) {
+  InProcessBackend(std::unique_ptr<Router> router, std::vector<std::string> worker_ids, PolicyKind policy, double tau,
+                   int64_t max_inflight)
+      : router_(std::move(router)),
+        worker_ids_(std::move(worker_ids)),
+        policy_(policy),
+        tau_(tau),
+        max_inflight_(max_inflight) {
     for (int i = 0; i < static_cast<int>(worker_ids_.size()); ++i) index_[worker_ids_[i]] = i;
   }
 
@@ -73,6 +78,22 @@ class InProcessBackend final : public RoutingBackend {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<int> AddWorker(const std::string& id) override {
+    if (index_.contains(id)) return absl::AlreadyExistsError(absl::StrCat("worker ", id, " was in the pool already"));
+    WorkerSpec spec;
+    spec.id = id;
+    spec.address = absl::StrCat("sim-", id, ":8000");
+    spec.max_inflight = max_inflight_;
+    ELDR_RETURN_IF_ERROR(router_->UpsertWorker(spec).status());
+    const int index = static_cast<int>(worker_ids_.size());
+    worker_ids_.push_back(id);
+    index_[id] = index;
+    return index;
+  }
+
+  absl::Status DrainWorker(const std::string& id) override { return router_->DrainWorker(id).status(); }
+  absl::Status RemoveWorker(const std::string& id) override { return router_->RemoveWorker(id).status(); }
+
  private:
   absl::Time Clock(double now_us) {
     latest_us_ = std::max(latest_us_, run_origin_us_ + now_us);
@@ -84,6 +105,7 @@ class InProcessBackend final : public RoutingBackend {
   absl::flat_hash_map<std::string, int> index_;
   PolicyKind policy_;
   double tau_;
+  int64_t max_inflight_;
   double run_origin_us_ = 0;
   double latest_us_ = 0;
 };
@@ -97,6 +119,20 @@ absl::StatusOr<RouterState> RoutingBackend::GetState(double /*now_us*/) {
 absl::Status RoutingBackend::SetPeerLeases(const absl::flat_hash_map<std::string, PeerLeaseCount>& /*peers*/) {
   return absl::UnimplementedError(absl::StrCat(Describe(), " does not take peer leases"));
 }
+
+absl::StatusOr<int> RoutingBackend::AddWorker(const std::string& /*id*/) {
+  return absl::UnimplementedError(absl::StrCat(Describe(), " does not change its pool from the simulator"));
+}
+
+absl::Status RoutingBackend::DrainWorker(const std::string& /*id*/) {
+  return absl::UnimplementedError(absl::StrCat(Describe(), " does not change its pool from the simulator"));
+}
+
+absl::Status RoutingBackend::RemoveWorker(const std::string& /*id*/) {
+  return absl::UnimplementedError(absl::StrCat(Describe(), " does not change its pool from the simulator"));
+}
+
+absl::Status RoutingBackend::SetDomainShares(const std::vector<double>& /*shares*/) { return absl::OkStatus(); }
 
 absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind policy, double tau,
                                                                      uint64_t router_seed, int workers,
@@ -118,7 +154,8 @@ absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind 
     specs.push_back(std::move(spec));
   }
   ELDR_ASSIGN_OR_RETURN(std::unique_ptr<Router> router, Router::Create(options, std::move(specs)));
-  return std::unique_ptr<RoutingBackend>(new InProcessBackend(std::move(router), std::move(ids), policy, tau));
+  return std::unique_ptr<RoutingBackend>(
+      new InProcessBackend(std::move(router), std::move(ids), policy, tau, max_inflight));
 }
 
 }  // namespace eldr::sim

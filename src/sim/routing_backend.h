@@ -31,6 +31,7 @@ struct RouteCall {
   // gate_prob) instead of the counts.
   absl::Span<const float> prompt_gate_sums;
   int prompt_tokens = 0;
+  int domain = -1;  // the request's domain label (Workload::domains); only the oracle reads it
 };
 
 struct RouteDecision {
@@ -50,7 +51,8 @@ class RoutingBackend {
   virtual std::string Describe() const = 0;
   virtual PolicyKind policy() const = 0;
   virtual double tau() const = 0;
-  // The decode workers, in the order the simulator indexes them.
+  // The decode workers, in the order the simulator indexes them. Only grows: a worker added by
+  // AddWorker takes the next index, and a removed worker keeps its index (never chosen again).
   virtual const std::vector<std::string>& worker_ids() const = 0;
 
   // Called before each simulated run; simulated time restarts at 0 in every run.
@@ -67,6 +69,18 @@ class RoutingBackend {
   virtual absl::StatusOr<RouterState> GetState(double now_us);
   // Router::SetPeerLeases: the other replicas' leases per worker id.
   virtual absl::Status SetPeerLeases(const absl::flat_hash_map<std::string, PeerLeaseCount>& peers);
+
+  // The elastic pool (the pool_change drift scenario), as eldr-router's discovery drives it:
+  // Router::UpsertWorker (the worker joins with the backend's overload guard; returns its index in
+  // worker_ids()), Router::DrainWorker (no new routes, its leases finish) and Router::RemoveWorker.
+  // Only in-process backends have them; the others answer UNIMPLEMENTED.
+  virtual absl::StatusOr<int> AddWorker(const std::string& id);
+  virtual absl::Status DrainWorker(const std::string& id);
+  virtual absl::Status RemoveWorker(const std::string& id);
+
+  // The decode work share of each domain (indexed like Workload::domains, any scale) in the traffic
+  // about to come: the oracle partitions its workers by it; every other backend ignores it.
+  virtual absl::Status SetDomainShares(const std::vector<double>& shares);
 };
 
 // An eldr::Router in this process with `policy`, `tau` and the tie-breaking seed `router_seed`,
@@ -77,6 +91,25 @@ absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind 
                                                                      uint64_t router_seed, int workers,
                                                                      int64_t max_inflight,
                                                                      TieBreak tie_break = TieBreak::kRandom);
+
+// The oracle policy (not a router policy: it reads RouteCall::domain, the label no router sees).
+// Every domain with a positive share (SetDomainShares) gets a group of the active workers, sized
+// by DomainGroups; a request goes to the least-loaded worker of its domain's group (load: its own
+// leases, routed and not completed), ties broken by `tie_break` (random: from `seed`). A request of
+// a domain without a group (share 0) goes to the least-loaded active worker. The groups are
+// recomputed at every SetDomainShares and pool change. Workers "decode-0" .. "decode-{workers-1}".
+// An upper bound on what locality can give: it never mistakes a request's domain and never spills.
+absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeOracleBackend(int workers, uint64_t seed, TieBreak tie_break);
+
+// The oracle's groups: for `workers` workers (indices 0.., in order) and each domain's decode work
+// share (any scale), the workers of each domain; empty for a domain whose share is not positive,
+// and all empty when none is. The workers are apportioned by highest averages: each in turn goes
+// to the domain that would have the most work per worker (share / (seats + 1); ties: the lower
+// domain index), and the seated domains own disjoint contiguous blocks in domain order. A domain
+// left without a worker (more domains than workers, or a small share) shares the block with the
+// least work per worker at that point (largest such domain first), so no worker idles while a
+// large domain's group is overloaded.
+std::vector<std::vector<int>> DomainGroups(const std::vector<double>& shares, int workers);
 
 // What a running daemon says about itself (RouterAdmin.GetState).
 struct DaemonInfo {

@@ -30,6 +30,7 @@
 #include "sim/experiment.h"
 #include "sim/report.h"
 #include "sim/routing_backend.h"
+#include "sim/seeds.h"
 #include "sim/workload.h"
 
 extern char** environ;
@@ -75,7 +76,10 @@ ABSL_FLAG(double, kv_transfer_us, kCluster.cost.kv_transfer_us, "KV handoff pref
 
 // ---- Policies and router ----
 ABSL_FLAG(std::string, policies, "rr,random,jsq,p2c,eldr,eldr_refit",
-          "Policies to compare: rr, random, jsq, p2c, eldr, eldr_refit");
+          "Policies to compare: rr, random, jsq, p2c, eldr, eldr_refit, oracle. oracle knows each request's domain "
+          "label: every domain gets a group of workers in proportion to its share of the decode work of the arrivals "
+          "(per drift phase), and a request goes to the least-loaded worker of its domain's group (an upper bound on "
+          "what locality can give; one router only)");
 ABSL_FLAG(double, tau, 0.1, "eldr locality band width (in-process routers; a daemon uses its own)");
 ABSL_FLAG(std::string, ttft, "decode",
           "TTFT in the table: decode (arrival to the end of the first decode step) or prefill (the reference "
@@ -107,6 +111,23 @@ ABSL_FLAG(double, rpc_timeout_s, 10, "Deadline of each RPC to the router, second
 ABSL_FLAG(double, refit_interval_s, kRefit.interval_s, "eldr_refit: simulated seconds between refits");
 ABSL_FLAG(double, refit_window_s, kRefit.window_s, "eldr_refit: rolling window of signatures, seconds");
 
+// ---- Drift ----
+ABSL_FLAG(std::string, drift, "none",
+          "Workload change during each run, at --drift_at of the arrivals, reported per phase (before / after) and "
+          "overall: none; mix_shift (the first half of the domains take --drift_dominant_share of the arrivals "
+          "before the change, the other half after it); new_domain (--drift_new_domain is left out of the "
+          "calibration split and of the arrivals before the change, then arrives in its natural share); "
+          "pool_change (decode-N joins and decode-0 is drained, then removed once empty, through the router's "
+          "elastic pool; eldr_refit refits for the new pool, static eldr keeps its centroids; in-process only). "
+          "In mix_shift and new_domain each phase's arrival rate is scaled so that it offers the decode work per "
+          "second of the undrifted mix at --rates");
+ABSL_FLAG(double, drift_at, eldr::sim::DriftOptions().change_fraction,
+          "Drift: the change point as a fraction of the arrivals (between --warmup_fraction and "
+          "1 - --cooldown_fraction)");
+ABSL_FLAG(double, drift_dominant_share, eldr::sim::DriftOptions().dominant_share,
+          "Drift mix_shift: the dominant domains' share of the arrivals, in (0, 1)");
+ABSL_FLAG(std::string, drift_new_domain, "", "Drift new_domain: the domain that appears; empty: the last one");
+
 // ---- Router replicas ----
 ABSL_FLAG(std::string, replicas, "1",
           "Router replica counts to compare, e.g. 1,3,16: R in-process eldr::Routers over the same decode "
@@ -129,6 +150,11 @@ ABSL_FLAG(std::string, replica_assignment, std::string(eldr::sim::ReplicaAssignm
 ABSL_FLAG(std::string, rates, "",
           "Comma-separated arrival rates, requests/s; empty: 30%, 55% and 80% of the estimated capacity");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the workload, arrivals, split and calibration");
+ABSL_FLAG(std::string, seeds, "",
+          "Run the whole experiment once per seed, e.g. 1-6 or 1,2,3 (instead of --seed), and report per policy, "
+          "rate and phase the mean and standard error over the seeds of TPOT and TTFT and of the % difference from "
+          "the best load balancer (the best of rr/random/jsq/p2c in each seed, then averaged). Without --rates, every "
+          "seed runs at the first seed's default rates. --plot and --centroids_out use the first seed's run");
 ABSL_FLAG(double, warmup_fraction, kCluster.warmup_fraction, "Share of first arrivals not measured");
 ABSL_FLAG(double, cooldown_fraction, kCluster.cooldown_fraction, "Share of last arrivals not measured");
 
@@ -332,65 +358,102 @@ int main(int argc, char** argv) {
   }
   const bool json = absl::GetFlag(FLAGS_json), csv = absl::GetFlag(FLAGS_csv);
   if (json && csv) return Fail("--json and --csv both print on stdout: pick one (or use --csv_out)");
-
-  // Workload.
-  absl::StatusOr<eldr::sim::Workload> workload;
-  if (!trace_dir.empty()) {
-    eldr::sim::TraceWorkloadOptions trace;
-    trace.dir = trace_dir;
-    trace.experts = absl::GetFlag(FLAGS_experts);
-    trace.prefill_fraction = absl::GetFlag(FLAGS_prefill_fraction);
-    trace.calibration_fraction = absl::GetFlag(FLAGS_calibration_fraction);
-    trace.seed = absl::GetFlag(FLAGS_seed);
-    workload = eldr::sim::LoadTraceWorkload(trace);
-  } else {
-    eldr::sim::SyntheticOptions synthetic = synthetic_geometry;
-    synthetic.domains = absl::GetFlag(FLAGS_domains);
-    synthetic.topics_per_domain = absl::GetFlag(FLAGS_topics_per_domain);
-    synthetic.locality = absl::GetFlag(FLAGS_locality);
-    synthetic.requests = requests;
-    synthetic.calibration_requests = absl::GetFlag(FLAGS_calibration_requests);
-    synthetic.prompt_tokens_mean = absl::GetFlag(FLAGS_prompt_tokens_mean);
-    synthetic.output_tokens_mean = absl::GetFlag(FLAGS_output_tokens_mean);
-    synthetic.seed = absl::GetFlag(FLAGS_seed);
-    log("generating the synthetic workload");
-    const auto start = std::chrono::steady_clock::now();
-    workload = eldr::sim::GenerateSyntheticWorkload(synthetic);
-    log(absl::StrFormat("generated in %.1f s",
-                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+  absl::StatusOr<eldr::sim::DriftScenario> scenario = eldr::sim::ParseDriftScenario(absl::GetFlag(FLAGS_drift));
+  if (!scenario.ok()) return Fail(scenario.status());
+  options.drift.scenario = *scenario;
+  options.drift.change_fraction = absl::GetFlag(FLAGS_drift_at);
+  options.drift.dominant_share = absl::GetFlag(FLAGS_drift_dominant_share);
+  options.drift.new_domain = absl::GetFlag(FLAGS_drift_new_domain);
+  if (options.drift.scenario == eldr::sim::DriftScenario::kPoolChange && !options.grpc_target.empty()) {
+    return Fail("--drift=pool_change changes the pool through the in-process router: drop --router");
   }
-  if (!workload.ok()) return Fail(workload.status());
+  std::vector<uint64_t> seeds = {absl::GetFlag(FLAGS_seed)};
+  if (const std::string list = absl::GetFlag(FLAGS_seeds); !list.empty()) {
+    if (absl::GetFlag(FLAGS_seed) != 1) return Fail("give --seed or --seeds, not both");
+    absl::StatusOr<std::vector<uint64_t>> parsed = eldr::sim::ParseSeeds(list);
+    if (!parsed.ok()) return Fail(parsed.status());
+    seeds = *parsed;
+  }
 
   options.log = log;
-  log(absl::StrCat("workload: ", workload->description));
-
-  absl::StatusOr<eldr::sim::ExperimentResult> result = eldr::sim::RunExperiment(*workload, options);
-  if (!result.ok()) return Fail(result.status());
+  // One experiment per seed: the workload (trace split or generation), arrivals, calibration and
+  // refit follow the seed.
+  std::vector<eldr::sim::ExperimentResult> runs;
+  for (const uint64_t seed : seeds) {
+    absl::StatusOr<eldr::sim::Workload> workload;
+    if (!trace_dir.empty()) {
+      eldr::sim::TraceWorkloadOptions trace;
+      trace.dir = trace_dir;
+      trace.experts = absl::GetFlag(FLAGS_experts);
+      trace.prefill_fraction = absl::GetFlag(FLAGS_prefill_fraction);
+      trace.calibration_fraction = absl::GetFlag(FLAGS_calibration_fraction);
+      trace.seed = seed;
+      workload = eldr::sim::LoadTraceWorkload(trace);
+    } else {
+      eldr::sim::SyntheticOptions synthetic = synthetic_geometry;
+      synthetic.domains = absl::GetFlag(FLAGS_domains);
+      synthetic.topics_per_domain = absl::GetFlag(FLAGS_topics_per_domain);
+      synthetic.locality = absl::GetFlag(FLAGS_locality);
+      synthetic.requests = requests;
+      synthetic.calibration_requests = absl::GetFlag(FLAGS_calibration_requests);
+      synthetic.prompt_tokens_mean = absl::GetFlag(FLAGS_prompt_tokens_mean);
+      synthetic.output_tokens_mean = absl::GetFlag(FLAGS_output_tokens_mean);
+      synthetic.seed = seed;
+      log("generating the synthetic workload");
+      const auto start = std::chrono::steady_clock::now();
+      workload = eldr::sim::GenerateSyntheticWorkload(synthetic);
+      log(absl::StrFormat("generated in %.1f s",
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+    }
+    if (!workload.ok()) return Fail(workload.status());
+    if (seeds.size() > 1) log(absl::StrCat("seed ", seed));
+    log(absl::StrCat("workload: ", workload->description));
+    options.seed = seed;
+    absl::StatusOr<eldr::sim::ExperimentResult> run = eldr::sim::RunExperiment(*workload, options);
+    if (!run.ok()) return Fail(run.status());
+    // Every seed at the same rates (the first seed's defaults unless --rates), so cells aggregate.
+    if (options.rates.empty()) options.rates = run->rates;
+    runs.push_back(*std::move(run));
+  }
+  const eldr::sim::ExperimentResult& first = runs.front();
 
   // Outputs.
   if (const std::string path = absl::GetFlag(FLAGS_centroids_out); !path.empty()) {
-    if (result->centroids.k == 0) return Fail(absl::InvalidArgumentError("--centroids_out needs policy eldr"));
-    if (absl::Status s = eldr::SaveCentroidArtifact(result->centroids, path); !s.ok()) return Fail(s);
+    if (first.centroids.k == 0) return Fail(absl::InvalidArgumentError("--centroids_out needs policy eldr"));
+    if (absl::Status s = eldr::SaveCentroidArtifact(first.centroids, path); !s.ok()) return Fail(s);
+  }
+  std::string json_text, csv_text, table_text;
+  if (seeds.size() == 1) {
+    json_text = eldr::sim::ToJson(first, false).dump(2);
+    csv_text = eldr::sim::FormatCsv(first);
+    table_text = eldr::sim::FormatTable(first);
+  } else {
+    eldr::sim::MultiSeedResult multi;
+    multi.seeds = seeds;
+    absl::StatusOr<std::vector<eldr::sim::AggregateCell>> cells = eldr::sim::AggregateSeeds(runs);
+    if (!cells.ok()) return Fail(cells.status());
+    multi.cells = *std::move(cells);
+    multi.runs = std::move(runs);
+    json_text = eldr::sim::SeedsToJson(multi).dump(2);
+    csv_text = eldr::sim::FormatSeedsCsv(multi);
+    table_text = eldr::sim::FormatSeedsTable(multi);
+    runs = std::move(multi.runs);
   }
   if (const std::string path = absl::GetFlag(FLAGS_json_out); !path.empty()) {
-    if (absl::Status s = eldr::WriteFileAtomically(path, eldr::sim::ToJson(*result, false).dump(2) + "\n"); !s.ok()) {
-      return Fail(s);
-    }
+    if (absl::Status s = eldr::WriteFileAtomically(path, json_text + "\n"); !s.ok()) return Fail(s);
   }
   if (const std::string path = absl::GetFlag(FLAGS_csv_out); !path.empty()) {
-    if (absl::Status s = eldr::WriteFileAtomically(path, eldr::sim::FormatCsv(*result)); !s.ok()) {
-      return Fail(s);
-    }
+    if (absl::Status s = eldr::WriteFileAtomically(path, csv_text); !s.ok()) return Fail(s);
   }
   if (json) {
-    std::cout << eldr::sim::ToJson(*result, false).dump(2) << "\n";
+    std::cout << json_text << "\n";
   } else if (csv) {
-    std::cout << eldr::sim::FormatCsv(*result);
+    std::cout << csv_text;
   } else {
-    std::cout << eldr::sim::FormatTable(*result);
+    std::cout << table_text;
   }
   if (const std::string png = absl::GetFlag(FLAGS_plot); !png.empty()) {
-    if (absl::Status drawn = DrawFigure(*result, png); !drawn.ok()) return Fail(drawn);
+    if (absl::Status drawn = DrawFigure(runs.front(), png); !drawn.ok()) return Fail(drawn);
     (json || csv ? std::cerr : std::cout) << "figure written to " << png << "\n";
   }
   return 0;

@@ -77,4 +77,15 @@ absl::StatusOr<std::optional<CentroidArtifact>> SimRefitDriver::Refit(double now
   return std::optional<CentroidArtifact>(std::move(artifact));
 }
 
+absl::Status SimRefitDriver::AddWorker(const std::string& id) {
+  WorkerSpec spec;
+  spec.id = id;
+  spec.address = absl::StrCat(id, ":8000");
+  return host_->UpsertWorker(spec).status();
+}
+
+absl::Status SimRefitDriver::DrainWorker(const std::string& id) { return host_->DrainWorker(id).status(); }
+
+absl::Status SimRefitDriver::RemoveWorker(const std::string& id) { return host_->RemoveWorker(id).status(); }
+
 }  // namespace eldr::sim

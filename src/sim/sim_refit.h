@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -61,6 +62,13 @@ class SimRefitDriver {
   absl::StatusOr<std::optional<CentroidArtifact>> Refit(double now_us);
 
   int refits() const { return refits_; }
+
+  // The pool change of the routers this driver refits for, applied to the refitter's router
+  // (Router::UpsertWorker, DrainWorker, RemoveWorker): the next Refit reconciles the rows with the
+  // active workers, as eldr-router's refitter does after a pool change (refit.h, "elastic pools").
+  absl::Status AddWorker(const std::string& id);
+  absl::Status DrainWorker(const std::string& id);
+  absl::Status RemoveWorker(const std::string& id);
 
  private:
   SimRefitDriver(SimRefitOptions options, SignatureTransform transform)

@@ -28,6 +28,9 @@ enum class EventKind {
   kSample,
   kReplicaSync,      // shared load: SyncReplicaLeases (subject: the replica, -1 all)
   kFollowerInstall,  // shared refit: the followers install a refitted set (subject: its index)
+  kPhaseStart,       // RunSchedule: a phase begins (subject: its index)
+  kPoolChange,       // RunSchedule: a worker joins and one is drained
+  kPoolRefit,        // RunSchedule: the refit drivers reconcile with the changed pool
 };
 
 struct Event {
@@ -55,21 +58,39 @@ struct DecodeWorker {
   std::deque<int> waiting;
   int64_t kv_used = 0;
   bool busy = false;
-  int assigned = 0;  // routed and not finished (what the router counts as load)
+  int assigned = 0;       // routed and not finished (what the router counts as load)
+  bool in_pool = true;    // routable: false before it joins and once it is drained
+  bool draining = false;  // drained and not yet removed (removed when `assigned` reaches 0)
+};
+
+// Per-step and load-sample figures of a time span (the measured window, or a phase inside it).
+struct SpanStats {
+  int64_t steps = 0;
+  double distinct_per_layer = 0, batch = 0;
+  int64_t tokens = 0;
+  double imbalance_sum = 0;
+  int64_t imbalance_samples = 0;
 };
 
 class Simulation {
  public:
   Simulation(const Workload& workload, const std::vector<Arrival>& arrivals, const ClusterOptions& cluster,
-             const ReplicaRouters& routers, const ReplicaOptions& replica)
+             const ReplicaRouters& routers, const ReplicaOptions& replica, const RunSchedule& schedule)
       : workload_(workload),
         arrivals_(arrivals),
         cluster_(cluster),
         routers_(routers),
         replica_(replica),
+        schedule_(schedule),
         counter_(workload.layers, workload.experts, workload.top_k),
-        workers_(cluster.decoders),
-        state_(arrivals.size()) {}
+        workers_(cluster.decoders + (HasPoolChange() ? 1 : 0)),
+        state_(arrivals.size()) {
+    if (HasPoolChange()) workers_.back().in_pool = false;
+    phase_first_.push_back(0);
+    for (int start : schedule.phase_starts) phase_first_.push_back(start);
+    for (int first : phase_first_) phase_start_us_.push_back(first == 0 ? 0.0 : arrivals[first].time_us);
+    phase_stats_.resize(phase_first_.size());
+  }
 
   absl::StatusOr<RunResult> Run() {
     const int n = static_cast<int>(arrivals_.size());
@@ -98,6 +119,11 @@ class Simulation {
       Push(arrivals_[i].time_us, EventKind::kArrival, i);
     }
     Push(window_begin_us_, EventKind::kSample, 0);
+    ELDR_RETURN_IF_ERROR(SetDomainShares(0));
+    for (size_t p = 1; p < phase_first_.size(); ++p) {
+      Push(phase_start_us_[p], EventKind::kPhaseStart, static_cast<int>(p));
+    }
+    if (HasPoolChange()) Push(arrivals_[schedule_.pool_change_arrival].time_us, EventKind::kPoolChange, 0);
     if (!routers_.refits.empty()) {
       Push(RefitIntervalUs(), EventKind::kRefit, 0);
     }
@@ -142,6 +168,15 @@ class Simulation {
         case EventKind::kFollowerInstall:
           ELDR_RETURN_IF_ERROR(OnFollowerInstall(event.subject));
           break;
+        case EventKind::kPhaseStart:
+          ELDR_RETURN_IF_ERROR(SetDomainShares(event.subject));
+          break;
+        case EventKind::kPoolChange:
+          ELDR_RETURN_IF_ERROR(OnPoolChange());
+          break;
+        case EventKind::kPoolRefit:
+          ELDR_RETURN_IF_ERROR(RefitAndInstall());
+          break;
       }
     }
     result_.simulated_seconds = now_us_ / 1e6;
@@ -158,6 +193,68 @@ class Simulation {
   const SimRequest& RequestOf(int arrival) const { return workload_.pool[arrivals_[arrival].request]; }
 
   bool SharesLoad() const { return replica_.shared_load && routers_.replicas.size() > 1; }
+  bool HasPoolChange() const { return schedule_.pool_change_arrival >= 0; }
+  // The phase whose time span holds `time_us`.
+  int PhaseAt(double time_us) const {
+    const auto after = std::upper_bound(phase_start_us_.begin(), phase_start_us_.end(), time_us);
+    return std::max(0, static_cast<int>(after - phase_start_us_.begin()) - 1);
+  }
+
+  // Every backend learns the decode work per domain of phase `phase`'s arrivals.
+  absl::Status SetDomainShares(int phase) {
+    const int begin = phase_first_[phase];
+    const int end = phase + 1 < static_cast<int>(phase_first_.size()) ? phase_first_[phase + 1]
+                                                                      : static_cast<int>(arrivals_.size());
+    std::vector<double> shares(workload_.domains.size(), 0.0);
+    for (int i = begin; i < end; ++i) {
+      const SimRequest& request = RequestOf(i);
+      if (request.domain >= 0 && request.domain < static_cast<int>(shares.size())) {
+        shares[request.domain] += request.decode_steps;
+      }
+    }
+    for (RoutingBackend* backend : routers_.replicas) ELDR_RETURN_IF_ERROR(backend->SetDomainShares(shares));
+    return absl::OkStatus();
+  }
+
+  // The pool change: the new worker joins every replica and refit router, the leaving one is
+  // drained (removed at once when it holds no request), and the drivers refit after the delay.
+  absl::Status OnPoolChange() {
+    const int added = static_cast<int>(workers_.size()) - 1;
+    for (RoutingBackend* backend : routers_.replicas) {
+      absl::StatusOr<int> index = backend->AddWorker(schedule_.add_worker);
+      if (!index.ok()) {
+        return absl::Status(index.status().code(),
+                            absl::StrCat("adding worker ", schedule_.add_worker, ": ", index.status().message()));
+      }
+      if (*index != added) {
+        return absl::InternalError(absl::StrCat("the added worker got index ", *index, ", expected ", added));
+      }
+      ELDR_RETURN_IF_ERROR(backend->DrainWorker(schedule_.drain_worker));
+    }
+    for (SimRefitDriver* refit : routers_.refits) {
+      ELDR_RETURN_IF_ERROR(refit->AddWorker(schedule_.add_worker));
+      ELDR_RETURN_IF_ERROR(refit->DrainWorker(schedule_.drain_worker));
+    }
+    workers_[added].in_pool = true;
+    const std::vector<std::string>& ids = routers_.replicas.front()->worker_ids();
+    const int drained = static_cast<int>(std::find(ids.begin(), ids.end(), schedule_.drain_worker) - ids.begin());
+    if (drained >= added) return absl::InvalidArgumentError(absl::StrCat("no worker ", schedule_.drain_worker));
+    drained_ = drained;
+    workers_[drained].in_pool = false;
+    workers_[drained].draining = true;
+    if (workers_[drained].assigned == 0) ELDR_RETURN_IF_ERROR(RemoveDrained());
+    if (!routers_.refits.empty()) Push(now_us_ + schedule_.pool_refit_delay_s * 1e6, EventKind::kPoolRefit, 0);
+    return absl::OkStatus();
+  }
+
+  absl::Status RemoveDrained() {
+    workers_[drained_].draining = false;
+    for (RoutingBackend* backend : routers_.replicas) {
+      ELDR_RETURN_IF_ERROR(backend->RemoveWorker(schedule_.drain_worker));
+    }
+    for (SimRefitDriver* refit : routers_.refits) ELDR_RETURN_IF_ERROR(refit->RemoveWorker(schedule_.drain_worker));
+    return absl::OkStatus();
+  }
   double RefitIntervalUs() const { return routers_.refits.front()->options().interval_s * 1e6; }
   RoutingBackend* ReplicaOf(int arrival) const { return routers_.replicas[result_.requests[arrival].replica]; }
   // The refit driver that observes the routes of `replica`.
@@ -194,14 +291,16 @@ class Simulation {
     call.prompt_counts = request.prompt_counts;
     if (cluster_.gate_prob_signatures) call.prompt_gate_sums = request.prompt_gate_sums;
     call.prompt_tokens = request.prompt_tokens;
+    call.domain = request.domain;
     absl::StatusOr<RouteDecision> decision = ReplicaOf(arrival)->Route(call, now_us_);
     if (!decision.ok()) {
       return absl::Status(decision.status().code(), absl::StrCat("routing request ", arrival, " (", request.source,
                                                                  "): ", decision.status().message()));
     }
-    if (decision->worker < 0 || decision->worker >= cluster_.decoders) {
-      return absl::InternalError(absl::StrCat("backend returned worker index ", decision->worker, " outside the ",
-                                              cluster_.decoders, " decoders"));
+    if (decision->worker < 0 || decision->worker >= static_cast<int>(workers_.size()) ||
+        !workers_[decision->worker].in_pool) {
+      return absl::InternalError(
+          absl::StrCat("backend returned worker index ", decision->worker, ", not one of the pool's decoders"));
     }
     RequestRecord& record = result_.requests[arrival];
     record.worker = decision->worker;
@@ -254,9 +353,11 @@ class Simulation {
     const int batch = static_cast<int>(worker.running.size());
     const int64_t distinct = counter_.DistinctAllLayers();
     if (now_us_ >= window_begin_us_ && now_us_ <= window_end_us_) {
-      ++window_steps_;
-      window_distinct_per_layer_ += static_cast<double>(distinct) / workload_.layers;
-      window_batch_ += batch;
+      for (SpanStats* stats : {&window_, &phase_stats_[PhaseAt(now_us_)]}) {
+        ++stats->steps;
+        stats->distinct_per_layer += static_cast<double>(distinct) / workload_.layers;
+        stats->batch += batch;
+      }
     }
     Push(now_us_ + DecodeStepUs(cluster_.cost, batch, distinct), EventKind::kStepDone, w);
   }
@@ -264,13 +365,17 @@ class Simulation {
   absl::Status OnStepDone(int w) {
     DecodeWorker& worker = workers_[w];
     const bool in_window = now_us_ >= window_begin_us_ && now_us_ <= window_end_us_;
+    SpanStats& phase = phase_stats_[PhaseAt(now_us_)];
     size_t kept = 0;
     for (size_t i = 0; i < worker.running.size(); ++i) {
       const int arrival = worker.running[i];
       InFlight& state = state_[arrival];
       RequestRecord& record = result_.requests[arrival];
       ++state.tokens_done;
-      if (in_window) ++window_tokens_;
+      if (in_window) {
+        ++window_.tokens;
+        ++phase.tokens;
+      }
       if (state.tokens_done == 1) record.first_token_us = now_us_;
       if (state.tokens_done == record.decode_steps) {
         record.finish_us = now_us_;
@@ -281,6 +386,7 @@ class Simulation {
           return absl::Status(completed.code(),
                               absl::StrCat("completing request ", arrival, ": ", completed.message()));
         }
+        if (worker.draining && worker.assigned == 0) ELDR_RETURN_IF_ERROR(RemoveDrained());
       } else {
         worker.running[kept++] = arrival;
       }
@@ -302,6 +408,13 @@ class Simulation {
   // Every driver refits, in replica order. One shared driver: the leader (replica 0) installs at
   // once, the followers after the install lag. One driver per replica: each installs its own.
   absl::Status OnRefit() {
+    ELDR_RETURN_IF_ERROR(RefitAndInstall());
+    const double next = now_us_ + RefitIntervalUs();
+    if (next <= arrivals_.back().time_us) Push(next, EventKind::kRefit, 0);
+    return absl::OkStatus();
+  }
+
+  absl::Status RefitAndInstall() {
     const bool shared = routers_.refits.size() == 1;
     for (size_t d = 0; d < routers_.refits.size(); ++d) {
       absl::StatusOr<std::optional<CentroidArtifact>> refitted = routers_.refits[d]->Refit(now_us_);
@@ -319,8 +432,6 @@ class Simulation {
         }
       }
     }
-    const double next = now_us_ + RefitIntervalUs();
-    if (next <= arrivals_.back().time_us) Push(next, EventKind::kRefit, 0);
     return absl::OkStatus();
   }
 
@@ -349,39 +460,65 @@ class Simulation {
   }
 
   void OnSample() {
-    int total = 0, most = 0;
+    int total = 0, most = 0, in_pool = 0;
     for (const DecodeWorker& worker : workers_) {
+      if (!worker.in_pool) continue;
+      ++in_pool;
       total += worker.assigned;
       most = std::max(most, worker.assigned);
     }
     if (total > 0) {
-      imbalance_sum_ += most / (static_cast<double>(total) / workers_.size());
-      ++imbalance_samples_;
+      const double imbalance = most / (static_cast<double>(total) / in_pool);
+      for (SpanStats* stats : {&window_, &phase_stats_[PhaseAt(now_us_)]}) {
+        stats->imbalance_sum += imbalance;
+        ++stats->imbalance_samples;
+      }
     }
     const double next = now_us_ + cluster_.imbalance_sample_ms * 1e3;
     if (next <= window_end_us_) Push(next, EventKind::kSample, 0);
   }
 
   void Summarise() {
-    RunMetrics& m = result_.metrics;
+    result_.metrics = Measure(0, static_cast<int>(arrivals_.size()), window_, window_end_us_ - window_begin_us_,
+                              /*keep_samples=*/true);
+    if (schedule_.phase_starts.empty()) return;
+    for (size_t p = 0; p < phase_first_.size(); ++p) {
+      PhaseResult phase;
+      phase.first_arrival = phase_first_[p];
+      phase.end_arrival = p + 1 < phase_first_.size() ? phase_first_[p + 1] : static_cast<int>(arrivals_.size());
+      phase.start_s = phase_start_us_[p] / 1e6;
+      const double end_us = p + 1 < phase_first_.size() ? phase_start_us_[p + 1] : arrivals_.back().time_us;
+      phase.end_s = end_us / 1e6;
+      const double span_us =
+          std::max(0.0, std::min(end_us, window_end_us_) - std::max(phase_start_us_[p], window_begin_us_));
+      phase.metrics = Measure(phase.first_arrival, phase.end_arrival, phase_stats_[p], span_us, false);
+      result_.phases.push_back(std::move(phase));
+    }
+  }
+
+  // The figures of the measured requests among arrivals [begin, end) and of `stats` over `span_us`.
+  RunMetrics Measure(int begin, int end, const SpanStats& stats, double span_us, bool keep_samples) const {
+    RunMetrics m;
+    std::vector<double> tpot_ms;
     std::vector<double> ttft_ms;
     std::vector<double> ttft_prefill_ms;
     double similarity = 0, band = 0;
-    for (const RequestRecord& record : result_.requests) {
+    for (int i = begin; i < end; ++i) {
+      const RequestRecord& record = result_.requests[i];
       if (!record.measured) continue;
       ++m.measured_requests;
       ttft_ms.push_back((record.first_token_us - record.arrival_us) / 1e3);
       // Route runs at the instant prefill ends (the pipeline above).
       ttft_prefill_ms.push_back((record.routed_us - record.arrival_us) / 1e3);
       if (record.decode_steps >= 2) {
-        m.tpot_ms.push_back((record.finish_us - record.first_token_us) / 1e3 / (record.decode_steps - 1));
+        tpot_ms.push_back((record.finish_us - record.first_token_us) / 1e3 / (record.decode_steps - 1));
       }
       similarity += record.similarity;
       band += record.band_size;
     }
-    m.tpot_p50_ms = Percentile(m.tpot_ms, 50);
-    m.tpot_p90_ms = Percentile(m.tpot_ms, 90);
-    m.tpot_p99_ms = Percentile(m.tpot_ms, 99);
+    m.tpot_p50_ms = Percentile(tpot_ms, 50);
+    m.tpot_p90_ms = Percentile(tpot_ms, 90);
+    m.tpot_p99_ms = Percentile(tpot_ms, 99);
     m.ttft_p50_ms = Percentile(ttft_ms, 50);
     m.ttft_p99_ms = Percentile(ttft_ms, 99);
     m.ttft_prefill_p50_ms = Percentile(ttft_prefill_ms, 50);
@@ -390,13 +527,15 @@ class Simulation {
       m.mean_similarity = similarity / m.measured_requests;
       m.mean_band_size = band / m.measured_requests;
     }
-    if (window_steps_ > 0) {
-      m.distinct_experts_per_layer = window_distinct_per_layer_ / window_steps_;
-      m.mean_batch = window_batch_ / window_steps_;
+    if (stats.steps > 0) {
+      m.distinct_experts_per_layer = stats.distinct_per_layer / stats.steps;
+      m.mean_batch = stats.batch / stats.steps;
     }
-    if (imbalance_samples_ > 0) m.load_imbalance = imbalance_sum_ / imbalance_samples_;
-    const double span_s = (window_end_us_ - window_begin_us_) / 1e6;
-    if (span_s > 0) m.decode_tokens_per_s = window_tokens_ / span_s;
+    if (stats.imbalance_samples > 0) m.load_imbalance = stats.imbalance_sum / stats.imbalance_samples;
+    const double span_s = span_us / 1e6;
+    if (span_s > 0) m.decode_tokens_per_s = stats.tokens / span_s;
+    if (keep_samples) m.tpot_ms = std::move(tpot_ms);
+    return m;
   }
 
   const Workload& workload_;
@@ -404,6 +543,7 @@ class Simulation {
   const ClusterOptions& cluster_;
   const ReplicaRouters& routers_;
   const ReplicaOptions& replica_;
+  const RunSchedule& schedule_;
   DistinctExpertCounter counter_;
 
   std::priority_queue<Event, std::vector<Event>, LaterEvent> events_;
@@ -420,11 +560,12 @@ class Simulation {
 
   int warm_ = 0, last_measured_ = 0;
   double window_begin_us_ = 0, window_end_us_ = 0;
-  int64_t window_steps_ = 0;
-  double window_distinct_per_layer_ = 0, window_batch_ = 0;
-  int64_t window_tokens_ = 0;
-  double imbalance_sum_ = 0;
-  int64_t imbalance_samples_ = 0;
+  SpanStats window_;
+  // Phases (one without a schedule): first arrival, start time, and their figures.
+  std::vector<int> phase_first_;
+  std::vector<double> phase_start_us_;
+  std::vector<SpanStats> phase_stats_;
+  int drained_ = -1;  // the drained worker's index once the pool changed
 };
 
 }  // namespace
@@ -455,7 +596,7 @@ absl::StatusOr<RunResult> SimulateRun(const Workload& workload, const std::vecto
 
 absl::StatusOr<RunResult> SimulateReplicatedRun(const Workload& workload, const std::vector<Arrival>& arrivals,
                                                 const ClusterOptions& cluster, const ReplicaRouters& routers,
-                                                const ReplicaOptions& replica) {
+                                                const ReplicaOptions& replica, const RunSchedule& schedule) {
   ELDR_RETURN_IF_ERROR(ValidateClusterOptions(cluster));
   if (arrivals.empty()) return absl::InvalidArgumentError("no arrivals to simulate");
   if (routers.replicas.empty()) return absl::InvalidArgumentError("no routing backend");
@@ -492,8 +633,19 @@ absl::StatusOr<RunResult> SimulateReplicatedRun(const Workload& workload, const 
       return absl::InvalidArgumentError("arrival refers to a request outside the workload pool");
     }
   }
+  for (size_t p = 0; p < schedule.phase_starts.size(); ++p) {
+    const int start = schedule.phase_starts[p];
+    if (start <= 0 || start >= static_cast<int>(arrivals.size()) || (p > 0 && start <= schedule.phase_starts[p - 1])) {
+      return absl::InvalidArgumentError("phase starts must be increasing arrival indices inside the run");
+    }
+  }
+  if (schedule.pool_change_arrival >= static_cast<int>(arrivals.size()) ||
+      (schedule.pool_change_arrival >= 0 && (schedule.add_worker.empty() || schedule.drain_worker.empty()))) {
+    return absl::InvalidArgumentError(
+        "a pool change needs an arrival inside the run, a worker to add and one to drain");
+  }
   for (RoutingBackend* backend : routers.replicas) backend->StartRun();
-  Simulation simulation(workload, arrivals, cluster, routers, replica);
+  Simulation simulation(workload, arrivals, cluster, routers, replica, schedule);
   return simulation.Run();
 }
 

@@ -76,7 +76,8 @@ struct RunMetrics {
   // Mean over measured-window steps of (distinct experts summed over layers) / layers.
   double distinct_experts_per_layer = 0;
   // Time average of max_w(in-flight_w) / mean_w(in-flight_w) over the measured window, where a
-  // worker's in-flight requests are its running and waiting ones (1 = perfectly even).
+  // worker's in-flight requests are those routed to it and not finished, over the workers in the
+  // pool (not yet added or already drained ones are left out; 1 = perfectly even).
   double load_imbalance = 0;
   double mean_batch = 0;           // mean running requests per step
   double decode_tokens_per_s = 0;  // pool throughput over the measured window
@@ -85,9 +86,39 @@ struct RunMetrics {
   std::vector<double> tpot_ms;     // per measured request (for the figure)
 };
 
+// One phase of a run with a schedule (RunSchedule::phase_starts): the arrivals [first_arrival,
+// end_arrival) and the time span [start_s, end_s) from the first one's arrival to the next phase's
+// first arrival (the last phase: to the last arrival). Its metrics are RunMetrics over the measured
+// requests that arrived in the phase, and over the steps and load samples of the span inside the
+// measured window (RunMetrics::tpot_ms is left empty).
+struct PhaseResult {
+  int first_arrival = 0;
+  int end_arrival = 0;
+  double start_s = 0, end_s = 0;
+  RunMetrics metrics;
+};
+
+// Changes during a run (the drift scenarios of experiment.h).
+struct RunSchedule {
+  // Arrival indices at which phases 1, 2, ... begin: strictly increasing, each in (0, arrivals).
+  // Empty: one phase and no per-phase figures. The backends' SetDomainShares is called at the start
+  // of the run and of every phase with the decode work (decode steps) per domain of the phase's arrivals.
+  std::vector<int> phase_starts;
+  // A pool change at the arrival time of arrivals[pool_change_arrival] (-1: none): `add_worker`
+  // joins every replica (RoutingBackend::AddWorker, index cluster.decoders) and every refit driver's
+  // router, `drain_worker` is drained in both at the same instant and removed once its last request
+  // has completed, and every refit driver refits (and its set is installed as OnRefit installs)
+  // `pool_refit_delay_s` later: eldr-router's refitter reconciles its rows with the pool after the
+  // same settle delay (RefitOptions::pool_change_settle).
+  int pool_change_arrival = -1;
+  std::string add_worker, drain_worker;
+  double pool_refit_delay_s = 0.25;
+};
+
 struct RunResult {
   std::vector<RequestRecord> requests;  // in arrival order
   RunMetrics metrics;
+  std::vector<PhaseResult> phases;       // one per phase with RunSchedule::phase_starts; empty otherwise
   int refits = 0;                        // completed refits, summed over the refit drivers
   std::vector<int> routes_per_replica;   // every arrival, measured or not, by the replica that routed it
   int replica_syncs = 0;                 // shared-load sync instants (SyncReplicaLeases) during the run
@@ -147,7 +178,8 @@ struct ReplicaRouters {
 
 absl::StatusOr<RunResult> SimulateReplicatedRun(const Workload& workload, const std::vector<Arrival>& arrivals,
                                                 const ClusterOptions& cluster, const ReplicaRouters& routers,
-                                                const ReplicaOptions& replica);
+                                                const ReplicaOptions& replica,
+                                                const RunSchedule& schedule = RunSchedule());
 
 // One shared-load sync at simulated time `now_us`: reads each replica's own leases per worker from
 // its state (`live` = its leases, `since_snapshot` = those acquired after its last fresh load

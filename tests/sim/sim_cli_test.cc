@@ -1,5 +1,6 @@
 // eldr-sim as users run it: determinism of the JSON for a seed, the output formats, the figure,
 // and clear failures on bad flags and unreadable traces.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -70,6 +71,72 @@ TEST(SimCliTest, SameSeedSameJsonOtherSeedOtherJson) {
     EXPECT_LT(result["ttft_prefill_p50_ms"].get<double>(), result["ttft_p50_ms"].get<double>());
   }
   EXPECT_EQ(json["ttft_definition"], "decode");
+}
+
+// One seed through --seeds is the plain single-seed output, byte for byte; several seeds give the
+// aggregate (mean and standard error per cell) beside every seed's own results.
+TEST(SimCliTest, SeedsAggregateAndOneSeedIsThePlainOutput) {
+  std::vector<std::string> base = SmallSynthetic("1");
+  base.erase(std::find(base.begin(), base.end(), "--seed=1"));
+  const ProcessResult plain = Sim(base, {"--json", "--policies=jsq,eldr"});
+  const ProcessResult one = Sim(base, {"--json", "--policies=jsq,eldr", "--seeds=1"});
+  ASSERT_EQ(plain.exit_code, 0) << plain.stderr_text;
+  ASSERT_EQ(one.exit_code, 0) << one.stderr_text;
+  EXPECT_EQ(plain.stdout_text, one.stdout_text);
+
+  const ProcessResult several = Sim(base, {"--json", "--policies=jsq,eldr", "--seeds=1-3"});
+  ASSERT_EQ(several.exit_code, 0) << several.stderr_text;
+  const nlohmann::json json = nlohmann::json::parse(several.stdout_text);
+  EXPECT_EQ(json["seeds"], nlohmann::json({1, 2, 3}));
+  ASSERT_EQ(json["runs"].size(), 3u);
+  // The first seed's run is the single-seed run; the others ran at its rates.
+  EXPECT_EQ(json["runs"][0], nlohmann::json::parse(plain.stdout_text));
+  EXPECT_EQ(json["runs"][2]["rates"], json["runs"][0]["rates"]);
+  // 2 rates x (jsq, eldr, best LB).
+  ASSERT_EQ(json["aggregate"].size(), 6u);
+  double sum = 0;
+  for (int s = 0; s < 3; ++s) sum += json["runs"][s]["results"][1]["tpot_p50_ms"].get<double>();
+  const nlohmann::json& eldr = json["aggregate"][1];
+  EXPECT_EQ(eldr["policy"], "eldr");
+  EXPECT_EQ(eldr["seeds"], 3);
+  EXPECT_NEAR(eldr["tpot_p50_ms_mean"].get<double>(), sum / 3, 1e-9);
+  EXPECT_GT(eldr["tpot_p50_ms_se"].get<double>(), 0);
+  EXPECT_TRUE(eldr.contains("p99_vs_best_lb_pct_mean"));
+  EXPECT_TRUE(json["aggregate"][2]["best_load_balancer"].get<bool>());
+
+  const ProcessResult table = Sim(base, {"--policies=jsq,eldr", "--seeds=1-3"});
+  ASSERT_EQ(table.exit_code, 0) << table.stderr_text;
+  EXPECT_THAT(table.stdout_text, HasSubstr("mean ± standard error over the 3 seeds"));
+  EXPECT_THAT(table.stdout_text, HasSubstr("best LB"));
+}
+
+// A drift run reports its phases in the table, the JSON and the CSV.
+TEST(SimCliTest, DriftPhasesInEveryOutput) {
+  const std::vector<std::string> drift = {"--policies=jsq,eldr,oracle", "--drift=mix_shift", "--rates=30"};
+  std::vector<std::string> json_flags = drift, csv_flags = drift;
+  json_flags.push_back("--json");
+  csv_flags.push_back("--csv");
+  const ProcessResult json_run = Sim(SmallSynthetic("2"), json_flags);
+  const ProcessResult csv_run = Sim(SmallSynthetic("2"), csv_flags);
+  const ProcessResult table = Sim(SmallSynthetic("2"), drift);
+  ASSERT_EQ(json_run.exit_code, 0) << json_run.stderr_text;
+  ASSERT_EQ(csv_run.exit_code, 0) << csv_run.stderr_text;
+  ASSERT_EQ(table.exit_code, 0) << table.stderr_text;
+  const nlohmann::json json = nlohmann::json::parse(json_run.stdout_text);
+  EXPECT_EQ(json["drift"]["scenario"], "mix_shift");
+  EXPECT_EQ(json["drift"]["change_arrival"], 150);
+  for (const nlohmann::json& result : json["results"]) {
+    ASSERT_EQ(result["phases"].size(), 2u);
+    EXPECT_EQ(result["phases"][0]["phase"], "before");
+    EXPECT_EQ(result["phases"][1]["first_arrival"], 150);
+    EXPECT_EQ(result["phases"][0]["measured_requests"].get<int>() + result["phases"][1]["measured_requests"].get<int>(),
+              result["measured_requests"].get<int>());
+  }
+  EXPECT_THAT(csv_run.stdout_text, HasSubstr(",phase\n"));
+  EXPECT_THAT(csv_run.stdout_text, HasSubstr(",after\n"));
+  EXPECT_THAT(table.stdout_text, HasSubstr("-- phase before: arrivals 0-149"));
+  EXPECT_THAT(table.stdout_text, HasSubstr("-- phase after: arrivals 150-299"));
+  EXPECT_THAT(table.stdout_text, HasSubstr("oracle"));
 }
 
 // --ttft=prefill puts the reference's TTFT in the table's columns, and says so.
@@ -202,6 +269,18 @@ INSTANTIATE_TEST_SUITE_P(
         BadInvocation{"BadAssignment", {"--synthetic=8x16x2", "--replica_assignment=hash"}, "--replica_assignment"},
         BadInvocation{"GateProbOnTraces", {"--trace=" + TraceDir(), "--variant=gate_prob"}, "do not carry"},
         BadInvocation{"BadMaskRule", {"--synthetic=8x16x2", "--mask_rule=peak"}, "unknown layer-mask rule"},
+        BadInvocation{"UnknownDrift", {"--synthetic=8x16x2", "--drift=sideways"}, "--drift: unknown scenario"},
+        BadInvocation{"DriftInsideTheWarmup",
+                      {"--synthetic=8x16x2", "--requests=100", "--drift=mix_shift", "--drift_at=0.1"},
+                      "--drift_at"},
+        BadInvocation{"PoolChangeThroughADaemon",
+                      {"--synthetic=8x16x2", "--decoders=4", "--drift=pool_change", "--router=grpc://127.0.0.1:1"},
+                      "drop --router"},
+        BadInvocation{"BadSeeds", {"--synthetic=8x16x2", "--seeds=3-1"}, "--seeds: '3-1'"},
+        BadInvocation{"SeedAndSeeds", {"--synthetic=8x16x2", "--seed=4", "--seeds=1-2"}, "not both"},
+        BadInvocation{"ReplicatedOracle",
+                      {"--synthetic=8x16x2", "--requests=100", "--policies=oracle", "--replicas=3"},
+                      "one router only"},
         BadInvocation{"ReplicasThroughADaemon",
                       {"--synthetic=8x16x2", "--replicas=3", "--router=grpc://127.0.0.1:1"},
                       "drop --router"},
