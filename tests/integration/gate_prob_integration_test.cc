@@ -97,7 +97,8 @@ std::vector<float> CaptureGateSums(capture::Capture& capture, int strong, int we
   auto finished = capture.Finish(table.data(), static_cast<int64_t>(table.size()), &length, 1,
                                  capture::OutputType::kInt32, nullptr);
   EXPECT_TRUE(finished.ok()) << finished.status();
-  if (finished.ok()) counts->assign((*finished)->counts_int32(), (*finished)->counts_int32() + kGateLayers * kGateExperts);
+  if (finished.ok())
+    counts->assign((*finished)->counts_int32(), (*finished)->counts_int32() + kGateLayers * kGateExperts);
   const float* sums = (*gate)->gate_prob_sums();
   return std::vector<float>(sums, sums + kGateLayers * kGateExperts);
 }
@@ -216,8 +217,8 @@ TEST_F(GateProbRouterTest, BadSumsAreInvalidArgumentWithTheReasonAndCounted) {
                    "not a whole number of float32 values"});
   std::vector<float> short_sums(good.begin(), good.end() - 1);
   cases.push_back({"wrong size", GateRequest(kGateLayers, kGateExperts, Float32Le(short_sums)), "geometry", ""});
-  cases.push_back({"wrong geometry", GateRequest(kGateLayers, 8, Float32Le(std::vector<float>(32, 1.f))), "geometry",
-                   ""});
+  cases.push_back(
+      {"wrong geometry", GateRequest(kGateLayers, 8, Float32Le(std::vector<float>(32, 1.f))), "geometry", ""});
   std::vector<float> nan = good;
   nan[10] = std::numeric_limits<float>::quiet_NaN();
   cases.push_back({"NaN", GateRequest(kGateLayers, kGateExperts, Float32Le(nan)), "non_finite", ""});
