@@ -284,5 +284,23 @@ TEST_F(GateProbRouterTest, BadSumsAreInvalidArgumentWithTheReasonAndCounted) {
             invalid_before + static_cast<double>(cases.size()) + 2);
 }
 
+TEST(GateProbCountRouterTest, GateSumsToACountRouterAreWrongEncoding) {
+  // The standard daemon is calibrated with the count variant (26 x 64): gate sums of the right
+  // size are still refused, with the variant named, and counted; counts keep working.
+  TempDir dir;
+  auto router = MustStart(dir, StandardArgs(dir));
+  ASSERT_NE(router, nullptr);
+  auto stub = router->RouterStub();
+  std::vector<float> sums(static_cast<size_t>(kLayers) * kExperts, 0.f);
+  sums[5] = 1.5f;
+  const double before = Scraped(*router, "eldr_rejected_total", {{"reason", "wrong_encoding"}});
+  eldr::v1::RouteResponse response;
+  const grpc::Status status = stub->Route(Ctx().get(), GateRequest(kLayers, kExperts, Float32Le(sums)), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("float gate-probability sums sent to a count transform"));
+  EXPECT_EQ(Scraped(*router, "eldr_rejected_total", {{"reason", "wrong_encoding"}}), before + 1);
+  EXPECT_EQ(RouteAndComplete(*router, 2), "w2");
+}
+
 }  // namespace
 }  // namespace eldr::testing
