@@ -628,7 +628,10 @@ absl::StatusOr<std::unique_ptr<Capture>> Capture::Create(const Options& options)
   info.block_counts_bytes = static_cast<uint64_t>(geometry->block_counts_bytes());
   info.device_bytes = (*backend)->device_bytes();
   info.host_bytes = (*backend)->host_bytes();
-  info.gate_prob_fraction_bits = geometry->gate_probs ? geometry->gate_fraction_bits : 0;
+  info.gate_prob_fraction_bits = !geometry->gate_probs    ? 0
+                                 : geometry->block_mode() ? geometry->gate_fraction_bits
+                                                          : internal::kDirectGateFractionBits;
+  info.max_direct_requests = geometry->max_direct_requests;
   info.block_gate_prob_bytes = static_cast<uint64_t>(geometry->block_gate_bytes());
   auto shared = std::make_shared<SharedState>(*std::move(geometry), *std::move(backend));
   return std::unique_ptr<Capture>(new CaptureImpl(std::move(shared), info));

@@ -189,7 +189,8 @@ typedef struct eldr_capture_info {
   /* Bytes of pinned host memory for results (CUDA), or host memory (CPU). */
   uint64_t host_bytes;
   /* Gate probabilities (0 when record_gate_probs is off): fraction bits of the per-block fixed-point
-   * accumulators, and their bytes. Written only when struct_size covers them. */
+   * accumulators (24, those of the direct mode, without the block mode), and the per-block
+   * accumulators' bytes. Written only when struct_size covers them. */
   int32_t gate_prob_fraction_bits;
   uint32_t reserved;
   uint64_t block_gate_prob_bytes;

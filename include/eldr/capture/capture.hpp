@@ -57,9 +57,11 @@ struct Info {
   uint64_t device_bytes = 0;
   uint64_t host_bytes = 0;
   // Gate-probability accumulators (0 when options.record_gate_probs is off): fixed-point fraction
-  // bits of the per-block accumulators and their bytes.
+  // bits of the per-block accumulators (of the direct-mode ones, 24, without the block mode) and
+  // the per-block accumulators' bytes.
   int gate_prob_fraction_bits = 0;
   uint64_t block_gate_prob_bytes = 0;
+  int max_direct_requests = 0;
 };
 
 // Cumulative counters; see eldr_capture_stats for each field.
