@@ -368,7 +368,8 @@ int FuzzRouteRequest(const uint8_t* data, size_t size) {
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
   SignatureInput input;
   bool present = false;
-  const absl::Status converted = server::SignatureFromProto(request, &input, &present);
+  std::vector<float> gate_prob_scratch;
+  const absl::Status converted = server::SignatureFromProto(request, &input, &present, &gate_prob_scratch);
   if (!converted.ok()) {
     ELDR_FUZZ_CHECK(converted.code() == absl::StatusCode::kInvalidArgument,
                     "a refused signature is not INVALID_ARGUMENT");

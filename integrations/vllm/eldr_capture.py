@@ -9,6 +9,11 @@ the dynamic loader's search path ("libeldr_capture.so").
     with ctx.finish(block_tables, lengths) as result:  # int16 [R][L][E]
         counts = result.counts()
 
+With record_gate_probs=1 the context also sums each choice's gate probability (the router's top-k
+weights): record_gate_probs / finish_gate_probs in the block mode, record_direct_gate_probs /
+finish_direct_gate_probs in the direct mode, float32 [R][L][E] sums; RouterClient.route_gate_prob_sums
+sends them to a router calibrated with the gate_prob variant.
+
 On a CUDA context pass device pointers with record_ptr (e.g. torch's tensor.data_ptr()); numpy
 arrays are host memory and are refused there with a clear error. Every failure raises CaptureError
 with the library's status name and message.
@@ -33,11 +38,13 @@ INT32 = 0
 INT64 = 1
 OUTPUT_INT16 = 0
 OUTPUT_INT32 = 1
+OUTPUT_FLOAT32 = 2
 RECORD_SKIP_RESET = 1
 
 _INDEX_TYPES = {np.dtype(np.int32): INT32, np.dtype(np.int64): INT64}
 _OUTPUT_TYPES = {"int16": OUTPUT_INT16, "int32": OUTPUT_INT32}
-_OUTPUT_DTYPES = {OUTPUT_INT16: np.dtype("<i2"), OUTPUT_INT32: np.dtype("<i4")}
+_OUTPUT_DTYPES = {OUTPUT_INT16: np.dtype("<i2"), OUTPUT_INT32: np.dtype("<i4"),
+                  OUTPUT_FLOAT32: np.dtype("<f4")}
 
 
 class CaptureError(RuntimeError):
@@ -69,6 +76,7 @@ class Options(ctypes.Structure):
         ("result_slots", ctypes.c_int32),
         ("max_direct_requests", ctypes.c_int32),
         ("validate_pointers", ctypes.c_int32),
+        ("record_gate_probs", ctypes.c_int32),
     ]
 
 
@@ -85,6 +93,9 @@ class Info(ctypes.Structure):
         ("block_counts_bytes", ctypes.c_uint64),
         ("device_bytes", ctypes.c_uint64),
         ("host_bytes", ctypes.c_uint64),
+        ("gate_prob_fraction_bits", ctypes.c_int32),
+        ("reserved", ctypes.c_uint32),
+        ("block_gate_prob_bytes", ctypes.c_uint64),
     ]
 
 
@@ -102,6 +113,7 @@ class Stats(ctypes.Structure):
         ("saturated_adds", ctypes.c_uint64),
         ("saturated_outputs", ctypes.c_uint64),
         ("block_resets", ctypes.c_uint64),
+        ("bad_gate_probs", ctypes.c_uint64),
     ]
 
     def as_dict(self) -> dict:
@@ -185,6 +197,15 @@ class Library:
                                                          ctypes.POINTER(u64),
                                                          ctypes.POINTER(RouteDetails)]),
             "eldr_capture_client_complete": (ctypes.c_int, [vp, u64, i64]),
+            "eldr_capture_record_gate_probs": (ctypes.c_int, [vp, i32, vp, i32, vp, i32, vp, i32,
+                                                              i64, u32, vp]),
+            "eldr_capture_finish_gate_probs": (ctypes.c_int, [vp, p_i32, i64, p_i64, i32, vp,
+                                                              ctypes.POINTER(vp)]),
+            "eldr_capture_record_direct_gate_probs": (ctypes.c_int, [vp, i32, vp, i32, vp, i32, vp,
+                                                                     i32, i64, vp]),
+            "eldr_capture_finish_direct_gate_probs": (ctypes.c_int, [vp, p_i32, i32, vp,
+                                                                     ctypes.POINTER(vp)]),
+            "eldr_capture_result_gate_prob_sums": (vp, [vp]),
         }
         for name, (restype, argtypes) in signatures.items():
             function = getattr(self.lib, name)
@@ -241,6 +262,25 @@ def _index_array(values, name: str) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
+def _weight_array(values, shape) -> np.ndarray:
+    """A C-contiguous float32 copy-or-view of gate probabilities shaped like topk_ids."""
+    array = np.ascontiguousarray(values, dtype=np.float32)
+    if array.shape != tuple(shape):
+        raise ValueError(f"topk_weights must be shaped like topk_ids {tuple(shape)}, got "
+                         f"{array.shape}")
+    return array
+
+
+def _tables(block_tables, lengths) -> tuple:
+    tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+    if tables.ndim == 1:
+        tables = tables.reshape(1, -1)
+    lens = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
+    if tables.shape[0] != lens.shape[0]:
+        raise ValueError(f"{tables.shape[0]} block tables for {lens.shape[0]} lengths")
+    return tables, lens
+
+
 # ---- Context -------------------------------------------------------------------------------------
 
 
@@ -263,8 +303,17 @@ class FinishResult:
         self._library.check(self._library.result_wait(self._handle))
         return self
 
+    def gate_prob_sums(self) -> np.ndarray:
+        """A copy of the gate-probability sums, [num_requests][L][E] float32 (a result of a
+        gate-probability finish; waits for them)."""
+        self.wait()
+        if int(self._library.result_output_type(self._handle)) != OUTPUT_FLOAT32:
+            raise TypeError("this result holds counts, not gate-probability sums")
+        return self.counts()
+
     def counts(self) -> np.ndarray:
-        """A copy of the counts, [num_requests][L][E] int16 or int32 (waits for them)."""
+        """A copy of the values, [num_requests][L][E]: int16 or int32 counts, or float32 sums for
+        a gate-probability finish (waits for them)."""
         self.wait()
         output = int(self._library.result_output_type(self._handle))
         dtype = _OUTPUT_DTYPES[output]
@@ -318,6 +367,8 @@ class CaptureContext:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.device = device
+        # The options the context was created with (eldr_capture_options field -> value).
+        self.options = {name: int(getattr(opts, name)) for name, _ in Options._fields_[1:]}
 
     # -- block mode --
 
@@ -342,6 +393,40 @@ class CaptureContext:
             self._handle, layer, topk_ids_ptr, id_type, top_k, slot_mapping_ptr, slot_type,
             num_tokens, flags, _stream(stream)))
 
+    def record_gate_probs(self, layer: int, topk_ids, topk_weights, slot_mapping, *,
+                          skip_reset: bool = False, stream=None) -> None:
+        """record() plus the gate probabilities topk_weights [tokens][k] (float32 host array)."""
+        ids = _index_array(topk_ids, "topk_ids")
+        weights = _weight_array(topk_weights, ids.shape)
+        slots = _index_array(slot_mapping, "slot_mapping")
+        if ids.ndim != 2 or slots.ndim != 1 or ids.shape[0] != slots.shape[0]:
+            raise ValueError(f"topk_ids must be [tokens][k] and slot_mapping [tokens], got "
+                             f"{ids.shape} and {slots.shape}")
+        self.record_gate_probs_ptr(layer, ids.ctypes.data, _INDEX_TYPES[ids.dtype],
+                                   weights.ctypes.data, ids.shape[1], slots.ctypes.data,
+                                   _INDEX_TYPES[slots.dtype], slots.shape[0],
+                                   skip_reset=skip_reset, stream=stream)
+
+    def record_gate_probs_ptr(self, layer: int, topk_ids_ptr: int, id_type: int,
+                              topk_weights_ptr: int, top_k: int, slot_mapping_ptr: int,
+                              slot_type: int, num_tokens: int, *, skip_reset: bool = False,
+                              stream=None) -> None:
+        """record_ptr plus float32 gate probabilities by address (device pointers on CUDA)."""
+        flags = RECORD_SKIP_RESET if skip_reset else 0
+        self._library.check(self._library.record_gate_probs(
+            self._handle, layer, topk_ids_ptr, id_type, topk_weights_ptr, top_k, slot_mapping_ptr,
+            slot_type, num_tokens, flags, _stream(stream)))
+
+    def finish_gate_probs(self, block_tables, lengths, *, stream=None) -> FinishResult:
+        """Gate-probability sums [R][L][E] float32 of requests (same arguments as finish)."""
+        tables, lens = _tables(block_tables, lengths)
+        handle = ctypes.c_void_p()
+        self._library.check(self._library.finish_gate_probs(
+            self._handle, tables.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), tables.shape[1],
+            lens.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), lens.shape[0], _stream(stream),
+            ctypes.byref(handle)))
+        return FinishResult(self._library, handle, (self.num_layers, self.num_experts))
+
     def reset_batch_blocks(self, slot_mapping, *, stream=None) -> None:
         slots = _index_array(slot_mapping, "slot_mapping")
         self.reset_batch_blocks_ptr(slots.ctypes.data, _INDEX_TYPES[slots.dtype], slots.size,
@@ -355,12 +440,7 @@ class CaptureContext:
     def finish(self, block_tables, lengths, *, output: str = "int16",
                stream=None) -> FinishResult:
         """Sums each request's blocks: block_tables [R][stride] int32 (host), lengths [R]."""
-        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
-        if tables.ndim == 1:
-            tables = tables.reshape(1, -1)
-        lens = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
-        if tables.shape[0] != lens.shape[0]:
-            raise ValueError(f"{tables.shape[0]} block tables for {lens.shape[0]} lengths")
+        tables, lens = _tables(block_tables, lengths)
         handle = ctypes.c_void_p()
         self._library.check(self._library.finish(
             self._handle, tables.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), tables.shape[1],
@@ -387,6 +467,43 @@ class CaptureContext:
             self._handle, layer, ids.ctypes.data, _INDEX_TYPES[ids.dtype], ids.shape[1],
             requests.ctypes.data, _INDEX_TYPES[requests.dtype], requests.shape[0],
             _stream(stream)))
+
+    def record_direct_gate_probs(self, layer: int, topk_ids, topk_weights, token_request, *,
+                                 stream=None) -> None:
+        """record_direct() plus the gate probabilities topk_weights [tokens][k] (float32)."""
+        ids = _index_array(topk_ids, "topk_ids")
+        weights = _weight_array(topk_weights, ids.shape)
+        requests = _index_array(token_request, "token_request")
+        if ids.ndim != 2 or requests.ndim != 1 or ids.shape[0] != requests.shape[0]:
+            raise ValueError(f"topk_ids must be [tokens][k] and token_request [tokens], got "
+                             f"{ids.shape} and {requests.shape}")
+        self.record_direct_gate_probs_ptr(layer, ids.ctypes.data, _INDEX_TYPES[ids.dtype],
+                                          weights.ctypes.data, ids.shape[1], requests.ctypes.data,
+                                          _INDEX_TYPES[requests.dtype], requests.shape[0],
+                                          stream=stream)
+
+    def record_direct_ptr(self, layer: int, topk_ids_ptr: int, id_type: int, top_k: int,
+                          token_request_ptr: int, request_type: int, num_tokens: int, *,
+                          stream=None) -> None:
+        self._library.check(self._library.record_direct(
+            self._handle, layer, topk_ids_ptr, id_type, top_k, token_request_ptr, request_type,
+            num_tokens, _stream(stream)))
+
+    def record_direct_gate_probs_ptr(self, layer: int, topk_ids_ptr: int, id_type: int,
+                                     topk_weights_ptr: int, top_k: int, token_request_ptr: int,
+                                     request_type: int, num_tokens: int, *, stream=None) -> None:
+        self._library.check(self._library.record_direct_gate_probs(
+            self._handle, layer, topk_ids_ptr, id_type, topk_weights_ptr, top_k,
+            token_request_ptr, request_type, num_tokens, _stream(stream)))
+
+    def finish_direct_gate_probs(self, request_slots, *, stream=None) -> FinishResult:
+        """Gate-probability sums [R][L][E] float32 of direct slots; zeroes their gate sums."""
+        slots = np.ascontiguousarray(request_slots, dtype=np.int32).reshape(-1)
+        handle = ctypes.c_void_p()
+        self._library.check(self._library.finish_direct_gate_probs(
+            self._handle, slots.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), slots.shape[0],
+            _stream(stream), ctypes.byref(handle)))
+        return FinishResult(self._library, handle, (self.num_layers, self.num_experts))
 
     def finish_direct(self, request_slots, *, output: str = "int16",
                       stream=None) -> FinishResult:
@@ -476,13 +593,17 @@ class RouterClient:
     def route(self, counts: Optional[np.ndarray], *, request_id: str = "",
               prompt_tokens: int = 0) -> RouteDecision:
         """Routes with counts [L][E] (int16 sent as int16_le, other integers as packed int32), or
-        with no signature when counts is None."""
+        with no signature when counts is None. Float arrays are refused: gate-probability sums go
+        through route_gate_prob_sums."""
         pointer, counts_type, layers, experts = None, OUTPUT_INT16, 0, 0
         array = None
         if counts is not None:
             array = np.asarray(counts)
             if array.ndim != 2:
                 raise ValueError(f"counts must be [layers][experts], got shape {array.shape}")
+            if not np.issubdtype(array.dtype, np.integer):
+                raise TypeError(f"counts must be integers, got {array.dtype} (gate-probability "
+                                f"sums: route_gate_prob_sums)")
             if array.dtype == np.int16:
                 array = np.ascontiguousarray(array, dtype="<i2")
                 counts_type = OUTPUT_INT16
@@ -491,6 +612,19 @@ class RouterClient:
                 counts_type = OUTPUT_INT32
             pointer = array.ctypes.data
             layers, experts = array.shape
+        return self._route(pointer, counts_type, layers, experts, request_id, prompt_tokens)
+
+    def route_gate_prob_sums(self, sums, *, request_id: str = "",
+                             prompt_tokens: int = 0) -> RouteDecision:
+        """Routes with gate-probability sums [L][E] (sent as float32 little-endian), for a router
+        calibrated with the gate_prob variant; it rejects NaN and negative sums."""
+        array = np.ascontiguousarray(sums, dtype="<f4")
+        if array.ndim != 2:
+            raise ValueError(f"gate sums must be [layers][experts], got shape {array.shape}")
+        return self._route(array.ctypes.data, OUTPUT_FLOAT32, array.shape[0], array.shape[1],
+                           request_id, prompt_tokens)
+
+    def _route(self, pointer, counts_type, layers, experts, request_id, prompt_tokens):
         worker = ctypes.create_string_buffer(self._BUFFER)
         address = ctypes.create_string_buffer(self._BUFFER)
         lease = ctypes.c_uint64()

@@ -26,6 +26,12 @@ Use: --kv-transfer-config '{"kv_connector": "EldrNixlConnector",
 and ELDR_CAPTURE_LIBRARY pointing at libeldr_capture.so. EldrNixlConnector is NixlConnector plus
 the capture; connector_with_counts(cls) adds it to any other V1 connector class.
 
+Gate-probability sums (for a router calibrated with the gate_prob variant): with gate_probs=True the
+capture also wraps each MoE router's select_experts (BaseRouter.select_experts(...) ->
+(topk_weights, topk_ids, ...)) to record the top-k weights next to the ids, and request_finished
+attaches the request's float32 sums under "eldr_gate_prob_sums" ({"layers", "experts",
+"encoding": "float32_le", "data": base64}); route_with_gate_prob_sums sends them to the router.
+
 Limitation: the counts live on the GPU of the worker that recorded them, and request_finished runs
 in the scheduler. Both are in one process when the engine core runs its worker in process
 (tensor parallel size 1, vLLM's UniProcExecutor); with multi-process workers the scheduler side
@@ -38,6 +44,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
+import os
 import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -49,6 +56,7 @@ from eldr_capture import (INT32, INT64, CaptureContext, RouteDecision, RouterCli
 logger = logging.getLogger("eldr_vllm")
 
 PAYLOAD_KEY = "eldr_expert_counts"
+GATE_PAYLOAD_KEY = "eldr_gate_prob_sums"
 _INT16_MAX = 32767
 
 # ---- Payload: counts [L][E] as int16 little-endian, base64 ----------------------------------------
@@ -89,6 +97,58 @@ def attach_counts(kv_transfer_params: Optional[dict], counts) -> dict:
     return params
 
 
+def encode_gate_prob_sums(sums) -> dict:
+    """The kv_transfer_params entry for gate-probability sums [L][E]: float32 little-endian,
+    row-major, base64 (standard alphabet). Values are sent as they are (the router rejects NaN and
+    negative sums)."""
+    array = np.asarray(sums)
+    if array.ndim != 2:
+        raise ValueError(f"gate sums must be [layers][experts], got shape {array.shape}")
+    wire = np.ascontiguousarray(array, dtype="<f4")
+    return {
+        "layers": int(array.shape[0]),
+        "experts": int(array.shape[1]),
+        "encoding": "float32_le",
+        "data": base64.b64encode(wire.tobytes()).decode("ascii"),
+    }
+
+
+def decode_gate_prob_sums(entry: dict) -> np.ndarray:
+    """Gate sums [L][E] (float32) from an encode_gate_prob_sums entry; ValueError when it is
+    inconsistent."""
+    if entry.get("encoding") != "float32_le":
+        raise ValueError(f"unsupported encoding {entry.get('encoding')!r}")
+    layers, experts = int(entry["layers"]), int(entry["experts"])
+    raw = base64.b64decode(entry["data"], validate=True)
+    if layers <= 0 or experts <= 0 or len(raw) != 4 * layers * experts:
+        raise ValueError(f"{len(raw)} bytes for {layers} x {experts} float32 gate sums")
+    return np.frombuffer(raw, dtype="<f4").reshape(layers, experts).copy()
+
+
+def attach_gate_prob_sums(kv_transfer_params: Optional[dict], sums) -> dict:
+    """A copy of kv_transfer_params (None: empty) with the gate sums under GATE_PAYLOAD_KEY."""
+    params = dict(kv_transfer_params or {})
+    params[GATE_PAYLOAD_KEY] = encode_gate_prob_sums(sums)
+    return params
+
+
+def gate_prob_sums_from_kv_transfer_params(kv_transfer_params: Optional[dict]) -> Optional[np.ndarray]:
+    entry = (kv_transfer_params or {}).get(GATE_PAYLOAD_KEY)
+    return None if entry is None else decode_gate_prob_sums(entry)
+
+
+def route_with_gate_prob_sums(client: RouterClient, kv_transfer_params: Optional[dict], *,
+                              request_id: str = "", prompt_tokens: int = 0) -> RouteDecision:
+    """Routes with the gate sums the prefill attached (router calibrated with gate_prob); falls back
+    to the counts, then to load alone, when they are absent."""
+    sums = gate_prob_sums_from_kv_transfer_params(kv_transfer_params)
+    if sums is not None:
+        return client.route_gate_prob_sums(sums, request_id=request_id,
+                                           prompt_tokens=prompt_tokens)
+    return route_with_counts(client, kv_transfer_params, request_id=request_id,
+                             prompt_tokens=prompt_tokens)
+
+
 def counts_from_kv_transfer_params(kv_transfer_params: Optional[dict]) -> Optional[np.ndarray]:
     entry = (kv_transfer_params or {}).get(PAYLOAD_KEY)
     return None if entry is None else decode_counts(entry)
@@ -112,6 +172,29 @@ class ArrayView:
     shape: tuple
     itemsize: int
     on_gpu: bool
+
+
+def weight_view(array) -> ArrayView:
+    """Address and layout of a C-contiguous float32 torch tensor or numpy array (index_type is
+    unused). Other float dtypes must be converted by the caller (torch: .float())."""
+    if hasattr(array, "data_ptr"):
+        if str(array.dtype) != "torch.float32":
+            raise TypeError(f"expected a float32 tensor, got {array.dtype}")
+        if not array.is_contiguous():
+            raise ValueError("expected a contiguous tensor")
+        return ArrayView(int(array.data_ptr()), -1, tuple(array.shape), 4, bool(array.is_cuda))
+    array = np.asarray(array)
+    if array.dtype != np.float32 or not array.flags.c_contiguous:
+        raise TypeError(f"expected a C-contiguous float32 array, got {array.dtype}")
+    return ArrayView(array.ctypes.data, -1, array.shape, 4, False)
+
+
+def as_float32(weights):
+    """topk_weights as float32 (a copy only when needed): torch tensors with .float().contiguous(),
+    numpy arrays with np.ascontiguousarray."""
+    if hasattr(weights, "data_ptr"):
+        return weights.float().contiguous()
+    return np.ascontiguousarray(weights, dtype=np.float32)
 
 
 def array_view(array) -> ArrayView:
@@ -166,7 +249,8 @@ class EldrPrefillCapture:
 
     def __init__(self, capture: CaptureContext, layer_ids: Sequence[int], block_size: int,
                  slot_mapping_provider: Callable[[], tuple], *,
-                 stream_provider: Callable[[], Any] = lambda: None, reset_per_batch: bool = True):
+                 stream_provider: Callable[[], Any] = lambda: None, reset_per_batch: bool = True,
+                 gate_probs: bool = False):
         if len(set(layer_ids)) != len(layer_ids):
             raise ValueError(f"MoE layer ids repeat: {list(layer_ids)}")
         self.capture = capture
@@ -179,6 +263,9 @@ class EldrPrefillCapture:
         self.failures = 0
         self.reset_per_batch = reset_per_batch
         self._first_hooked = None  # index of the first layer a forward pass reaches
+        # Also gate probabilities (the capture must be created with record_gate_probs=1): the hook
+        # is then on select_experts, which returns the weights with the ids.
+        self.gate_probs = gate_probs
 
     # -- worker side --
 
@@ -191,7 +278,10 @@ class EldrPrefillCapture:
             if self._first_hooked is None or index < self._first_hooked:
                 self._first_hooked = index
             router = module.router
-            router.set_capture_fn(self._hook(index, getattr(router, "capture_fn", None)))
+            if self.gate_probs:
+                router.select_experts = self._select_experts_hook(index, router.select_experts)
+            else:
+                router.set_capture_fn(self._hook(index, getattr(router, "capture_fn", None)))
             hooked += 1
         global _active
         with _active_lock:
@@ -211,7 +301,21 @@ class EldrPrefillCapture:
                 previous(topk_ids)
         return capture_fn
 
-    def record(self, layer_index: int, topk_ids) -> None:
+    def _select_experts_hook(self, index: int, select_experts: Callable) -> Callable:
+        """Wraps a router's select_experts (-> (topk_weights, topk_ids, ...)) to record both."""
+        def wrapped(*args, **kwargs):
+            result = select_experts(*args, **kwargs)
+            try:
+                self.record(index, result[1], result[0])
+            except Exception:  # never break the model's forward pass over a signature
+                self.failures += 1
+                if self.failures == 1:
+                    logger.exception("ELDR capture failed on MoE layer %d; counting failures",
+                                     index)
+            return result
+        return wrapped
+
+    def record(self, layer_index: int, topk_ids, topk_weights=None) -> None:
         ids = array_view(topk_ids)
         slots_array, first_token = self._slot_mapping()
         slots = array_view(slots_array)
@@ -232,9 +336,20 @@ class EldrPrefillCapture:
         if self.reset_per_batch and layer_index == self._first_hooked:
             self.capture.reset_batch_blocks_ptr(slots.address, slots.index_type, tokens,
                                                 stream=stream)
-        self.capture.record_ptr(layer_index, address, ids.index_type, top_k, slots.address,
-                                slots.index_type, tokens, skip_reset=self.reset_per_batch,
-                                stream=stream)
+        if topk_weights is None:
+            self.capture.record_ptr(layer_index, address, ids.index_type, top_k, slots.address,
+                                    slots.index_type, tokens, skip_reset=self.reset_per_batch,
+                                    stream=stream)
+            return
+        weights_array = as_float32(topk_weights)
+        weights = weight_view(weights_array)
+        if tuple(weights.shape) != tuple(ids.shape) or weights.on_gpu != on_gpu:
+            raise ValueError(f"topk_weights must be shaped like topk_ids {ids.shape} on the same "
+                             f"device, got {weights.shape}")
+        self.capture.record_gate_probs_ptr(
+            layer_index, address, ids.index_type, weights.address + first_token * top_k * 4, top_k,
+            slots.address, slots.index_type, tokens, skip_reset=self.reset_per_batch,
+            stream=stream)
 
     # -- scheduler side --
 
@@ -252,9 +367,24 @@ class EldrPrefillCapture:
                                              stream=stream) as result:
             return result.counts()
 
+    def finish_gate_prob_sums(self, requests: Sequence[tuple], *, stream=None) -> np.ndarray:
+        """Gate-probability sums [R][L][E] float32 of requests given as (block ids, tokens)."""
+        stride = max(1, max(len(blocks) for blocks, _ in requests))
+        tables = np.zeros((len(requests), stride), dtype=np.int32)
+        lengths = np.zeros(len(requests), dtype=np.int64)
+        for row, (blocks, tokens) in enumerate(requests):
+            tables[row, :len(blocks)] = blocks
+            lengths[row] = tokens
+        with self._lock, self.capture.finish_gate_probs(tables, lengths, stream=stream) as result:
+            return result.gate_prob_sums()
+
     def kv_transfer_params(self, params: Optional[dict], block_ids: Sequence[int],
                            prompt_tokens: int) -> dict:
-        return attach_counts(params, self.finish([(list(block_ids), prompt_tokens)])[0])
+        params = attach_counts(params, self.finish([(list(block_ids), prompt_tokens)])[0])
+        if self.gate_probs:
+            sums = self.finish_gate_prob_sums([(list(block_ids), prompt_tokens)])[0]
+            params = attach_gate_prob_sums(params, sums)
+        return params
 
 
 def _first_group(block_ids) -> list:
@@ -302,10 +432,14 @@ def connector_with_counts(base: type) -> type:
 
 
 def install_from_vllm_config(vllm_config, *, library_path: Optional[str] = None,
-                             kv_cache_layer: Optional[str] = None) -> EldrPrefillCapture:
+                             kv_cache_layer: Optional[str] = None,
+                             gate_probs: Optional[bool] = None) -> EldrPrefillCapture:
     """Creates the CUDA capture for a vLLM worker (after its KV cache exists) and hooks every MoE
     layer. `kv_cache_layer` names the attention layer whose slot mapping keys the blocks (default:
-    the first one of the batch)."""
+    the first one of the batch). `gate_probs` also records gate-probability sums (default: the
+    ELDR_GATE_PROBS environment variable is "1")."""
+    if gate_probs is None:
+        gate_probs = os.environ.get("ELDR_GATE_PROBS", "0") == "1"
     import torch  # noqa: PLC0415 (lazy: only on a vLLM worker)
     from vllm.forward_context import get_forward_context  # noqa: PLC0415
 
@@ -351,9 +485,10 @@ def install_from_vllm_config(vllm_config, *, library_path: Optional[str] = None,
                              cuda_device=torch.cuda.current_device(), max_top_k=k,
                              num_blocks=num_blocks, block_size=block_size,
                              max_blocks_per_request=-(-max_model_len // block_size),
-                             validate_pointers=0)
+                             validate_pointers=0, record_gate_probs=int(gate_probs))
     eldr = EldrPrefillCapture(capture, [m.layer_id for m in modules], block_size, slot_mapping,
-                              stream_provider=lambda: torch.cuda.current_stream().cuda_stream)
+                              stream_provider=lambda: torch.cuda.current_stream().cuda_stream,
+                              gate_probs=gate_probs)
     hooked = eldr.install(modules)
     logger.info("ELDR capture on %d MoE layers, %d experts, top-%d, %d KV blocks of %d tokens",
                 hooked, num_experts, k, num_blocks, block_size)

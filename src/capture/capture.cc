@@ -34,6 +34,7 @@ Stats StatsFromArray(const uint64_t (&values)[kNumStats]) {
   stats.saturated_adds = values[kStatSaturatedAdds];
   stats.saturated_outputs = values[kStatSaturatedOutputs];
   stats.block_resets = values[kStatBlockResets];
+  stats.bad_gate_probs = values[kStatBadGateProbs];
   return stats;
 }
 
@@ -136,6 +137,22 @@ absl::StatusOr<Geometry> ResolveGeometry(const Options& options) {
              options.counter_bits != 32) {
     return invalid("counter_bits must be 0, 8, 16 or 32, got ", options.counter_bits);
   }
+  g.gate_probs = options.record_gate_probs;
+  if (g.gate_probs && g.block_mode()) {
+    // One block adds at most block_size * max_top_k probabilities of at most 1 to a cell: keep the
+    // 32-bit accumulator from overflowing with fraction bits = 32 - bits(block_size * max_top_k).
+    const uint64_t bound = uint64_t{static_cast<uint32_t>(g.block_size)} * g.max_top_k;
+    int bits = 0;
+    while ((uint64_t{1} << bits) <= bound) ++bits;
+    g.gate_fraction_bits = std::min(kMaxGateFractionBits, 32 - bits);
+    if (g.gate_fraction_bits < 8) {
+      return invalid("record_gate_probs: block_size * max_top_k = ", bound,
+                     " leaves fewer than 8 fraction bits in a 32-bit gate-probability accumulator (at most 2^24)");
+    }
+    if (g.num_blocks > (int64_t{1} << 46) / (cells * 4)) {
+      return invalid("per-block gate-probability accumulators would take more than 2^46 bytes");
+    }
+  }
   return g;
 }
 
@@ -205,6 +222,10 @@ class FinishResultImpl final : public FinishResult {
     if (output_type_ != OutputType::kInt32 || !IsReady()) return nullptr;
     return static_cast<const int32_t*>(shared_->backend->SlotCounts(slot_));
   }
+  const float* gate_prob_sums() const override {
+    if (output_type_ != OutputType::kFloat32 || !IsReady()) return nullptr;
+    return static_cast<const float*>(shared_->backend->SlotCounts(slot_));
+  }
   Stats stats() const override { return IsReady() ? shared_->backend->SlotStats(slot_) : Stats{}; }
 
  private:
@@ -268,56 +289,92 @@ class CaptureImpl final : public Capture {
   absl::StatusOr<std::unique_ptr<FinishResult>> Finish(const int32_t* block_tables, int64_t block_table_stride,
                                                        const int64_t* lengths, int num_requests, OutputType output_type,
                                                        void* stream) override {
-    const Geometry& g = shared_->geometry;
-    if (!g.block_mode()) {
+    if (!shared_->geometry.block_mode()) {
       return absl::FailedPreconditionError("finish: the block mode is off (num_blocks = 0)");
     }
     if (absl::Status s = CheckFinishCommon("finish", num_requests, output_type); !s.ok()) return s;
-    if (lengths == nullptr) return absl::InvalidArgumentError("finish: lengths is null");
-    if (block_table_stride < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("finish: block_table_stride must be >= 0, got ", block_table_stride));
-    }
-    std::vector<int32_t> request_blocks(num_requests);
-    int64_t max_blocks = 0;
-    for (int r = 0; r < num_requests; ++r) {
-      if (lengths[r] < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("finish: lengths[", r, "] = ", lengths[r], " is negative"));
-      }
-      // Kernels index a request's blocks with 32-bit ints and split them over at most 2^15
-      // thread blocks of 4096 blocks each.
-      constexpr int64_t kMaxRequestTokens = int64_t{1} << 40;
-      constexpr int64_t kMaxRequestBlocks = int64_t{1} << 27;
-      if (lengths[r] > kMaxRequestTokens) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("finish: lengths[", r, "] = ", lengths[r], " exceeds 2^40 tokens"));
-      }
-      const int64_t blocks = (lengths[r] + g.block_size - 1) / g.block_size;
-      if (blocks > kMaxRequestBlocks) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("finish: request ", r, " has ", blocks, " blocks, more than 2^27"));
-      }
-      if (blocks > block_table_stride) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("finish: request ", r, " has ", lengths[r], " tokens = ", blocks, " blocks of ", g.block_size,
-                         ", more than its block table holds (stride ", block_table_stride, ")"));
-      }
-      request_blocks[r] = static_cast<int32_t>(blocks);
-      max_blocks = std::max(max_blocks, blocks);
-    }
-    if (max_blocks > 0 && block_tables == nullptr) {
-      return absl::InvalidArgumentError("finish: block_tables is null");
-    }
+    absl::StatusOr<std::vector<int32_t>> request_blocks =
+        CheckBlockTables("finish", block_tables, block_table_stride, lengths, num_requests);
+    if (!request_blocks.ok()) return request_blocks.status();
     absl::MutexLock lock(&shared_->mu);
     absl::StatusOr<int> slot = AcquireSlot();
     if (!slot.ok()) return slot.status();
     absl::Status status =
-        shared_->backend->FinishBlocks(*slot, block_tables, block_table_stride, request_blocks, output_type, stream);
-    if (!status.ok()) {
-      shared_->held[*slot] = false;
-      return status;
+        shared_->backend->FinishBlocks(*slot, block_tables, block_table_stride, *request_blocks, output_type, stream);
+    return MakeResult(*slot, status, num_requests, output_type);
+  }
+
+  absl::StatusOr<std::unique_ptr<FinishResult>> FinishGateProbs(const int32_t* block_tables, int64_t block_table_stride,
+                                                                const int64_t* lengths, int num_requests,
+                                                                void* stream) override {
+    static constexpr char kOp[] = "finish_gate_probs";
+    if (absl::Status s = CheckGateProbs(kOp); !s.ok()) return s;
+    if (!shared_->geometry.block_mode()) {
+      return absl::FailedPreconditionError(absl::StrCat(kOp, ": the block mode is off (num_blocks = 0)"));
     }
-    return std::unique_ptr<FinishResult>(new FinishResultImpl(shared_, *slot, num_requests, output_type));
+    if (absl::Status s = CheckFinishCommon(kOp, num_requests, OutputType::kInt32); !s.ok()) return s;
+    absl::StatusOr<std::vector<int32_t>> request_blocks =
+        CheckBlockTables(kOp, block_tables, block_table_stride, lengths, num_requests);
+    if (!request_blocks.ok()) return request_blocks.status();
+    absl::MutexLock lock(&shared_->mu);
+    absl::StatusOr<int> slot = AcquireSlot();
+    if (!slot.ok()) return slot.status();
+    absl::Status status =
+        shared_->backend->FinishGateBlocks(*slot, block_tables, block_table_stride, *request_blocks, stream);
+    return MakeResult(*slot, status, num_requests, OutputType::kFloat32);
+  }
+
+  absl::Status RecordGateProbs(int layer, const void* topk_ids, IndexType id_type, const float* topk_weights, int top_k,
+                               const void* slot_mapping, IndexType slot_type, int64_t num_tokens, uint32_t flags,
+                               void* stream) override {
+    static constexpr char kOp[] = "record_gate_probs";
+    if (absl::Status s = CheckGateProbs(kOp); !s.ok()) return s;
+    if (!shared_->geometry.block_mode()) {
+      return absl::FailedPreconditionError(absl::StrCat(kOp, ": the block mode is off (num_blocks = 0)"));
+    }
+    if ((flags & ~kRecordSkipReset) != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s: unknown flags 0x%x", kOp, flags));
+    }
+    absl::Status status =
+        CheckRecordArgs(kOp, layer, topk_ids, id_type, top_k, slot_mapping, slot_type, "slot_mapping", num_tokens);
+    if (!status.ok() || num_tokens == 0) return status;
+    if (topk_weights == nullptr) return absl::InvalidArgumentError(absl::StrCat(kOp, ": topk_weights is null"));
+    internal::RecordCall call{layer,        topk_ids,    id_type,    top_k,
+                              slot_mapping, slot_type,   num_tokens, (flags & kRecordSkipReset) == 0,
+                              stream,       topk_weights};
+    absl::MutexLock lock(&shared_->mu);
+    return shared_->backend->Record(call);
+  }
+
+  absl::Status RecordDirectGateProbs(int layer, const void* topk_ids, IndexType id_type, const float* topk_weights,
+                                     int top_k, const void* token_request, IndexType request_type, int64_t num_tokens,
+                                     void* stream) override {
+    static constexpr char kOp[] = "record_direct_gate_probs";
+    if (absl::Status s = CheckGateProbs(kOp); !s.ok()) return s;
+    if (shared_->geometry.max_direct_requests == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(kOp, ": the direct mode is off (max_direct_requests = 0)"));
+    }
+    absl::Status status =
+        CheckRecordArgs(kOp, layer, topk_ids, id_type, top_k, token_request, request_type, "token_request", num_tokens);
+    if (!status.ok() || num_tokens == 0) return status;
+    if (topk_weights == nullptr) return absl::InvalidArgumentError(absl::StrCat(kOp, ": topk_weights is null"));
+    internal::RecordCall call{layer,        topk_ids,   id_type, top_k,  token_request,
+                              request_type, num_tokens, false,   stream, topk_weights};
+    absl::MutexLock lock(&shared_->mu);
+    return shared_->backend->RecordDirect(call);
+  }
+
+  absl::StatusOr<std::unique_ptr<FinishResult>> FinishDirectGateProbs(const int32_t* request_slots, int num_requests,
+                                                                      void* stream) override {
+    static constexpr char kOp[] = "finish_direct_gate_probs";
+    if (absl::Status s = CheckGateProbs(kOp); !s.ok()) return s;
+    absl::StatusOr<std::vector<int32_t>> slots = CheckDirectSlots(kOp, request_slots, num_requests, OutputType::kInt32);
+    if (!slots.ok()) return slots.status();
+    absl::MutexLock lock(&shared_->mu);
+    absl::StatusOr<int> slot = AcquireSlot();
+    if (!slot.ok()) return slot.status();
+    absl::Status status = shared_->backend->FinishGateDirect(*slot, *slots, stream);
+    return MakeResult(*slot, status, num_requests, OutputType::kFloat32);
   }
 
   absl::Status RecordDirect(int layer, const void* topk_ids, IndexType id_type, int top_k, const void* token_request,
@@ -335,37 +392,14 @@ class CaptureImpl final : public Capture {
 
   absl::StatusOr<std::unique_ptr<FinishResult>> FinishDirect(const int32_t* request_slots, int num_requests,
                                                              OutputType output_type, void* stream) override {
-    const Geometry& g = shared_->geometry;
-    if (g.max_direct_requests == 0) {
-      return absl::FailedPreconditionError("finish_direct: the direct mode is off (max_direct_requests = 0)");
-    }
-    if (absl::Status s = CheckFinishCommon("finish_direct", num_requests, output_type); !s.ok()) {
-      return s;
-    }
-    if (request_slots == nullptr) {
-      return absl::InvalidArgumentError("finish_direct: request_slots is null");
-    }
-    std::vector<int32_t> slots(request_slots, request_slots + num_requests);
-    std::vector<int32_t> sorted = slots;
-    std::sort(sorted.begin(), sorted.end());
-    for (int r = 0; r < num_requests; ++r) {
-      if (slots[r] < 0 || slots[r] >= g.max_direct_requests) {
-        return absl::InvalidArgumentError(absl::StrCat("finish_direct: request_slots[", r, "] = ", slots[r],
-                                                       " is outside [0, ", g.max_direct_requests, ")"));
-      }
-      if (r > 0 && sorted[r] == sorted[r - 1]) {
-        return absl::InvalidArgumentError(absl::StrCat("finish_direct: request slot ", sorted[r], " appears twice"));
-      }
-    }
+    absl::StatusOr<std::vector<int32_t>> slots =
+        CheckDirectSlots("finish_direct", request_slots, num_requests, output_type);
+    if (!slots.ok()) return slots.status();
     absl::MutexLock lock(&shared_->mu);
     absl::StatusOr<int> slot = AcquireSlot();
     if (!slot.ok()) return slot.status();
-    absl::Status status = shared_->backend->FinishDirect(*slot, slots, output_type, stream);
-    if (!status.ok()) {
-      shared_->held[*slot] = false;
-      return status;
-    }
-    return std::unique_ptr<FinishResult>(new FinishResultImpl(shared_, *slot, num_requests, output_type));
+    absl::Status status = shared_->backend->FinishDirect(*slot, *slots, output_type, stream);
+    return MakeResult(*slot, status, num_requests, output_type);
   }
 
   absl::Status Clear(void* stream) override {
@@ -451,6 +485,92 @@ class CaptureImpl final : public Capture {
     return absl::OkStatus();
   }
 
+  absl::Status CheckGateProbs(const char* op) const {
+    if (!shared_->geometry.gate_probs) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(op, ": gate probabilities are off (create the context with options.record_gate_probs)"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Validates a finish's block tables and lengths; returns each request's number of blocks.
+  absl::StatusOr<std::vector<int32_t>> CheckBlockTables(const char* op, const int32_t* block_tables,
+                                                        int64_t block_table_stride, const int64_t* lengths,
+                                                        int num_requests) const {
+    const Geometry& g = shared_->geometry;
+    if (lengths == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": lengths is null"));
+    if (block_table_stride < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": block_table_stride must be >= 0, got ", block_table_stride));
+    }
+    std::vector<int32_t> request_blocks(num_requests);
+    int64_t max_blocks = 0;
+    for (int r = 0; r < num_requests; ++r) {
+      if (lengths[r] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(op, ": lengths[", r, "] = ", lengths[r], " is negative"));
+      }
+      // Kernels index a request's blocks with 32-bit ints and split them over at most 2^15
+      // thread blocks of 4096 blocks each.
+      constexpr int64_t kMaxRequestTokens = int64_t{1} << 40;
+      constexpr int64_t kMaxRequestBlocks = int64_t{1} << 27;
+      if (lengths[r] > kMaxRequestTokens) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(op, ": lengths[", r, "] = ", lengths[r], " exceeds 2^40 tokens"));
+      }
+      const int64_t blocks = (lengths[r] + g.block_size - 1) / g.block_size;
+      if (blocks > kMaxRequestBlocks) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(op, ": request ", r, " has ", blocks, " blocks, more than 2^27"));
+      }
+      if (blocks > block_table_stride) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(op, ": request ", r, " has ", lengths[r], " tokens = ", blocks, " blocks of ", g.block_size,
+                         ", more than its block table holds (stride ", block_table_stride, ")"));
+      }
+      request_blocks[r] = static_cast<int32_t>(blocks);
+      max_blocks = std::max(max_blocks, blocks);
+    }
+    if (max_blocks > 0 && block_tables == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": block_tables is null"));
+    }
+    return request_blocks;
+  }
+
+  // Validates a direct finish's request slots (distinct, in range); returns them.
+  absl::StatusOr<std::vector<int32_t>> CheckDirectSlots(const char* op, const int32_t* request_slots, int num_requests,
+                                                        OutputType output_type) const {
+    const Geometry& g = shared_->geometry;
+    if (g.max_direct_requests == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(op, ": the direct mode is off (max_direct_requests = 0)"));
+    }
+    if (absl::Status s = CheckFinishCommon(op, num_requests, output_type); !s.ok()) return s;
+    if (request_slots == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": request_slots is null"));
+    std::vector<int32_t> slots(request_slots, request_slots + num_requests);
+    std::vector<int32_t> sorted = slots;
+    std::sort(sorted.begin(), sorted.end());
+    for (int r = 0; r < num_requests; ++r) {
+      if (slots[r] < 0 || slots[r] >= g.max_direct_requests) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(op, ": request_slots[", r, "] = ", slots[r], " is outside [0, ", g.max_direct_requests, ")"));
+      }
+      if (r > 0 && sorted[r] == sorted[r - 1]) {
+        return absl::InvalidArgumentError(absl::StrCat(op, ": request slot ", sorted[r], " appears twice"));
+      }
+    }
+    return slots;
+  }
+
+  // The result of a finish enqueued into `slot` (held), or the slot freed again on failure.
+  absl::StatusOr<std::unique_ptr<FinishResult>> MakeResult(int slot, const absl::Status& status, int num_requests,
+                                                           OutputType output_type)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_->mu) {
+    if (!status.ok()) {
+      shared_->held[slot] = false;
+      return status;
+    }
+    return std::unique_ptr<FinishResult>(new FinishResultImpl(shared_, slot, num_requests, output_type));
+  }
+
   // A slot no result holds. A slot released while its copy was still pending is reused once the
   // copy completed, waiting for it if no other slot is free.
   absl::StatusOr<int> AcquireSlot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_->mu) {
@@ -508,6 +628,11 @@ absl::StatusOr<std::unique_ptr<Capture>> Capture::Create(const Options& options)
   info.block_counts_bytes = static_cast<uint64_t>(geometry->block_counts_bytes());
   info.device_bytes = (*backend)->device_bytes();
   info.host_bytes = (*backend)->host_bytes();
+  info.gate_prob_fraction_bits = !geometry->gate_probs    ? 0
+                                 : geometry->block_mode() ? geometry->gate_fraction_bits
+                                                          : internal::kDirectGateFractionBits;
+  info.max_direct_requests = geometry->max_direct_requests;
+  info.block_gate_prob_bytes = static_cast<uint64_t>(geometry->block_gate_bytes());
   auto shared = std::make_shared<SharedState>(*std::move(geometry), *std::move(backend));
   return std::unique_ptr<Capture>(new CaptureImpl(std::move(shared), info));
 }

@@ -26,6 +26,12 @@ Stats StatsFromArray(const uint64_t (&values)[kNumStats]);
 // stride is rounded up to 16 bytes so that every block starts 16-byte aligned and no 32-bit word
 // straddles two blocks; the padding is always zero.
 //
+// Gate-probability accumulators (record_gate_probs): per block, L * E unsigned 32-bit fixed-point
+// values with gate_fraction_bits fraction bits, block b's at b * cells; per direct slot, L * E
+// unsigned 64-bit values with kDirectGateFractionBits fraction bits. Integer adds are associative,
+// so every device and every thread order produces the same bits; the finish converts the integer
+// sum of a request to float32 once (round to nearest, then an exact scaling by 2^-fraction_bits).
+//
 // Slot bitmap: one bit per (block, layer, offset) says the slot was counted for the layer since the
 // block's last reset. Row (b, layer) is bitmap_words_per_row 32-bit words at
 // (b * L + layer) * bitmap_words_per_row.
@@ -46,14 +52,21 @@ struct Geometry {
   int max_blocks_per_request = 0;
   int result_slots = 0;
   bool validate_pointers = true;
+  bool gate_probs = false;
+  int gate_fraction_bits = 0;  // block mode, when gate_probs
 
   bool block_mode() const { return num_blocks > 0; }
+  int64_t block_gate_bytes() const { return gate_probs ? num_blocks * cells * 4 : 0; }
+  int64_t direct_gate_bytes() const { return gate_probs ? int64_t{max_direct_requests} * cells * 8 : 0; }
   int64_t block_counts_bytes() const { return num_blocks * block_stride_bytes; }
   int64_t bitmap_words() const { return num_blocks * layers * bitmap_words_per_row; }
 };
 
 // Validates `options` and derives the layout. INVALID_ARGUMENT names the first bad field.
 absl::StatusOr<Geometry> ResolveGeometry(const Options& options);
+
+// Gate probabilities outside [0, 1] (and NaN) are skipped and counted in bad_gate_probs.
+inline bool GateProbInRange(float p) { return p >= 0.0f && p <= 1.0f; }  // false for NaN
 
 // One record call, validated by the front end (num_tokens > 0, pointers non-null, layer and top_k
 // in range).
@@ -67,6 +80,7 @@ struct RecordCall {
   int64_t num_tokens = 0;
   bool reset = true;  // block mode: reset this layer's rows of blocks starting in the batch
   void* stream = nullptr;
+  const float* weights = nullptr;  // [num_tokens][top_k] gate probabilities, or null (counts only)
 };
 
 class Backend {
@@ -85,6 +99,10 @@ class Backend {
   // `request_slots` are distinct and in range, already checked.
   virtual absl::Status FinishDirect(int slot, absl::Span<const int32_t> request_slots, OutputType output_type,
                                     void* stream) = 0;
+  // Gate-probability finishes (geometry.gate_probs): float32 [R][L][E] into the slot, same arguments.
+  virtual absl::Status FinishGateBlocks(int slot, const int32_t* block_tables, int64_t stride,
+                                        absl::Span<const int32_t> num_blocks_per_request, void* stream) = 0;
+  virtual absl::Status FinishGateDirect(int slot, absl::Span<const int32_t> request_slots, void* stream) = 0;
 
   // Whether the last finish enqueued into `slot` completed (true for a never used slot).
   virtual absl::StatusOr<bool> SlotReady(int slot) const = 0;

@@ -90,6 +90,20 @@ bool StructTooSmall(const Struct* s) {
   return s->struct_size < sizeof(Struct);
 }
 
+// Whether a caller's struct (its struct_size) reaches past `field`: fields appended in later
+// versions are read and written only then, so callers built against an older header keep working.
+template <typename Struct, typename Field>
+bool Covers(const Struct* s, const Field* field) {
+  const size_t end =
+      static_cast<size_t>(reinterpret_cast<const char*>(field) - reinterpret_cast<const char*>(s)) + sizeof(Field);
+  return s->struct_size >= end;
+}
+
+// The sizes of the structs before gate probabilities were added (the oldest accepted).
+constexpr size_t kOptionsSizeV1 = offsetof(eldr_capture_options, record_gate_probs);
+constexpr size_t kInfoSizeV1 = offsetof(eldr_capture_info, gate_prob_fraction_bits);
+constexpr size_t kStatsSizeV1 = offsetof(eldr_capture_stats, bad_gate_probs);
+
 void FillStats(const Stats& from, eldr_capture_stats* to) {
   to->reserved = 0;
   to->recorded_choices = from.recorded_choices;
@@ -102,6 +116,7 @@ void FillStats(const Stats& from, eldr_capture_stats* to) {
   to->saturated_adds = from.saturated_adds;
   to->saturated_outputs = from.saturated_outputs;
   to->block_resets = from.block_resets;
+  if (Covers(to, &to->bad_gate_probs)) to->bad_gate_probs = from.bad_gate_probs;
 }
 
 int NullHandle(const char* function, const char* what) {
@@ -188,11 +203,11 @@ int eldr_capture_create(const eldr_capture_options* options, eldr_capture_ctx** 
     if (out == nullptr) return NullHandle("eldr_capture_create", "out");
     *out = nullptr;
     if (options == nullptr) return NullHandle("eldr_capture_create", "options");
-    if (StructTooSmall(options)) {
+    if (options->struct_size < kOptionsSizeV1) {
       return Fail(
           ELDR_CAPTURE_INVALID_ARGUMENT,
           absl::StrCat("eldr_capture_create: options->struct_size is ", options->struct_size, ", expected at least ",
-                       sizeof(eldr_capture_options), ": initialise options with eldr_capture_options_init"));
+                       kOptionsSizeV1, ": initialise options with eldr_capture_options_init"));
     }
     eldr::capture::Options o;
     o.device = static_cast<Device>(options->device);
@@ -208,6 +223,7 @@ int eldr_capture_create(const eldr_capture_options* options, eldr_capture_ctx** 
     o.result_slots = options->result_slots;
     o.max_direct_requests = options->max_direct_requests;
     o.validate_pointers = options->validate_pointers != 0;
+    o.record_gate_probs = Covers(options, &options->record_gate_probs) && options->record_gate_probs != 0;
     absl::StatusOr<std::unique_ptr<Capture>> capture = Capture::Create(o);
     if (!capture.ok()) return Report(capture.status());
     *out = new eldr_capture_ctx{*std::move(capture)};
@@ -220,7 +236,7 @@ void eldr_capture_destroy(eldr_capture_ctx* ctx) { delete ctx; }
 int eldr_capture_get_info(const eldr_capture_ctx* ctx, eldr_capture_info* info) {
   if (ctx == nullptr) return NullHandle("eldr_capture_get_info", "ctx");
   if (info == nullptr) return NullHandle("eldr_capture_get_info", "info");
-  if (StructTooSmall(info)) {
+  if (info->struct_size < kInfoSizeV1) {
     return Fail(ELDR_CAPTURE_INVALID_ARGUMENT,
                 "eldr_capture_get_info: set info->struct_size = sizeof(eldr_capture_info)");
   }
@@ -235,6 +251,11 @@ int eldr_capture_get_info(const eldr_capture_ctx* ctx, eldr_capture_info* info) 
   info->block_counts_bytes = i.block_counts_bytes;
   info->device_bytes = i.device_bytes;
   info->host_bytes = i.host_bytes;
+  if (Covers(info, &info->block_gate_prob_bytes)) {
+    info->gate_prob_fraction_bits = i.gate_prob_fraction_bits;
+    info->reserved = 0;
+    info->block_gate_prob_bytes = i.block_gate_prob_bytes;
+  }
   return ELDR_CAPTURE_OK;
 }
 
@@ -269,6 +290,57 @@ int eldr_capture_finish(eldr_capture_ctx* ctx, const int32_t* block_tables, int6
   return Guarded("eldr_capture_finish", [&] {
     absl::StatusOr<std::unique_ptr<FinishResult>> result = ctx->impl->Finish(
         block_tables, block_table_stride, lengths, num_requests, static_cast<OutputType>(output_type), stream);
+    if (!result.ok()) return Report(result.status());
+    *out = new eldr_capture_result{*std::move(result)};
+    return static_cast<int>(ELDR_CAPTURE_OK);
+  });
+}
+
+int eldr_capture_record_gate_probs(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids, int32_t id_type,
+                                   const float* topk_weights, int32_t top_k, const void* slot_mapping,
+                                   int32_t slot_type, int64_t num_tokens, uint32_t flags, void* stream) {
+  if (ctx == nullptr) return NullHandle("eldr_capture_record_gate_probs", "ctx");
+  return Guarded("eldr_capture_record_gate_probs", [&] {
+    return Report(ctx->impl->RecordGateProbs(layer, topk_ids, static_cast<IndexType>(id_type), topk_weights, top_k,
+                                             slot_mapping, static_cast<IndexType>(slot_type), num_tokens, flags,
+                                             stream));
+  });
+}
+
+int eldr_capture_finish_gate_probs(eldr_capture_ctx* ctx, const int32_t* block_tables, int64_t block_table_stride,
+                                   const int64_t* lengths, int32_t num_requests, void* stream,
+                                   eldr_capture_result** out) {
+  if (out == nullptr) return NullHandle("eldr_capture_finish_gate_probs", "out");
+  *out = nullptr;
+  if (ctx == nullptr) return NullHandle("eldr_capture_finish_gate_probs", "ctx");
+  return Guarded("eldr_capture_finish_gate_probs", [&] {
+    absl::StatusOr<std::unique_ptr<FinishResult>> result =
+        ctx->impl->FinishGateProbs(block_tables, block_table_stride, lengths, num_requests, stream);
+    if (!result.ok()) return Report(result.status());
+    *out = new eldr_capture_result{*std::move(result)};
+    return static_cast<int>(ELDR_CAPTURE_OK);
+  });
+}
+
+int eldr_capture_record_direct_gate_probs(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids, int32_t id_type,
+                                          const float* topk_weights, int32_t top_k, const void* token_request,
+                                          int32_t request_type, int64_t num_tokens, void* stream) {
+  if (ctx == nullptr) return NullHandle("eldr_capture_record_direct_gate_probs", "ctx");
+  return Guarded("eldr_capture_record_direct_gate_probs", [&] {
+    return Report(ctx->impl->RecordDirectGateProbs(layer, topk_ids, static_cast<IndexType>(id_type), topk_weights,
+                                                   top_k, token_request, static_cast<IndexType>(request_type),
+                                                   num_tokens, stream));
+  });
+}
+
+int eldr_capture_finish_direct_gate_probs(eldr_capture_ctx* ctx, const int32_t* request_slots, int32_t num_requests,
+                                          void* stream, eldr_capture_result** out) {
+  if (out == nullptr) return NullHandle("eldr_capture_finish_direct_gate_probs", "out");
+  *out = nullptr;
+  if (ctx == nullptr) return NullHandle("eldr_capture_finish_direct_gate_probs", "ctx");
+  return Guarded("eldr_capture_finish_direct_gate_probs", [&] {
+    absl::StatusOr<std::unique_ptr<FinishResult>> result =
+        ctx->impl->FinishDirectGateProbs(request_slots, num_requests, stream);
     if (!result.ok()) return Report(result.status());
     *out = new eldr_capture_result{*std::move(result)};
     return static_cast<int>(ELDR_CAPTURE_OK);
@@ -337,8 +409,19 @@ int32_t eldr_capture_result_output_type(const eldr_capture_result* result) {
 
 const void* eldr_capture_result_counts(const eldr_capture_result* result) {
   if (result == nullptr) return nullptr;
-  if (result->impl->output_type() == OutputType::kInt16) return result->impl->counts_int16();
-  return result->impl->counts_int32();
+  switch (result->impl->output_type()) {
+    case OutputType::kInt16:
+      return result->impl->counts_int16();
+    case OutputType::kInt32:
+      return result->impl->counts_int32();
+    case OutputType::kFloat32:
+      return result->impl->gate_prob_sums();
+  }
+  return nullptr;
+}
+
+const float* eldr_capture_result_gate_prob_sums(const eldr_capture_result* result) {
+  return result == nullptr ? nullptr : result->impl->gate_prob_sums();
 }
 
 void eldr_capture_result_release(eldr_capture_result* result) { delete result; }
@@ -346,7 +429,7 @@ void eldr_capture_result_release(eldr_capture_result* result) { delete result; }
 int eldr_capture_get_stats(eldr_capture_ctx* ctx, eldr_capture_stats* stats, void* stream) {
   if (ctx == nullptr) return NullHandle("eldr_capture_get_stats", "ctx");
   if (stats == nullptr) return NullHandle("eldr_capture_get_stats", "stats");
-  if (StructTooSmall(stats)) {
+  if (stats->struct_size < kStatsSizeV1) {
     return Fail(ELDR_CAPTURE_INVALID_ARGUMENT,
                 "eldr_capture_get_stats: set stats->struct_size = sizeof(eldr_capture_stats)");
   }
@@ -361,7 +444,7 @@ int eldr_capture_get_stats(eldr_capture_ctx* ctx, eldr_capture_stats* stats, voi
 int eldr_capture_result_stats(const eldr_capture_result* result, eldr_capture_stats* stats) {
   if (result == nullptr) return NullHandle("eldr_capture_result_stats", "result");
   if (stats == nullptr) return NullHandle("eldr_capture_result_stats", "stats");
-  if (StructTooSmall(stats)) {
+  if (stats->struct_size < kStatsSizeV1) {
     return Fail(ELDR_CAPTURE_INVALID_ARGUMENT,
                 "eldr_capture_result_stats: set stats->struct_size = sizeof(eldr_capture_stats)");
   }
@@ -456,9 +539,14 @@ int eldr_capture_client_route(eldr_capture_client* client, const char* request_i
       decision = client->impl->RouteInt32(
           id, prompt_tokens, absl::MakeConstSpan(static_cast<const int32_t*>(counts), size_t(layers) * experts), layers,
           experts);
+    } else if (counts_type == ELDR_CAPTURE_OUTPUT_FLOAT32) {
+      decision = client->impl->RouteGateProbSums(
+          id, prompt_tokens, absl::MakeConstSpan(static_cast<const float*>(counts), size_t(layers) * experts), layers,
+          experts);
     } else {
       return Fail(ELDR_CAPTURE_INVALID_ARGUMENT,
-                  absl::StrCat(kFunction, ": counts_type must be int16 (0) or int32 (1), got ", counts_type));
+                  absl::StrCat(kFunction, ": counts_type must be int16 (0), int32 (1) or float32 gate sums (2), got ",
+                               counts_type));
     }
     if (!decision.ok()) return Report(decision.status());
     *lease_id = decision->lease_id;

@@ -3,6 +3,7 @@
 // GPU tests compare per-block counts, statistics and finished counts bit for bit. Everything runs
 // on the calling thread before the call returns; `stream` arguments are ignored.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <iterator>
@@ -21,6 +22,16 @@ namespace {
 
 constexpr uint32_t kDirectCounterMax = 0x7fffffffu;
 
+// round(p * 2^fraction_bits), ties to even, for p in [0, 1]: the product is exact (a power of two
+// scaling), so this is the one rounding, as __float2uint_rn does on the GPU.
+uint32_t QuantizeGateProb(float p, int fraction_bits) {
+  return static_cast<uint32_t>(std::nearbyint(std::ldexp(p, fraction_bits)));
+}
+
+// A fixed-point sum as float32: one rounding to nearest (uint64 -> float, __ull2float_rn on the
+// GPU), then an exact scaling by 2^-fraction_bits.
+float GateSumToFloat(uint64_t sum, int fraction_bits) { return std::ldexp(static_cast<float>(sum), -fraction_bits); }
+
 template <typename Index>
 const Index* Typed(const void* p) {
   return static_cast<const Index*>(p);
@@ -33,6 +44,8 @@ class CpuBackend final : public Backend {
         counts_(static_cast<size_t>(g.block_counts_bytes()), 0),
         bitmap_(static_cast<size_t>(g.bitmap_words()), 0),
         direct_(static_cast<size_t>(g.max_direct_requests * g.cells), 0),
+        gate_(static_cast<size_t>(g.block_gate_bytes() / 4), 0),
+        direct_gate_(static_cast<size_t>(g.direct_gate_bytes() / 8), 0),
         slots_(g.result_slots) {
     for (Slot& slot : slots_) {
       slot.counts.assign(static_cast<size_t>(g.max_finish_requests * g.cells * sizeof(int32_t)), 0);
@@ -56,6 +69,7 @@ class CpuBackend final : public Backend {
       std::memset(&counts_[block * g_.block_stride_bytes], 0, g_.block_stride_bytes);
       const int64_t words = int64_t{g_.layers} * g_.bitmap_words_per_row;
       std::fill_n(&bitmap_[block * words], words, 0u);
+      if (!gate_.empty()) std::fill_n(&gate_[block * g_.cells], g_.cells, 0u);
       ++stats_[kStatBlockResets];
     }
     return absl::OkStatus();
@@ -72,9 +86,18 @@ class CpuBackend final : public Backend {
         ++stats_[kStatBadRequests];
         continue;
       }
-      uint32_t* row = &direct_[(request * g_.layers + call.layer) * g_.experts];
+      const int64_t row_cell = (request * g_.layers + call.layer) * g_.experts;
+      uint32_t* row = &direct_[row_cell];
       for (int j = 0; j < call.top_k; ++j) {
         const int64_t expert = LoadIndex(call.topk_ids, call.id_type, t * call.top_k + j);
+        if (expert >= 0 && expert < g_.experts && call.weights != nullptr) {
+          const float p = call.weights[t * call.top_k + j];
+          if (GateProbInRange(p)) {
+            direct_gate_[row_cell + expert] += QuantizeGateProb(p, kDirectGateFractionBits);
+          } else {
+            ++stats_[kStatBadGateProbs];
+          }
+        }
         if (expert < 0 || expert >= g_.experts) {
           ++stats_[kStatBadExpertIds];
         } else if (row[expert] >= kDirectCounterMax) {
@@ -123,6 +146,43 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  absl::Status FinishGateBlocks(int slot, const int32_t* block_tables, int64_t stride,
+                                absl::Span<const int32_t> num_blocks_per_request, void* /*stream*/) override {
+    if (absl::Status s = CheckHostTables(num_blocks_per_request); !s.ok()) return s;
+    std::vector<uint64_t> sums(static_cast<size_t>(g_.cells));
+    float* out = reinterpret_cast<float*>(slots_[slot].counts.data());
+    for (size_t r = 0; r < num_blocks_per_request.size(); ++r) {
+      std::fill(sums.begin(), sums.end(), 0);
+      for (int j = 0; j < num_blocks_per_request[r]; ++j) {
+        const int32_t block = block_tables[r * stride + j];
+        if (block < 0 || block >= g_.num_blocks) {
+          ++stats_[kStatBadBlockIds];
+          continue;
+        }
+        const uint32_t* cells = &gate_[block * g_.cells];
+        for (int64_t c = 0; c < g_.cells; ++c) sums[c] += cells[c];
+      }
+      for (int64_t c = 0; c < g_.cells; ++c) {
+        out[r * g_.cells + c] = GateSumToFloat(sums[c], g_.gate_fraction_bits);
+      }
+    }
+    slots_[slot].stats = StatsFromArray(stats_);
+    return absl::OkStatus();
+  }
+
+  absl::Status FinishGateDirect(int slot, absl::Span<const int32_t> request_slots, void* /*stream*/) override {
+    float* out = reinterpret_cast<float*>(slots_[slot].counts.data());
+    for (size_t r = 0; r < request_slots.size(); ++r) {
+      uint64_t* row = &direct_gate_[request_slots[r] * g_.cells];
+      for (int64_t c = 0; c < g_.cells; ++c) {
+        out[r * g_.cells + c] = GateSumToFloat(row[c], kDirectGateFractionBits);
+        row[c] = 0;
+      }
+    }
+    slots_[slot].stats = StatsFromArray(stats_);
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<bool> SlotReady(int /*slot*/) const override { return true; }
   absl::Status WaitSlot(int /*slot*/) override { return absl::OkStatus(); }
   const void* SlotCounts(int slot) const override { return slots_[slot].counts.data(); }
@@ -132,6 +192,8 @@ class CpuBackend final : public Backend {
     std::fill(counts_.begin(), counts_.end(), 0);
     std::fill(bitmap_.begin(), bitmap_.end(), 0u);
     std::fill(direct_.begin(), direct_.end(), 0u);
+    std::fill(gate_.begin(), gate_.end(), 0u);
+    std::fill(direct_gate_.begin(), direct_gate_.end(), uint64_t{0});
     return absl::OkStatus();
   }
 
@@ -160,7 +222,8 @@ class CpuBackend final : public Backend {
 
   uint64_t device_bytes() const override { return 0; }
   uint64_t host_bytes() const override {
-    uint64_t bytes = counts_.size() + bitmap_.size() * sizeof(uint32_t) + direct_.size() * sizeof(uint32_t);
+    uint64_t bytes = counts_.size() + bitmap_.size() * sizeof(uint32_t) + direct_.size() * sizeof(uint32_t) +
+                     gate_.size() * sizeof(uint32_t) + direct_gate_.size() * sizeof(uint64_t);
     for (const Slot& slot : slots_) bytes += slot.counts.size();
     return bytes;
   }
@@ -227,6 +290,7 @@ class CpuBackend final : public Backend {
         std::memset(&counts_[block * g_.block_stride_bytes + row_offset], 0,
                     static_cast<size_t>(g_.experts) * g_.counter_bytes);
         std::fill_n(bitmap_row(block), words, 0u);
+        if (!gate_.empty()) std::fill_n(&gate_[block * g_.cells + int64_t{call.layer} * g_.experts], g_.experts, 0u);
         ++stats_[kStatBlockResets];
       }
     }
@@ -250,6 +314,8 @@ class CpuBackend final : public Backend {
       }
       word |= bit;
       uint8_t* row = &counts_[block * g_.block_stride_bytes + row_offset];
+      uint32_t* gate_row =
+          call.weights != nullptr ? &gate_[block * g_.cells + int64_t{call.layer} * g_.experts] : nullptr;
       for (int j = 0; j < call.top_k; ++j) {
         const int64_t expert = ids[t * call.top_k + j];
         if (expert < 0 || expert >= g_.experts) {
@@ -258,6 +324,14 @@ class CpuBackend final : public Backend {
         }
         AddToCounter(row, expert);
         ++stats_[kStatRecorded];
+        if (gate_row != nullptr) {
+          const float p = call.weights[t * call.top_k + j];
+          if (GateProbInRange(p)) {
+            gate_row[expert] += QuantizeGateProb(p, g_.gate_fraction_bits);
+          } else {
+            ++stats_[kStatBadGateProbs];
+          }
+        }
       }
     }
     return absl::OkStatus();
@@ -309,6 +383,8 @@ class CpuBackend final : public Backend {
   std::vector<uint8_t> counts_;
   std::vector<uint32_t> bitmap_;
   std::vector<uint32_t> direct_;
+  std::vector<uint32_t> gate_;         // [num_blocks][L][E] fixed point (record_gate_probs)
+  std::vector<uint64_t> direct_gate_;  // [max_direct_requests][L][E] fixed point
   std::vector<Slot> slots_;
   uint64_t stats_[kNumStats] = {};
 };

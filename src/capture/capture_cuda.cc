@@ -134,6 +134,8 @@ class CudaBackend final : public Backend {
     counts_.reset();
     bitmap_.reset();
     direct_.reset();
+    gate_.reset();
+    direct_gate_.reset();
     stats_memory_.reset();
     stats_host_.reset();
   }
@@ -152,9 +154,12 @@ class CudaBackend final : public Backend {
                                     layout_, call.layer, call.index, slots64, n, stats_, call.stream)),
                                 "record: reset kernel launch");
     }
+    if (call.weights != nullptr && g_.validate_pointers) {
+      if (absl::Status s = RequireDeviceAccess(call.weights, "record_gate_probs: topk_weights"); !s.ok()) return s;
+    }
     ELDR_CUDA_RETURN_IF_ERROR(static_cast<cudaError_t>(kernels::LaunchRecordBlocks(
                                   layout_, call.layer, call.topk_ids, call.id_type == IndexType::kInt64, call.top_k,
-                                  call.index, slots64, n, stats_, call.stream)),
+                                  call.index, slots64, n, call.weights, stats_, call.stream)),
                               "record: kernel launch");
     return absl::OkStatus();
   }
@@ -184,12 +189,18 @@ class CudaBackend final : public Backend {
       if (absl::Status s = RequireDeviceAccess(call.index, "record_direct: token_request"); !s.ok()) {
         return s;
       }
+      if (call.weights != nullptr) {
+        if (absl::Status s = RequireDeviceAccess(call.weights, "record_direct_gate_probs: topk_weights"); !s.ok()) {
+          return s;
+        }
+      }
     }
     ELDR_CUDA_RETURN_IF_ERROR(
         static_cast<cudaError_t>(kernels::LaunchRecordDirect(
-            static_cast<uint32_t*>(direct_.get()), g_.layers, g_.experts, g_.max_direct_requests, call.layer,
-            call.topk_ids, call.id_type == IndexType::kInt64, call.top_k, call.index,
-            call.index_type == IndexType::kInt64, static_cast<int>(call.num_tokens), stats_, call.stream)),
+            static_cast<uint32_t*>(direct_.get()), static_cast<unsigned long long*>(direct_gate_.get()), g_.layers,
+            g_.experts, g_.max_direct_requests, call.layer, call.topk_ids, call.id_type == IndexType::kInt64,
+            call.top_k, call.index, call.index_type == IndexType::kInt64, static_cast<int>(call.num_tokens),
+            call.weights, stats_, call.stream)),
         "record_direct: kernel launch");
     return absl::OkStatus();
   }
@@ -202,46 +213,54 @@ class CudaBackend final : public Backend {
     Slot& slot = slots_[slot_index];
     const int num_requests = static_cast<int>(num_blocks_per_request.size());
     const int max_blocks = *std::max_element(num_blocks_per_request.begin(), num_blocks_per_request.end());
-    const cudaStream_t s = AsStream(stream);
-
-    std::copy(num_blocks_per_request.begin(), num_blocks_per_request.end(), slot.pinned_index());
-    ELDR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.device_index(), slot.pinned_index(), num_requests * sizeof(int32_t),
-                                              cudaMemcpyHostToDevice, s),
-                              "finish: copy of block counts");
-
     const int32_t* tables = block_tables;
     int64_t table_stride = stride;
-    if (max_blocks > 0) {
-      absl::StatusOr<Access> access = Classify(block_tables, "finish: block_tables");
-      if (!access.ok()) return access.status();
-      if (*access == Access::kHost) {
-        // Pageable (or pinned) host tables: stage the used entries, rows max_blocks apart.
-        if (max_blocks > g_.max_blocks_per_request) {
-          const auto it = std::max_element(num_blocks_per_request.begin(), num_blocks_per_request.end());
-          return absl::InvalidArgumentError(
-              absl::StrCat("finish: request ", it - num_blocks_per_request.begin(), " has ", max_blocks,
-                           " blocks, more than options.max_blocks_per_request = ", g_.max_blocks_per_request,
-                           " allows for block tables in host memory"));
-        }
-        int32_t* staged = slot.pinned_tables();
-        for (int r = 0; r < num_requests; ++r) {
-          std::memcpy(staged + int64_t{r} * max_blocks, block_tables + r * stride,
-                      num_blocks_per_request[r] * sizeof(int32_t));
-        }
-        ELDR_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(slot.device_tables(), staged, int64_t{num_requests} * max_blocks * sizeof(int32_t),
-                            cudaMemcpyHostToDevice, s),
-            "finish: copy of host block tables");
-        tables = slot.device_tables();
-        table_stride = max_blocks;
-      }
+    if (absl::Status s = StageTables(slot, num_blocks_per_request, &tables, &table_stride, AsStream(stream)); !s.ok()) {
+      return s;
     }
     ELDR_CUDA_RETURN_IF_ERROR(static_cast<cudaError_t>(kernels::LaunchSumBlocks(
                                   layout_, tables, table_stride, slot.device_index(), num_requests, max_blocks,
                                   output_type == OutputType::kInt16, slot.device_out.get(),
                                   static_cast<unsigned long long*>(slot.staging.get()), sm_count_, stats_, stream)),
                               "finish: kernel launch");
-    return CopyOut(slot, num_requests, output_type, s);
+    return CopyOut(slot, num_requests, output_type, AsStream(stream));
+  }
+
+  absl::Status FinishGateBlocks(int slot_index, const int32_t* block_tables, int64_t stride,
+                                absl::Span<const int32_t> num_blocks_per_request, void* stream) override {
+    DeviceGuard guard(device_);
+    ELDR_CUDA_RETURN_IF_ERROR(guard.status(), "finish_gate_probs: cudaSetDevice");
+    Slot& slot = slots_[slot_index];
+    const int num_requests = static_cast<int>(num_blocks_per_request.size());
+    const int max_blocks = *std::max_element(num_blocks_per_request.begin(), num_blocks_per_request.end());
+    const int32_t* tables = block_tables;
+    int64_t table_stride = stride;
+    if (absl::Status s = StageTables(slot, num_blocks_per_request, &tables, &table_stride, AsStream(stream)); !s.ok()) {
+      return s;
+    }
+    ELDR_CUDA_RETURN_IF_ERROR(static_cast<cudaError_t>(kernels::LaunchSumGateBlocks(
+                                  layout_, tables, table_stride, slot.device_index(), num_requests, max_blocks,
+                                  static_cast<float*>(slot.device_out.get()),
+                                  static_cast<unsigned long long*>(slot.staging.get()), sm_count_, stats_, stream)),
+                              "finish_gate_probs: kernel launch");
+    return CopyOut(slot, num_requests, OutputType::kFloat32, AsStream(stream));
+  }
+
+  absl::Status FinishGateDirect(int slot_index, absl::Span<const int32_t> request_slots, void* stream) override {
+    DeviceGuard guard(device_);
+    ELDR_CUDA_RETURN_IF_ERROR(guard.status(), "finish_direct_gate_probs: cudaSetDevice");
+    Slot& slot = slots_[slot_index];
+    const int num_requests = static_cast<int>(request_slots.size());
+    const cudaStream_t s = AsStream(stream);
+    std::copy(request_slots.begin(), request_slots.end(), slot.pinned_index());
+    ELDR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.device_index(), slot.pinned_index(), num_requests * sizeof(int32_t),
+                                              cudaMemcpyHostToDevice, s),
+                              "finish_direct_gate_probs: copy of request slots");
+    ELDR_CUDA_RETURN_IF_ERROR(static_cast<cudaError_t>(kernels::LaunchFinishDirectGate(
+                                  static_cast<unsigned long long*>(direct_gate_.get()), g_.cells, slot.device_index(),
+                                  num_requests, static_cast<float*>(slot.device_out.get()), stats_, stream)),
+                              "finish_direct_gate_probs: kernel launch");
+    return CopyOut(slot, num_requests, OutputType::kFloat32, s);
   }
 
   absl::Status FinishDirect(int slot_index, absl::Span<const int32_t> request_slots, OutputType output_type,
@@ -294,6 +313,13 @@ class CudaBackend final : public Backend {
     }
     if (g_.max_direct_requests > 0) {
       ELDR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(direct_.get(), 0, DirectBytes(), s), "clear: cudaMemsetAsync");
+    }
+    if (g_.block_gate_bytes() > 0) {
+      ELDR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(gate_.get(), 0, g_.block_gate_bytes(), s), "clear: cudaMemsetAsync");
+    }
+    if (g_.direct_gate_bytes() > 0) {
+      ELDR_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(direct_gate_.get(), 0, g_.direct_gate_bytes(), s),
+                                "clear: cudaMemsetAsync");
     }
     return absl::OkStatus();
   }
@@ -407,6 +433,16 @@ class CudaBackend final : public Backend {
         return s;
       }
     }
+    if (g_.block_gate_bytes() > 0) {
+      const size_t bytes = static_cast<size_t>(g_.block_gate_bytes());
+      if (auto s = track(AllocateDevice(bytes, "per-block gate probabilities"), bytes, gate_); !s.ok()) return s;
+    }
+    if (g_.direct_gate_bytes() > 0) {
+      const size_t bytes = static_cast<size_t>(g_.direct_gate_bytes());
+      if (auto s = track(AllocateDevice(bytes, "direct-mode gate probabilities"), bytes, direct_gate_); !s.ok()) {
+        return s;
+      }
+    }
     if (auto s = track(AllocateDevice(kStatsBytes, "statistics"), kStatsBytes, stats_memory_); !s.ok()) {
       return s;
     }
@@ -458,6 +494,8 @@ class CudaBackend final : public Backend {
     layout_.block_size = g_.block_size;
     layout_.num_slots = static_cast<int>(g_.num_slots);
     layout_.bitmap_words_per_row = g_.bitmap_words_per_row;
+    layout_.gate = static_cast<uint32_t*>(gate_.get());
+    layout_.gate_fraction_bits = g_.gate_fraction_bits;
     return absl::OkStatus();
   }
 
@@ -501,8 +539,44 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // Copies each request's number of blocks to the device, and host block tables (staged in pinned
+  // memory, rows max_blocks apart) when `*tables` is host memory: then `*tables` and `*stride` point
+  // at the device copy.
+  absl::Status StageTables(Slot& slot, absl::Span<const int32_t> num_blocks_per_request, const int32_t** tables,
+                           int64_t* stride, cudaStream_t s) {
+    const int num_requests = static_cast<int>(num_blocks_per_request.size());
+    const int max_blocks = *std::max_element(num_blocks_per_request.begin(), num_blocks_per_request.end());
+    std::copy(num_blocks_per_request.begin(), num_blocks_per_request.end(), slot.pinned_index());
+    ELDR_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.device_index(), slot.pinned_index(), num_requests * sizeof(int32_t),
+                                              cudaMemcpyHostToDevice, s),
+                              "finish: copy of block counts");
+    if (max_blocks == 0) return absl::OkStatus();
+    absl::StatusOr<Access> access = Classify(*tables, "finish: block_tables");
+    if (!access.ok()) return access.status();
+    if (*access != Access::kHost) return absl::OkStatus();
+    // Pageable (or pinned) host tables: stage the used entries, rows max_blocks apart.
+    if (max_blocks > g_.max_blocks_per_request) {
+      const auto it = std::max_element(num_blocks_per_request.begin(), num_blocks_per_request.end());
+      return absl::InvalidArgumentError(
+          absl::StrCat("finish: request ", it - num_blocks_per_request.begin(), " has ", max_blocks,
+                       " blocks, more than options.max_blocks_per_request = ", g_.max_blocks_per_request,
+                       " allows for block tables in host memory"));
+    }
+    int32_t* staged = slot.pinned_tables();
+    for (int r = 0; r < num_requests; ++r) {
+      std::memcpy(staged + int64_t{r} * max_blocks, *tables + r * *stride, num_blocks_per_request[r] * sizeof(int32_t));
+    }
+    ELDR_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slot.device_tables(), staged, int64_t{num_requests} * max_blocks * sizeof(int32_t),
+                        cudaMemcpyHostToDevice, s),
+        "finish: copy of host block tables");
+    *tables = slot.device_tables();
+    *stride = max_blocks;
+    return absl::OkStatus();
+  }
+
   absl::Status CopyOut(Slot& slot, int num_requests, OutputType output_type, cudaStream_t s) {
-    const size_t element = output_type == OutputType::kInt16 ? sizeof(int16_t) : sizeof(int32_t);
+    const size_t element = output_type == OutputType::kInt16 ? sizeof(int16_t) : sizeof(int32_t);  // float32: 4
     ELDR_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(slot.pinned_out.get(), slot.device_out.get(),
                         static_cast<size_t>(num_requests) * g_.cells * element, cudaMemcpyDeviceToHost, s),
@@ -519,6 +593,8 @@ class CudaBackend final : public Backend {
   DeviceMemory counts_;
   DeviceMemory bitmap_;
   DeviceMemory direct_;
+  DeviceMemory gate_;
+  DeviceMemory direct_gate_;
   DeviceMemory stats_memory_;
   unsigned long long* stats_ = nullptr;
   PinnedMemory stats_host_;

@@ -29,6 +29,7 @@ namespace {
 using internal::kNumStats;
 using internal::kStatBadBlockIds;
 using internal::kStatBadExpertIds;
+using internal::kStatBadGateProbs;
 using internal::kStatBadRequests;
 using internal::kStatBadSlots;
 using internal::kStatBlockResets;
@@ -77,6 +78,19 @@ __device__ __forceinline__ void IncrementCounter(uint8_t* cell) {
   }
 }
 
+// round(p * 2^fraction_bits), ties to even, for p in [0, 1] (the CPU reference's QuantizeGateProb).
+__device__ __forceinline__ unsigned QuantizeGateProb(float p, int fraction_bits) {
+  return __float2uint_rn(p * __int_as_float((127 + fraction_bits) << 23));
+}
+
+// A fixed-point sum as float32 (the CPU reference's GateSumToFloat): round to nearest, then scale
+// exactly by 2^-fraction_bits.
+__device__ __forceinline__ float GateSumToFloat(unsigned long long sum, int fraction_bits) {
+  return __ull2float_rn(sum) * __int_as_float((127 - fraction_bits) << 23);
+}
+
+__device__ __forceinline__ bool GateProbInRange(float p) { return p >= 0.0f && p <= 1.0f; }
+
 template <typename Index>
 __device__ __forceinline__ long long LoadIndex(const Index* array, long long i) {
   return static_cast<long long>(array[i]);
@@ -107,6 +121,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int c = lane; c < layout.experts; c += 32) row[c] = 0;
     uint32_t* bits = layout.bitmap + (static_cast<long long>(b) * layout.layers + layer) * layout.bitmap_words_per_row;
     for (int w = lane; w < layout.bitmap_words_per_row; w += 32) bits[w] = 0;
+    if (layout.gate != nullptr) {
+      uint32_t* gate = layout.gate + (static_cast<long long>(b) * layout.layers + layer) * layout.experts;
+      for (int c = lane; c < layout.experts; c += 32) gate[c] = 0;
+    }
   }
   FlushStats(values, stats);
 }
@@ -136,6 +154,11 @@ __global__ void __launch_bounds__(kThreads)
     for (long long c = lane; c < chunks; c += 32) region[c] = make_uint4(0, 0, 0, 0);
     uint32_t* bits = layout.bitmap + b * bitmap_words;
     for (long long w = lane; w < bitmap_words; w += 32) bits[w] = 0;
+    if (layout.gate != nullptr) {
+      const long long cells = static_cast<long long>(layout.layers) * layout.experts;
+      uint32_t* gate = layout.gate + b * cells;
+      for (long long c = lane; c < cells; c += 32) gate[c] = 0;
+    }
   }
   FlushStats(values, stats);
 }
@@ -143,7 +166,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Counter, typename Id, typename Slot>
 __global__ void __launch_bounds__(kThreads)
     RecordBlocksKernel(BlockLayout layout, int layer, const Id* ids, int top_k, const Slot* slots, int num_tokens,
-                       unsigned long long* stats) {
+                       const float* weights, unsigned long long* stats) {
   const int t = blockIdx.x * kThreads + threadIdx.x;
   unsigned values[kNumStats] = {};
   if (t < num_tokens) {
@@ -172,20 +195,32 @@ __global__ void __launch_bounds__(kThreads)
       } else {
         uint8_t* row = static_cast<uint8_t*>(layout.counts) + b * layout.block_stride_bytes +
                        static_cast<long long>(layer) * layout.experts * sizeof(Counter);
-        auto add = [&](long long expert) {
+        uint32_t* gate_row = weights != nullptr
+                                 ? layout.gate + (static_cast<long long>(b) * layout.layers + layer) * layout.experts
+                                 : nullptr;
+        auto add = [&](long long expert, int j) {
           if (expert < 0 || expert >= layout.experts) {
             ++values[kStatBadExpertIds];
           } else {
             IncrementCounter<Counter>(row + expert * sizeof(Counter));
             ++values[kStatRecorded];
+            if (gate_row != nullptr) {
+              // Integer adds commute: the sum is the same whatever order the threads run in.
+              const float p = weights[first + j];
+              if (GateProbInRange(p)) {
+                atomicAdd(gate_row + expert, QuantizeGateProb(p, layout.gate_fraction_bits));
+              } else {
+                ++values[kStatBadGateProbs];
+              }
+            }
           }
         };
         // Fully unrolled so that the prefetched ids stay in registers.
 #pragma unroll
         for (int j = 0; j < kPrefetchedIds; ++j) {
-          if (j < top_k) add(prefetched[j]);
+          if (j < top_k) add(prefetched[j], j);
         }
-        for (int j = kPrefetchedIds; j < top_k; ++j) add(LoadIndex(ids, first + j));
+        for (int j = kPrefetchedIds; j < top_k; ++j) add(LoadIndex(ids, first + j), j);
       }
     }
   }
@@ -194,8 +229,9 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename Id, typename Request>
 __global__ void __launch_bounds__(kThreads)
-    RecordDirectKernel(uint32_t* acc, int layers, int experts, int max_requests, int layer, const Id* ids, int top_k,
-                       const Request* requests, int num_tokens, unsigned long long* stats) {
+    RecordDirectKernel(uint32_t* acc, unsigned long long* gate_acc, int layers, int experts, int max_requests,
+                       int layer, const Id* ids, int top_k, const Request* requests, int num_tokens,
+                       const float* weights, unsigned long long* stats) {
   const int t = blockIdx.x * kThreads + threadIdx.x;
   unsigned values[kNumStats] = {};
   if (t < num_tokens) {
@@ -205,13 +241,23 @@ __global__ void __launch_bounds__(kThreads)
     } else if (request >= max_requests) {
       values[kStatBadRequests] = 1;
     } else {
-      uint32_t* row = acc + (request * layers + layer) * static_cast<long long>(experts);
+      const long long row_cell = (request * layers + layer) * static_cast<long long>(experts);
+      uint32_t* row = acc + row_cell;
       const long long first = static_cast<long long>(t) * top_k;
       for (int j = 0; j < top_k; ++j) {
         const long long expert = LoadIndex(ids, first + j);
         if (expert < 0 || expert >= experts) {
           ++values[kStatBadExpertIds];
           continue;
+        }
+        if (weights != nullptr) {
+          const float p = weights[first + j];
+          if (GateProbInRange(p)) {
+            atomicAdd(gate_acc + row_cell + expert,
+                      static_cast<unsigned long long>(QuantizeGateProb(p, internal::kDirectGateFractionBits)));
+          } else {
+            ++values[kStatBadGateProbs];
+          }
         }
         // Saturating add: an add that finds the counter at (or transiently above) the maximum
         // undoes itself, so the counter ends at min(start + adds, max) whatever the interleaving.
@@ -318,6 +364,61 @@ __global__ void __launch_bounds__(kThreads) FinishDirectKernel(uint32_t* acc, lo
   FlushStats(values, stats);
 }
 
+// One thread per (cell, request, split of the request's blocks): an integer sum of the blocks' gate
+// accumulators, converted to float32 directly or, with several splits, added to `staging` first.
+__global__ void __launch_bounds__(kThreads)
+    SumGateBlocksKernel(const uint32_t* gate, long long cells, long long num_blocks, const int32_t* tables,
+                        long long table_stride, const int32_t* num_blocks_per_request, int blocks_per_split,
+                        int fraction_bits, float* out, unsigned long long* staging, unsigned long long* stats) {
+  const long long cell = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  const int request = blockIdx.y;
+  const int request_blocks = num_blocks_per_request[request];
+  const int begin = blockIdx.z * blocks_per_split;
+  const int end = min(request_blocks, begin + blocks_per_split);
+  const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
+  const int32_t* table = tables + request * table_stride;
+  unsigned values[kNumStats] = {};
+  unsigned long long acc = 0;
+  for (int j = begin; j < end; ++j) {
+    const int32_t block = table[j];
+    if (block < 0 || block >= num_blocks) {
+      if (reporter) ++values[kStatBadBlockIds];
+      continue;
+    }
+    if (cell < cells) acc += gate[static_cast<long long>(block) * cells + cell];
+  }
+  if (cell < cells) {
+    const long long index = static_cast<long long>(request) * cells + cell;
+    if (staging != nullptr) {
+      if (acc != 0) atomicAdd(&staging[index], acc);
+    } else {
+      out[index] = GateSumToFloat(acc, fraction_bits);
+    }
+  }
+  FlushStats(values, stats);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    ConvertGateStagingKernel(const unsigned long long* staging, long long total, int fraction_bits, float* out) {
+  for (long long i = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; i < total;
+       i += static_cast<long long>(gridDim.x) * kThreads) {
+    out[i] = GateSumToFloat(staging[i], fraction_bits);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) FinishDirectGateKernel(unsigned long long* gate_acc, long long cells,
+                                                                   const int32_t* slots, int num_requests, float* out) {
+  const long long total = cells * num_requests;
+  for (long long i = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; i < total;
+       i += static_cast<long long>(gridDim.x) * kThreads) {
+    const long long request = i / cells;
+    const long long cell = i - request * cells;
+    unsigned long long* value = gate_acc + slots[request] * cells + cell;
+    out[i] = GateSumToFloat(*value, internal::kDirectGateFractionBits);
+    *value = 0;
+  }
+}
+
 int Blocks(long long work) { return static_cast<int>((work + kThreads - 1) / kThreads); }
 
 int GridStrideBlocks(long long work) {
@@ -344,41 +445,65 @@ int LaunchResetLayerRowsTyped(const BlockLayout& layout, int layer, const void* 
 
 template <typename Counter, typename Id>
 int LaunchRecordBlocksTyped(const BlockLayout& layout, int layer, const void* ids, int top_k, const void* slots,
-                            bool slots_int64, int num_tokens, unsigned long long* stats, cudaStream_t stream) {
+                            bool slots_int64, int num_tokens, const float* weights, unsigned long long* stats,
+                            cudaStream_t stream) {
   if (slots_int64) {
-    RecordBlocksKernel<Counter, Id, int64_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
-        layout, layer, static_cast<const Id*>(ids), top_k, static_cast<const int64_t*>(slots), num_tokens, stats);
+    RecordBlocksKernel<Counter, Id, int64_t>
+        <<<Blocks(num_tokens), kThreads, 0, stream>>>(layout, layer, static_cast<const Id*>(ids), top_k,
+                                                      static_cast<const int64_t*>(slots), num_tokens, weights, stats);
   } else {
-    RecordBlocksKernel<Counter, Id, int32_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
-        layout, layer, static_cast<const Id*>(ids), top_k, static_cast<const int32_t*>(slots), num_tokens, stats);
+    RecordBlocksKernel<Counter, Id, int32_t>
+        <<<Blocks(num_tokens), kThreads, 0, stream>>>(layout, layer, static_cast<const Id*>(ids), top_k,
+                                                      static_cast<const int32_t*>(slots), num_tokens, weights, stats);
   }
   return LastLaunchError();
 }
 
 template <typename Counter>
 int LaunchRecordBlocksCounter(const BlockLayout& layout, int layer, const void* ids, bool ids_int64, int top_k,
-                              const void* slots, bool slots_int64, int num_tokens, unsigned long long* stats,
-                              cudaStream_t stream) {
+                              const void* slots, bool slots_int64, int num_tokens, const float* weights,
+                              unsigned long long* stats, cudaStream_t stream) {
   return ids_int64 ? LaunchRecordBlocksTyped<Counter, int64_t>(layout, layer, ids, top_k, slots, slots_int64,
-                                                               num_tokens, stats, stream)
+                                                               num_tokens, weights, stats, stream)
                    : LaunchRecordBlocksTyped<Counter, int32_t>(layout, layer, ids, top_k, slots, slots_int64,
-                                                               num_tokens, stats, stream);
+                                                               num_tokens, weights, stats, stream);
 }
 
 template <typename Id>
-int LaunchRecordDirectTyped(uint32_t* acc, int layers, int experts, int max_requests, int layer, const void* ids,
-                            int top_k, const void* requests, bool requests_int64, int num_tokens,
-                            unsigned long long* stats, cudaStream_t stream) {
+int LaunchRecordDirectTyped(uint32_t* acc, unsigned long long* gate_acc, int layers, int experts, int max_requests,
+                            int layer, const void* ids, int top_k, const void* requests, bool requests_int64,
+                            int num_tokens, const float* weights, unsigned long long* stats, cudaStream_t stream) {
   if (requests_int64) {
     RecordDirectKernel<Id, int64_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
-        acc, layers, experts, max_requests, layer, static_cast<const Id*>(ids), top_k,
-        static_cast<const int64_t*>(requests), num_tokens, stats);
+        acc, gate_acc, layers, experts, max_requests, layer, static_cast<const Id*>(ids), top_k,
+        static_cast<const int64_t*>(requests), num_tokens, weights, stats);
   } else {
     RecordDirectKernel<Id, int32_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
-        acc, layers, experts, max_requests, layer, static_cast<const Id*>(ids), top_k,
-        static_cast<const int32_t*>(requests), num_tokens, stats);
+        acc, gate_acc, layers, experts, max_requests, layer, static_cast<const Id*>(ids), top_k,
+        static_cast<const int32_t*>(requests), num_tokens, weights, stats);
   }
   return LastLaunchError();
+}
+
+// The split of a request's blocks over thread blocks (see LaunchSumBlocksTyped).
+struct BlockSplit {
+  long long splits = 1;
+  int blocks_per_split = 1;
+};
+
+BlockSplit SplitBlocks(int grid_x, int num_requests, int max_num_blocks, int sm_count) {
+  BlockSplit split;
+  if (max_num_blocks <= 0) return split;
+  const long long base = static_cast<long long>(grid_x) * num_requests;
+  const long long wanted = (4ll * sm_count + base - 1) / base;
+  const long long most = (max_num_blocks + 7) / 8;
+  const long long least = (max_num_blocks + 4095) / 4096;
+  long long splits = wanted < most ? wanted : most;
+  if (splits < least) splits = least;
+  if (splits < 1) splits = 1;
+  split.blocks_per_split = static_cast<int>((max_num_blocks + splits - 1) / splits);
+  split.splits = (max_num_blocks + split.blocks_per_split - 1) / split.blocks_per_split;
+  return split;
 }
 
 template <typename Counter, typename Out>
@@ -464,27 +589,61 @@ int LaunchResetBlocks(const BlockLayout& layout, const void* slots, bool slots_i
 }
 
 int LaunchRecordBlocks(const BlockLayout& layout, int layer, const void* ids, bool ids_int64, int top_k,
-                       const void* slots, bool slots_int64, int num_tokens, unsigned long long* stats, void* stream) {
+                       const void* slots, bool slots_int64, int num_tokens, const float* weights,
+                       unsigned long long* stats, void* stream) {
   switch (layout.counter_bytes) {
     case 1:
       return LaunchRecordBlocksCounter<uint8_t>(layout, layer, ids, ids_int64, top_k, slots, slots_int64, num_tokens,
-                                                stats, AsStream(stream));
+                                                weights, stats, AsStream(stream));
     case 2:
       return LaunchRecordBlocksCounter<uint16_t>(layout, layer, ids, ids_int64, top_k, slots, slots_int64, num_tokens,
-                                                 stats, AsStream(stream));
+                                                 weights, stats, AsStream(stream));
     default:
       return LaunchRecordBlocksCounter<uint32_t>(layout, layer, ids, ids_int64, top_k, slots, slots_int64, num_tokens,
-                                                 stats, AsStream(stream));
+                                                 weights, stats, AsStream(stream));
   }
 }
 
-int LaunchRecordDirect(uint32_t* acc, int layers, int experts, int max_requests, int layer, const void* ids,
-                       bool ids_int64, int top_k, const void* requests, bool requests_int64, int num_tokens,
-                       unsigned long long* stats, void* stream) {
-  return ids_int64 ? LaunchRecordDirectTyped<int64_t>(acc, layers, experts, max_requests, layer, ids, top_k, requests,
-                                                      requests_int64, num_tokens, stats, AsStream(stream))
-                   : LaunchRecordDirectTyped<int32_t>(acc, layers, experts, max_requests, layer, ids, top_k, requests,
-                                                      requests_int64, num_tokens, stats, AsStream(stream));
+int LaunchRecordDirect(uint32_t* acc, unsigned long long* gate_acc, int layers, int experts, int max_requests,
+                       int layer, const void* ids, bool ids_int64, int top_k, const void* requests, bool requests_int64,
+                       int num_tokens, const float* weights, unsigned long long* stats, void* stream) {
+  return ids_int64
+             ? LaunchRecordDirectTyped<int64_t>(acc, gate_acc, layers, experts, max_requests, layer, ids, top_k,
+                                                requests, requests_int64, num_tokens, weights, stats, AsStream(stream))
+             : LaunchRecordDirectTyped<int32_t>(acc, gate_acc, layers, experts, max_requests, layer, ids, top_k,
+                                                requests, requests_int64, num_tokens, weights, stats, AsStream(stream));
+}
+
+int LaunchSumGateBlocks(const BlockLayout& layout, const int32_t* tables, int64_t stride, const int32_t* num_blocks,
+                        int num_requests, int max_num_blocks, float* out, unsigned long long* staging, int sm_count,
+                        unsigned long long* stats, void* stream) {
+  const cudaStream_t s = AsStream(stream);
+  const long long cells = static_cast<long long>(layout.layers) * layout.experts;
+  const int grid_x = Blocks(cells);
+  const BlockSplit split = SplitBlocks(grid_x, num_requests, max_num_blocks, sm_count);
+  const dim3 grid(grid_x, num_requests, static_cast<unsigned>(split.splits));
+  if (split.splits == 1) {
+    SumGateBlocksKernel<<<grid, kThreads, 0, s>>>(layout.gate, cells, layout.num_blocks, tables, stride, num_blocks,
+                                                  split.blocks_per_split, layout.gate_fraction_bits, out, nullptr,
+                                                  stats);
+    return LastLaunchError();
+  }
+  const long long total = cells * num_requests;
+  cudaError_t status = cudaMemsetAsync(staging, 0, total * sizeof(unsigned long long), s);
+  if (status != cudaSuccess) return static_cast<int>(status);
+  SumGateBlocksKernel<<<grid, kThreads, 0, s>>>(layout.gate, cells, layout.num_blocks, tables, stride, num_blocks,
+                                                split.blocks_per_split, layout.gate_fraction_bits, out, staging, stats);
+  status = cudaGetLastError();
+  if (status != cudaSuccess) return static_cast<int>(status);
+  ConvertGateStagingKernel<<<GridStrideBlocks(total), kThreads, 0, s>>>(staging, total, layout.gate_fraction_bits, out);
+  return LastLaunchError();
+}
+
+int LaunchFinishDirectGate(unsigned long long* gate_acc, int64_t cells, const int32_t* slots, int num_requests,
+                           float* out, unsigned long long* /*stats*/, void* stream) {
+  FinishDirectGateKernel<<<GridStrideBlocks(cells * num_requests), kThreads, 0, AsStream(stream)>>>(
+      gate_acc, cells, slots, num_requests, out);
+  return LastLaunchError();
 }
 
 int LaunchSumBlocks(const BlockLayout& layout, const int32_t* tables, int64_t stride, const int32_t* num_blocks,

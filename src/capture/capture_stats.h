@@ -16,8 +16,14 @@ enum StatIndex : int {
   kStatSaturatedAdds,
   kStatSaturatedOutputs,
   kStatBlockResets,
+  kStatBadGateProbs,
   kNumStats,
 };
+
+// Fraction bits of the direct-mode gate accumulators (64-bit: exact up to 2^39 summed probability).
+inline constexpr int kDirectGateFractionBits = 24;
+// The most fraction bits of a per-block gate accumulator: float32's 24-bit significand.
+inline constexpr int kMaxGateFractionBits = 24;
 
 }  // namespace eldr::capture::internal
 

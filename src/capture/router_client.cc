@@ -7,6 +7,7 @@
 // may load libeldr_capture.so next to any other copy of router.proto's generated code.
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -90,6 +91,25 @@ class RouterClientImpl final : public RouterClient {
     wire->set_layers(layers);
     wire->set_experts(experts);
     wire->mutable_values()->mutable_values()->Add(counts.begin(), counts.end());
+    return Route(request_id, prompt_tokens, request);
+  }
+
+  absl::StatusOr<RouteDecision> RouteGateProbSums(const std::string& request_id, int64_t prompt_tokens,
+                                                  absl::Span<const float> sums, int layers, int experts) override {
+    if (absl::Status s = CheckCounts(sums, layers, experts); !s.ok()) return s;
+    v1::RouteRequest request;
+    v1::GateProbSums* wire = request.mutable_gate_prob_sums();
+    wire->set_layers(layers);
+    wire->set_experts(experts);
+    // IEEE-754 bits, little-endian whatever the host's byte order. Values are sent as they are: the
+    // router rejects NaN and negative sums with INVALID_ARGUMENT.
+    std::string bytes(sums.size() * 4, '\0');
+    for (size_t i = 0; i < sums.size(); ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &sums[i], sizeof(bits));
+      for (int b = 0; b < 4; ++b) bytes[4 * i + b] = static_cast<char>((bits >> (8 * b)) & 0xff);
+    }
+    wire->set_float32_le(std::move(bytes));
     return Route(request_id, prompt_tokens, request);
   }
 

@@ -1,6 +1,7 @@
 #include "engine_emu/catalog.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -43,10 +44,23 @@ std::string EncodeCountsBase64(absl::Span<const int16_t> counts) {
   return absl::Base64Escape(wire);
 }
 
+std::string EncodeGateProbSumsBase64(absl::Span<const int16_t> counts, int top_k) {
+  std::string wire(counts.size() * 4, '\0');
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const float sum = static_cast<float>(std::max<int16_t>(counts[i], 0)) / static_cast<float>(top_k);
+    uint32_t bits;
+    std::memcpy(&bits, &sum, sizeof(bits));
+    for (int b = 0; b < 4; ++b) wire[4 * i + b] = static_cast<char>((bits >> (8 * b)) & 0xff);
+  }
+  return absl::Base64Escape(wire);
+}
+
 TraceCatalog::TraceCatalog(sim::Workload workload) : workload_(std::move(workload)) {
   counts_base64_.reserve(workload_.pool.size());
+  gate_prob_sums_base64_.reserve(workload_.pool.size());
   for (const sim::SimRequest& request : workload_.pool) {
     counts_base64_.push_back(EncodeCountsBase64(request.prompt_counts));
+    gate_prob_sums_base64_.push_back(EncodeGateProbSumsBase64(request.prompt_counts, workload_.top_k));
   }
 }
 

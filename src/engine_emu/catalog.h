@@ -37,6 +37,12 @@ int TraceIndexForPrompt(absl::string_view text, int pool_size);
 // clipped to [0, 32767] (the router's int16_le wire format saturates; a count is never negative).
 std::string EncodeCountsBase64(absl::Span<const int16_t> counts);
 
+// Standard base64 of the stand-in gate-probability sums of `counts`: count / top_k per cell, as
+// little-endian float32, row-major. The bundled traces record which experts each token chose but
+// not the router's probabilities, so each of a token's top_k choices is given 1 / top_k (the sums
+// of a row then total the prompt's tokens). top_k >= 1.
+std::string EncodeGateProbSumsBase64(absl::Span<const int16_t> counts, int top_k);
+
 class TraceCatalog {
  public:
   // Takes the workload (e.g. from sim::LoadTraceWorkload). INVALID_ARGUMENT when it cannot be
@@ -55,6 +61,8 @@ class TraceCatalog {
   const sim::SimRequest& request(int index) const { return workload_.pool[index]; }
   // EncodeCountsBase64 of request(index).prompt_counts.
   const std::string& counts_base64(int index) const { return counts_base64_[index]; }
+  // EncodeGateProbSumsBase64 of request(index).prompt_counts and top_k().
+  const std::string& gate_prob_sums_base64(int index) const { return gate_prob_sums_base64_[index]; }
   // The layers * top_k expert ids of the token of the `step`-th decode step (0-based) of trace
   // request `index`, cyclically beyond its decode steps. `step` >= 0.
   const uint8_t* DecodeExperts(int index, int64_t step) const;
@@ -67,6 +75,7 @@ class TraceCatalog {
 
   sim::Workload workload_;
   std::vector<std::string> counts_base64_;
+  std::vector<std::string> gate_prob_sums_base64_;
 };
 
 }  // namespace eldr::engine_emu

@@ -59,6 +59,9 @@ ABSL_FLAG(double, prefill_fixed_us, kCost.prefill_fixed_us, "Prefill: fixed cost
 ABSL_FLAG(double, prefill_token_us, kCost.prefill_token_us, "Prefill: cost per prompt token, us");
 ABSL_FLAG(double, kv_transfer_us, kCost.kv_transfer_us, "KV handoff prefill -> decode, us");
 ABSL_FLAG(absl::Duration, kv_hold_timeout, absl::Seconds(30), "Prefill: held KV is freed after this");
+ABSL_FLAG(bool, gate_prob_sums, false,
+          "Prefill: also attach eldr_gate_prob_sums (float32_le): each prompt count / top_k, a stand-in for the "
+          "gate probabilities the bundled traces do not record");
 ABSL_FLAG(std::string, signature_key, "eldr_expert_counts",
           "Prefill: what carries the counts: eldr_expert_counts, eldr_sig, both, none");
 ABSL_FLAG(int, threads, 1, "HTTP io threads");
@@ -161,6 +164,7 @@ absl::StatusOr<eldr::engine_emu::EmuServiceOptions> OptionsFromFlags() {
       eldr::engine_emu::ParseSignatureKey(absl::GetFlag(FLAGS_signature_key));
   if (!key.ok()) return key.status();
   options.signature_key = *key;
+  options.gate_prob_sums = absl::GetFlag(FLAGS_gate_prob_sums);
 
   eldr::engine_emu::EngineOptions& engine = options.engine;
   engine.model = absl::GetFlag(FLAGS_model);

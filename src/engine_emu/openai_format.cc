@@ -111,6 +111,14 @@ std::string AnswerFormatter::WholeAnswer(absl::string_view text, FinishReason re
     if (kv_params->signature_key == SignatureKey::kEldrSig || kv_params->signature_key == SignatureKey::kBoth) {
       kv["eldr_sig"] = kv_params->counts_base64;
     }
+    if (!kv_params->gate_prob_sums_base64.empty()) {
+      ordered_json sums;
+      sums["layers"] = kv_params->layers;
+      sums["experts"] = kv_params->experts;
+      sums["encoding"] = "float32_le";
+      sums["data"] = kv_params->gate_prob_sums_base64;
+      kv["eldr_gate_prob_sums"] = std::move(sums);
+    }
     answer["kv_transfer_params"] = std::move(kv);
   }
   // A request id is any bytes a client sent: invalid UTF-8 is replaced rather than thrown on.

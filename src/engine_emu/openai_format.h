@@ -51,6 +51,9 @@ struct PrefillKvParams {
   int layers = 0;
   int experts = 0;
   std::string counts_base64;  // EncodeCountsBase64 of the prompt's counts
+  // EncodeGateProbSumsBase64 of the prompt's counts, sent as eldr_gate_prob_sums
+  // ({"layers","experts","encoding":"float32_le","data"}) when not empty (--gate_prob_sums).
+  std::string gate_prob_sums_base64;
 };
 
 // The bodies of one request.

@@ -74,6 +74,7 @@ void PrefillEngine::FinishCurrent() {
     kv.layers = catalog.layers();
     kv.experts = catalog.experts();
     kv.counts_base64 = catalog.counts_base64(index);
+    if (options_.gate_prob_sums) kv.gate_prob_sums_base64 = catalog.gate_prob_sums_base64(index);
     // One timer per hold, at its deadline; the registry frees whatever is due then.
     clock_->RunAt(now_us + kv_->hold_timeout_us(), [this] { kv_->ExpireDue(clock_->NowUs()); });
     const AnswerFormatter format(job.request.api, job.request.id, job.request.created, options_.engine.model);

@@ -34,6 +34,8 @@ struct PrefillEngineOptions {
   int advertise_port = 0;
   // What carries the counts (--signature_key).
   SignatureKey signature_key = SignatureKey::kEldrExpertCounts;
+  // Also attach stand-in gate-probability sums (--gate_prob_sums; catalog.h).
+  bool gate_prob_sums = false;
 };
 
 class PrefillEngine : public Engine {

@@ -125,6 +125,7 @@ absl::StatusOr<std::unique_ptr<EmuService>> EmuService::Create(EmuServiceOptions
     prefill.engine = o.engine;
     prefill.advertise_host = o.advertise_host;
     prefill.signature_key = o.signature_key;
+    prefill.gate_prob_sums = o.gate_prob_sums;
     auto engine = std::make_unique<PrefillEngine>(std::move(prefill), &s.loop_, s.metrics_.get(), s.registry_.get());
     s.prefill_ = engine.get();
     s.engine_ = std::move(engine);

@@ -50,6 +50,8 @@ struct EmuServiceOptions {
   absl::Duration kv_hold_timeout = absl::Seconds(30);
   // Prefill: what carries the counts (--signature_key).
   SignatureKey signature_key = SignatureKey::kEldrExpertCounts;
+  // Prefill: also attach eldr_gate_prob_sums, stand-ins of count / top_k (--gate_prob_sums).
+  bool gate_prob_sums = false;
   // Decode: a KV pull that has not answered within this fails the request (503).
   absl::Duration kv_pull_timeout = absl::Seconds(10);
   // HTTP limits: open connections (thousands of concurrent streams) and request body bytes

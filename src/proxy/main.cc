@@ -54,6 +54,8 @@ ABSL_FLAG(int32_t, decode_attempts, 3, "Decode workers tried per request at most
 ABSL_FLAG(absl::Duration, retry_backoff, absl::Milliseconds(20), "Wait before a prefill retry, doubled each time.");
 ABSL_FLAG(int64_t, max_request_bytes, 8 << 20, "Client body limit (413 beyond).");
 ABSL_FLAG(int64_t, max_in_flight, 100000, "Requests in flight at most (503 beyond).");
+ABSL_FLAG(bool, route_with_gate_prob_sums, false,
+          "Route with the prefill's eldr_gate_prob_sums (a router calibrated with gate_prob) instead of its counts.");
 ABSL_FLAG(int32_t, max_connections, 20000, "Client connections at most.");
 ABSL_FLAG(int32_t, threads, 2, "Front-end io threads (also the request logic's).");
 ABSL_FLAG(int32_t, client_threads, 2, "Upstream io threads.");
@@ -164,6 +166,7 @@ int main(int argc, char** argv) {
   options.max_request_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_request_bytes));
   options.server.max_body_bytes = options.max_request_bytes;
   options.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
+  options.route_with_gate_prob_sums = absl::GetFlag(FLAGS_route_with_gate_prob_sums);
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   const std::string discovery = absl::GetFlag(FLAGS_discovery);
   if (discovery == "kubernetes") {

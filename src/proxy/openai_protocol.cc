@@ -254,10 +254,19 @@ absl::StatusOr<Json> ParseBody(absl::string_view text, absl::string_view what, a
 
 std::string Dump(const Json& value) { return value.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
-// Why an eldr_expert_counts entry is unusable, or its signature.
-absl::StatusOr<Signature> ExpertCountsSignature(const Json& entry) {
+// A payload of kv_transfer_params holding [layers][experts] values: {"layers", "experts",
+// "encoding", "data" (strict base64 of bytes_per_value * layers * experts bytes)}.
+struct Payload {
+  int32_t layers = 0;
+  int32_t experts = 0;
+  std::string bytes;
+};
+
+// Why the entry `key` is unusable, or its geometry and bytes.
+absl::StatusOr<Payload> ReadPayload(const Json& entry, absl::string_view key, absl::string_view encoding_name,
+                                    int bytes_per_value, absl::string_view noun, absl::string_view value_name) {
   if (!entry.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat("eldr_expert_counts must be an object, got ", Describe(entry)));
+    return absl::InvalidArgumentError(absl::StrCat(key, " must be an object, got ", Describe(entry)));
   }
   int64_t geometry[2] = {0, 0};
   const char* const names[2] = {"layers", "experts"};
@@ -265,44 +274,75 @@ absl::StatusOr<Signature> ExpertCountsSignature(const Json& entry) {
     const auto it = entry.find(names[i]);
     const std::optional<int64_t> value = it == entry.end() ? std::nullopt : NonNegativeInt64(*it);
     if (!value.has_value() || *value < 1 || *value > kMaxSignatureDimension) {
-      return absl::InvalidArgumentError(absl::StrFormat("eldr_expert_counts.%s must be an integer in [1, %d], got %s",
-                                                        names[i], kMaxSignatureDimension,
+      return absl::InvalidArgumentError(absl::StrFormat("%s.%s must be an integer in [1, %d], got %s", key, names[i],
+                                                        kMaxSignatureDimension,
                                                         it == entry.end() ? std::string("nothing") : Describe(*it)));
     }
     geometry[i] = *value;
   }
   if (geometry[0] * geometry[1] > kMaxSignatureCounts) {
-    return absl::InvalidArgumentError(absl::StrFormat("eldr_expert_counts has %d x %d counts; at most %d are accepted",
-                                                      geometry[0], geometry[1], kMaxSignatureCounts));
+    return absl::InvalidArgumentError(absl::StrFormat("%s has %d x %d %s; at most %d are accepted", key, geometry[0],
+                                                      geometry[1], noun, kMaxSignatureCounts));
   }
   const auto encoding = entry.find("encoding");
-  if (encoding == entry.end() || !encoding->is_string() || encoding->get_ref<const std::string&>() != "int16_le") {
+  if (encoding == entry.end() || !encoding->is_string() || encoding->get_ref<const std::string&>() != encoding_name) {
     return absl::InvalidArgumentError(
-        absl::StrCat("eldr_expert_counts.encoding must be \"int16_le\", got ",
+        absl::StrCat(key, ".encoding must be \"", encoding_name, "\", got ",
                      encoding == entry.end() ? std::string("nothing")
                      : encoding->is_string() ? absl::StrCat("\"", encoding->get_ref<const std::string&>(), "\"")
                                              : Describe(*encoding)));
   }
   const auto data = entry.find("data");
   if (data == entry.end() || !data->is_string()) {
-    return absl::InvalidArgumentError("eldr_expert_counts.data must be a base64 string");
+    return absl::InvalidArgumentError(absl::StrCat(key, ".data must be a base64 string"));
   }
   absl::StatusOr<std::string> bytes = Base64DecodeStrict(data->get_ref<const std::string&>());
   if (!bytes.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("eldr_expert_counts.data: ", bytes.status().message()));
+    return absl::InvalidArgumentError(absl::StrCat(key, ".data: ", bytes.status().message()));
   }
-  const int64_t expected = 2 * geometry[0] * geometry[1];
+  const int64_t expected = bytes_per_value * geometry[0] * geometry[1];
   if (static_cast<int64_t>(bytes->size()) != expected) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("eldr_expert_counts.data holds %d bytes; %d x %d int16 counts need %d", bytes->size(),
-                        geometry[0], geometry[1], expected));
+    return absl::InvalidArgumentError(absl::StrFormat("%s.data holds %d bytes; %d x %d %s need %d", key, bytes->size(),
+                                                      geometry[0], geometry[1], value_name, expected));
   }
+  Payload payload;
+  payload.layers = static_cast<int32_t>(geometry[0]);
+  payload.experts = static_cast<int32_t>(geometry[1]);
+  payload.bytes = *std::move(bytes);
+  return payload;
+}
+
+// Why an eldr_expert_counts entry is unusable, or its signature.
+absl::StatusOr<Signature> ExpertCountsSignature(const Json& entry) {
+  absl::StatusOr<Payload> payload = ReadPayload(entry, "eldr_expert_counts", "int16_le", 2, "counts", "int16 counts");
+  if (!payload.ok()) return payload.status();
   Signature signature;
-  signature.layers = static_cast<int32_t>(geometry[0]);
-  signature.experts = static_cast<int32_t>(geometry[1]);
-  signature.int16_le = *std::move(bytes);
+  signature.layers = payload->layers;
+  signature.experts = payload->experts;
+  signature.int16_le = std::move(payload->bytes);
   signature.source = "eldr_expert_counts";
   return signature;
+}
+
+// Why an eldr_gate_prob_sums entry is unusable, or its geometry and float32_le bytes (every value
+// finite and >= 0: a corrupt payload is dropped here, as negative counts are).
+absl::StatusOr<Payload> GateProbSumsPayload(const Json& entry) {
+  absl::StatusOr<Payload> payload =
+      ReadPayload(entry, "eldr_gate_prob_sums", "float32_le", 4, "sums", "float32 gate-probability sums");
+  if (!payload.ok()) return payload.status();
+  const std::string& bytes = payload->bytes;
+  for (size_t i = 0; i + 3 < bytes.size(); i += 4) {
+    uint32_t bits = 0;
+    for (int b = 3; b >= 0; --b) bits = (bits << 8) | static_cast<unsigned char>(bytes[i + b]);
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    if (std::isfinite(value) && value >= 0) continue;
+    const size_t index = i / 4;
+    return absl::InvalidArgumentError(absl::StrFormat("eldr_gate_prob_sums has a %s sum (%g at layer %d, expert %d)",
+                                                      std::isfinite(value) ? "negative" : "non-finite", value,
+                                                      index / payload->experts, index % payload->experts));
+  }
+  return payload;
 }
 
 absl::StatusOr<Signature> EldrSigSignature(const Json& entry) {
@@ -468,9 +508,31 @@ absl::StatusOr<PrefillResult> ParsePrefillResponse(absl::string_view body) {
       }
     }
   }
+  if (const auto gate = forwarded.find("eldr_gate_prob_sums"); gate != forwarded.end()) {
+    absl::StatusOr<Payload> payload = GateProbSumsPayload(*gate);
+    if (!payload.ok()) {
+      problems.emplace_back(payload.status().message());
+    } else if (result.signature.has_value() &&
+               ((result.signature->experts > 0 &&
+                 (result.signature->layers != payload->layers || result.signature->experts != payload->experts)) ||
+                result.signature->int16_le.size() != 2 * payload->bytes.size() / 4)) {
+      problems.emplace_back(absl::StrFormat("eldr_gate_prob_sums is %d x %d but the counts are %d x %d",
+                                            payload->layers, payload->experts, result.signature->layers,
+                                            result.signature->experts));
+    } else {
+      if (!result.signature.has_value()) {
+        result.signature.emplace();
+        result.signature->source = "eldr_gate_prob_sums";
+      }
+      result.signature->layers = payload->layers;
+      result.signature->experts = payload->experts;
+      result.signature->float32_le = std::move(payload->bytes);
+    }
+  }
   result.signature_problem = absl::StrJoin(problems, "; ");
   forwarded.erase("eldr_expert_counts");
   forwarded.erase("eldr_sig");
+  forwarded.erase("eldr_gate_prob_sums");
 
   if (const auto usage = answer.find("usage"); usage != answer.end() && usage->is_object()) {
     if (const auto prompt_tokens = usage->find("prompt_tokens"); prompt_tokens != usage->end()) {

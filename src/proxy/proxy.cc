@@ -572,10 +572,17 @@ void ProxyCall::Route() {
   route.set_request_id(request_id_);
   route.set_prompt_tokens(prefill_.prompt_tokens);
   if (signature_.has_value()) {
-    eldr::v1::ExpertCounts* counts = route.mutable_counts();
-    counts->set_layers(signature_->layers);
-    counts->set_experts(signature_->experts);
-    counts->set_int16_le(signature_->int16_le);
+    if (proxy_->options().route_with_gate_prob_sums && !signature_->float32_le.empty()) {
+      eldr::v1::GateProbSums* sums = route.mutable_gate_prob_sums();
+      sums->set_layers(signature_->layers);
+      sums->set_experts(signature_->experts);
+      sums->set_float32_le(signature_->float32_le);
+    } else if (!signature_->int16_le.empty()) {
+      eldr::v1::ExpertCounts* counts = route.mutable_counts();
+      counts->set_layers(signature_->layers);
+      counts->set_experts(signature_->experts);
+      counts->set_int16_le(signature_->int16_le);
+    }
   }
   for (const std::string& tried : decode_tried_) route.add_exclude_workers(tried);
   if (baseline_) route.set_policy(proxy_->splitter().baseline_policy());

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <optional>
 #include <utility>
@@ -107,7 +108,8 @@ void RecordRefusal(ServerMetrics* metrics, AuthPlane plane, absl::string_view me
 
 }  // namespace
 
-absl::Status SignatureFromProto(const eldr::v1::RouteRequest& request, SignatureInput* input, bool* present) {
+absl::Status SignatureFromProto(const eldr::v1::RouteRequest& request, SignatureInput* input, bool* present,
+                                std::vector<float>* gate_prob_scratch) {
   using eldr::v1::ExpertCounts;
   using eldr::v1::RouteRequest;
   *present = false;
@@ -130,6 +132,31 @@ absl::Status SignatureFromProto(const eldr::v1::RouteRequest& request, Signature
         case ExpertCounts::DATA_NOT_SET:
           return InvalidInput(RejectReason::kMalformed, "counts: neither int16_le nor values is set");
       }
+      *present = true;
+      return absl::OkStatus();
+    }
+    case RouteRequest::kGateProbSums: {
+      const eldr::v1::GateProbSums& sums = request.gate_prob_sums();
+      ELDR_RETURN_IF_ERROR(CheckGeometry(sums.layers(), sums.experts()));
+      const std::string& bytes = sums.float32_le();
+      if (bytes.size() % 4 != 0) {
+        return InvalidInput(RejectReason::kGeometry,
+                            absl::StrCat("gate_prob_sums: float32_le holds ", bytes.size(),
+                                         " bytes, not a whole number of float32 values (4 bytes each)"));
+      }
+      if (bytes.size() / 4 > static_cast<size_t>(kMaxSignatureCells)) {
+        return InvalidInput(RejectReason::kGeometry, absl::StrCat("gate_prob_sums: ", bytes.size() / 4,
+                                                                  " values exceed the largest supported geometry"));
+      }
+      // Little-endian IEEE-754 bits whatever the host's byte order; copied (the bytes need not be
+      // aligned for float).
+      gate_prob_scratch->resize(bytes.size() / 4);
+      for (size_t i = 0; i < gate_prob_scratch->size(); ++i) {
+        uint32_t bits = 0;
+        for (int b = 3; b >= 0; --b) bits = (bits << 8) | static_cast<uint8_t>(bytes[4 * i + b]);
+        std::memcpy(&(*gate_prob_scratch)[i], &bits, sizeof(bits));
+      }
+      *input = GateProbSums{sums.layers(), sums.experts(), *gate_prob_scratch};
       *present = true;
       return absl::OkStatus();
     }
@@ -411,7 +438,8 @@ absl::Status DecodeRouterService::ValidateAndRoute(absl::string_view client, con
   }
   SignatureInput input;
   bool present = false;
-  ELDR_RETURN_IF_ERROR(SignatureFromProto(request, &input, &present));
+  std::vector<float> gate_prob_scratch;
+  ELDR_RETURN_IF_ERROR(SignatureFromProto(request, &input, &present, &gate_prob_scratch));
   RouteInput route;
   route.signature = present ? &input : nullptr;
   route.now = absl::Now();

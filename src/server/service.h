@@ -35,6 +35,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -67,11 +68,15 @@ inline constexpr int64_t kMaxSignatureCells = int64_t{1} << 24;
 // Answers of one RouteStream that may wait to be written before the stream stops reading.
 inline constexpr size_t kRouteStreamMaxPending = 64;
 
-// The signature carried by `request`, as a view into it (valid while `request` lives).
-// Returns false in *present when the request has none. INVALID_ARGUMENT (with a RejectReason) when
-// the oneof is structurally unusable: counts without data, non-positive or absurd geometry.
-// Values (negative counts, NaN, sizes against the calibrated geometry) are checked by the core.
-absl::Status SignatureFromProto(const eldr::v1::RouteRequest& request, SignatureInput* input, bool* present);
+// The signature carried by `request`, as a view into it (valid while `request` lives), except
+// gate-probability sums: their float32_le bytes are decoded into `*gate_prob_scratch` (resized;
+// the view points there, valid while both live). Returns false in *present when the request has
+// none. INVALID_ARGUMENT (with a RejectReason) when the oneof is structurally unusable: counts
+// without data, non-positive or absurd geometry, gate sums whose byte length is not a multiple of
+// 4. Values (negative counts or sums, NaN, sizes against the calibrated geometry, integer counts
+// against gate_prob or gate sums against a count variant) are checked by the core.
+absl::Status SignatureFromProto(const eldr::v1::RouteRequest& request, SignatureInput* input, bool* present,
+                                std::vector<float>* gate_prob_scratch);
 
 // What the services need from the server that owns them. Pointers are not owned and outlive the
 // services.

@@ -1,6 +1,7 @@
 // The C ABI of libeldr_capture.so, linked as a shared library the way an engine uses it: status
 // codes and thread-local messages, struct_size checks, a record/finish round trip with result
 // handles, statistics, and the router client against an in-process fake router.
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -185,6 +186,97 @@ TEST(CaptureCApiTest, DirectModeThroughTheCAbi) {
   eldr_capture_destroy(ctx);
 }
 
+TEST(CaptureCApiTest, GateProbSumsThroughTheCAbi) {
+  eldr_capture_options options;
+  eldr_capture_options_init(&options);
+  EXPECT_EQ(options.record_gate_probs, 0);
+  options.num_layers = 1;
+  options.num_experts = 3;
+  options.max_top_k = 2;
+  options.num_blocks = 2;
+  options.block_size = 4;
+  options.max_direct_requests = 2;
+  options.record_gate_probs = 1;
+  eldr_capture_ctx* ctx = nullptr;
+  ASSERT_EQ(eldr_capture_create(&options, &ctx), ELDR_CAPTURE_OK) << eldr_capture_last_error();
+  eldr_capture_info info;
+  info.struct_size = sizeof(info);
+  ASSERT_EQ(eldr_capture_get_info(ctx, &info), ELDR_CAPTURE_OK);
+  EXPECT_EQ(info.gate_prob_fraction_bits, 24);
+  EXPECT_EQ(info.block_gate_prob_bytes, 2u * 3 * 4);
+  const int32_t ids[] = {0, 2, 1, 2};
+  const float weights[] = {0.5f, 0.5f, 0.25f, 0.75f};
+  const int64_t slots[] = {4, 5};  // block 1
+  ASSERT_EQ(eldr_capture_record_gate_probs(ctx, 0, ids, ELDR_CAPTURE_INT32, weights, 2, slots, ELDR_CAPTURE_INT64, 2, 0,
+                                           nullptr),
+            ELDR_CAPTURE_OK)
+      << eldr_capture_last_error();
+  const int32_t table[] = {1};
+  const int64_t length = 2;
+  eldr_capture_result* result = nullptr;
+  ASSERT_EQ(eldr_capture_finish_gate_probs(ctx, table, 1, &length, 1, nullptr, &result), ELDR_CAPTURE_OK);
+  ASSERT_EQ(eldr_capture_result_wait(result), ELDR_CAPTURE_OK);
+  EXPECT_EQ(eldr_capture_result_output_type(result), ELDR_CAPTURE_OUTPUT_FLOAT32);
+  const float* sums = eldr_capture_result_gate_prob_sums(result);
+  ASSERT_NE(sums, nullptr);
+  EXPECT_EQ(std::vector<float>(sums, sums + 3), (std::vector<float>{0.5f, 0.25f, 1.25f}));
+  EXPECT_EQ(eldr_capture_result_counts(result), static_cast<const void*>(sums));
+  eldr_capture_result_release(result);
+
+  // Direct mode, and a bad probability counted in the stats.
+  const int32_t requests[] = {1, 1};
+  const float direct_weights[] = {0.5f, -1.0f, 0.125f, 0.125f};
+  ASSERT_EQ(eldr_capture_record_direct_gate_probs(ctx, 0, ids, ELDR_CAPTURE_INT32, direct_weights, 2, requests,
+                                                  ELDR_CAPTURE_INT32, 2, nullptr),
+            ELDR_CAPTURE_OK);
+  const int32_t slot[] = {1};
+  ASSERT_EQ(eldr_capture_finish_direct_gate_probs(ctx, slot, 1, nullptr, &result), ELDR_CAPTURE_OK);
+  sums = eldr_capture_result_gate_prob_sums(result);
+  ASSERT_NE(sums, nullptr);
+  EXPECT_EQ(std::vector<float>(sums, sums + 3), (std::vector<float>{0.5f, 0.125f, 0.125f}));
+  eldr_capture_stats stats;
+  stats.struct_size = sizeof(stats);
+  ASSERT_EQ(eldr_capture_result_stats(result, &stats), ELDR_CAPTURE_OK);
+  EXPECT_EQ(stats.bad_gate_probs, 1u);
+  eldr_capture_result_release(result);
+  // A count finish's result has no gate sums.
+  ASSERT_EQ(eldr_capture_finish(ctx, table, 1, &length, 1, ELDR_CAPTURE_OUTPUT_INT32, nullptr, &result),
+            ELDR_CAPTURE_OK);
+  EXPECT_EQ(eldr_capture_result_gate_prob_sums(result), nullptr);
+  eldr_capture_result_release(result);
+  eldr_capture_destroy(ctx);
+}
+
+TEST(CaptureCApiTest, CallersOfTheOlderStructsStillWork) {
+  // A caller compiled before record_gate_probs (and the stats' bad_gate_probs) existed passes the
+  // older, smaller struct_size: accepted, the new fields neither read nor written.
+  eldr_capture_options options;
+  eldr_capture_options_init(&options);
+  options.struct_size = static_cast<uint32_t>(offsetof(eldr_capture_options, record_gate_probs));
+  options.record_gate_probs = 1;  // beyond the caller's struct: must be ignored
+  options.num_layers = 1;
+  options.num_experts = 2;
+  options.num_blocks = 1;
+  options.block_size = 4;
+  eldr_capture_ctx* ctx = nullptr;
+  ASSERT_EQ(eldr_capture_create(&options, &ctx), ELDR_CAPTURE_OK) << eldr_capture_last_error();
+  const int32_t ids[] = {0};
+  const float weights[] = {0.5f};
+  const int64_t slots[] = {0};
+  EXPECT_EQ(eldr_capture_record_gate_probs(ctx, 0, ids, ELDR_CAPTURE_INT32, weights, 1, slots, ELDR_CAPTURE_INT64, 1, 0,
+                                           nullptr),
+            ELDR_CAPTURE_FAILED_PRECONDITION);
+  eldr_capture_stats stats;
+  std::memset(&stats, 0xab, sizeof(stats));
+  stats.struct_size = static_cast<uint32_t>(offsetof(eldr_capture_stats, bad_gate_probs));
+  ASSERT_EQ(eldr_capture_get_stats(ctx, &stats, nullptr), ELDR_CAPTURE_OK);
+  EXPECT_EQ(stats.bad_gate_probs, 0xababababababababull);  // untouched
+  options.struct_size = 8;
+  eldr_capture_ctx* refused = nullptr;
+  EXPECT_EQ(eldr_capture_create(&options, &refused), ELDR_CAPTURE_INVALID_ARGUMENT);
+  eldr_capture_destroy(ctx);
+}
+
 TEST(CaptureCApiTest, ClientRoutesAndCompletesThroughTheCAbi) {
   eldr::capture::testing::FakeRouter router;
   ASSERT_GT(router.port(), 0);
@@ -235,7 +327,19 @@ TEST(CaptureCApiTest, ClientRoutesAndCompletesThroughTheCAbi) {
   EXPECT_EQ(eldr_capture_client_route(client, "x", 5, counts.data(), 7, 2, 4, worker, sizeof(worker), address,
                                       sizeof(address), &lease, nullptr),
             ELDR_CAPTURE_INVALID_ARGUMENT);
-  EXPECT_THAT(eldr_capture_last_error(), HasSubstr("counts_type must be int16 (0) or int32 (1)"));
+  EXPECT_THAT(eldr_capture_last_error(), HasSubstr("counts_type must be int16 (0), int32 (1) or float32"));
+
+  // Gate-probability sums go out as RouteRequest.gate_prob_sums, float32 little-endian.
+  const std::vector<float> sums = {0.f, 0.25f, 3.5f, 0.f, 1.f, 0.f, 0.f, 0.125f};  // argmax 2
+  ASSERT_EQ(eldr_capture_client_route(client, "gate", 7, sums.data(), ELDR_CAPTURE_OUTPUT_FLOAT32, 2, 4, worker,
+                                      sizeof(worker), address, sizeof(address), &lease, nullptr),
+            ELDR_CAPTURE_OK)
+      << eldr_capture_last_error();
+  EXPECT_STREQ(worker, "decode-2");
+  EXPECT_EQ(router.service().last().encoding, "float32_le");
+  EXPECT_EQ(router.service().last().gate_prob_sums, sums);
+  EXPECT_EQ(router.service().last().layers, 2);
+  EXPECT_EQ(eldr_capture_client_complete(client, lease, 0), ELDR_CAPTURE_OK);
   eldr_capture_client_destroy(client);
 
   // Unreachable router: UNAVAILABLE (or the deadline) within the timeout.

@@ -2,8 +2,10 @@
 // cases for each rule (reset on offset 0, order independence, duplicates, partial blocks, bad data),
 // then a paged engine on random and on the bundled real traces.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <ostream>
@@ -570,6 +572,220 @@ INSTANTIATE_TEST_SUITE_P(
              (c.batch_reset ? "_batchreset" : "_layerreset") +
              (c.output_type == OutputType::kInt16 ? "_out16" : "_out32");
     });
+
+// Gate probabilities through the same engine: prefix sharing, reuse and resets apply to them as to
+// the counts. Each sum is within the fixed-point bound of the exact (double) sum: every added
+// probability is rounded once to a multiple of 2^-F (error <= 2^-(F+1)), then the total once to
+// float32.
+TEST_P(CaptureRandomEngineTest, GateProbSumsAreTheExactSumsWithinTheFixedPointBound) {
+  const RandomCase& c = GetParam();
+  ScenarioConfig config;
+  config.layers = 4;
+  config.experts = 24;
+  config.top_k = c.top_k;
+  config.block_size = c.block_size;
+  const int max_tokens = std::max(70, 3 * c.block_size);
+  config.num_blocks = 40 * max_tokens / c.block_size + 64;
+  config.max_batch_tokens = 64;
+  config.id_type = c.id_type;
+  config.slot_type = c.slot_type;
+  config.batch_reset = c.batch_reset;
+  config.output_type = c.output_type;
+  config.gate_probs = true;
+  config.seed = static_cast<uint32_t>(c.block_size * 17 + c.top_k);
+  const auto requests = RandomRequests(config, 30, max_tokens, 0.02, 0.35, config.seed + 5);
+  auto capture = MustCreate(testing::OptionsFor(config, Device::kCpu));
+  ASSERT_NE(capture, nullptr);
+  const int fraction_bits = capture->info().gate_prob_fraction_bits;
+  EXPECT_GE(fraction_bits, 8);
+  EXPECT_LE(fraction_bits, 24);
+  EXPECT_EQ(capture->info().block_gate_prob_bytes, static_cast<uint64_t>(config.num_blocks) * 4 * 24 * 4);
+  const auto outcome = RunScenario(*capture, Device::kCpu, config, requests);
+  ASSERT_EQ(outcome.finished_gate.size(), requests.size());
+  double total = 0;
+  for (size_t r = 0; r < requests.size(); ++r) {
+    ASSERT_EQ(outcome.finished[r], outcome.expected[r]) << "request " << r;  // counts unchanged
+    ASSERT_EQ(outcome.finished_gate[r].size(), outcome.expected_gate[r].size());
+    for (size_t cell = 0; cell < outcome.expected_gate[r].size(); ++cell) {
+      const double exact = outcome.expected_gate[r][cell];
+      const double adds = outcome.expected[r][cell];  // at most this many probabilities were added
+      const double bound = adds * std::ldexp(1.0, -fraction_bits - 1) + std::abs(exact) * std::ldexp(1.0, -23);
+      ASSERT_NEAR(outcome.finished_gate[r][cell], exact, bound) << "request " << r << " cell " << cell;
+      if (exact == 0) ASSERT_EQ(outcome.finished_gate[r][cell], 0.0f);
+      total += exact;
+    }
+  }
+  EXPECT_GT(total, 100.0);
+  EXPECT_GT(outcome.expected_bad_gate_probs, 0u);
+  EXPECT_EQ(outcome.stats.bad_gate_probs, outcome.expected_bad_gate_probs);
+  EXPECT_EQ(outcome.stats.recorded_choices, outcome.expected_recorded);
+  EXPECT_GT(outcome.reused_blocks, 5);
+  EXPECT_GT(outcome.shared_prefix_blocks, 5);
+}
+
+TEST(CaptureGateProbTest, ExactProbabilitiesSumExactlyAndReuseResetsThem) {
+  Options options;
+  options.num_layers = 1;
+  options.num_experts = 4;
+  options.max_top_k = 2;
+  options.num_blocks = 2;
+  options.block_size = 4;
+  options.record_gate_probs = true;
+  auto capture = MustCreate(options);
+  ASSERT_NE(capture, nullptr);
+  EXPECT_EQ(capture->info().gate_prob_fraction_bits, 24);
+  // Block 0, offsets 0..2: three tokens with dyadic probabilities (exact in fixed point).
+  const std::vector<int32_t> ids = {0, 1, 0, 2, 3, 0};
+  const std::vector<float> weights = {0.75f, 0.25f, 0.5f, 0.5f, 1.0f, 0.0f};
+  const std::vector<int64_t> slots = {0, 1, 2};
+  ASSERT_TRUE(capture
+                  ->RecordGateProbs(0, ids.data(), IndexType::kInt32, weights.data(), 2, slots.data(),
+                                    IndexType::kInt64, 3, 0, nullptr)
+                  .ok());
+  const int32_t table[] = {0};
+  const int64_t length = 3;
+  auto gate = capture->FinishGateProbs(table, 1, &length, 1, nullptr);
+  ASSERT_TRUE(gate.ok()) << gate.status();
+  EXPECT_THAT(std::vector<float>((*gate)->gate_prob_sums(), (*gate)->gate_prob_sums() + 4),
+              ElementsAreArray({1.25f, 0.25f, 0.5f, 1.0f}));
+  EXPECT_EQ((*gate)->counts_int16(), nullptr);
+  gate->reset();
+  // The block is refilled from offset 0 by a plain record (counts only): its gate sums restart too.
+  const std::vector<int32_t> ids2 = {1, 2};
+  const std::vector<int64_t> slot0 = {0};
+  ASSERT_TRUE(
+      capture->Record(0, ids2.data(), IndexType::kInt32, 2, slot0.data(), IndexType::kInt64, 1, 0, nullptr).ok());
+  const std::vector<float> w2 = {0.125f, 0.875f};
+  const std::vector<int64_t> slot1 = {1};
+  ASSERT_TRUE(capture
+                  ->RecordGateProbs(0, ids2.data(), IndexType::kInt32, w2.data(), 2, slot1.data(), IndexType::kInt64, 1,
+                                    0, nullptr)
+                  .ok());
+  const int64_t two = 2;
+  gate = capture->FinishGateProbs(table, 1, &two, 1, nullptr);
+  ASSERT_TRUE(gate.ok()) << gate.status();
+  EXPECT_THAT(std::vector<float>((*gate)->gate_prob_sums(), (*gate)->gate_prob_sums() + 4),
+              ElementsAreArray({0.0f, 0.125f, 0.875f, 0.0f}));
+  auto counts = capture->Finish(table, 1, &two, 1, OutputType::kInt32, nullptr);
+  ASSERT_TRUE(counts.ok());
+  EXPECT_THAT(std::vector<int32_t>((*counts)->counts_int32(), (*counts)->counts_int32() + 4),
+              ElementsAreArray({0, 2, 2, 0}));
+}
+
+TEST(CaptureGateProbTest, BadProbabilitiesAreSkippedAndCountedButTheirChoicesCount) {
+  Options options;
+  options.num_layers = 1;
+  options.num_experts = 3;
+  options.max_top_k = 1;
+  options.num_blocks = 1;
+  options.block_size = 8;
+  options.record_gate_probs = true;
+  auto capture = MustCreate(options);
+  ASSERT_NE(capture, nullptr);
+  const std::vector<int32_t> ids = {0, 0, 0, 1, 2};
+  const std::vector<float> weights = {std::numeric_limits<float>::quiet_NaN(), -0.5f, 2.0f, 0.5f,
+                                      std::numeric_limits<float>::infinity()};
+  const std::vector<int64_t> slots = {0, 1, 2, 3, 4};
+  ASSERT_TRUE(capture
+                  ->RecordGateProbs(0, ids.data(), IndexType::kInt32, weights.data(), 1, slots.data(),
+                                    IndexType::kInt64, 5, 0, nullptr)
+                  .ok());
+  const int32_t table[] = {0};
+  const int64_t length = 5;
+  auto gate = capture->FinishGateProbs(table, 1, &length, 1, nullptr);
+  ASSERT_TRUE(gate.ok());
+  EXPECT_THAT(std::vector<float>((*gate)->gate_prob_sums(), (*gate)->gate_prob_sums() + 3),
+              ElementsAreArray({0.0f, 0.5f, 0.0f}));
+  EXPECT_EQ((*gate)->stats().bad_gate_probs, 4u);
+  EXPECT_EQ((*gate)->stats().recorded_choices, 5u);
+}
+
+TEST(CaptureGateProbTest, RequiresTheOptionAndRejectsBadArguments) {
+  Options options;
+  options.num_layers = 2;
+  options.num_experts = 4;
+  options.num_blocks = 4;
+  options.block_size = 16;
+  options.max_direct_requests = 2;
+  auto plain = MustCreate(options);
+  ASSERT_NE(plain, nullptr);
+  const int32_t ids[] = {0};
+  const float weights[] = {0.5f};
+  const int64_t slots[] = {0};
+  absl::Status s =
+      plain->RecordGateProbs(0, ids, IndexType::kInt32, weights, 1, slots, IndexType::kInt64, 1, 0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("record_gate_probs"));
+  const int64_t length = 1;
+  const int32_t table[] = {0};
+  EXPECT_EQ(plain->FinishGateProbs(table, 1, &length, 1, nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(
+      plain->RecordDirectGateProbs(0, ids, IndexType::kInt32, weights, 1, ids, IndexType::kInt32, 1, nullptr).code(),
+      absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(plain->info().gate_prob_fraction_bits, 0);
+  EXPECT_EQ(plain->info().block_gate_prob_bytes, 0u);
+
+  options.record_gate_probs = true;
+  auto gated = MustCreate(options);
+  ASSERT_NE(gated, nullptr);
+  s = gated->RecordGateProbs(0, ids, IndexType::kInt32, nullptr, 1, slots, IndexType::kInt64, 1, 0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("topk_weights is null"));
+  EXPECT_EQ(
+      gated->RecordGateProbs(2, ids, IndexType::kInt32, weights, 1, slots, IndexType::kInt64, 1, 0, nullptr).code(),
+      absl::StatusCode::kInvalidArgument);
+  const int64_t too_long = 17;
+  EXPECT_EQ(gated->FinishGateProbs(table, 1, &too_long, 1, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const int32_t twice[] = {1, 1};
+  EXPECT_EQ(gated->FinishDirectGateProbs(twice, 2, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  // A block size whose bound leaves too few fraction bits is refused.
+  options.block_size = 1 << 20;
+  options.max_top_k = 64;
+  options.num_blocks = 1;
+  auto refused = Capture::Create(options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("fraction bits"));
+}
+
+TEST(CaptureGateProbTest, DirectModeSumsPerSlotAndItsFinishZeroesOnlyTheGateSums) {
+  Options options;
+  options.num_layers = 2;
+  options.num_experts = 3;
+  options.max_top_k = 2;
+  options.max_direct_requests = 3;
+  options.record_gate_probs = true;
+  auto capture = MustCreate(options);
+  ASSERT_NE(capture, nullptr);
+  // Tokens of slots 2, 0, padding, 2.
+  const std::vector<int32_t> requests = {2, 0, -1, 2};
+  const std::vector<int32_t> ids = {0, 1, 2, 2, 0, 0, 1, 0};
+  const std::vector<float> weights = {0.5f, 0.5f, 0.75f, 0.25f, 1.0f, 1.0f, 0.125f, 0.875f};
+  for (int layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE(capture
+                    ->RecordDirectGateProbs(layer, ids.data(), IndexType::kInt32, weights.data(), 2, requests.data(),
+                                            IndexType::kInt32, 4, nullptr)
+                    .ok());
+  }
+  const int32_t slots[] = {2, 0};
+  auto gate = capture->FinishDirectGateProbs(slots, 2, nullptr);
+  ASSERT_TRUE(gate.ok()) << gate.status();
+  // Slot 2, each layer: expert 0 gets 0.5 + 0.875, expert 1 gets 0.5 + 0.125. Slot 0: expert 2 gets 1.
+  const std::vector<float> want = {1.375f, 0.625f, 0.0f, 1.375f, 0.625f, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f, 0.0f, 1.0f};
+  EXPECT_THAT(std::vector<float>((*gate)->gate_prob_sums(), (*gate)->gate_prob_sums() + 12), ElementsAreArray(want));
+  gate->reset();
+  // The counts are still there; a second gate finish reads zeros.
+  auto counts = capture->FinishDirect(slots, 1, OutputType::kInt32, nullptr);
+  ASSERT_TRUE(counts.ok());
+  EXPECT_THAT(std::vector<int32_t>((*counts)->counts_int32(), (*counts)->counts_int32() + 6),
+              ElementsAreArray({2, 2, 0, 2, 2, 0}));
+  counts->reset();
+  gate = capture->FinishDirectGateProbs(slots, 1, nullptr);
+  ASSERT_TRUE(gate.ok());
+  EXPECT_THAT(std::vector<float>((*gate)->gate_prob_sums(), (*gate)->gate_prob_sums() + 6),
+              ElementsAreArray({0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}));
+}
 
 // ---- The paged engine on the bundled real traces ---------------------------------------------
 

@@ -295,6 +295,52 @@ class CaptureCtypesTest(unittest.TestCase):
             self.assertEqual(ctx.info()["counter_bits"], 8)
 
 
+class GateProbSumsCtypesTest(unittest.TestCase):
+    """Gate-probability sums through the binding on real routing (the bundled summary prompts,
+    273..1402 tokens) with random top-6 weights that sum to 1 per token: the library's fixed-point
+    sums against the exact (float64) sums, beside a plain float32 accumulation in token order."""
+
+    def test_fixed_point_sums_are_closer_to_exact_than_float32_accumulation(self):
+        data = os.path.join(os.environ.get("ELDR_DATA_DIR", "data"), "esft-routing")
+        topk = np.load(os.path.join(data, "summary_topk.npy"))
+        offsets = np.load(os.path.join(data, "summary_offsets.npy"))
+        rng = np.random.default_rng(0)
+        worst_fixed = worst_float32 = 0.0
+        for s in range(3):
+            rows = topk[offsets[s]:offsets[s + 1]].astype(np.int32)
+            n = len(rows)
+            weights = rng.dirichlet(np.ones(6), size=(n, 26)).astype(np.float32)
+            blocks = (n + 15) // 16
+            ctx = CaptureContext(26, 64, max_top_k=6, num_blocks=blocks, block_size=16,
+                                 record_gate_probs=1)
+            self.assertEqual(ctx.info()["gate_prob_fraction_bits"], 24)
+            slots = np.arange(n, dtype=np.int64)
+            for layer in range(26):
+                ctx.record_gate_probs(layer, rows[:, layer, :], weights[:, layer, :], slots)
+            with ctx.finish_gate_probs(np.arange(blocks, dtype=np.int32), [n]) as result:
+                got = result.gate_prob_sums()[0].astype(np.float64)
+            with ctx.finish(np.arange(blocks, dtype=np.int32), [n], output="int32") as result:
+                counts = result.counts()[0]
+            exact = np.zeros((26, 64))
+            float32 = np.zeros((26, 64), dtype=np.float32)
+            for layer in range(26):
+                ids = rows[:, layer, :].ravel()
+                w = weights[:, layer, :].ravel()
+                np.add.at(exact[layer], ids, w.astype(np.float64))
+                for i, p in zip(ids, w):
+                    float32[layer, i] = np.float32(float32[layer, i] + p)
+            # Rows total the prompt's tokens (weights sum to 1 per token and layer).
+            np.testing.assert_allclose(got.sum(axis=1), n, rtol=1e-5)
+            # The documented bound: n probabilities rounded to 2^-24, then one float32 rounding.
+            bound = counts * 2.0 ** -25 + np.abs(exact) * 2.0 ** -24
+            self.assertTrue(np.all(np.abs(got - exact) <= bound + 1e-12))
+            worst_fixed = max(worst_fixed, float(np.max(np.abs(got - exact))))
+            worst_float32 = max(worst_float32, float(np.max(np.abs(float32 - exact))))
+        print(f"\ngate sums, max |error| vs exact: fixed point {worst_fixed:.3g}, "
+              f"float32 accumulation {worst_float32:.3g}", file=sys.stderr)
+        self.assertLess(worst_fixed, worst_float32)
+
+
 class RouterClientCtypesTest(unittest.TestCase):
 
     def setUp(self):

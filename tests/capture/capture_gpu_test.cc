@@ -3,6 +3,7 @@
 // block tables, finishes split over many blocks) run on both devices, and the finished counts, the
 // statistics, each finish's statistics snapshot and every block's counts must be identical.
 // Without a usable GPU every test skips and says why.
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <numeric>
@@ -52,6 +53,12 @@ void ExpectIdentical(const ScenarioOutcome& cpu, const ScenarioOutcome& gpu) {
   EXPECT_EQ(gpu.block_counts, cpu.block_counts);
   EXPECT_EQ(cpu.stats.recorded_choices, cpu.expected_recorded);
   EXPECT_EQ(cpu.stats.bad_expert_ids, cpu.expected_bad_ids);
+  // Gate-probability sums (scenarios with gate_probs): the same float bits.
+  ASSERT_EQ(gpu.finished_gate.size(), cpu.finished_gate.size());
+  for (size_t r = 0; r < cpu.finished_gate.size(); ++r) {
+    ASSERT_EQ(gpu.finished_gate[r], cpu.finished_gate[r]) << "gate sums of request " << r;
+  }
+  EXPECT_EQ(cpu.stats.bad_gate_probs, cpu.expected_bad_gate_probs);
 }
 
 void RunOnBoth(const ScenarioConfig& config, const std::vector<testing::RequestSpec>& requests) {
@@ -107,6 +114,36 @@ TEST_P(CaptureGpuEngineTest, MatchesTheCpuReferenceBitForBit) {
   ASSERT_NE(gpu, nullptr);
   ExpectIdentical(RunScenario(*cpu, Device::kCpu, config, requests),
                   RunScenario(*gpu, Device::kCuda, config, requests));
+}
+
+TEST_P(CaptureGpuEngineTest, GateProbSumsMatchTheCpuReferenceBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const GpuCase& c = GetParam();
+  ScenarioConfig config;
+  config.layers = 5;
+  config.experts = 40;
+  config.top_k = c.top_k;
+  config.block_size = c.block_size;
+  const int max_tokens = std::max(70, 3 * c.block_size);
+  config.num_blocks = 40 * max_tokens / c.block_size + 64;
+  config.max_batch_tokens = 128;
+  config.id_type = c.id_type;
+  config.slot_type = c.slot_type;
+  config.batch_reset = c.batch_reset;
+  config.output_type = c.output_type;
+  config.gate_probs = true;
+  config.seed = static_cast<uint32_t>(c.block_size * 11 + c.top_k);
+  std::vector<testing::RequestSpec> requests = RandomRequests(config, 40, max_tokens, 0.02, 0.35, config.seed + 9);
+  auto cpu = MustCreate(testing::OptionsFor(config, Device::kCpu));
+  auto gpu = MustCreate(testing::OptionsFor(config, Device::kCuda));
+  ASSERT_NE(cpu, nullptr);
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_EQ(gpu->info().gate_prob_fraction_bits, cpu->info().gate_prob_fraction_bits);
+  const ScenarioOutcome on_cpu = RunScenario(*cpu, Device::kCpu, config, requests);
+  const ScenarioOutcome on_gpu = RunScenario(*gpu, Device::kCuda, config, requests);
+  ASSERT_FALSE(on_cpu.finished_gate.empty());
+  EXPECT_GT(on_cpu.expected_bad_gate_probs, 0u);
+  ExpectIdentical(on_cpu, on_gpu);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -249,6 +286,78 @@ TEST(CaptureGpuDirectTest, MatchesTheCpuReference) {
   EXPECT_GT(stats[0].bad_expert_ids, 0u);
   EXPECT_GT(stats[0].bad_request_indices, 0u);
   EXPECT_GT(stats[0].padding_tokens, 0u);
+}
+
+TEST(CaptureGpuFinishTest, LongRequestGateSumsSplitAcrossThreadBlocksMatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  // One request of many blocks: the finish splits its blocks over thread blocks and adds them in a
+  // 64-bit staging buffer, in whatever order they run; the sums must still equal the CPU's bits.
+  ScenarioConfig config;
+  config.layers = 3;
+  config.experts = 64;
+  config.top_k = 4;
+  config.block_size = 16;
+  config.num_blocks = 700;
+  config.max_batch_tokens = 512;
+  config.max_finish_per_call = 2;
+  config.gate_probs = true;
+  config.seed = 77;
+  std::vector<testing::RequestSpec> requests = RandomRequests(config, 3, 16 * 200, 0.0, 0.0, 78);
+  auto cpu = MustCreate(testing::OptionsFor(config, Device::kCpu));
+  auto gpu = MustCreate(testing::OptionsFor(config, Device::kCuda));
+  ASSERT_NE(cpu, nullptr);
+  ASSERT_NE(gpu, nullptr);
+  ExpectIdentical(RunScenario(*cpu, Device::kCpu, config, requests),
+                  RunScenario(*gpu, Device::kCuda, config, requests));
+}
+
+TEST(CaptureGpuDirectTest, GateProbSumsMatchTheCpuReference) {
+  SKIP_WITHOUT_GPU();
+  Options options;
+  options.num_layers = 3;
+  options.num_experts = 32;
+  options.max_top_k = 8;
+  options.max_direct_requests = 16;
+  options.max_finish_requests = 16;
+  options.record_gate_probs = true;
+  std::mt19937 rng(4);
+  std::vector<std::vector<int32_t>> ids(3, std::vector<int32_t>(3000 * 8));
+  std::vector<std::vector<float>> weights(3, std::vector<float>(3000 * 8));
+  for (int layer = 0; layer < 3; ++layer) {
+    for (size_t x = 0; x < ids[layer].size(); ++x) {
+      ids[layer][x] = static_cast<int32_t>(rng() % 34) - 1;
+      weights[layer][x] = testing::ScenarioGateProb(static_cast<int64_t>(x), layer, 0, ids[layer][x]);
+    }
+  }
+  std::vector<int32_t> requests(3000);
+  for (int32_t& r : requests) r = static_cast<int32_t>(rng() % 20) - 2;
+  const std::vector<int32_t> finishing = {3, 0, 15, 7};
+  std::vector<float> out[2];
+  Stats stats[2];
+  for (Device device : {Device::kCpu, Device::kCuda}) {
+    options.device = device;
+    auto capture = MustCreate(options);
+    ASSERT_NE(capture, nullptr);
+    testing::DeviceArrays arrays(device);
+    const int32_t* device_requests = arrays.Upload(requests);
+    for (int layer = 0; layer < 3; ++layer) {
+      ASSERT_TRUE(capture
+                      ->RecordDirectGateProbs(layer, arrays.Upload(ids[layer]), IndexType::kInt32,
+                                              arrays.Upload(weights[layer]), 8, device_requests, IndexType::kInt32,
+                                              3000, nullptr)
+                      .ok());
+    }
+    auto result = capture->FinishDirectGateProbs(finishing.data(), 4, nullptr);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_TRUE((*result)->Wait().ok());
+    const int d = static_cast<int>(device);
+    out[d].assign((*result)->gate_prob_sums(), (*result)->gate_prob_sums() + 4 * 96);
+    stats[d] = (*result)->stats();
+  }
+  EXPECT_EQ(out[1], out[0]);
+  EXPECT_EQ(stats[1], stats[0]);
+  EXPECT_GT(stats[0].bad_gate_probs, 0u);
+  EXPECT_GT(*std::max_element(out[0].begin(), out[0].end()), 10.0f);
 }
 
 #ifdef ELDR_CAPTURE_HAVE_CUDA

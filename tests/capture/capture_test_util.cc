@@ -57,6 +57,7 @@ Options OptionsFor(const ScenarioConfig& config, Device device) {
   options.block_size = config.block_size;
   options.max_finish_requests = config.max_finish_per_call;
   options.result_slots = 2;
+  options.record_gate_probs = config.gate_probs;
   return options;
 }
 
@@ -154,6 +155,47 @@ std::vector<int32_t> Bincount(const ScenarioConfig& config, const RequestSpec& r
   return counts;
 }
 
+float ScenarioGateProb(int64_t position, int layer, int j, int64_t expert) {
+  uint64_t h = static_cast<uint64_t>(position + 7) * 0x9E3779B97F4A7C15ull;
+  h ^= (static_cast<uint64_t>(layer) + 1) * 0xC2B2AE3D27D4EB4Full;
+  h ^= (static_cast<uint64_t>(j) + 3) * 0x165667B19E3779F9ull;
+  h ^= static_cast<uint64_t>(expert + 11) * 0xD6E8FEB86659FD93ull;
+  h ^= h >> 31;
+  h *= 0x94D049BB133111EBull;
+  h ^= h >> 29;
+  switch (h % 101) {
+    case 0:
+      return std::numeric_limits<float>::quiet_NaN();
+    case 1:
+      return -0.25f;
+    case 2:
+      return 1.5f;
+    case 3:
+    case 4:
+      return 1.0f;
+    case 5:
+      return 0.0f;
+    default:
+      // Any float in [0, 1), not only round values: 24 random bits.
+      return static_cast<float>((h >> 40) & 0xffffff) / 16777216.0f;
+  }
+}
+
+std::vector<double> ExpectedGateSums(const ScenarioConfig& config, const RequestSpec& request) {
+  std::vector<double> sums(int64_t{config.layers} * config.experts, 0.0);
+  for (int t = 0; t < request.tokens; ++t) {
+    for (int l = 0; l < config.layers; ++l) {
+      for (int j = 0; j < config.top_k; ++j) {
+        const int64_t id = request.routing[(int64_t{t} * config.layers + l) * config.top_k + j];
+        if (id < 0 || id >= config.experts) continue;
+        const float p = ScenarioGateProb(t, l, j, id);
+        if (p >= 0.0f && p <= 1.0f) sums[int64_t{l} * config.experts + id] += p;
+      }
+    }
+  }
+  return sums;
+}
+
 namespace {
 
 struct BatchToken {
@@ -191,6 +233,10 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
   const int num_requests = static_cast<int>(requests.size());
   out.finished.resize(num_requests);
   for (const RequestSpec& r : requests) out.expected.push_back(Bincount(config, r));
+  if (config.gate_probs) {
+    out.finished_gate.resize(num_requests);
+    for (const RequestSpec& r : requests) out.expected_gate.push_back(ExpectedGateSums(config, r));
+  }
   std::mt19937 rng(config.seed);
   const int64_t num_slots = config.num_blocks * config.block_size;
   const int64_t cells = int64_t{config.layers} * config.experts;
@@ -337,6 +383,8 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
             const int64_t id = id_of(token, l, j);
             if (id >= 0 && id < config.experts) {
               ++out.expected_recorded;
+              const float p = ScenarioGateProb(token.request < 0 ? -1 : token.position, l, j, id);
+              if (config.gate_probs && !(p >= 0.0f && p <= 1.0f)) ++out.expected_bad_gate_probs;
             } else {
               ++out.expected_bad_ids;
             }
@@ -356,9 +404,22 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
           for (int j = 0; j < config.top_k; ++j) ids[int64_t{t} * config.top_k + j] = id_of(batch[t], l, j);
         }
         const void* device_ids = UploadIndex(arrays, ids, config.id_type);
-        const absl::Status status =
-            capture.Record(l, device_ids, config.id_type, config.top_k, device_slots, config.slot_type, n,
-                           config.batch_reset ? kRecordSkipReset : 0, nullptr);
+        const uint32_t flags = config.batch_reset ? kRecordSkipReset : 0;
+        absl::Status status;
+        if (config.gate_probs) {
+          std::vector<float> weights(ids.size());
+          for (int t = 0; t < n; ++t) {
+            for (int j = 0; j < config.top_k; ++j) {
+              const int64_t x = int64_t{t} * config.top_k + j;
+              weights[x] = ScenarioGateProb(batch[t].request < 0 ? -1 : batch[t].position, l, j, ids[x]);
+            }
+          }
+          status = capture.RecordGateProbs(l, device_ids, config.id_type, arrays.Upload(weights), config.top_k,
+                                           device_slots, config.slot_type, n, flags, nullptr);
+        } else {
+          status = capture.Record(l, device_ids, config.id_type, config.top_k, device_slots, config.slot_type, n, flags,
+                                  nullptr);
+        }
         EXPECT_TRUE(status.ok()) << status;
       }
       ++out.batches;
@@ -432,6 +493,18 @@ ScenarioOutcome RunScenario(Capture& capture, Device device, const ScenarioConfi
       }
       out.finish_stats.push_back((*result)->stats());
       ++out.finish_calls;
+      if (config.gate_probs) {
+        auto gate = capture.FinishGateProbs(table_pointer, stride, lengths.data(), group, nullptr);
+        EXPECT_TRUE(gate.ok()) << gate.status();
+        if (!gate.ok()) break;
+        EXPECT_TRUE((*gate)->Wait().ok());
+        EXPECT_EQ((*gate)->output_type(), OutputType::kFloat32);
+        EXPECT_EQ((*gate)->counts_int32(), nullptr);
+        for (int g = 0; g < group; ++g) {
+          const float* data = (*gate)->gate_prob_sums() + g * cells;
+          out.finished_gate[finishing[begin + g]].assign(data, data + cells);
+        }
+      }
     }
     for (int index : finishing) {
       all[index].finished = true;

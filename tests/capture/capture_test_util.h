@@ -77,7 +77,19 @@ struct ScenarioConfig {
   // Append a deliberately out-of-range entry after each finishing table's used entries (must never
   // be read) and fill the rest of each row with block ids of other requests.
   bool poison_table_padding = true;
+  // Record with RecordGateProbs (weights from ScenarioGateProb) and finish gate sums too; the
+  // context must be created with record_gate_probs (OptionsFor sets it).
+  bool gate_probs = false;
 };
+
+// The gate probability the scenario gives choice j of a token at prompt `position` (-1 for tokens
+// outside prompts) on `layer` that chose `expert`: a pure function of them, so shared prefixes carry
+// identical probabilities. Mostly in [0, 1] (some exactly 0 or 1); about 3% out of range (NaN,
+// negative, above 1), which the library must skip and count.
+float ScenarioGateProb(int64_t position, int layer, int j, int64_t expert);
+
+// The exact sums (in double) of a request's in-range probabilities of in-range ids, [L][E].
+std::vector<double> ExpectedGateSums(const ScenarioConfig& config, const RequestSpec& request);
 
 // Random prompts: `count` requests of 1..max_tokens tokens, ids uniform in [0, E) with duplicates
 // allowed within a token, a fraction `bad_id_rate` of ids out of range, and a fraction
@@ -100,6 +112,10 @@ struct ScenarioOutcome {
   Stats stats;                                 // after the run
   std::vector<Stats> finish_stats;             // snapshot of each finish result
   std::vector<int32_t> block_counts;           // every block's counts at the end [blocks][L][E]
+  // With config.gate_probs: each request's finished gate sums [L][E] and their exact values.
+  std::vector<std::vector<float>> finished_gate;
+  std::vector<std::vector<double>> expected_gate;
+  uint64_t expected_bad_gate_probs = 0;
   // What the engine knows it fed the library.
   uint64_t expected_padding = 0;
   uint64_t expected_bad_slots = 0;

@@ -104,6 +104,77 @@ class PayloadTest(unittest.TestCase):
             getattr(eldr_vllm, "NoSuchConnector")
 
 
+class GatePayloadTest(unittest.TestCase):
+
+    def test_float32_little_endian_base64(self):
+        sums = np.array([[0.5, 0.0], [1.25, 3.0]], dtype=np.float64)
+        entry = eldr_vllm.encode_gate_prob_sums(sums)
+        self.assertEqual((entry["layers"], entry["experts"], entry["encoding"]),
+                         (2, 2, "float32_le"))
+        raw = base64.b64decode(entry["data"])
+        self.assertEqual(raw[:4], bytes([0, 0, 0, 0x3f]))  # 0.5f, little-endian
+        np.testing.assert_array_equal(eldr_vllm.decode_gate_prob_sums(entry), sums)
+        params = eldr_vllm.attach_gate_prob_sums({"remote_host": "h"}, sums)
+        self.assertEqual(params["remote_host"], "h")
+        np.testing.assert_array_equal(eldr_vllm.gate_prob_sums_from_kv_transfer_params(params),
+                                      sums)
+        self.assertIsNone(eldr_vllm.gate_prob_sums_from_kv_transfer_params({"remote_host": "h"}))
+
+    def test_rejects_inconsistent_payloads(self):
+        entry = eldr_vllm.encode_gate_prob_sums(np.ones((2, 2)))
+        with self.assertRaises(ValueError):
+            eldr_vllm.decode_gate_prob_sums(dict(entry, experts=3))
+        with self.assertRaises(ValueError):
+            eldr_vllm.decode_gate_prob_sums(dict(entry, encoding="int16_le"))
+        with self.assertRaises(ValueError):
+            eldr_vllm.encode_gate_prob_sums(np.ones(3))
+
+
+class GateStubRouter(StubRouter):
+    """A BaseRouter stand-in whose select_experts returns (topk_weights, topk_ids)."""
+
+    def __init__(self, top_k):
+        super().__init__(top_k)
+        self.next = None
+
+    def select_experts(self, hidden_states, router_logits):
+        return self.next
+
+
+class GateHookTest(unittest.TestCase):
+    """gate_probs=True: the hook wraps select_experts and records weights next to the ids."""
+
+    def test_connector_attaches_counts_and_gate_sums(self):
+        eldr_vllm._active = None
+        ctx = CaptureContext(2, 6, max_top_k=2, num_blocks=16, block_size=4, record_gate_probs=1)
+        modules = [StubMoE(2, 6, 2), StubMoE(5, 6, 2)]
+        for module in modules:
+            module.router = GateStubRouter(2)
+        slots = np.arange(8, 13, dtype=np.int64)  # blocks 2 and 3
+        eldr = eldr_vllm.EldrPrefillCapture(ctx, [2, 5], 4, lambda: (slots, 0), gate_probs=True)
+        eldr.install(eldr_vllm.find_moe_modules(modules))
+        rng = np.random.default_rng(3)
+        expected = np.zeros((2, 6))
+        for index, module in enumerate(modules):
+            ids = rng.integers(0, 6, size=(5, 2)).astype(np.int64)
+            ids[:, 1] = (ids[:, 0] + 1) % 6  # distinct per token
+            weights = np.full((5, 2), 0.25, dtype=np.float16)  # converted to float32
+            weights[:, 0] = 0.75
+            module.router.next = (weights, ids)
+            returned = module.router.select_experts(None, None)
+            self.assertIs(returned[1], ids)  # the model gets what the router returned
+            np.add.at(expected[index], ids[:, 0], 0.75)
+            np.add.at(expected[index], ids[:, 1], 0.25)
+        self.assertEqual(eldr.failures, 0)
+        connector = eldr_vllm.connector_with_counts(StubConnector)()
+        _, params = connector.request_finished(StubRequest("g", 5), [2, 3])
+        np.testing.assert_array_equal(eldr_vllm.gate_prob_sums_from_kv_transfer_params(params),
+                                      expected)
+        self.assertEqual(int(eldr_vllm.counts_from_kv_transfer_params(params).sum()), 2 * 5 * 2)
+        eldr_vllm._active = None
+        ctx.close()
+
+
 class HookTest(unittest.TestCase):
     LAYERS = (1, 3, 7)  # decoder layers with MoE (the others are dense)
     EXPERTS = 8
@@ -243,6 +314,16 @@ class RouteWithCountsTest(unittest.TestCase):
                 self.assertEqual(decision.policy, "eldr")
                 fallback = eldr_vllm.route_with_counts(client, {"remote_host": "h"})
                 self.assertEqual(fallback.fallback_reason, "no_signature")
+                # Gate sums win over counts when both are attached.
+                sums = np.zeros((2, 4), dtype=np.float32)
+                sums[0, 2] = 1.5  # flattened argmax 2 -> decode-2
+                both = eldr_vllm.attach_gate_prob_sums(params, sums)
+                gate = eldr_vllm.route_with_gate_prob_sums(client, both, request_id="g")
+                self.assertEqual(gate.worker_id, "decode-2")
+                counts_only = eldr_vllm.route_with_gate_prob_sums(client, params)
+                self.assertEqual(counts_only.worker_id, "decode-1")
+                with self.assertRaises(TypeError):
+                    client.route(sums)  # floats are not counts
         finally:
             router.stdin.close()
             router.stdout.close()

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -47,12 +48,33 @@ grpc::Status FakeRouterService::Route(grpc::ServerContext* /*context*/, const v1
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "counts do not match L x E");
     }
   }
+  if (request->has_gate_prob_sums()) {
+    const v1::GateProbSums& sums = request->gate_prob_sums();
+    received.has_counts = true;
+    received.encoding = "float32_le";
+    received.layers = sums.layers();
+    received.experts = sums.experts();
+    const std::string& bytes = sums.float32_le();
+    if (static_cast<int64_t>(bytes.size()) != 4 * int64_t{sums.layers()} * sums.experts()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "float32_le does not match L x E");
+    }
+    for (size_t i = 0; i < bytes.size() / 4; ++i) {
+      uint32_t bits = 0;
+      for (int b = 3; b >= 0; --b) bits = (bits << 8) | static_cast<uint8_t>(bytes[4 * i + b]);
+      float value;
+      std::memcpy(&value, &bits, sizeof(value));
+      received.gate_prob_sums.push_back(value);
+    }
+  }
   absl::MutexLock lock(&mu_);
   ++routes_;
   const uint64_t lease = next_lease_++;
   std::string worker;
   if (request->request_id() == "long-worker") {
     worker = std::string(300, 'w');
+  } else if (!received.gate_prob_sums.empty()) {
+    const auto it = std::max_element(received.gate_prob_sums.begin(), received.gate_prob_sums.end());
+    worker = absl::StrCat("decode-", (it - received.gate_prob_sums.begin()) % 3);
   } else if (received.has_counts && !received.counts.empty()) {
     // The worker is the argmax cell modulo 3, so tests can check the counts arrived intact.
     const auto it = std::max_element(received.counts.begin(), received.counts.end());

@@ -1,7 +1,7 @@
 // A tiny in-process DecodeRouter gRPC server for the capture client tests: it decodes the counts it
-// receives (int16_le or packed int32), remembers the last request, answers with a worker derived
-// from the counts, and hands out leases that Complete releases. Listens on 127.0.0.1, port chosen
-// by the OS.
+// receives (int16_le or packed int32, or gate-probability sums as float32_le), remembers the last request, answers with
+// a worker derived from the counts, and hands out leases that Complete releases. Listens on 127.0.0.1, port chosen by
+// the OS.
 #ifndef ELDR_TESTS_CAPTURE_FAKE_ROUTER_H_
 #define ELDR_TESTS_CAPTURE_FAKE_ROUTER_H_
 
@@ -28,10 +28,11 @@ class FakeRouterService final : public v1::DecodeRouter::Service {
     std::string request_id;
     int64_t prompt_tokens = 0;
     bool has_counts = false;
-    std::string encoding;  // "int16_le" or "values"
+    std::string encoding;  // "int16_le", "values" or "float32_le" (gate-probability sums)
     int layers = 0;
     int experts = 0;
     std::vector<int32_t> counts;
+    std::vector<float> gate_prob_sums;  // decoded float32_le of a gate_prob_sums signature
   };
 
   grpc::Status Route(grpc::ServerContext* context, const v1::RouteRequest* request,

@@ -4,8 +4,11 @@
 #include "engine_emu/prefill_engine.h"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "engine_emu/test_util.h"
 #include "gmock/gmock.h"
@@ -28,7 +31,7 @@ class PrefillEngineTest : public ::testing::Test {
  protected:
   PrefillEngineTest() { Build(SignatureKey::kEldrExpertCounts, 1024); }
 
-  void Build(SignatureKey key, int max_waiting) {
+  void Build(SignatureKey key, int max_waiting, bool gate_prob_sums = false) {
     engine_.reset();
     registry_.reset();
     metrics_ = std::make_unique<EmuMetrics>(EngineRole::kPrefill, "m1");
@@ -44,6 +47,7 @@ class PrefillEngineTest : public ::testing::Test {
     options.advertise_host = "10.1.2.3";
     options.advertise_port = 8200;
     options.signature_key = key;
+    options.gate_prob_sums = gate_prob_sums;
     engine_ = std::make_unique<PrefillEngine>(options, &clock_, metrics_.get(), registry_.get());
   }
 
@@ -166,6 +170,40 @@ TEST_F(PrefillEngineTest, ChatAnswer) {
   EXPECT_EQ(choice["finish_reason"], "length");
   EXPECT_FALSE(choice.contains("text"));
   EXPECT_TRUE(body["kv_transfer_params"]["eldr_expert_counts"].is_object());
+}
+
+TEST_F(PrefillEngineTest, GateProbSumsAreTheCountsOverTopK) {
+  const std::vector<int16_t>& counts = BundledCatalog()->request(3).prompt_counts;
+  Build(SignatureKey::kEldrExpertCounts, 1024, /*gate_prob_sums=*/false);
+  auto plain = Submit(1, 3);
+  clock_.RunUntilIdle();
+  EXPECT_FALSE(json::parse(plain->response().body)["kv_transfer_params"].contains("eldr_gate_prob_sums"));
+
+  Build(SignatureKey::kEldrExpertCounts, 1024, /*gate_prob_sums=*/true);
+  auto gated = Submit(2, 3);
+  clock_.RunUntilIdle();
+  const json kv = json::parse(gated->response().body)["kv_transfer_params"];
+  const json& sums = kv["eldr_gate_prob_sums"];
+  EXPECT_EQ(sums["layers"], 26);
+  EXPECT_EQ(sums["experts"], 64);
+  EXPECT_EQ(sums["encoding"], "float32_le");
+  std::string raw;
+  ASSERT_TRUE(absl::Base64Unescape(sums["data"].get<std::string>(), &raw));
+  ASSERT_EQ(raw.size(), counts.size() * 4);
+  const int top_k = BundledCatalog()->top_k();
+  ASSERT_EQ(top_k, 6);
+  double total = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    uint32_t bits = 0;
+    for (int b = 3; b >= 0; --b) bits = (bits << 8) | static_cast<uint8_t>(raw[4 * i + b]);
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    ASSERT_EQ(value, static_cast<float>(counts[i]) / 6.0f) << i;
+    total += value;
+  }
+  // Each prompt token gives 1 / top_k to each of its top_k choices in each layer.
+  EXPECT_NEAR(total, 26.0 * BundledCatalog()->request(3).prompt_tokens, 1e-2);
+  EXPECT_TRUE(kv["eldr_expert_counts"].is_object());
 }
 
 TEST_F(PrefillEngineTest, SignatureKeys) {

@@ -1,6 +1,8 @@
 #include "eldr/proxy/openai_protocol.h"
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -411,6 +413,65 @@ TEST(ParsePrefillResponseTest, BothKeysPreferTheCountsAndRemoveBoth) {
   EXPECT_EQ(result->signature->source, "eldr_expert_counts");
   EXPECT_EQ(result->signature->int16_le, counts);
   EXPECT_EQ(result->kv_transfer_params, kForwardedParams);
+}
+
+std::string Float32Le(const std::vector<float>& values) {
+  std::string out;
+  for (float v : values) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    for (int b = 0; b < 4; ++b) out.push_back(static_cast<char>((bits >> (8 * b)) & 0xff));
+  }
+  return out;
+}
+
+Json GateEntry(int layers, int experts, const std::string& bytes) {
+  return {{"layers", layers}, {"experts", experts}, {"encoding", "float32_le"}, {"data", absl::Base64Escape(bytes)}};
+}
+
+TEST(ParsePrefillResponseTest, ReadsGateProbSumsBesideTheCountsAndAlone) {
+  const std::string counts = Int16Le({1, 2, 0});
+  const std::string sums = Float32Le({0.5f, 1.25f, 0.f});
+  absl::StatusOr<PrefillResult> result = ParsePrefillResponse(PrefillAnswer(
+      {{"eldr_expert_counts", CountsEntry(1, 3, counts)}, {"eldr_gate_prob_sums", GateEntry(1, 3, sums)}}));
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_TRUE(result->signature.has_value());
+  EXPECT_EQ(result->signature->source, "eldr_expert_counts");
+  EXPECT_EQ(result->signature->int16_le, counts);
+  EXPECT_EQ(result->signature->float32_le, sums);
+  EXPECT_EQ(result->signature_problem, "");
+  EXPECT_EQ(result->kv_transfer_params, kForwardedParams);  // removed before the decode
+
+  result = ParsePrefillResponse(PrefillAnswer({{"eldr_gate_prob_sums", GateEntry(1, 3, sums)}}));
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_TRUE(result->signature.has_value());
+  EXPECT_EQ(result->signature->source, "eldr_gate_prob_sums");
+  EXPECT_EQ(result->signature->layers, 1);
+  EXPECT_EQ(result->signature->experts, 3);
+  EXPECT_EQ(result->signature->int16_le, "");
+  EXPECT_EQ(result->signature->float32_le, sums);
+}
+
+TEST(ParsePrefillResponseTest, UnusableGateProbSumsAreDroppedWithTheReason) {
+  const std::string counts = Int16Le({1, 2});
+  const std::vector<std::pair<Json, std::string>> cases = {
+      {GateEntry(1, 2, Float32Le({0.5f})), "holds 4 bytes"},
+      {GateEntry(1, 2, Float32Le({0.5f, std::nanf("")})), "non-finite"},
+      {GateEntry(1, 2, Float32Le({-1.f, 0.f})), "negative"},
+      {Json{{"layers", 1}, {"experts", 2}, {"encoding", "int16_le"}, {"data", absl::Base64Escape(counts)}},
+       "float32_le"},
+      {GateEntry(2, 1, Float32Le({0.5f, 0.5f})), "but the counts are 1 x 2"},
+  };
+  for (const auto& [entry, reason] : cases) {
+    absl::StatusOr<PrefillResult> result = ParsePrefillResponse(
+        PrefillAnswer({{"eldr_expert_counts", CountsEntry(1, 2, counts)}, {"eldr_gate_prob_sums", entry}}));
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_TRUE(result->signature.has_value()) << reason;
+    EXPECT_EQ(result->signature->int16_le, counts) << reason;  // the counts are still used
+    EXPECT_EQ(result->signature->float32_le, "") << reason;
+    EXPECT_THAT(result->signature_problem, HasSubstr(reason));
+    EXPECT_EQ(result->kv_transfer_params, kForwardedParams);
+  }
 }
 
 TEST(ParsePrefillResponseTest, NoSignatureIsNoProblem) {

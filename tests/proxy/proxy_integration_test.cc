@@ -3,6 +3,7 @@
 // clients (eldr::http::HttpClient) for what a user sends.
 #include <signal.h>
 
+#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
@@ -57,6 +58,30 @@ const std::string& CentroidsFile() {
   return *path;
 }
 
+// A gate_prob artifact (the reference's name gate_prob_all) for d0, d1: the `count` centroids of the
+// bundled traces relabelled. The engine emulator's stand-in gate sums are count / top_k, which a
+// unit-norm signature cannot tell from the counts, so these centroids fit them as they fit counts.
+const std::string& GateCentroidsFile() {
+  static const std::string* path = [] {
+    static TempDir dir;
+    auto* file = new std::string(dir.File("gate_centroids.json"));
+    const std::string counts = dir.File("count_centroids.json");
+    eldr::testing::ProcessResult calibrated =
+        RunProcess(BinaryPath("eldr-calibrate"),
+                   {"--trace=" + BundledTraceDir(), "--prefill_fraction=0.5", "--clusters=2", "--workers=d0,d1",
+                    "--variant=count", "--out=" + counts},
+                   absl::Seconds(120));
+    if (calibrated.exit_code != 0) ADD_FAILURE() << "eldr-calibrate failed: " << calibrated.stderr_text;
+    std::ifstream in(counts);
+    nlohmann::json artifact = nlohmann::json::parse(in);
+    artifact["variant"] = "gate_prob_all";
+    if (artifact.contains("sig_dtype")) artifact["sig_dtype"] = "<f4";
+    std::ofstream(*file) << artifact.dump();
+    return file;
+  }();
+  return *path;
+}
+
 struct StackOptions {
   int prefill = 1;
   int decode = 2;
@@ -67,6 +92,7 @@ struct StackOptions {
   bool dead_decode_worker = false;  // the router's pool holds a worker nobody listens on
   std::vector<std::string> proxy_args;
   std::vector<std::string> prefill_args;  // appended to every prefill engine's flags (later flags win)
+  std::string centroids;                  // the router's artifact; empty: CentroidsFile()
   double time_scale = 0.02;
   // Non-empty: the proxy finds its prefill instances by --discovery=kubernetes through this
   // kubeconfig (pods labelled app=prefill, port "http") instead of a --prefill list.
@@ -87,7 +113,8 @@ class Stack {
         workers.push_back(absl::StrCat("d", i, "=127.0.0.1:", decode_ports_[i]));
       if (options_.dead_decode_worker) workers.push_back(absl::StrCat("dead=127.0.0.1:", UnusedLoopbackPort()));
       absl::StatusOr<eldr::testing::RouterChild> router = eldr::testing::StartRouter(
-          dir_, {"--workers=" + absl::StrJoin(workers, ","), "--centroids=" + CentroidsFile(),
+          dir_, {"--workers=" + absl::StrJoin(workers, ","),
+                 "--centroids=" + (options_.centroids.empty() ? CentroidsFile() : options_.centroids),
                  "--policy=" + options_.router_policy, "--refit_interval=0", "--log_level=warning"});
       ASSERT_TRUE(router.ok()) << router.status();
       router_ = std::move(router->process);
@@ -454,6 +481,45 @@ TEST(ProxyIntegration, TheReferenceSignatureKeyIsRoutedByLocality) {
   }
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_signatures_total{source=\"eldr_sig\"}"), 4);
   EXPECT_EQ(stack.RouterMetric("eldr_route_requests_total{outcome=\"ok\",policy=\"eldr\"}"), 4);
+}
+
+TEST(ProxyIntegration, GateProbSumsAreForwardedToAGateProbRouter) {
+  // The prefill attaches counts and gate sums; --route_with_gate_prob_sums sends the gate sums to
+  // a router calibrated with gate_prob, which routes every request by locality (a count signature
+  // would be refused there with INVALID_ARGUMENT and the request balanced on load only).
+  StackOptions options;
+  options.prefill_args = {"--gate_prob_sums"};
+  options.proxy_args = {"--route_with_gate_prob_sums"};
+  options.centroids = GateCentroidsFile();
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 6; ++trace) {
+    absl::StatusOr<http::FetchedResponse> answer =
+        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 2, trace % 2 == 0));
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    ASSERT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
+  }
+  EXPECT_EQ(stack.RouterMetric("eldr_route_requests_total{outcome=\"ok\",policy=\"eldr\"}"), 6) << stack.Logs();
+  EXPECT_EQ(stack.RouterMetric("eldr_rejected_total{reason=\"wrong_encoding\"}"), 0);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_signatures_total{source=\"eldr_expert_counts\"}"), 6);
+  EXPECT_TRUE(stack.LeasesBackToZero());
+}
+
+TEST(ProxyIntegration, WithoutTheFlagTheCountsAreSentEvenWhenGateSumsCame) {
+  StackOptions options;
+  options.prefill_args = {"--gate_prob_sums"};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 3; ++trace) {
+    absl::StatusOr<http::FetchedResponse> answer =
+        Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(trace, 2, false));
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    ASSERT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
+  }
+  EXPECT_EQ(stack.RouterMetric("eldr_route_requests_total{outcome=\"ok\",policy=\"eldr\"}"), 3);
+  EXPECT_EQ(stack.RouterMetric("eldr_route_requests_total{outcome=\"invalid\",policy=\"eldr\"}"), 0);
 }
 
 TEST(ProxyIntegration, MalformedBodiesGet400WithTheReason) {

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,15 +67,16 @@ ServerOptions Options(int workers) {
 
 TEST(SignatureFromProto, ConvertsEachEncodingAsAView) {
   SignatureInput input;
+  std::vector<float> scratch;
   bool present = true;
-  ASSERT_TRUE(SignatureFromProto(eldr::v1::RouteRequest(), &input, &present).ok());
+  ASSERT_TRUE(SignatureFromProto(eldr::v1::RouteRequest(), &input, &present, &scratch).ok());
   EXPECT_FALSE(present);
 
   eldr::v1::RouteRequest int16;
   int16.mutable_counts()->set_layers(2);
   int16.mutable_counts()->set_experts(3);
   int16.mutable_counts()->set_int16_le(std::string(12, '\0'));
-  ASSERT_TRUE(SignatureFromProto(int16, &input, &present).ok());
+  ASSERT_TRUE(SignatureFromProto(int16, &input, &present, &scratch).ok());
   ASSERT_TRUE(present);
   const auto& bytes = std::get<CountsInt16Le>(input);
   EXPECT_EQ(bytes.layers, 2);
@@ -82,39 +84,88 @@ TEST(SignatureFromProto, ConvertsEachEncodingAsAView) {
   EXPECT_EQ(bytes.bytes.data(), int16.counts().int16_le().data());  // no copy
 
   eldr::v1::RouteRequest packed = ExpertRequest(1);
-  ASSERT_TRUE(SignatureFromProto(packed, &input, &present).ok());
+  ASSERT_TRUE(SignatureFromProto(packed, &input, &present, &scratch).ok());
   EXPECT_EQ(std::get<CountsInt32>(input).values.size(), static_cast<size_t>(kLayers * kExperts));
 
   eldr::v1::RouteRequest vector;
   vector.mutable_vector()->add_values(1.f);
   vector.mutable_vector()->add_values(2.f);
-  ASSERT_TRUE(SignatureFromProto(vector, &input, &present).ok());
+  ASSERT_TRUE(SignatureFromProto(vector, &input, &present, &scratch).ok());
   EXPECT_EQ(std::get<TransformedVector>(input).values.size(), 2u);
 }
 
 TEST(SignatureFromProto, RejectsUnusableShapes) {
   SignatureInput input;
+  std::vector<float> scratch;
   bool present = false;
   eldr::v1::RouteRequest no_data;
   no_data.mutable_counts()->set_layers(2);
   no_data.mutable_counts()->set_experts(2);
-  absl::Status s = SignatureFromProto(no_data, &input, &present);
+  absl::Status s = SignatureFromProto(no_data, &input, &present, &scratch);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RejectReasonOf(s), RejectReason::kMalformed);
 
   eldr::v1::RouteRequest zero = no_data;
   zero.mutable_counts()->set_layers(0);
   zero.mutable_counts()->set_int16_le("");
-  s = SignatureFromProto(zero, &input, &present);
+  s = SignatureFromProto(zero, &input, &present, &scratch);
   EXPECT_EQ(RejectReasonOf(s), RejectReason::kGeometry);
 
   eldr::v1::RouteRequest huge = no_data;
   huge.mutable_counts()->set_layers(1 << 16);
   huge.mutable_counts()->set_experts(1 << 16);
   huge.mutable_counts()->set_int16_le("");
-  s = SignatureFromProto(huge, &input, &present);
+  s = SignatureFromProto(huge, &input, &present, &scratch);
   EXPECT_EQ(RejectReasonOf(s), RejectReason::kGeometry);
   EXPECT_THAT(s.message(), HasSubstr("65536x65536"));
+}
+
+std::string Float32Le(const std::vector<float>& values) {
+  std::string bytes;
+  for (float v : values) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    for (int b = 0; b < 4; ++b) bytes.push_back(static_cast<char>((bits >> (8 * b)) & 0xff));
+  }
+  return bytes;
+}
+
+TEST(SignatureFromProto, DecodesGateProbSumsLittleEndian) {
+  SignatureInput input;
+  std::vector<float> scratch;
+  bool present = false;
+  eldr::v1::RouteRequest request;
+  request.mutable_gate_prob_sums()->set_layers(1);
+  request.mutable_gate_prob_sums()->set_experts(3);
+  request.mutable_gate_prob_sums()->set_float32_le(Float32Le({0.5f, 0.f, 1.25f}));
+  ASSERT_TRUE(SignatureFromProto(request, &input, &present, &scratch).ok());
+  ASSERT_TRUE(present);
+  const auto& sums = std::get<GateProbSums>(input);
+  EXPECT_EQ(sums.layers, 1);
+  EXPECT_EQ(sums.experts, 3);
+  EXPECT_THAT(std::vector<float>(sums.values.begin(), sums.values.end()), ElementsAre(0.5f, 0.f, 1.25f));
+  // The exact bytes of 0.5f (0x3f000000), little-endian.
+  request.mutable_gate_prob_sums()->set_experts(1);
+  request.mutable_gate_prob_sums()->set_float32_le(std::string("\x00\x00\x00\x3f", 4));
+  ASSERT_TRUE(SignatureFromProto(request, &input, &present, &scratch).ok());
+  EXPECT_EQ(std::get<GateProbSums>(input).values[0], 0.5f);
+}
+
+TEST(SignatureFromProto, RejectsGateProbSumsOfPartialFloats) {
+  SignatureInput input;
+  std::vector<float> scratch;
+  bool present = false;
+  eldr::v1::RouteRequest request;
+  request.mutable_gate_prob_sums()->set_layers(1);
+  request.mutable_gate_prob_sums()->set_experts(2);
+  request.mutable_gate_prob_sums()->set_float32_le(std::string(7, '\0'));
+  const absl::Status s = SignatureFromProto(request, &input, &present, &scratch);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RejectReasonOf(s), RejectReason::kGeometry);
+  EXPECT_THAT(s.message(), HasSubstr("7 bytes"));
+  request.mutable_gate_prob_sums()->set_layers(-1);
+  request.mutable_gate_prob_sums()->set_float32_le(std::string(8, '\0'));
+  EXPECT_EQ(RejectReasonOf(SignatureFromProto(request, &input, &present, &scratch)), RejectReason::kGeometry);
 }
 
 TEST(ConstantTimeEquals, ComparesWholeStrings) {

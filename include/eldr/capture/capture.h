@@ -103,10 +103,13 @@ typedef enum eldr_capture_device { ELDR_CAPTURE_DEVICE_CPU = 0, ELDR_CAPTURE_DEV
 typedef enum eldr_capture_index_type { ELDR_CAPTURE_INT32 = 0, ELDR_CAPTURE_INT64 = 1 } eldr_capture_index_type;
 
 /* Element type of finished counts. INT16 saturates at 32767 (the router's int16_le wire format);
- * INT32 saturates at 2147483647. */
+ * INT32 saturates at 2147483647. FLOAT32 is the type of gate-probability sums: the output of
+ * eldr_capture_finish_gate_probs / _finish_direct_gate_probs, and of eldr_capture_client_route's
+ * `counts_type` when it sends gate sums. */
 typedef enum eldr_capture_output_type {
   ELDR_CAPTURE_OUTPUT_INT16 = 0,
-  ELDR_CAPTURE_OUTPUT_INT32 = 1
+  ELDR_CAPTURE_OUTPUT_INT32 = 1,
+  ELDR_CAPTURE_OUTPUT_FLOAT32 = 2
 } eldr_capture_output_type;
 
 /* Flags of eldr_capture_record. */
@@ -152,6 +155,11 @@ typedef struct eldr_capture_options {
   /* CUDA: check that device array arguments are device-accessible before launching (default 1). A
    * host pointer passed to a kernel would crash the CUDA context; the check costs ~1 us per call. */
   int32_t validate_pointers;
+  /* 1: also keep gate-probability accumulators, per KV block and per direct slot, for
+   * eldr_capture_record_gate_probs / _record_direct_gate_probs (default 0). Per block they are L * E
+   * 32-bit values (4 bytes per cell, beside the counters). Callers built against an older header
+   * (a smaller struct_size) get 0. */
+  int32_t record_gate_probs;
 } eldr_capture_options;
 
 /* Fills `options` with the defaults above (geometry fields 0: the caller must set them). */
@@ -180,6 +188,12 @@ typedef struct eldr_capture_info {
   uint64_t device_bytes;
   /* Bytes of pinned host memory for results (CUDA), or host memory (CPU). */
   uint64_t host_bytes;
+  /* Gate probabilities (0 when record_gate_probs is off): fraction bits of the per-block fixed-point
+   * accumulators (24, those of the direct mode, without the block mode), and the per-block
+   * accumulators' bytes. Written only when struct_size covers them. */
+  int32_t gate_prob_fraction_bits;
+  uint32_t reserved;
+  uint64_t block_gate_prob_bytes;
 } eldr_capture_info;
 
 /* Geometry and memory of a context. `info->struct_size` must be set by the caller. */
@@ -232,6 +246,37 @@ ELDR_CAPTURE_API int eldr_capture_finish(eldr_capture_ctx* ctx, const int32_t* b
                                          const int64_t* lengths, int32_t num_requests, int32_t output_type,
                                          void* stream, eldr_capture_result** out);
 
+/*
+ * Gate probabilities (a context created with record_gate_probs = 1; FAILED_PRECONDITION otherwise).
+ *
+ * eldr_capture_record_gate_probs does everything eldr_capture_record does (same arguments, same
+ * resets, same slot rule), and also adds each counted choice's gate probability
+ *   topk_weights  device, [num_tokens][top_k] float32: the router's top-k weights of each token
+ * to the block's gate-probability accumulator of (layer, expert). A block's accumulators are reset
+ * with its counts (whenever it is refilled from offset 0, by record or eldr_capture_reset_batch_blocks,
+ * whether or not that record passes probabilities), and a request's sums are the sum over its block
+ * table, like its counts. A probability outside [0, 1] (or NaN) is skipped and counted in
+ * bad_gate_probs; the choice's count is still added.
+ *
+ * Exactness. Accumulators are unsigned fixed point: each probability is rounded once to a multiple
+ * of 2^-F (F = info.gate_prob_fraction_bits: 24, or fewer when block_size * max_top_k needs more
+ * than 8 integer bits), and integer adds make the sum independent of the order in which tokens and
+ * GPU threads add; a finish converts each request's integer sum to float32 once (round to nearest).
+ * The CUDA path therefore gives the CPU reference's bits exactly. The error against the exact sum
+ * of the probabilities is at most n * 2^-(F+1) for n added probabilities, plus the float32 rounding
+ * of the total (float32 additions of the same probabilities would err by about as much).
+ */
+ELDR_CAPTURE_API int eldr_capture_record_gate_probs(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids,
+                                                    int32_t id_type, const float* topk_weights, int32_t top_k,
+                                                    const void* slot_mapping, int32_t slot_type, int64_t num_tokens,
+                                                    uint32_t flags, void* stream);
+
+/* Sums each request's blocks' gate-probability accumulators into float32 [num_requests][L][E], read
+ * with eldr_capture_result_gate_prob_sums. Arguments and block rule as eldr_capture_finish. */
+ELDR_CAPTURE_API int eldr_capture_finish_gate_probs(eldr_capture_ctx* ctx, const int32_t* block_tables,
+                                                    int64_t block_table_stride, const int64_t* lengths,
+                                                    int32_t num_requests, void* stream, eldr_capture_result** out);
+
 /* Copies per-block counts of blocks [first_block, first_block + num_blocks) into `out` (host,
  * [num_blocks][L][E] int32) and waits for them: for tests and debugging, not the hot path. */
 ELDR_CAPTURE_API int eldr_capture_read_block_counts(eldr_capture_ctx* ctx, int64_t first_block, int64_t num_blocks,
@@ -253,6 +298,20 @@ ELDR_CAPTURE_API int eldr_capture_finish_direct(eldr_capture_ctx* ctx, const int
                                                 int32_t num_requests, int32_t output_type, void* stream,
                                                 eldr_capture_result** out);
 
+/* Direct mode with gate probabilities (record_gate_probs = 1): eldr_capture_record_direct, plus each
+ * valid choice's probability topk_weights[t][j] (device, float32) added to the slot's accumulators
+ * (64-bit fixed point, 24 fraction bits; the same exactness as the block mode). */
+ELDR_CAPTURE_API int eldr_capture_record_direct_gate_probs(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids,
+                                                           int32_t id_type, const float* topk_weights, int32_t top_k,
+                                                           const void* token_request, int32_t request_type,
+                                                           int64_t num_tokens, void* stream);
+
+/* The gate-probability sums of request slots (host, distinct) as float32 [num_requests][L][E], and
+ * zeroes those slots' gate accumulators (their counts are left to eldr_capture_finish_direct). */
+ELDR_CAPTURE_API int eldr_capture_finish_direct_gate_probs(eldr_capture_ctx* ctx, const int32_t* request_slots,
+                                                           int32_t num_requests, void* stream,
+                                                           eldr_capture_result** out);
+
 /* Copies direct-mode counts of slots [first_slot, first_slot + num_slots) into `out` (host,
  * [num_slots][L][E] int32) and waits for them. */
 ELDR_CAPTURE_API int eldr_capture_read_direct_counts(eldr_capture_ctx* ctx, int32_t first_slot, int32_t num_slots,
@@ -273,6 +332,10 @@ ELDR_CAPTURE_API int32_t eldr_capture_result_output_type(const eldr_capture_resu
 /* The counts, [num_requests][L][E] of the output type; NULL until the result is ready. Valid until the
  * result is released. */
 ELDR_CAPTURE_API const void* eldr_capture_result_counts(const eldr_capture_result* result);
+
+/* The gate-probability sums, [num_requests][L][E] float32, of a result of a gate-probability finish;
+ * NULL until ready, and for results of count finishes. Valid until the result is released. */
+ELDR_CAPTURE_API const float* eldr_capture_result_gate_prob_sums(const eldr_capture_result* result);
 
 /* Releases the result and its slot. NULL is a no-op. A pending result may be released: its slot is
  * reused once the copy has completed. */
@@ -306,6 +369,8 @@ typedef struct eldr_capture_stats {
   uint64_t saturated_outputs;
   /* Block rows zeroed because their offset-0 slot was in a batch (per token and call). */
   uint64_t block_resets;
+  /* Gate probabilities outside [0, 1] or NaN, skipped (written only when struct_size covers it). */
+  uint64_t bad_gate_probs;
 } eldr_capture_stats;
 
 /* Reads the counters, waiting for the work enqueued on `stream`. `stats->struct_size` must be set. */
@@ -359,8 +424,11 @@ typedef struct eldr_capture_route_details {
 /*
  * Calls DecodeRouter.Route for a request whose prefill finished and returns the chosen decode worker.
  *   counts       host, [layers][experts] of counts_type (ELDR_CAPTURE_OUTPUT_INT16: sent as int16_le
- *                bytes; ELDR_CAPTURE_OUTPUT_INT32: sent as packed values), e.g. one request's row of
- *                eldr_capture_result_counts. NULL sends no signature (the router balances load only).
+ *                bytes; ELDR_CAPTURE_OUTPUT_INT32: sent as packed values; ELDR_CAPTURE_OUTPUT_FLOAT32:
+ *                float gate-probability sums, sent as RouteRequest.gate_prob_sums float32_le bytes, for
+ *                a router calibrated with the gate_prob variant), e.g. one request's row of
+ *                eldr_capture_result_counts or _gate_prob_sums. NULL sends no signature (the router
+ *                balances load only).
  *   request_id   NUL-terminated, may be NULL or empty.
  * On success worker_id and address (NUL-terminated) and *lease_id are written, and `details` when not
  * NULL. If worker_id or address does not fit, the route still happened: *lease_id is written (pass it

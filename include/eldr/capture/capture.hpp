@@ -21,8 +21,9 @@ namespace eldr::capture {
 
 enum class Device { kCpu = 0, kCuda = 1 };
 enum class IndexType { kInt32 = 0, kInt64 = 1 };
-// kInt16 saturates at 32767 (the router's int16_le wire format), kInt32 at 2^31 - 1.
-enum class OutputType { kInt16 = 0, kInt32 = 1 };
+// kInt16 saturates at 32767 (the router's int16_le wire format), kInt32 at 2^31 - 1. kFloat32 is the
+// output of the gate-probability finishes (FinishGateProbs, FinishDirectGateProbs) only.
+enum class OutputType { kInt16 = 0, kInt32 = 1, kFloat32 = 2 };
 
 // Defaults match eldr_capture_options_init; see eldr_capture_options for each field's contract.
 struct Options {
@@ -39,6 +40,9 @@ struct Options {
   int result_slots = 4;
   int max_direct_requests = 0;  // 0: direct mode off
   bool validate_pointers = true;
+  // Also keep gate-probability accumulators (per block and per direct slot) for RecordGateProbs /
+  // RecordDirectGateProbs; see eldr_capture_options.record_gate_probs.
+  bool record_gate_probs = false;
 };
 
 struct Info {
@@ -52,6 +56,12 @@ struct Info {
   uint64_t block_counts_bytes = 0;
   uint64_t device_bytes = 0;
   uint64_t host_bytes = 0;
+  // Gate-probability accumulators (0 when options.record_gate_probs is off): fixed-point fraction
+  // bits of the per-block accumulators (of the direct-mode ones, 24, without the block mode) and
+  // the per-block accumulators' bytes.
+  int gate_prob_fraction_bits = 0;
+  uint64_t block_gate_prob_bytes = 0;
+  int max_direct_requests = 0;
 };
 
 // Cumulative counters; see eldr_capture_stats for each field.
@@ -66,6 +76,7 @@ struct Stats {
   uint64_t saturated_adds = 0;
   uint64_t saturated_outputs = 0;
   uint64_t block_resets = 0;
+  uint64_t bad_gate_probs = 0;
 
   friend bool operator==(const Stats&, const Stats&) = default;
 };
@@ -94,6 +105,8 @@ class FinishResult {
   // [num_requests][L][E]; nullptr until ready or for the other output type.
   virtual const int16_t* counts_int16() const = 0;
   virtual const int32_t* counts_int32() const = 0;
+  // [num_requests][L][E] gate-probability sums; nullptr until ready or for the count output types.
+  virtual const float* gate_prob_sums() const = 0;
   // Counters as of this finish in stream order (valid once ready).
   virtual Stats stats() const = 0;
 };
@@ -127,6 +140,26 @@ class Capture {
                                                                      int num_requests,
                                                                      OutputType output_type,
                                                                      void* stream) = 0;
+
+  // Gate probabilities (options.record_gate_probs; FAILED_PRECONDITION otherwise): the same as Record
+  // / RecordDirect, plus each choice's probability topk_weights[t][j] (float32, same memory as
+  // topk_ids) added to the gate-probability accumulators of the same block or slot. See
+  // eldr_capture_record_gate_probs for the fixed-point accumulation that makes every device agree.
+  virtual absl::Status RecordGateProbs(int layer, const void* topk_ids, IndexType id_type, const float* topk_weights,
+                                       int top_k, const void* slot_mapping, IndexType slot_type, int64_t num_tokens,
+                                       uint32_t flags, void* stream) = 0;
+  virtual absl::Status RecordDirectGateProbs(int layer, const void* topk_ids, IndexType id_type,
+                                             const float* topk_weights, int top_k, const void* token_request,
+                                             IndexType request_type, int64_t num_tokens, void* stream) = 0;
+  // The gate-probability sums of requests, float32 [num_requests][L][E] (output type kFloat32):
+  // same arguments and block rule as Finish / FinishDirect (FinishDirectGateProbs zeroes the slots'
+  // gate accumulators, not their counts).
+  virtual absl::StatusOr<std::unique_ptr<FinishResult>> FinishGateProbs(const int32_t* block_tables,
+                                                                        int64_t block_table_stride,
+                                                                        const int64_t* lengths, int num_requests,
+                                                                        void* stream) = 0;
+  virtual absl::StatusOr<std::unique_ptr<FinishResult>> FinishDirectGateProbs(const int32_t* request_slots,
+                                                                              int num_requests, void* stream) = 0;
 
   virtual absl::Status Clear(void* stream) = 0;
   virtual absl::StatusOr<Stats> ReadStats(void* stream) = 0;
@@ -177,6 +210,11 @@ class RouterClient {
                                                    int64_t prompt_tokens,
                                                    absl::Span<const int32_t> counts, int layers,
                                                    int experts) = 0;
+  // Route with gate-probability sums sent as float32_le bytes ([layers][experts], the
+  // FinishGateProbs output); for a router calibrated with the gate_prob variant.
+  virtual absl::StatusOr<RouteDecision> RouteGateProbSums(const std::string& request_id, int64_t prompt_tokens,
+                                                          absl::Span<const float> sums, int layers,
+                                                          int experts) = 0;
   // Route without a signature: the router balances load only.
   virtual absl::StatusOr<RouteDecision> RouteWithoutSignature(const std::string& request_id,
                                                               int64_t prompt_tokens) = 0;

@@ -103,13 +103,19 @@ struct Signature {
   int32_t layers = 0;
   int32_t experts = 0;
   // The counts, little-endian int16, row-major [layers][experts]: ExpertCounts.int16_le as is.
+  // Empty when only gate-probability sums came.
   std::string int16_le;
-  // "eldr_expert_counts" or "eldr_sig": which key it came from (a metric label).
+  // Gate-probability sums from eldr_gate_prob_sums, little-endian float32, row-major
+  // [layers][experts]: GateProbSums.float32_le as is (empty when none came).
+  std::string float32_le;
+  // "eldr_expert_counts", "eldr_sig" or "eldr_gate_prob_sums" (only gate sums): which key the
+  // counts came from (a metric label).
   std::string source;
 };
 
 struct PrefillResult {
-  // The prefill's kv_transfer_params without eldr_expert_counts and eldr_sig: for MakeDecodeBody.
+  // The prefill's kv_transfer_params without eldr_expert_counts, eldr_sig and eldr_gate_prob_sums:
+  // for MakeDecodeBody.
   nlohmann::json kv_transfer_params;
   // The signature for eldr-router's Route; empty when none was attached or none was usable.
   std::optional<Signature> signature;
@@ -130,9 +136,12 @@ struct PrefillResult {
 //   - else `eldr_sig`: a strict base64 string of a non-empty, even number of bytes;
 //   - every count must be >= 0 (the connector clips to [0, 32767]: a negative value is a corrupt
 //     payload, dropped here rather than sent to the router to be rejected there).
+//   - `eldr_gate_prob_sums` (also taken beside counts): an object like eldr_expert_counts with
+//     `encoding` "float32_le" and 4 * layers * experts bytes of finite, non-negative float32 sums;
+//     with counts of eldr_expert_counts its geometry must be theirs.
 // A payload breaking a rule is dropped and signature_problem names the rule; when
 // eldr_expert_counts is unusable, a usable eldr_sig is still taken (the problem is still reported).
-// Both keys are removed from the forwarded kv_transfer_params whatever their content.
+// The three keys are removed from the forwarded kv_transfer_params whatever their content.
 absl::StatusOr<PrefillResult> ParsePrefillResponse(absl::string_view body);
 
 // The body for the chosen decode engine: the client's body, unchanged but for kv_transfer_params,

@@ -113,6 +113,11 @@ struct ProxyOptions {
   size_t max_buffered_bytes_per_stream = 16 << 20;
   // On SIGTERM: readiness turns false at once, requests in flight get this long to finish.
   absl::Duration shutdown_grace = absl::Seconds(30);
+  // Which signature Route carries when the prefill attached gate-probability sums
+  // (eldr_gate_prob_sums): false sends the counts (a router calibrated with count or count_idf),
+  // true the gate sums (a router calibrated with gate_prob), falling back to the counts when a
+  // prefill attached none. Gate sums alone are never sent to a count router.
+  bool route_with_gate_prob_sums = false;
 
   static http::HttpServerOptions DefaultServerOptions();
   static http::HttpClientOptions DefaultClientOptions();
