@@ -65,16 +65,21 @@ class GrpcBackend final : public RoutingBackend {
     eldr::v1::RouteRequest request;
     request.set_request_id(absl::StrCat("sim-", call.request_id));
     request.set_prompt_tokens(call.prompt_tokens);
+    // The wire formats are little-endian int16 and float32, the in-memory layouts on every platform
+    // this project builds for (x86-64, aarch64).
     if (!call.prompt_gate_sums.empty()) {
-      return absl::FailedPreconditionError("gate-probability sums cannot be sent to eldr-router by this build");
+      eldr::v1::GateProbSums* sums = request.mutable_gate_prob_sums();
+      sums->set_layers(call.layers);
+      sums->set_experts(call.experts);
+      sums->set_float32_le(reinterpret_cast<const char*>(call.prompt_gate_sums.data()),
+                           call.prompt_gate_sums.size() * sizeof(float));
+    } else {
+      eldr::v1::ExpertCounts* counts = request.mutable_counts();
+      counts->set_layers(call.layers);
+      counts->set_experts(call.experts);
+      counts->set_int16_le(reinterpret_cast<const char*>(call.prompt_counts.data()),
+                           call.prompt_counts.size() * sizeof(int16_t));
     }
-    eldr::v1::ExpertCounts* counts = request.mutable_counts();
-    counts->set_layers(call.layers);
-    counts->set_experts(call.experts);
-    // The wire format is little-endian int16, which is the in-memory layout on every platform this
-    // project builds for (x86-64, aarch64).
-    counts->set_int16_le(reinterpret_cast<const char*>(call.prompt_counts.data()),
-                         call.prompt_counts.size() * sizeof(int16_t));
     eldr::v1::RouteResponse response;
     auto context = ContextWithDeadline(rpc_timeout_s_);
     ELDR_RETURN_IF_ERROR(FromGrpc(router_->Route(context.get(), request, &response), "Route", daemon_.target));
