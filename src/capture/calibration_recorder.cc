@@ -52,8 +52,7 @@ CalibrationRecorder::CalibrationRecorder(Capture* capture, int direct_slots, int
   for (int slot = direct_slots - 1; slot >= 0; --slot) free_slots_.push_back(slot);
 }
 
-absl::StatusOr<std::unique_ptr<CalibrationRecorder>> CalibrationRecorder::Create(Capture* capture,
-                                                                                  int decode_tokens) {
+absl::StatusOr<std::unique_ptr<CalibrationRecorder>> CalibrationRecorder::Create(Capture* capture, int decode_tokens) {
   if (capture == nullptr) return absl::InvalidArgumentError("calibration recorder: capture is null");
   const Info& info = capture->info();
   if (info.gate_prob_fraction_bits == 0) {
@@ -69,7 +68,8 @@ absl::StatusOr<std::unique_ptr<CalibrationRecorder>> CalibrationRecorder::Create
     return absl::InvalidArgumentError(
         absl::StrCat("calibration recorder: decode_tokens must be >= 1, got ", decode_tokens));
   }
-  return std::unique_ptr<CalibrationRecorder>(new CalibrationRecorder(capture, info.max_direct_requests, decode_tokens));
+  return std::unique_ptr<CalibrationRecorder>(
+      new CalibrationRecorder(capture, info.max_direct_requests, decode_tokens));
 }
 
 absl::Status CalibrationRecorder::BeginRequest(const std::string& key, int64_t prompt_tokens, int label) {

@@ -59,7 +59,8 @@ TEST(CalibrationRecorderTest, ReplayedTracesGivePromptDecodeAndGateSumsAndAFileE
   options.record_gate_probs = true;
   auto capture = MustCreate(options);
   ASSERT_NE(capture, nullptr);
-  absl::StatusOr<std::unique_ptr<CalibrationRecorder>> created = CalibrationRecorder::Create(capture.get(), kDecodeTokens);
+  absl::StatusOr<std::unique_ptr<CalibrationRecorder>> created =
+      CalibrationRecorder::Create(capture.get(), kDecodeTokens);
   ASSERT_TRUE(created.ok()) << created.status();
   CalibrationRecorder& recorder = **created;
 
@@ -153,8 +154,8 @@ TEST(CalibrationRecorderTest, ReplayedTracesGivePromptDecodeAndGateSumsAndAFileE
     const CalibrationRecord& record = recorder.records()[r];
     EXPECT_TRUE(std::equal(record.prefill_counts.begin(), record.prefill_counts.end(),
                            read->prefill_counts.begin() + r * cells));
-    EXPECT_TRUE(std::equal(record.decode_counts.begin(), record.decode_counts.end(),
-                           read->decode_counts.begin() + r * cells));
+    EXPECT_TRUE(
+        std::equal(record.decode_counts.begin(), record.decode_counts.end(), read->decode_counts.begin() + r * cells));
     EXPECT_TRUE(std::equal(record.gate_prob_sums.begin(), record.gate_prob_sums.end(),
                            read->gate_prob_sums.begin() + r * cells));
     EXPECT_EQ(read->labels[r], record.label);
