@@ -121,10 +121,9 @@ ELDR_GATE_HD inline double DeterministicExp(double x) {
   const double r = GateSub(GateSub(x, GateMul(k, kLn2Hi)), GateMul(k, kLn2Lo));
   // Taylor series to r^13 (truncation < 2^-56 relative), Horner.
   constexpr double kCoefficients[] = {
-      0x1.6124613a86d09p-33, 0x1.1eed8eff8d898p-29, 0x1.ae64567f544e4p-26, 0x1.27e4fb7789f5cp-22,
-      0x1.71de3a556c734p-19, 0x1.a01a01a01a01ap-16, 0x1.a01a01a01a01ap-13, 0x1.6c16c16c16c17p-10,
-      0x1.1111111111111p-7,  0x1.5555555555555p-5,  0x1.5555555555555p-3,  0x1.0000000000000p-1,
-      0x1.0000000000000p+0,  0x1.0000000000000p+0};
+      0x1.6124613a86d09p-33, 0x1.1eed8eff8d898p-29, 0x1.ae64567f544e4p-26, 0x1.27e4fb7789f5cp-22, 0x1.71de3a556c734p-19,
+      0x1.a01a01a01a01ap-16, 0x1.a01a01a01a01ap-13, 0x1.6c16c16c16c17p-10, 0x1.1111111111111p-7,  0x1.5555555555555p-5,
+      0x1.5555555555555p-3,  0x1.0000000000000p-1,  0x1.0000000000000p+0,  0x1.0000000000000p+0};
   double p = kCoefficients[0];
   for (int i = 1; i < 14; ++i) p = GateAdd(GateMul(p, r), kCoefficients[i]);
   return GateMul(p, GatePow2(static_cast<int>(k)));
