@@ -11,8 +11,9 @@
 // fixed-point accumulators (integer adds) the same bits.
 //
 // Accuracy: DeterministicExp(x) is within 2^-50 relative of exp(x) for x in [-708, 0] (tested
-// against std::exp), so each quantised probability is round(p * 2^F) of the exact softmax p, or one
-// grid step away from it when p * 2^F lies within ~2^-26 of a rounding boundary.
+// against std::exp); with the double sum over E terms and the division a probability is within
+// d = (E + 10) * 2^-53 of the exact softmax p, so each quantised probability is round(p * 2^F), or
+// one grid step away from it when p * 2^F lies within d * 2^F of a rounding boundary.
 #ifndef ELDR_CUDA_GATE_SOFTMAX_H_
 #define ELDR_CUDA_GATE_SOFTMAX_H_
 

@@ -303,9 +303,11 @@ typedef enum eldr_capture_logits_type {
  * no FMA contraction), and the expert order of the sum fixed; each probability p is then rounded
  * once to the grid 2^-F. The CPU reference and the CUDA kernels perform the same operations, so
  * they produce the same accumulator bits, and the finishes the same float32 sums. Against the exact
- * softmax, each rounded probability is within 2^-(F+1) + 2^-50 of p (one grid step off only when
- * p * 2^F is within ~2^-26 of a rounding boundary), so a request's sum of n tokens is within
- * n * (2^-(F+1) + 2^-50) of the exact sum, plus the float32 rounding of the total.
+ * softmax p, the computed probability is within d = (E + 10) * 2^-53 (exp within 2^-50 relative,
+ * the sum over E terms, the division), so each rounded probability is within 2^-(F+1) + d of p:
+ * round(p * 2^F) itself except when p * 2^F lies within d * 2^F of a rounding boundary (then one
+ * grid step off). A request's sum of n tokens is within n * (2^-(F+1) + d) of the exact sum, plus
+ * the float32 rounding of the total.
  */
 ELDR_CAPTURE_API int eldr_capture_record_gate_logits(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids,
                                                      int32_t id_type, int32_t top_k, const void* router_logits,
