@@ -14,11 +14,17 @@ decode forward passes of its first N generated tokens; see CalibrationRecorder).
                                                   record_gate_probs=1), decode_tokens=128)
     recorder.begin_request("r0", prompt_tokens=412, label=3)
     recorder.set_batch([("r0", 412)])                 # the next forward pass: r0's 412 tokens
-    for layer in range(L): recorder.record(layer, topk_ids, topk_weights)
+    for layer in range(L): recorder.record(layer, topk_ids, router_logits=router_logits)
     recorder.set_batch([("r0", 1)])                   # a decode step
     ...
     recorder.finish_request("r0")
     recorder.write("calibration.cap")
+
+Gate sums. gate_mode="all" (the default) records the reference's gate_prob_all: per prompt token
+the softmax over ALL experts of the MoE gate's router logits [tokens][E] (record(...,
+router_logits=...)); gate_mode="topk" records the router's top-k weights instead (record(layer,
+topk_ids, topk_weights)). The capture file does not say which: an artifact calibrated from it must
+be served with sums captured in the same mode (eldr_vllm's ELDR_GATE_PROBS=all or topk).
 
 Needs only numpy and eldr_capture (the ctypes binding); eldr_calibration_run.py drives it from vLLM.
 """
@@ -115,6 +121,9 @@ def write_capture_file(path: str, *args, **kwargs) -> None:
 # ---- The recorder -------------------------------------------------------------------------------
 
 
+GATE_MODES = ("all", "topk")
+
+
 @dataclasses.dataclass
 class CalibrationRecord:
     """One finished request: counts [L][E] int32, gate sums [L][E] float32."""
@@ -152,7 +161,11 @@ class CalibrationRecorder:
     Thread safety: none; one engine loop drives it.
     """
 
-    def __init__(self, capture: CaptureContext, *, decode_tokens: int = DEFAULT_DECODE_TOKENS):
+    def __init__(self, capture: CaptureContext, *, decode_tokens: int = DEFAULT_DECODE_TOKENS,
+                 gate_mode: str = "all"):
+        if gate_mode not in GATE_MODES:
+            raise ValueError(f"gate_mode must be one of {GATE_MODES}, got {gate_mode!r}")
+        self.gate_mode = gate_mode
         if capture.device != "cpu":
             raise ValueError("the calibration recorder needs a CPU capture context (host arrays)")
         if decode_tokens < 1:
@@ -205,18 +218,32 @@ class CalibrationRecorder:
         self._token_slots = np.asarray(slots, dtype=np.int32)
         return self._token_slots
 
-    def record(self, layer_index: int, topk_ids, topk_weights) -> None:
-        """One MoE layer of the declared pass: topk_ids and topk_weights [tokens][k] (host arrays,
-        or tensors with .cpu()); tokens beyond the declared ones are padding."""
+    def record(self, layer_index: int, topk_ids, topk_weights=None, *,
+               router_logits=None) -> None:
+        """One MoE layer of the declared pass: topk_ids [tokens][k] with, by gate_mode, the router
+        logits [tokens][E] ("all") or topk_weights [tokens][k] ("topk") (host arrays, or tensors
+        with .cpu()); tokens beyond the declared ones are padding."""
         ids = _host(topk_ids)
-        weights = _host(topk_weights).astype(np.float32, copy=False)
+        if self.gate_mode == "all":
+            if router_logits is None:
+                raise ValueError("gate_mode 'all' records router_logits [tokens][E]")
+            gate = _host(router_logits)
+            if gate.dtype != np.float16:
+                gate = gate.astype(np.float32, copy=False)
+        else:
+            if topk_weights is None:
+                raise ValueError("gate_mode 'topk' records topk_weights [tokens][k]")
+            gate = _host(topk_weights).astype(np.float32, copy=False)
         n = ids.shape[0]
         token_slots = np.full(n, -1, dtype=np.int32)
         m = min(n, self._token_slots.shape[0])
         token_slots[:m] = self._token_slots[:m]
         if n == 0:
             return
-        self.capture.record_direct_gate_probs(layer_index, ids, weights, token_slots)
+        if self.gate_mode == "all":
+            self.capture.record_direct_gate_logits(layer_index, ids, gate, token_slots)
+        else:
+            self.capture.record_direct_gate_probs(layer_index, ids, gate, token_slots)
 
     def finish_request(self, key: str) -> CalibrationRecord:
         active = self._active.pop(key)

@@ -20,8 +20,10 @@ vLLM-facing part is kept small): LLM(model, enforce_eager=True, enable_prefix_ca
 max_num_seqs=1) in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor parallel size 1), so
 that every forward pass holds one request and the MoE hooks run here. Each MoE layer's router
 (.router of the modules in compilation_config.static_forward_context, as eldr_vllm finds them)
-gets its select_experts wrapped, which returns (topk_weights, topk_ids): both are copied to the
-host and recorded into a CPU capture context in direct mode (eldr_calibration.CalibrationRecorder).
+gets its select_experts(hidden_states, router_logits) wrapped, which returns (topk_weights,
+topk_ids): the ids and, by --gate_mode, the router logits (all, the default: softmax over all
+experts, the reference's gate_prob_all) or the top-k weights (topk) are copied to the host and
+recorded into a CPU capture context in direct mode (eldr_calibration.CalibrationRecorder).
 A request runs with max_tokens = N + 1, so that its first N generated tokens each pass through a
 decode forward pass (the first comes out of the prompt's pass). Slow next to serving (one request
 at a time, a host copy per layer) but exact, and a calibration sample is small.
@@ -62,8 +64,10 @@ def read_prompts(path: str, label_field: str) -> list:
 
 
 def hook_moe_layers(llm, recorder: CalibrationRecorder, on_pass) -> tuple:
-    """Wraps every MoE router's select_experts; returns (layers, experts, top_k)."""
-    from eldr_vllm import find_moe_modules  # noqa: PLC0415
+    """Wraps every MoE router's select_experts; returns (layers, experts, top_k). The hook records
+    the ids with the router_logits argument (recorder.gate_mode "all") or the returned top-k
+    weights ("topk")."""
+    from eldr_vllm import find_moe_modules, router_logits_argument  # noqa: PLC0415
 
     config = llm.llm_engine.vllm_config
     modules = find_moe_modules(config.compilation_config.static_forward_context.values())
@@ -80,7 +84,10 @@ def hook_moe_layers(llm, recorder: CalibrationRecorder, on_pass) -> tuple:
             weights, ids = result[0], result[1]
             if _first:
                 on_pass(int(ids.shape[0]))
-            recorder.record(_index, ids, weights)
+            if recorder.gate_mode == "all":  # select_experts(hidden_states, router_logits, ...)
+                recorder.record(_index, ids, router_logits=router_logits_argument(args, kwargs))
+            else:
+                recorder.record(_index, ids, weights)
             return result
 
         router.select_experts = wrapped
@@ -97,6 +104,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample")
     parser.add_argument("--decode_tokens", type=int, default=DEFAULT_DECODE_TOKENS,
                         help="generated tokens whose experts make a request's decode counts")
+    parser.add_argument("--gate_mode", choices=("all", "topk"), default="all",
+                        help="gate sums: all = softmax over all experts of the router logits (the "
+                             "reference's gate_prob_all), topk = the router's top-k weights; serve "
+                             "the artifact with the same ELDR_GATE_PROBS mode")
     parser.add_argument("--label_field", default="",
                         help="JSON key of each prompt's label (e.g. domain); stored in the file")
     parser.add_argument("--max_model_len", type=int, default=0, help="passed to vLLM (0: default)")
@@ -138,11 +149,13 @@ def main() -> int:
     top_k = int(modules[0].router.top_k)
     capture = CaptureContext(layers, experts, library=load_library(), max_top_k=top_k,
                              max_direct_requests=2, max_finish_requests=2, record_gate_probs=1)
-    recorder = CalibrationRecorder(capture, decode_tokens=args.decode_tokens)
+    recorder = CalibrationRecorder(capture, decode_tokens=args.decode_tokens,
+                                   gate_mode=args.gate_mode)
     recorder_holder["recorder"] = recorder
     hook_moe_layers(llm, recorder, on_pass)
     print(f"calibration run: {len(prompts)} prompts, {layers} MoE layers x {experts} experts, "
-          f"top-{top_k}, decode counts over {args.decode_tokens} generated tokens", file=sys.stderr)
+          f"top-{top_k}, decode counts over {args.decode_tokens} generated tokens, gate sums "
+          f"{args.gate_mode}", file=sys.stderr)
 
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens + 1)
     started = time.monotonic()

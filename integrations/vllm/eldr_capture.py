@@ -12,7 +12,10 @@ the dynamic loader's search path ("libeldr_capture.so").
 With record_gate_probs=1 the context also sums each choice's gate probability (the router's top-k
 weights): record_gate_probs / finish_gate_probs in the block mode, record_direct_gate_probs /
 finish_direct_gate_probs in the direct mode, float32 [R][L][E] sums; RouterClient.route_gate_prob_sums
-sends them to a router calibrated with the gate_prob variant.
+sends them to a router calibrated with the gate_prob variant. record_gate_logits /
+record_direct_gate_logits fill the same sums the reference's gate_prob_all way instead: the softmax
+over ALL experts of each token's router logits [tokens][E] (float32, or bfloat16 / float16 by
+pointer). A router's artifact must be calibrated from sums of the mode it is served with.
 
 On a CUDA context pass device pointers with record_ptr (e.g. torch's tensor.data_ptr()); numpy
 arrays are host memory and are refused there with a clear error. Every failure raises CaptureError
@@ -40,6 +43,9 @@ OUTPUT_INT16 = 0
 OUTPUT_INT32 = 1
 OUTPUT_FLOAT32 = 2
 RECORD_SKIP_RESET = 1
+LOGITS_FLOAT32 = 0
+LOGITS_BFLOAT16 = 1
+LOGITS_FLOAT16 = 2
 
 _INDEX_TYPES = {np.dtype(np.int32): INT32, np.dtype(np.int64): INT64}
 _OUTPUT_TYPES = {"int16": OUTPUT_INT16, "int32": OUTPUT_INT32}
@@ -206,6 +212,10 @@ class Library:
             "eldr_capture_finish_direct_gate_probs": (ctypes.c_int, [vp, p_i32, i32, vp,
                                                                      ctypes.POINTER(vp)]),
             "eldr_capture_result_gate_prob_sums": (vp, [vp]),
+            "eldr_capture_record_gate_logits": (ctypes.c_int, [vp, i32, vp, i32, i32, vp, i32, i64,
+                                                               vp, i32, i64, u32, vp]),
+            "eldr_capture_record_direct_gate_logits": (ctypes.c_int, [vp, i32, vp, i32, i32, vp,
+                                                                      i32, i64, vp, i32, i64, vp]),
         }
         for name, (restype, argtypes) in signatures.items():
             function = getattr(self.lib, name)
@@ -269,6 +279,19 @@ def _weight_array(values, shape) -> np.ndarray:
         raise ValueError(f"topk_weights must be shaped like topk_ids {tuple(shape)}, got "
                          f"{array.shape}")
     return array
+
+
+def _logit_array(values, tokens: int, experts: int) -> tuple:
+    """(array, logits type) of router logits [tokens][E]: float32, or float16 kept as float16 (numpy
+    has no bfloat16: pass bfloat16 by address with the _ptr methods)."""
+    array = np.asarray(values)
+    if array.dtype != np.float16:
+        array = array.astype(np.float32, copy=False)
+    array = np.ascontiguousarray(array)
+    if array.shape != (tokens, experts):
+        raise ValueError(f"router_logits must be [tokens][experts] = {(tokens, experts)}, got "
+                         f"{array.shape}")
+    return array, LOGITS_FLOAT16 if array.dtype == np.float16 else LOGITS_FLOAT32
 
 
 def _tables(block_tables, lengths) -> tuple:
@@ -417,6 +440,32 @@ class CaptureContext:
             self._handle, layer, topk_ids_ptr, id_type, topk_weights_ptr, top_k, slot_mapping_ptr,
             slot_type, num_tokens, flags, _stream(stream)))
 
+    def record_gate_logits(self, layer: int, topk_ids, router_logits, slot_mapping, *,
+                           skip_reset: bool = False, stream=None) -> None:
+        """record() plus softmax over all experts of router_logits [tokens][E] (host, float32 or
+        float16): the reference's gate_prob_all."""
+        ids = _index_array(topk_ids, "topk_ids")
+        slots = _index_array(slot_mapping, "slot_mapping")
+        if ids.ndim != 2 or slots.ndim != 1 or ids.shape[0] != slots.shape[0]:
+            raise ValueError(f"topk_ids must be [tokens][k] and slot_mapping [tokens], got "
+                             f"{ids.shape} and {slots.shape}")
+        logits, logits_type = _logit_array(router_logits, ids.shape[0], self.num_experts)
+        self.record_gate_logits_ptr(layer, ids.ctypes.data, _INDEX_TYPES[ids.dtype], ids.shape[1],
+                                    logits.ctypes.data, logits_type, self.num_experts,
+                                    slots.ctypes.data, _INDEX_TYPES[slots.dtype], slots.shape[0],
+                                    skip_reset=skip_reset, stream=stream)
+
+    def record_gate_logits_ptr(self, layer: int, topk_ids_ptr: int, id_type: int, top_k: int,
+                               logits_ptr: int, logits_type: int, logits_stride: int,
+                               slot_mapping_ptr: int, slot_type: int, num_tokens: int, *,
+                               skip_reset: bool = False, stream=None) -> None:
+        """record_ptr plus router logits by address ([tokens][logits_stride] of logits_type,
+        stride in elements, 0 meaning E; device pointers on CUDA)."""
+        flags = RECORD_SKIP_RESET if skip_reset else 0
+        self._library.check(self._library.record_gate_logits(
+            self._handle, layer, topk_ids_ptr, id_type, top_k, logits_ptr, logits_type,
+            logits_stride, slot_mapping_ptr, slot_type, num_tokens, flags, _stream(stream)))
+
     def finish_gate_probs(self, block_tables, lengths, *, stream=None) -> FinishResult:
         """Gate-probability sums [R][L][E] float32 of requests (same arguments as finish)."""
         tables, lens = _tables(block_tables, lengths)
@@ -495,6 +544,29 @@ class CaptureContext:
         self._library.check(self._library.record_direct_gate_probs(
             self._handle, layer, topk_ids_ptr, id_type, topk_weights_ptr, top_k,
             token_request_ptr, request_type, num_tokens, _stream(stream)))
+
+    def record_direct_gate_logits(self, layer: int, topk_ids, router_logits, token_request, *,
+                                  stream=None) -> None:
+        """record_direct() plus softmax over all experts of router_logits [tokens][E] (host)."""
+        ids = _index_array(topk_ids, "topk_ids")
+        requests = _index_array(token_request, "token_request")
+        if ids.ndim != 2 or requests.ndim != 1 or ids.shape[0] != requests.shape[0]:
+            raise ValueError(f"topk_ids must be [tokens][k] and token_request [tokens], got "
+                             f"{ids.shape} and {requests.shape}")
+        logits, logits_type = _logit_array(router_logits, ids.shape[0], self.num_experts)
+        self.record_direct_gate_logits_ptr(layer, ids.ctypes.data, _INDEX_TYPES[ids.dtype],
+                                           ids.shape[1], logits.ctypes.data, logits_type,
+                                           self.num_experts, requests.ctypes.data,
+                                           _INDEX_TYPES[requests.dtype], requests.shape[0],
+                                           stream=stream)
+
+    def record_direct_gate_logits_ptr(self, layer: int, topk_ids_ptr: int, id_type: int,
+                                      top_k: int, logits_ptr: int, logits_type: int,
+                                      logits_stride: int, token_request_ptr: int,
+                                      request_type: int, num_tokens: int, *, stream=None) -> None:
+        self._library.check(self._library.record_direct_gate_logits(
+            self._handle, layer, topk_ids_ptr, id_type, top_k, logits_ptr, logits_type,
+            logits_stride, token_request_ptr, request_type, num_tokens, _stream(stream)))
 
     def finish_direct_gate_probs(self, request_slots, *, stream=None) -> FinishResult:
         """Gate-probability sums [R][L][E] float32 of direct slots; zeroes their gate sums."""

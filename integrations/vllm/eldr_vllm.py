@@ -26,11 +26,18 @@ Use: --kv-transfer-config '{"kv_connector": "EldrNixlConnector",
 and ELDR_CAPTURE_LIBRARY pointing at libeldr_capture.so. EldrNixlConnector is NixlConnector plus
 the capture; connector_with_counts(cls) adds it to any other V1 connector class.
 
-Gate-probability sums (for a router calibrated with the gate_prob variant): with gate_probs=True the
-capture also wraps each MoE router's select_experts (BaseRouter.select_experts(...) ->
-(topk_weights, topk_ids, ...)) to record the top-k weights next to the ids, and request_finished
-attaches the request's float32 sums under "eldr_gate_prob_sums" ({"layers", "experts",
-"encoding": "float32_le", "data": base64}); route_with_gate_prob_sums sends them to the router.
+Gate-probability sums (for a router calibrated with the gate_prob variant): with a gate mode the
+capture also wraps each MoE router's select_experts (BaseRouter.select_experts(hidden_states,
+router_logits, ...) -> (topk_weights, topk_ids, ...)), and request_finished attaches the request's
+float32 sums under "eldr_gate_prob_sums" ({"layers", "experts", "encoding": "float32_le", "data":
+base64}); route_with_gate_prob_sums sends them to the router. Two modes (ELDR_GATE_PROBS, or the
+gate_probs argument):
+  all   the reference's gate_prob_all: the softmax over ALL experts of the router_logits argument
+        of select_experts (the gate linear's output, [tokens][E]), per token, summed per request;
+        what eldr_calibration_run.py records by default and eldr-calibrate's gate_prob variant means;
+  topk  the router's top-k weights (the topk_weights select_experts returns) of the chosen experts
+        ("1" also means topk, as before).
+The router's artifact must have been calibrated from sums of the same mode.
 
 Limitation: the counts live on the GPU of the worker that recorded them, and request_finished runs
 in the scheduler. Both are in one process when the engine core runs its worker in process
@@ -50,8 +57,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from eldr_capture import (INT32, INT64, CaptureContext, RouteDecision, RouterClient,
-                          load_library)
+from eldr_capture import (INT32, INT64, LOGITS_BFLOAT16, LOGITS_FLOAT16, LOGITS_FLOAT32,
+                          CaptureContext, RouteDecision, RouterClient, load_library)
 
 logger = logging.getLogger("eldr_vllm")
 
@@ -189,6 +196,75 @@ def weight_view(array) -> ArrayView:
     return ArrayView(array.ctypes.data, -1, array.shape, 4, False)
 
 
+GATE_MODES = ("off", "topk", "all")
+
+
+def parse_gate_mode(value) -> str:
+    """A gate mode from the gate_probs argument or ELDR_GATE_PROBS: None, False, "", "0", "off" ->
+    "off"; True, "1", "topk" -> "topk" (the router's top-k weights); "all" -> "all" (softmax over
+    all experts of the router logits, the reference's gate_prob_all)."""
+    if value is None or value is False:
+        return "off"
+    if value is True:
+        return "topk"
+    text = str(value).strip().lower()
+    if text in ("", "0", "off", "false", "no"):
+        return "off"
+    if text in ("1", "topk", "true", "yes"):
+        return "topk"
+    if text == "all":
+        return "all"
+    raise ValueError(f"gate mode must be off, topk (or 1) or all, got {value!r}")
+
+
+def router_logits_argument(args: tuple, kwargs: dict):
+    """The router_logits argument of a select_experts(hidden_states, router_logits, ...) call."""
+    if "router_logits" in kwargs:
+        return kwargs["router_logits"]
+    if len(args) >= 2:
+        return args[1]
+    raise ValueError("select_experts was called without router_logits")
+
+
+_LOGIT_TYPES = {"torch.float32": (LOGITS_FLOAT32, 4), "torch.bfloat16": (LOGITS_BFLOAT16, 2),
+                "torch.float16": (LOGITS_FLOAT16, 2)}
+
+
+@dataclasses.dataclass
+class LogitsView:
+    address: int
+    logits_type: int
+    shape: tuple
+    row_stride: int  # elements between rows
+    itemsize: int
+    on_gpu: bool
+
+
+def logits_view(array) -> LogitsView:
+    """Address and layout of router logits [tokens][E]: a torch tensor (float32, bfloat16 or
+    float16; rows may be strided, elements contiguous) or a numpy float32/float16 array."""
+    if hasattr(array, "data_ptr"):
+        dtype = str(array.dtype)
+        if dtype not in _LOGIT_TYPES:
+            raise TypeError(f"router logits must be float32, bfloat16 or float16, got {dtype}")
+        if array.dim() != 2 or (array.shape[1] > 1 and array.stride(1) != 1):
+            raise ValueError(f"router logits must be [tokens][E] with contiguous rows, got shape "
+                             f"{tuple(array.shape)} strides {tuple(array.stride())}")
+        logits_type, itemsize = _LOGIT_TYPES[dtype]
+        return LogitsView(int(array.data_ptr()), logits_type, tuple(array.shape),
+                          int(array.stride(0)) if array.shape[0] > 1 else int(array.shape[1]),
+                          itemsize, bool(array.is_cuda))
+    array = np.asarray(array)
+    if array.dtype not in (np.float32, np.float16):
+        array = array.astype(np.float32)
+    array = np.ascontiguousarray(array)
+    if array.ndim != 2:
+        raise ValueError(f"router logits must be [tokens][E], got shape {array.shape}")
+    return LogitsView(array.ctypes.data,
+                      LOGITS_FLOAT16 if array.dtype == np.float16 else LOGITS_FLOAT32,
+                      array.shape, array.shape[1], array.itemsize, False)
+
+
 def as_float32(weights):
     """topk_weights as float32 (a copy only when needed): torch tensors with .float().contiguous(),
     numpy arrays with np.ascontiguousarray."""
@@ -250,7 +326,7 @@ class EldrPrefillCapture:
     def __init__(self, capture: CaptureContext, layer_ids: Sequence[int], block_size: int,
                  slot_mapping_provider: Callable[[], tuple], *,
                  stream_provider: Callable[[], Any] = lambda: None, reset_per_batch: bool = True,
-                 gate_probs: bool = False):
+                 gate_probs=False):
         if len(set(layer_ids)) != len(layer_ids):
             raise ValueError(f"MoE layer ids repeat: {list(layer_ids)}")
         self.capture = capture
@@ -264,8 +340,10 @@ class EldrPrefillCapture:
         self.reset_per_batch = reset_per_batch
         self._first_hooked = None  # index of the first layer a forward pass reaches
         # Also gate probabilities (the capture must be created with record_gate_probs=1): the hook
-        # is then on select_experts, which returns the weights with the ids.
-        self.gate_probs = gate_probs
+        # is then on select_experts, which takes the router logits and returns the weights with
+        # the ids. gate_probs: a gate mode (parse_gate_mode: "topk", "all"; True means topk).
+        self.gate_mode = parse_gate_mode(gate_probs)
+        self.gate_probs = self.gate_mode != "off"
 
     # -- worker side --
 
@@ -302,11 +380,16 @@ class EldrPrefillCapture:
         return capture_fn
 
     def _select_experts_hook(self, index: int, select_experts: Callable) -> Callable:
-        """Wraps a router's select_experts (-> (topk_weights, topk_ids, ...)) to record both."""
+        """Wraps a router's select_experts(hidden_states, router_logits, ...) -> (topk_weights,
+        topk_ids, ...) to record the ids with the weights (topk) or the router logits (all)."""
         def wrapped(*args, **kwargs):
             result = select_experts(*args, **kwargs)
             try:
-                self.record(index, result[1], result[0])
+                if self.gate_mode == "all":
+                    self.record(index, result[1],
+                                router_logits=router_logits_argument(args, kwargs))
+                else:
+                    self.record(index, result[1], result[0])
             except Exception:  # never break the model's forward pass over a signature
                 self.failures += 1
                 if self.failures == 1:
@@ -315,7 +398,8 @@ class EldrPrefillCapture:
             return result
         return wrapped
 
-    def record(self, layer_index: int, topk_ids, topk_weights=None) -> None:
+    def record(self, layer_index: int, topk_ids, topk_weights=None, *,
+               router_logits=None) -> None:
         ids = array_view(topk_ids)
         slots_array, first_token = self._slot_mapping()
         slots = array_view(slots_array)
@@ -336,6 +420,19 @@ class EldrPrefillCapture:
         if self.reset_per_batch and layer_index == self._first_hooked:
             self.capture.reset_batch_blocks_ptr(slots.address, slots.index_type, tokens,
                                                 stream=stream)
+        if router_logits is not None:
+            logits = logits_view(router_logits)
+            if (len(logits.shape) != 2 or logits.shape[0] < first_token + tokens
+                    or logits.shape[1] != self.capture.num_experts or logits.on_gpu != on_gpu):
+                raise ValueError(f"router_logits must be [tokens][{self.capture.num_experts}] "
+                                 f"with a row per topk_ids row on the same device, got "
+                                 f"{logits.shape}")
+            self.capture.record_gate_logits_ptr(
+                layer_index, address, ids.index_type, top_k,
+                logits.address + first_token * logits.row_stride * logits.itemsize,
+                logits.logits_type, logits.row_stride, slots.address, slots.index_type, tokens,
+                skip_reset=self.reset_per_batch, stream=stream)
+            return
         if topk_weights is None:
             self.capture.record_ptr(layer_index, address, ids.index_type, top_k, slots.address,
                                     slots.index_type, tokens, skip_reset=self.reset_per_batch,
@@ -433,13 +530,15 @@ def connector_with_counts(base: type) -> type:
 
 def install_from_vllm_config(vllm_config, *, library_path: Optional[str] = None,
                              kv_cache_layer: Optional[str] = None,
-                             gate_probs: Optional[bool] = None) -> EldrPrefillCapture:
+                             gate_probs=None) -> EldrPrefillCapture:
     """Creates the CUDA capture for a vLLM worker (after its KV cache exists) and hooks every MoE
     layer. `kv_cache_layer` names the attention layer whose slot mapping keys the blocks (default:
-    the first one of the batch). `gate_probs` also records gate-probability sums (default: the
-    ELDR_GATE_PROBS environment variable is "1")."""
-    if gate_probs is None:
-        gate_probs = os.environ.get("ELDR_GATE_PROBS", "0") == "1"
+    the first one of the batch). `gate_probs` also records gate-probability sums in a gate mode
+    (parse_gate_mode: "all", "topk"; default: the ELDR_GATE_PROBS environment variable, off when
+    unset)."""
+    gate_mode = parse_gate_mode(os.environ.get("ELDR_GATE_PROBS") if gate_probs is None
+                                else gate_probs)
+    gate_probs = gate_mode != "off"
     import torch  # noqa: PLC0415 (lazy: only on a vLLM worker)
     from vllm.forward_context import get_forward_context  # noqa: PLC0415
 
@@ -488,10 +587,10 @@ def install_from_vllm_config(vllm_config, *, library_path: Optional[str] = None,
                              validate_pointers=0, record_gate_probs=int(gate_probs))
     eldr = EldrPrefillCapture(capture, [m.layer_id for m in modules], block_size, slot_mapping,
                               stream_provider=lambda: torch.cuda.current_stream().cuda_stream,
-                              gate_probs=gate_probs)
+                              gate_probs=gate_mode)
     hooked = eldr.install(modules)
-    logger.info("ELDR capture on %d MoE layers, %d experts, top-%d, %d KV blocks of %d tokens",
-                hooked, num_experts, k, num_blocks, block_size)
+    logger.info("ELDR capture on %d MoE layers, %d experts, top-%d, %d KV blocks of %d tokens, "
+                "gate sums %s", hooked, num_experts, k, num_blocks, block_size, gate_mode)
     return eldr
 
 

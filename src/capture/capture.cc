@@ -364,6 +364,52 @@ class CaptureImpl final : public Capture {
     return shared_->backend->RecordDirect(call);
   }
 
+  absl::Status RecordGateLogits(int layer, const void* topk_ids, IndexType id_type, int top_k,
+                                const void* router_logits, LogitsType logits_type, int64_t logits_stride,
+                                const void* slot_mapping, IndexType slot_type, int64_t num_tokens, uint32_t flags,
+                                void* stream) override {
+    static constexpr char kOp[] = "record_gate_logits";
+    if (absl::Status s = CheckGateProbs(kOp); !s.ok()) return s;
+    if (!shared_->geometry.block_mode()) {
+      return absl::FailedPreconditionError(absl::StrCat(kOp, ": the block mode is off (num_blocks = 0)"));
+    }
+    if ((flags & ~kRecordSkipReset) != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s: unknown flags 0x%x", kOp, flags));
+    }
+    absl::Status status =
+        CheckRecordArgs(kOp, layer, topk_ids, id_type, top_k, slot_mapping, slot_type, "slot_mapping", num_tokens);
+    if (status.ok()) status = CheckLogits(kOp, router_logits, logits_type, &logits_stride, num_tokens);
+    if (!status.ok() || num_tokens == 0) return status;
+    internal::RecordCall call{
+        layer, topk_ids, id_type, top_k, slot_mapping, slot_type, num_tokens, (flags & kRecordSkipReset) == 0, stream};
+    call.logits = router_logits;
+    call.logits_type = static_cast<int>(logits_type);
+    call.logits_stride = logits_stride;
+    absl::MutexLock lock(&shared_->mu);
+    return shared_->backend->Record(call);
+  }
+
+  absl::Status RecordDirectGateLogits(int layer, const void* topk_ids, IndexType id_type, int top_k,
+                                      const void* router_logits, LogitsType logits_type, int64_t logits_stride,
+                                      const void* token_request, IndexType request_type, int64_t num_tokens,
+                                      void* stream) override {
+    static constexpr char kOp[] = "record_direct_gate_logits";
+    if (absl::Status s = CheckGateProbs(kOp); !s.ok()) return s;
+    if (shared_->geometry.max_direct_requests == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(kOp, ": the direct mode is off (max_direct_requests = 0)"));
+    }
+    absl::Status status =
+        CheckRecordArgs(kOp, layer, topk_ids, id_type, top_k, token_request, request_type, "token_request", num_tokens);
+    if (status.ok()) status = CheckLogits(kOp, router_logits, logits_type, &logits_stride, num_tokens);
+    if (!status.ok() || num_tokens == 0) return status;
+    internal::RecordCall call{layer, topk_ids, id_type, top_k, token_request, request_type, num_tokens, false, stream};
+    call.logits = router_logits;
+    call.logits_type = static_cast<int>(logits_type);
+    call.logits_stride = logits_stride;
+    absl::MutexLock lock(&shared_->mu);
+    return shared_->backend->RecordDirect(call);
+  }
+
   absl::StatusOr<std::unique_ptr<FinishResult>> FinishDirectGateProbs(const int32_t* request_slots, int num_requests,
                                                                       void* stream) override {
     static constexpr char kOp[] = "finish_direct_gate_probs";
@@ -482,6 +528,25 @@ class CaptureImpl final : public Capture {
       return absl::InvalidArgumentError(
           absl::StrCat(op, ": output_type must be int16 (0) or int32 (1), got ", static_cast<int>(output_type)));
     }
+    return absl::OkStatus();
+  }
+
+  // Router logits: a known type, a stride (0: E) of at least E elements, not null, and the whole
+  // array addressable with 64-bit offsets below 2^62 bytes.
+  absl::Status CheckLogits(const char* op, const void* logits, LogitsType type, int64_t* stride,
+                           int64_t num_tokens) const {
+    const Geometry& g = shared_->geometry;
+    if (type != LogitsType::kFloat32 && type != LogitsType::kBfloat16 && type != LogitsType::kFloat16) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          op, ": logits_type must be float32 (0), bfloat16 (1) or float16 (2), got ", static_cast<int>(type)));
+    }
+    if (*stride == 0) *stride = g.experts;
+    if (*stride < g.experts || *stride > (int64_t{1} << 31)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": logits_stride ", *stride, " is outside [E = ", g.experts, ", 2^31] (0 means E)"));
+    }
+    if (num_tokens > 0 && logits == nullptr)
+      return absl::InvalidArgumentError(absl::StrCat(op, ": router_logits is null"));
     return absl::OkStatus();
   }
 

@@ -81,6 +81,12 @@ struct RecordCall {
   bool reset = true;  // block mode: reset this layer's rows of blocks starting in the batch
   void* stream = nullptr;
   const float* weights = nullptr;  // [num_tokens][top_k] gate probabilities, or null (counts only)
+  // Or router logits [num_tokens][logits_stride] of logits_type (gate_softmax.h kLogits*): softmax
+  // over all E experts added to the gate accumulators (eldr_capture_record_gate_logits). At most one
+  // of weights and logits is set.
+  const void* logits = nullptr;
+  int logits_type = 0;
+  int64_t logits_stride = 0;  // elements, >= E
 };
 
 class Backend {

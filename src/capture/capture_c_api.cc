@@ -307,6 +307,32 @@ int eldr_capture_record_gate_probs(eldr_capture_ctx* ctx, int32_t layer, const v
   });
 }
 
+int eldr_capture_record_gate_logits(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids, int32_t id_type,
+                                    int32_t top_k, const void* router_logits, int32_t logits_type,
+                                    int64_t logits_stride, const void* slot_mapping, int32_t slot_type,
+                                    int64_t num_tokens, uint32_t flags, void* stream) {
+  if (ctx == nullptr) return NullHandle("eldr_capture_record_gate_logits", "ctx");
+  return Guarded("eldr_capture_record_gate_logits", [&] {
+    return Report(ctx->impl->RecordGateLogits(layer, topk_ids, static_cast<IndexType>(id_type), top_k, router_logits,
+                                              static_cast<eldr::capture::LogitsType>(logits_type), logits_stride,
+                                              slot_mapping, static_cast<IndexType>(slot_type), num_tokens, flags,
+                                              stream));
+  });
+}
+
+int eldr_capture_record_direct_gate_logits(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids, int32_t id_type,
+                                           int32_t top_k, const void* router_logits, int32_t logits_type,
+                                           int64_t logits_stride, const void* token_request, int32_t request_type,
+                                           int64_t num_tokens, void* stream) {
+  if (ctx == nullptr) return NullHandle("eldr_capture_record_direct_gate_logits", "ctx");
+  return Guarded("eldr_capture_record_direct_gate_logits", [&] {
+    return Report(ctx->impl->RecordDirectGateLogits(layer, topk_ids, static_cast<IndexType>(id_type), top_k,
+                                                    router_logits, static_cast<eldr::capture::LogitsType>(logits_type),
+                                                    logits_stride, token_request, static_cast<IndexType>(request_type),
+                                                    num_tokens, stream));
+  });
+}
+
 int eldr_capture_finish_gate_probs(eldr_capture_ctx* ctx, const int32_t* block_tables, int64_t block_table_stride,
                                    const int64_t* lengths, int32_t num_requests, void* stream,
                                    eldr_capture_result** out) {

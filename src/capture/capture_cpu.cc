@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "capture_backend.h"
+#include "gate_softmax.h"
 
 namespace eldr::capture::internal {
 namespace {
@@ -88,6 +89,7 @@ class CpuBackend final : public Backend {
       }
       const int64_t row_cell = (request * g_.layers + call.layer) * g_.experts;
       uint32_t* row = &direct_[row_cell];
+      if (call.logits != nullptr) AddSoftmax(call, t, &direct_gate_[row_cell], kDirectGateFractionBits);
       for (int j = 0; j < call.top_k; ++j) {
         const int64_t expert = LoadIndex(call.topk_ids, call.id_type, t * call.top_k + j);
         if (expert >= 0 && expert < g_.experts && call.weights != nullptr) {
@@ -248,6 +250,18 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // Adds token t's quantised softmax over all experts (gate_softmax.h) to `cells` [E]; a row with a
+  // non-finite logit adds nothing and counts one bad_gate_probs.
+  template <typename Cell>
+  void AddSoftmax(const RecordCall& call, int64_t t, Cell* cells, int fraction_bits) {
+    const void* row =
+        static_cast<const uint8_t*>(call.logits) + t * call.logits_stride * LogitsTypeBytes(call.logits_type);
+    if (!QuantizedSoftmax(row, call.logits_type, g_.experts, fraction_bits,
+                          [&](int e, uint32_t q) { cells[e] += q; })) {
+      ++stats_[kStatBadGateProbs];
+    }
+  }
+
   static int64_t LoadIndex(const void* array, IndexType type, int64_t i) {
     return type == IndexType::kInt64 ? Typed<int64_t>(array)[i] : Typed<int32_t>(array)[i];
   }
@@ -316,6 +330,9 @@ class CpuBackend final : public Backend {
       uint8_t* row = &counts_[block * g_.block_stride_bytes + row_offset];
       uint32_t* gate_row =
           call.weights != nullptr ? &gate_[block * g_.cells + int64_t{call.layer} * g_.experts] : nullptr;
+      if (call.logits != nullptr) {
+        AddSoftmax(call, t, &gate_[block * g_.cells + int64_t{call.layer} * g_.experts], g_.gate_fraction_bits);
+      }
       for (int j = 0; j < call.top_k; ++j) {
         const int64_t expert = ids[t * call.top_k + j];
         if (expert < 0 || expert >= g_.experts) {

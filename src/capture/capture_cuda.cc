@@ -157,9 +157,13 @@ class CudaBackend final : public Backend {
     if (call.weights != nullptr && g_.validate_pointers) {
       if (absl::Status s = RequireDeviceAccess(call.weights, "record_gate_probs: topk_weights"); !s.ok()) return s;
     }
+    if (call.logits != nullptr && g_.validate_pointers) {
+      if (absl::Status s = RequireDeviceAccess(call.logits, "record_gate_logits: router_logits"); !s.ok()) return s;
+    }
+    const kernels::Logits logits{call.logits, call.logits_type, call.logits_stride};
     ELDR_CUDA_RETURN_IF_ERROR(static_cast<cudaError_t>(kernels::LaunchRecordBlocks(
                                   layout_, call.layer, call.topk_ids, call.id_type == IndexType::kInt64, call.top_k,
-                                  call.index, slots64, n, call.weights, stats_, call.stream)),
+                                  call.index, slots64, n, call.weights, logits, stats_, call.stream)),
                               "record: kernel launch");
     return absl::OkStatus();
   }
@@ -194,13 +198,19 @@ class CudaBackend final : public Backend {
           return s;
         }
       }
+      if (call.logits != nullptr) {
+        if (absl::Status s = RequireDeviceAccess(call.logits, "record_direct_gate_logits: router_logits"); !s.ok()) {
+          return s;
+        }
+      }
     }
+    const kernels::Logits logits{call.logits, call.logits_type, call.logits_stride};
     ELDR_CUDA_RETURN_IF_ERROR(
         static_cast<cudaError_t>(kernels::LaunchRecordDirect(
             static_cast<uint32_t*>(direct_.get()), static_cast<unsigned long long*>(direct_gate_.get()), g_.layers,
             g_.experts, g_.max_direct_requests, call.layer, call.topk_ids, call.id_type == IndexType::kInt64,
             call.top_k, call.index, call.index_type == IndexType::kInt64, static_cast<int>(call.num_tokens),
-            call.weights, stats_, call.stream)),
+            call.weights, logits, stats_, call.stream)),
         "record_direct: kernel launch");
     return absl::OkStatus();
   }

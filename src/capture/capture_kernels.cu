@@ -22,6 +22,7 @@
 
 #include "capture_kernels.h"
 #include "capture_stats.h"
+#include "gate_softmax.h"
 
 namespace eldr::capture::kernels {
 namespace {
@@ -166,7 +167,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Counter, typename Id, typename Slot>
 __global__ void __launch_bounds__(kThreads)
     RecordBlocksKernel(BlockLayout layout, int layer, const Id* ids, int top_k, const Slot* slots, int num_tokens,
-                       const float* weights, unsigned long long* stats) {
+                       const float* weights, Logits logits, unsigned long long* stats) {
   const int t = blockIdx.x * kThreads + threadIdx.x;
   unsigned values[kNumStats] = {};
   if (t < num_tokens) {
@@ -221,6 +222,16 @@ __global__ void __launch_bounds__(kThreads)
           if (j < top_k) add(prefetched[j], j);
         }
         for (int j = kPrefetchedIds; j < top_k; ++j) add(LoadIndex(ids, first + j), j);
+        if (logits.data != nullptr) {
+          // The token's softmax over all experts (gate_softmax.h: the CPU reference's operations).
+          uint32_t* cells = layout.gate + (static_cast<long long>(b) * layout.layers + layer) * layout.experts;
+          const void* row = static_cast<const uint8_t*>(logits.data) +
+                            static_cast<long long>(t) * logits.stride * internal::LogitsTypeBytes(logits.type);
+          if (!internal::QuantizedSoftmax(row, logits.type, layout.experts, layout.gate_fraction_bits,
+                                          [&](int e, uint32_t q) { atomicAdd(cells + e, q); })) {
+            ++values[kStatBadGateProbs];
+          }
+        }
       }
     }
   }
@@ -231,7 +242,7 @@ template <typename Id, typename Request>
 __global__ void __launch_bounds__(kThreads)
     RecordDirectKernel(uint32_t* acc, unsigned long long* gate_acc, int layers, int experts, int max_requests,
                        int layer, const Id* ids, int top_k, const Request* requests, int num_tokens,
-                       const float* weights, unsigned long long* stats) {
+                       const float* weights, Logits logits, unsigned long long* stats) {
   const int t = blockIdx.x * kThreads + threadIdx.x;
   unsigned values[kNumStats] = {};
   if (t < num_tokens) {
@@ -244,6 +255,15 @@ __global__ void __launch_bounds__(kThreads)
       const long long row_cell = (request * layers + layer) * static_cast<long long>(experts);
       uint32_t* row = acc + row_cell;
       const long long first = static_cast<long long>(t) * top_k;
+      if (logits.data != nullptr) {
+        const void* logit_row = static_cast<const uint8_t*>(logits.data) +
+                                static_cast<long long>(t) * logits.stride * internal::LogitsTypeBytes(logits.type);
+        if (!internal::QuantizedSoftmax(
+                logit_row, logits.type, experts, internal::kDirectGateFractionBits,
+                [&](int e, uint32_t q) { atomicAdd(gate_acc + row_cell + e, static_cast<unsigned long long>(q)); })) {
+          ++values[kStatBadGateProbs];
+        }
+      }
       for (int j = 0; j < top_k; ++j) {
         const long long expert = LoadIndex(ids, first + j);
         if (expert < 0 || expert >= experts) {
@@ -445,16 +465,16 @@ int LaunchResetLayerRowsTyped(const BlockLayout& layout, int layer, const void* 
 
 template <typename Counter, typename Id>
 int LaunchRecordBlocksTyped(const BlockLayout& layout, int layer, const void* ids, int top_k, const void* slots,
-                            bool slots_int64, int num_tokens, const float* weights, unsigned long long* stats,
-                            cudaStream_t stream) {
+                            bool slots_int64, int num_tokens, const float* weights, const Logits& logits,
+                            unsigned long long* stats, cudaStream_t stream) {
   if (slots_int64) {
-    RecordBlocksKernel<Counter, Id, int64_t>
-        <<<Blocks(num_tokens), kThreads, 0, stream>>>(layout, layer, static_cast<const Id*>(ids), top_k,
-                                                      static_cast<const int64_t*>(slots), num_tokens, weights, stats);
+    RecordBlocksKernel<Counter, Id, int64_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
+        layout, layer, static_cast<const Id*>(ids), top_k, static_cast<const int64_t*>(slots), num_tokens, weights,
+        logits, stats);
   } else {
-    RecordBlocksKernel<Counter, Id, int32_t>
-        <<<Blocks(num_tokens), kThreads, 0, stream>>>(layout, layer, static_cast<const Id*>(ids), top_k,
-                                                      static_cast<const int32_t*>(slots), num_tokens, weights, stats);
+    RecordBlocksKernel<Counter, Id, int32_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
+        layout, layer, static_cast<const Id*>(ids), top_k, static_cast<const int32_t*>(slots), num_tokens, weights,
+        logits, stats);
   }
   return LastLaunchError();
 }
@@ -462,25 +482,26 @@ int LaunchRecordBlocksTyped(const BlockLayout& layout, int layer, const void* id
 template <typename Counter>
 int LaunchRecordBlocksCounter(const BlockLayout& layout, int layer, const void* ids, bool ids_int64, int top_k,
                               const void* slots, bool slots_int64, int num_tokens, const float* weights,
-                              unsigned long long* stats, cudaStream_t stream) {
+                              const Logits& logits, unsigned long long* stats, cudaStream_t stream) {
   return ids_int64 ? LaunchRecordBlocksTyped<Counter, int64_t>(layout, layer, ids, top_k, slots, slots_int64,
-                                                               num_tokens, weights, stats, stream)
+                                                               num_tokens, weights, logits, stats, stream)
                    : LaunchRecordBlocksTyped<Counter, int32_t>(layout, layer, ids, top_k, slots, slots_int64,
-                                                               num_tokens, weights, stats, stream);
+                                                               num_tokens, weights, logits, stats, stream);
 }
 
 template <typename Id>
 int LaunchRecordDirectTyped(uint32_t* acc, unsigned long long* gate_acc, int layers, int experts, int max_requests,
                             int layer, const void* ids, int top_k, const void* requests, bool requests_int64,
-                            int num_tokens, const float* weights, unsigned long long* stats, cudaStream_t stream) {
+                            int num_tokens, const float* weights, const Logits& logits, unsigned long long* stats,
+                            cudaStream_t stream) {
   if (requests_int64) {
     RecordDirectKernel<Id, int64_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
         acc, gate_acc, layers, experts, max_requests, layer, static_cast<const Id*>(ids), top_k,
-        static_cast<const int64_t*>(requests), num_tokens, weights, stats);
+        static_cast<const int64_t*>(requests), num_tokens, weights, logits, stats);
   } else {
     RecordDirectKernel<Id, int32_t><<<Blocks(num_tokens), kThreads, 0, stream>>>(
         acc, gate_acc, layers, experts, max_requests, layer, static_cast<const Id*>(ids), top_k,
-        static_cast<const int32_t*>(requests), num_tokens, weights, stats);
+        static_cast<const int32_t*>(requests), num_tokens, weights, logits, stats);
   }
   return LastLaunchError();
 }
@@ -589,29 +610,31 @@ int LaunchResetBlocks(const BlockLayout& layout, const void* slots, bool slots_i
 }
 
 int LaunchRecordBlocks(const BlockLayout& layout, int layer, const void* ids, bool ids_int64, int top_k,
-                       const void* slots, bool slots_int64, int num_tokens, const float* weights,
+                       const void* slots, bool slots_int64, int num_tokens, const float* weights, const Logits& logits,
                        unsigned long long* stats, void* stream) {
   switch (layout.counter_bytes) {
     case 1:
       return LaunchRecordBlocksCounter<uint8_t>(layout, layer, ids, ids_int64, top_k, slots, slots_int64, num_tokens,
-                                                weights, stats, AsStream(stream));
+                                                weights, logits, stats, AsStream(stream));
     case 2:
       return LaunchRecordBlocksCounter<uint16_t>(layout, layer, ids, ids_int64, top_k, slots, slots_int64, num_tokens,
-                                                 weights, stats, AsStream(stream));
+                                                 weights, logits, stats, AsStream(stream));
     default:
       return LaunchRecordBlocksCounter<uint32_t>(layout, layer, ids, ids_int64, top_k, slots, slots_int64, num_tokens,
-                                                 weights, stats, AsStream(stream));
+                                                 weights, logits, stats, AsStream(stream));
   }
 }
 
 int LaunchRecordDirect(uint32_t* acc, unsigned long long* gate_acc, int layers, int experts, int max_requests,
                        int layer, const void* ids, bool ids_int64, int top_k, const void* requests, bool requests_int64,
-                       int num_tokens, const float* weights, unsigned long long* stats, void* stream) {
-  return ids_int64
-             ? LaunchRecordDirectTyped<int64_t>(acc, gate_acc, layers, experts, max_requests, layer, ids, top_k,
-                                                requests, requests_int64, num_tokens, weights, stats, AsStream(stream))
-             : LaunchRecordDirectTyped<int32_t>(acc, gate_acc, layers, experts, max_requests, layer, ids, top_k,
-                                                requests, requests_int64, num_tokens, weights, stats, AsStream(stream));
+                       int num_tokens, const float* weights, const Logits& logits, unsigned long long* stats,
+                       void* stream) {
+  return ids_int64 ? LaunchRecordDirectTyped<int64_t>(acc, gate_acc, layers, experts, max_requests, layer, ids, top_k,
+                                                      requests, requests_int64, num_tokens, weights, logits, stats,
+                                                      AsStream(stream))
+                   : LaunchRecordDirectTyped<int32_t>(acc, gate_acc, layers, experts, max_requests, layer, ids, top_k,
+                                                      requests, requests_int64, num_tokens, weights, logits, stats,
+                                                      AsStream(stream));
 }
 
 int LaunchSumGateBlocks(const BlockLayout& layout, const int32_t* tables, int64_t stride, const int32_t* num_blocks,

@@ -26,6 +26,14 @@ struct BlockLayout {
   int gate_fraction_bits = 0;
 };
 
+// Router logits of eldr_capture_record_gate_logits ([num_tokens][stride] of gate_softmax.h's
+// kLogits* type), or data = null.
+struct Logits {
+  const void* data = nullptr;
+  int type = 0;
+  long long stride = 0;
+};
+
 // Zeroes row (block, layer) of counts and bitmap for every token of the batch whose slot is at
 // offset 0 of its block.
 int LaunchResetLayerRows(const BlockLayout& layout, int layer, const void* slots, bool slots_int64, int num_tokens,
@@ -36,16 +44,18 @@ int LaunchResetBlocks(const BlockLayout& layout, const void* slots, bool slots_i
                       unsigned long long* stats, void* stream);
 
 // Adds the batch's choices of `layer` into the per-block counts (see eldr_capture_record), and with
-// `weights` ([num_tokens][top_k] float32, or null) their gate probabilities into layout.gate.
+// `weights` ([num_tokens][top_k] float32, or null) their gate probabilities into layout.gate, or with
+// `logits` the softmax over all experts of each counted token's logits.
 int LaunchRecordBlocks(const BlockLayout& layout, int layer, const void* ids, bool ids_int64, int top_k,
-                       const void* slots, bool slots_int64, int num_tokens, const float* weights,
+                       const void* slots, bool slots_int64, int num_tokens, const float* weights, const Logits& logits,
                        unsigned long long* stats, void* stream);
 
 // Direct mode: adds into acc[request][layer][expert] (uint32, saturating at 2^31 - 1), and with
 // `weights` (or null) the gate probabilities into gate_acc (uint64 fixed point, 24 fraction bits).
 int LaunchRecordDirect(uint32_t* acc, unsigned long long* gate_acc, int layers, int experts, int max_requests,
                        int layer, const void* ids, bool ids_int64, int top_k, const void* requests, bool requests_int64,
-                       int num_tokens, const float* weights, unsigned long long* stats, void* stream);
+                       int num_tokens, const float* weights, const Logits& logits, unsigned long long* stats,
+                       void* stream);
 
 // Sums each request's first num_blocks[r] table entries of layout.gate into out [R][L*E] float32;
 // `staging` (R * L * E uint64) as in LaunchSumBlocks.

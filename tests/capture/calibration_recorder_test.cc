@@ -162,6 +162,40 @@ TEST(CalibrationRecorderTest, ReplayedTracesGivePromptDecodeAndGateSumsAndAFileE
   }
 }
 
+// The reference's gate_prob_all: the engine records with RecordDirectGateLogits and the recorder's
+// token -> slot array; the record's gate sums are the softmax over all experts of its prompt
+// tokens' logits only (decode positions go to its decode slot, padding nowhere).
+TEST(CalibrationRecorderTest, GateLogitsGiveThePromptsSoftmaxSumsOverAllExperts) {
+  Options options;
+  options.num_layers = 1;
+  options.num_experts = 4;
+  options.max_top_k = 1;
+  options.max_direct_requests = 2;
+  options.record_gate_probs = true;
+  auto capture = MustCreate(options);
+  ASSERT_NE(capture, nullptr);
+  auto recorder = CalibrationRecorder::Create(capture.get(), 2);
+  ASSERT_TRUE(recorder.ok()) << recorder.status();
+  ASSERT_TRUE((*recorder)->BeginRequest("a", 3).ok());
+  // One pass: 3 prompt positions, 2 decode positions, then 1 beyond N (padding).
+  const std::pair<std::string, int64_t> pass[] = {{"a", 6}};
+  absl::StatusOr<absl::Span<const int32_t>> slots = (*recorder)->SetBatch(pass);
+  ASSERT_TRUE(slots.ok());
+  const int32_t ids[] = {0, 1, 2, 3, 3, 3};
+  // Prompt rows: uniform, {1/2, 1/2, 0, 0}, {0, 0, 0, 1}; decode and padding rows elsewhere.
+  const float logits[] = {0.f, 0.f, 0.f,   0.f,   0.f, 0.f, -1e4f, -1e4f, -1e4f, -1e4f, -1e4f, 0.f,
+                          9.f, 0.f, -1e4f, -1e4f, 9.f, 0.f, -1e4f, -1e4f, 9.f,   9.f,   9.f,   9.f};
+  ASSERT_TRUE(capture
+                  ->RecordDirectGateLogits(0, ids, IndexType::kInt32, 1, logits, LogitsType::kFloat32, 0, slots->data(),
+                                           IndexType::kInt32, 6, nullptr)
+                  .ok());
+  absl::StatusOr<CalibrationRecord> record = (*recorder)->FinishRequest("a");
+  ASSERT_TRUE(record.ok()) << record.status();
+  EXPECT_THAT(record->gate_prob_sums, ::testing::ElementsAre(0.75f, 0.75f, 0.25f, 1.25f));
+  EXPECT_THAT(record->prefill_counts, ::testing::ElementsAre(1, 1, 1, 0));
+  EXPECT_THAT(record->decode_counts, ::testing::ElementsAre(0, 0, 0, 2));
+}
+
 TEST(CalibrationRecorderTest, RefusesContextsItCannotUseAndRequestsItCannotTake) {
   Options options;
   options.num_layers = 2;

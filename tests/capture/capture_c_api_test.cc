@@ -247,6 +247,68 @@ TEST(CaptureCApiTest, GateProbSumsThroughTheCAbi) {
   eldr_capture_destroy(ctx);
 }
 
+TEST(CaptureCApiTest, GateLogitsThroughTheCAbi) {
+  eldr_capture_options options;
+  eldr_capture_options_init(&options);
+  options.num_layers = 1;
+  options.num_experts = 4;
+  options.max_top_k = 1;
+  options.num_blocks = 2;
+  options.block_size = 4;
+  options.max_direct_requests = 2;
+  options.record_gate_probs = 1;
+  eldr_capture_ctx* ctx = nullptr;
+  ASSERT_EQ(eldr_capture_create(&options, &ctx), ELDR_CAPTURE_OK) << eldr_capture_last_error();
+  // Rows with exact softmaxes: {0, 0, -1000, -1000} -> {1/2, 1/2, 0, 0}; {0, 0, 0, 0} -> 1/4 each;
+  // one NaN row (skipped, counted). float16 bits: 0 = 0x0000, -1000 = 0xe3d0, NaN = 0x7e00.
+  const uint16_t logits[] = {0x0000, 0x0000, 0xe3d0, 0xe3d0, 0x0000, 0x0000,
+                             0x0000, 0x0000, 0x0000, 0x7e00, 0x0000, 0x0000};
+  const int32_t ids[] = {3, 3, 3};
+  const int64_t slots[] = {4, 5, 6};  // block 1
+  ASSERT_EQ(eldr_capture_record_gate_logits(ctx, 0, ids, ELDR_CAPTURE_INT32, 1, logits, ELDR_CAPTURE_LOGITS_FLOAT16, 0,
+                                            slots, ELDR_CAPTURE_INT64, 3, 0, nullptr),
+            ELDR_CAPTURE_OK)
+      << eldr_capture_last_error();
+  const int32_t table[] = {1};
+  const int64_t length = 3;
+  eldr_capture_result* result = nullptr;
+  ASSERT_EQ(eldr_capture_finish_gate_probs(ctx, table, 1, &length, 1, nullptr, &result), ELDR_CAPTURE_OK);
+  const float* sums = eldr_capture_result_gate_prob_sums(result);
+  ASSERT_NE(sums, nullptr);
+  EXPECT_EQ(std::vector<float>(sums, sums + 4), (std::vector<float>{0.75f, 0.75f, 0.25f, 0.25f}));
+  eldr_capture_stats stats;
+  stats.struct_size = sizeof(stats);
+  ASSERT_EQ(eldr_capture_result_stats(result, &stats), ELDR_CAPTURE_OK);
+  EXPECT_EQ(stats.bad_gate_probs, 1u);
+  EXPECT_EQ(stats.recorded_choices, 3u);
+  eldr_capture_result_release(result);
+
+  // Direct mode, float32 rows {0, 0, 0, 0} and {0, -1e4, -1e4, 0} with a stride of 5 (123: never read).
+  const float rows[] = {0.f, 0.f, 0.f, 0.f, 123.f, 0.f, -1e4f, -1e4f, 0.f, 123.f};
+  const int32_t requests[] = {1, 1};
+  ASSERT_EQ(
+      eldr_capture_record_direct_gate_logits(ctx, 0, ids, ELDR_CAPTURE_INT32, 1, rows, ELDR_CAPTURE_LOGITS_FLOAT32, 5,
+                                             requests, ELDR_CAPTURE_INT32, 2, nullptr),
+      ELDR_CAPTURE_OK)
+      << eldr_capture_last_error();
+  const int32_t slot[] = {1};
+  ASSERT_EQ(eldr_capture_finish_direct_gate_probs(ctx, slot, 1, nullptr, &result), ELDR_CAPTURE_OK);
+  sums = eldr_capture_result_gate_prob_sums(result);
+  ASSERT_NE(sums, nullptr);
+  EXPECT_EQ(std::vector<float>(sums, sums + 4), (std::vector<float>{0.75f, 0.25f, 0.25f, 0.75f}));
+  eldr_capture_result_release(result);
+
+  // Bad arguments are INVALID_ARGUMENT with the reason.
+  EXPECT_EQ(eldr_capture_record_gate_logits(ctx, 0, ids, ELDR_CAPTURE_INT32, 1, logits, 9, 0, slots, ELDR_CAPTURE_INT64,
+                                            1, 0, nullptr),
+            ELDR_CAPTURE_INVALID_ARGUMENT);
+  EXPECT_THAT(eldr_capture_last_error(), HasSubstr("logits_type"));
+  EXPECT_EQ(eldr_capture_record_gate_logits(nullptr, 0, ids, ELDR_CAPTURE_INT32, 1, logits, 0, 0, slots,
+                                            ELDR_CAPTURE_INT64, 1, 0, nullptr),
+            ELDR_CAPTURE_INVALID_ARGUMENT);
+  eldr_capture_destroy(ctx);
+}
+
 TEST(CaptureCApiTest, CallersOfTheOlderStructsStillWork) {
   // A caller compiled before record_gate_probs (and the stats' bad_gate_probs) existed passes the
   // older, smaller struct_size: accepted, the new fields neither read nor written.

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -17,6 +18,7 @@
 
 #include "capture/capture_test_util.h"
 #include "eldr/capture/capture.hpp"
+#include "gate_softmax.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -785,6 +787,306 @@ TEST(CaptureGateProbTest, DirectModeSumsPerSlotAndItsFinishZeroesOnlyTheGateSums
   ASSERT_TRUE(gate.ok());
   EXPECT_THAT(std::vector<float>((*gate)->gate_prob_sums(), (*gate)->gate_prob_sums() + 6),
               ElementsAreArray({0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}));
+}
+
+// ---- Gate logits: softmax over all experts (the reference's gate_prob_all) -------------------------
+
+// round(softmax(row)[e] * 2^bits) computed independently with std::exp in double.
+std::vector<double> ReferenceQuantizedSoftmax(const std::vector<float>& row, int bits) {
+  const double max = *std::max_element(row.begin(), row.end());
+  double sum = 0;
+  for (float x : row) sum += std::exp(static_cast<double>(x) - max);
+  std::vector<double> q;
+  for (float x : row) q.push_back(std::nearbyint(std::exp(static_cast<double>(x) - max) / sum * std::ldexp(1.0, bits)));
+  return q;
+}
+
+Options GateLogitOptions() {
+  Options options;
+  options.num_layers = 2;
+  options.num_experts = 4;
+  options.max_top_k = 2;
+  options.num_blocks = 4;
+  options.block_size = 4;
+  options.max_direct_requests = 2;
+  options.record_gate_probs = true;
+  return options;
+}
+
+std::vector<float> GateSums(Capture& capture, const std::vector<int32_t>& table, int64_t length) {
+  auto gate = capture.FinishGateProbs(table.data(), static_cast<int64_t>(table.size()), &length, 1, nullptr);
+  EXPECT_TRUE(gate.ok()) << gate.status();
+  if (!gate.ok()) return {};
+  const int64_t cells = (*gate)->cells_per_request();
+  return std::vector<float>((*gate)->gate_prob_sums(), (*gate)->gate_prob_sums() + cells);
+}
+
+TEST(CaptureGateLogitsTest, DeterministicExpIsWithin2ToTheMinus50OfStdExp) {
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> wide(-708.0, 0.0);
+  std::uniform_real_distribution<double> narrow(-20.0, 0.0);
+  for (int i = 0; i < 200000; ++i) {
+    const double x = i % 2 == 0 ? wide(rng) : narrow(rng);
+    const double want = std::exp(x);
+    EXPECT_LE(std::abs(internal::DeterministicExp(x) - want), std::ldexp(want, -50)) << x;
+  }
+  EXPECT_EQ(internal::DeterministicExp(0.0), 1.0);
+  EXPECT_EQ(internal::DeterministicExp(-709.0), 0.0);
+  EXPECT_EQ(internal::DeterministicExp(-std::numeric_limits<double>::infinity()), 0.0);
+}
+
+TEST(CaptureGateLogitsTest, AddsTheSoftmaxOverAllExpertsNotOnlyTheTopK) {
+  auto capture = MustCreate(GateLogitOptions());
+  ASSERT_NE(capture, nullptr);
+  const int bits = capture->info().gate_prob_fraction_bits;
+  ASSERT_EQ(bits, 24);
+  // Three tokens in block 1 (slots 4..6); top-2 ids say nothing about the probabilities.
+  const std::vector<int32_t> ids = {0, 1, 2, 3, 1, 2};
+  const std::vector<float> logits = {0.0f,   0.0f, 0.0f, 0.0f,    // uniform: exactly 1/4 each
+                                     1000.f, 0.0f, 0.0f, 0.0f,    // stable: no overflow, {1, 0, 0, 0}
+                                     0.5f,   -1.f, 2.0f, 0.25f};  // a general row
+  const std::vector<int64_t> slots = {4, 5, 6};
+  ASSERT_TRUE(capture
+                  ->RecordGateLogits(1, ids.data(), IndexType::kInt32, 2, logits.data(), LogitsType::kFloat32, 0,
+                                     slots.data(), IndexType::kInt64, 3, 0, nullptr)
+                  .ok());
+  const std::vector<float> sums = GateSums(*capture, {1}, 3);
+  ASSERT_EQ(sums.size(), 8u);
+  // Layer 0 untouched.
+  for (int e = 0; e < 4; ++e) EXPECT_EQ(sums[e], 0.0f);
+  const std::vector<double> general = ReferenceQuantizedSoftmax({0.5f, -1.f, 2.0f, 0.25f}, bits);
+  const std::vector<double> want = {0.25 + 1.0, 0.25, 0.25, 0.25};
+  for (int e = 0; e < 4; ++e) {
+    const double expected = want[e] + std::ldexp(general[e], -bits);
+    EXPECT_NEAR(sums[4 + e], expected, std::ldexp(1.0, -bits) + expected * 1e-7) << e;
+  }
+  // Every expert of the general row got its probability, including the one no token chose (0).
+  EXPECT_GT(sums[4] - 1.25f, 0.0f);
+  // Counts as eldr_capture_record.
+  EXPECT_THAT(BlockCounts(*capture, 1), ElementsAreArray({0, 0, 0, 0, 1, 2, 2, 1}));
+}
+
+TEST(CaptureGateLogitsTest, RandomRowsMatchAStdExpSoftmaxWithinOneGridStepPerToken) {
+  Options options = GateLogitOptions();
+  options.num_layers = 1;
+  options.num_experts = 64;
+  options.max_top_k = 8;
+  options.block_size = 16;
+  options.num_blocks = 8;
+  auto capture = MustCreate(options);
+  ASSERT_NE(capture, nullptr);
+  const int bits = capture->info().gate_prob_fraction_bits;
+  const int tokens = 100, experts = 64;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> logits(tokens * experts);
+  for (float& x : logits) x = normal(rng);
+  std::vector<int32_t> ids(tokens * 8);
+  for (int i = 0; i < tokens * 8; ++i) ids[i] = i % experts;
+  std::vector<int64_t> slots(tokens);
+  std::iota(slots.begin(), slots.end(), 0);
+  ASSERT_TRUE(capture
+                  ->RecordGateLogits(0, ids.data(), IndexType::kInt32, 8, logits.data(), LogitsType::kFloat32, 0,
+                                     slots.data(), IndexType::kInt64, tokens, 0, nullptr)
+                  .ok());
+  std::vector<double> want(experts, 0.0);
+  int64_t exact = 0;
+  for (int t = 0; t < tokens; ++t) {
+    const std::vector<double> q =
+        ReferenceQuantizedSoftmax(std::vector<float>(&logits[t * experts], &logits[(t + 1) * experts]), bits);
+    for (int e = 0; e < experts; ++e) want[e] += q[e];
+  }
+  const std::vector<float> sums = GateSums(*capture, {0, 1, 2, 3, 4, 5, 6}, tokens);
+  double total = 0;
+  for (int e = 0; e < experts; ++e) {
+    const double expected = std::ldexp(want[e], -bits);
+    // At most one grid step per token (a probability on a rounding boundary), plus float32 rounding.
+    EXPECT_NEAR(sums[e], expected, tokens * std::ldexp(1.0, -bits) + expected * 1.2e-7) << e;
+    exact += sums[e] == static_cast<float>(expected);
+    total += sums[e];
+  }
+  EXPECT_GE(exact, experts - 2);
+  // Each token's distribution sums to 1 (within half a grid step per expert).
+  EXPECT_NEAR(total, tokens, tokens * experts * std::ldexp(1.0, -bits - 1) + 1e-4);
+}
+
+TEST(CaptureGateLogitsTest, ReuseFromOffsetZeroResetsTheLogitSums) {
+  auto capture = MustCreate(GateLogitOptions());
+  ASSERT_NE(capture, nullptr);
+  const std::vector<int32_t> ids = {0, 1, 0, 1};
+  const std::vector<float> first = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const std::vector<int64_t> slots = {8, 9};
+  ASSERT_TRUE(capture
+                  ->RecordGateLogits(0, ids.data(), IndexType::kInt32, 2, first.data(), LogitsType::kFloat32, 0,
+                                     slots.data(), IndexType::kInt64, 2, 0, nullptr)
+                  .ok());
+  EXPECT_THAT(std::vector<float>(GateSums(*capture, {2}, 2)),
+              ElementsAreArray({0.5f, 0.5f, 0.5f, 0.5f, 0.f, 0.f, 0.f, 0.f}));
+  // Block 2 refilled from offset 0 with one token: only its distribution remains.
+  const std::vector<float> second = {100.f, 0.f, 0.f, 0.f};
+  ASSERT_TRUE(capture
+                  ->RecordGateLogits(0, ids.data(), IndexType::kInt32, 2, second.data(), LogitsType::kFloat32, 0,
+                                     slots.data(), IndexType::kInt64, 1, 0, nullptr)
+                  .ok());
+  EXPECT_THAT(std::vector<float>(GateSums(*capture, {2}, 1)),
+              ElementsAreArray({1.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}));
+  // A duplicate slot adds neither counts nor probabilities.
+  ASSERT_TRUE(capture
+                  ->RecordGateLogits(0, ids.data(), IndexType::kInt32, 2, first.data(), LogitsType::kFloat32, 0,
+                                     &slots[0], IndexType::kInt64, 1, kRecordSkipReset, nullptr)
+                  .ok());
+  EXPECT_THAT(std::vector<float>(GateSums(*capture, {2}, 1)),
+              ElementsAreArray({1.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}));
+  absl::StatusOr<Stats> stats = capture->ReadStats(nullptr);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->duplicate_slots, 1u);
+}
+
+TEST(CaptureGateLogitsTest, NonFiniteLogitsSkipTheTokenAndAreCountedButItsChoicesCount) {
+  auto capture = MustCreate(GateLogitOptions());
+  ASSERT_NE(capture, nullptr);
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<int32_t> ids = {0, 1, 2, 3, 0, 1, 2, 3};
+  const std::vector<float> logits = {nan,  0.f,  0.f,  0.f,  0.f, inf, 0.f, 0.f,
+                                     -inf, -inf, -inf, -inf, 0.f, 0.f, 0.f, 0.f};
+  const std::vector<int64_t> slots = {0, 1, 2, 3};
+  ASSERT_TRUE(capture
+                  ->RecordGateLogits(0, ids.data(), IndexType::kInt32, 2, logits.data(), LogitsType::kFloat32, 0,
+                                     slots.data(), IndexType::kInt64, 4, 0, nullptr)
+                  .ok());
+  auto gate = capture->FinishGateProbs(std::vector<int32_t>{0}.data(), 1, std::vector<int64_t>{4}.data(), 1, nullptr);
+  ASSERT_TRUE(gate.ok());
+  EXPECT_THAT(std::vector<float>((*gate)->gate_prob_sums(), (*gate)->gate_prob_sums() + 4),
+              ElementsAreArray({0.25f, 0.25f, 0.25f, 0.25f}));
+  EXPECT_EQ((*gate)->stats().bad_gate_probs, 3u);
+  EXPECT_EQ((*gate)->stats().recorded_choices, 8u);
+  EXPECT_THAT(BlockCounts(*capture, 0), ElementsAreArray({2, 2, 2, 2, 0, 0, 0, 0}));
+}
+
+TEST(CaptureGateLogitsTest, StridedBfloat16AndFloat16RowsEqualTheirFloat32Values) {
+  const std::vector<int32_t> ids = {0, 1, 2, 3};
+  const std::vector<int64_t> slots = {0, 1};
+  // Values exact in all three types; row stride 6 (two padding values per row, never read).
+  const std::vector<float> f32 = {1.5f, -2.f, 0.25f, 3.f, 99.f, 99.f, -0.5f, 0.f, 4.f, -8.f, 99.f, 99.f};
+  auto bits16 = [](float x, bool bf16) -> uint16_t {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if (bf16) return static_cast<uint16_t>(u >> 16);
+    if (x == 99.f) return 0x7c00;  // padding: +inf, which would poison the row if read
+    // binary16 of a normal float exact in 11 bits.
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    if ((u & 0x7fffffffu) == 0) return static_cast<uint16_t>(sign);
+    const int exponent = static_cast<int>((u >> 23) & 0xff) - 127 + 15;
+    return static_cast<uint16_t>(sign | (exponent << 10) | ((u >> 13) & 0x3ff));
+  };
+  std::vector<float> reference;
+  for (LogitsType type : {LogitsType::kFloat32, LogitsType::kBfloat16, LogitsType::kFloat16}) {
+    auto capture = MustCreate(GateLogitOptions());
+    ASSERT_NE(capture, nullptr);
+    std::vector<uint16_t> half;
+    for (float x : f32) half.push_back(bits16(x, type == LogitsType::kBfloat16));
+    const void* data = type == LogitsType::kFloat32 ? static_cast<const void*>(f32.data()) : half.data();
+    ASSERT_TRUE(capture
+                    ->RecordGateLogits(0, ids.data(), IndexType::kInt32, 2, data, type, 6, slots.data(),
+                                       IndexType::kInt64, 2, 0, nullptr)
+                    .ok());
+    const std::vector<float> sums = GateSums(*capture, {0}, 2);
+    if (reference.empty()) {
+      reference = sums;
+      const std::vector<double> a = ReferenceQuantizedSoftmax({1.5f, -2.f, 0.25f, 3.f}, 24);
+      const std::vector<double> b = ReferenceQuantizedSoftmax({-0.5f, 0.f, 4.f, -8.f}, 24);
+      for (int e = 0; e < 4; ++e) EXPECT_NEAR(sums[e], std::ldexp(a[e] + b[e], -24), 2 * std::ldexp(1.0, -24));
+    } else {
+      EXPECT_EQ(sums, reference) << static_cast<int>(type);
+    }
+    absl::StatusOr<Stats> stats = capture->ReadStats(nullptr);
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->bad_gate_probs, 0u);
+  }
+}
+
+TEST(CaptureGateLogitsTest, DirectModeAddsTheSoftmaxToTheTokensSlot) {
+  auto capture = MustCreate(GateLogitOptions());
+  ASSERT_NE(capture, nullptr);
+  const std::vector<int32_t> requests = {1, -1, 1, 0};
+  const std::vector<int32_t> ids = {0, 1, 0, 1, 2, 3, 3, 2};
+  const std::vector<float> logits = {0.f, 0.f, 0.f, 0.f, 5.f, 5.f, 5.f, 5.f, 0.f, 0.f, 0.f, 0.f, 1e4f, 0.f, 0.f, 0.f};
+  ASSERT_TRUE(capture
+                  ->RecordDirectGateLogits(1, ids.data(), IndexType::kInt32, 2, logits.data(), LogitsType::kFloat32, 0,
+                                           requests.data(), IndexType::kInt32, 4, nullptr)
+                  .ok());
+  const int32_t slots[] = {1, 0};
+  auto gate = capture->FinishDirectGateProbs(slots, 2, nullptr);
+  ASSERT_TRUE(gate.ok()) << gate.status();
+  EXPECT_THAT(std::vector<float>((*gate)->gate_prob_sums(), (*gate)->gate_prob_sums() + 16),
+              ElementsAreArray({0.f, 0.f, 0.f, 0.f, 0.5f, 0.5f, 0.5f, 0.5f,  //
+                                0.f, 0.f, 0.f, 0.f, 1.f, 0.f, 0.f, 0.f}));
+  auto counts = capture->FinishDirect(slots, 2, OutputType::kInt32, nullptr);
+  ASSERT_TRUE(counts.ok());
+  EXPECT_THAT(std::vector<int32_t>((*counts)->counts_int32(), (*counts)->counts_int32() + 16),
+              ElementsAreArray({0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1}));
+}
+
+TEST(CaptureGateLogitsTest, RequiresTheOptionAndRejectsBadArguments) {
+  Options options = GateLogitOptions();
+  options.record_gate_probs = false;
+  auto plain = MustCreate(options);
+  ASSERT_NE(plain, nullptr);
+  const int32_t ids[] = {0};
+  const float logits[] = {0.f, 0.f, 0.f, 0.f};
+  const int64_t slots[] = {0};
+  absl::Status s = plain->RecordGateLogits(0, ids, IndexType::kInt32, 1, logits, LogitsType::kFloat32, 0, slots,
+                                           IndexType::kInt64, 1, 0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("record_gate_logits"));
+  auto gated = MustCreate(GateLogitOptions());
+  ASSERT_NE(gated, nullptr);
+  s = gated->RecordGateLogits(0, ids, IndexType::kInt32, 1, nullptr, LogitsType::kFloat32, 0, slots, IndexType::kInt64,
+                              1, 0, nullptr);
+  EXPECT_THAT(s.message(), HasSubstr("router_logits is null"));
+  s = gated->RecordGateLogits(0, ids, IndexType::kInt32, 1, logits, LogitsType::kFloat32, 3, slots, IndexType::kInt64,
+                              1, 0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("logits_stride 3"));
+  s = gated->RecordGateLogits(0, ids, IndexType::kInt32, 1, logits, static_cast<LogitsType>(7), 0, slots,
+                              IndexType::kInt64, 1, 0, nullptr);
+  EXPECT_THAT(s.message(), HasSubstr("logits_type"));
+  s = gated->RecordDirectGateLogits(0, ids, IndexType::kInt32, 1, logits, LogitsType::kFloat32, 0, ids,
+                                    IndexType::kInt32, 1, nullptr);
+  EXPECT_TRUE(s.ok()) << s;
+  // No tokens: nothing to read, OK even with null arrays.
+  EXPECT_TRUE(gated
+                  ->RecordGateLogits(0, nullptr, IndexType::kInt32, 1, nullptr, LogitsType::kFloat32, 0, nullptr,
+                                     IndexType::kInt64, 0, 0, nullptr)
+                  .ok());
+}
+
+// The largest block bound still leaves room for block_size tokens of probability 1 in one cell.
+TEST(CaptureGateLogitsTest, AFullBlockOfCertainTokensFitsTheAccumulator) {
+  Options options;
+  options.num_layers = 1;
+  options.num_experts = 2;
+  options.max_top_k = 1;
+  options.num_blocks = 1;
+  options.block_size = 1 << 15;  // 16 integer bits: F = 16
+  options.record_gate_probs = true;
+  auto capture = MustCreate(options);
+  ASSERT_NE(capture, nullptr);
+  EXPECT_EQ(capture->info().gate_prob_fraction_bits, 16);
+  const int n = options.block_size;
+  std::vector<float> logits;
+  for (int t = 0; t < n; ++t) logits.insert(logits.end(), {50.f, -50.f});
+  std::vector<int32_t> ids(n, 0);
+  std::vector<int64_t> slots(n);
+  std::iota(slots.begin(), slots.end(), 0);
+  ASSERT_TRUE(capture
+                  ->RecordGateLogits(0, ids.data(), IndexType::kInt32, 1, logits.data(), LogitsType::kFloat32, 0,
+                                     slots.data(), IndexType::kInt64, n, 0, nullptr)
+                  .ok());
+  const std::vector<float> sums = GateSums(*capture, {0}, n);
+  EXPECT_EQ(sums[0], static_cast<float>(n));  // e^-100 rounds to 0 on the 2^-16 grid
+  EXPECT_EQ(sums[1], 0.0f);
 }
 
 // ---- The paged engine on the bundled real traces ---------------------------------------------

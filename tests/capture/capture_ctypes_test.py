@@ -341,6 +341,70 @@ class GateProbSumsCtypesTest(unittest.TestCase):
         self.assertLess(worst_fixed, worst_float32)
 
 
+class GateLogitsCtypesTest(unittest.TestCase):
+    """The gate_prob_all capture (softmax over all experts of router logits) through the binding,
+    against numpy's softmax on real routing of the bundled prompts with random logits: blocks
+    reused from offset 0, non-finite rows counted, float16 rows, the direct mode."""
+
+    @staticmethod
+    def quantised_softmax(logits: np.ndarray) -> np.ndarray:
+        """round(softmax * 2^24) per row, in float64 (numpy), as integers of the 2^-24 grid."""
+        x = logits.astype(np.float64)
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return np.rint(e / e.sum(axis=-1, keepdims=True) * 2.0 ** 24)
+
+    def test_sums_equal_numpy_softmax_over_all_experts(self):
+        data = os.path.join(os.environ.get("ELDR_DATA_DIR", "data"), "esft-routing")
+        topk = np.load(os.path.join(data, "summary_topk.npy"))
+        offsets = np.load(os.path.join(data, "summary_offsets.npy"))
+        rows = topk[offsets[0]:offsets[1]].astype(np.int32)
+        n, layers, experts = len(rows), 4, 64
+        rng = np.random.default_rng(3)
+        logits = rng.normal(0.0, 2.5, size=(n, layers, experts)).astype(np.float32)
+        logits[7, 1, 5] = np.nan
+        logits[8, 2, 0] = np.inf
+        blocks = (n + 15) // 16
+        ctx = CaptureContext(layers, experts, max_top_k=6, num_blocks=blocks, block_size=16,
+                             record_gate_probs=1)
+        slots = np.arange(n, dtype=np.int64)
+        # A first fill of block 0 with other logits, then the prompt refills it from offset 0.
+        ctx.record_gate_logits(0, rows[:16, 0, :], np.zeros((16, experts), np.float32), slots[:16])
+        for layer in range(layers):
+            ctx.record_gate_logits(layer, rows[:, layer, :], logits[:, layer, :], slots)
+        with ctx.finish_gate_probs(np.arange(blocks, dtype=np.int32), [n]) as result:
+            got = result.gate_prob_sums()[0].astype(np.float64)
+            stats = result.stats()
+        self.assertEqual(stats["bad_gate_probs"], 2)
+        want = np.zeros((layers, experts))
+        for layer in range(layers):
+            q = self.quantised_softmax(logits[:, layer, :])
+            q[~np.isfinite(logits[:, layer, :]).all(axis=1)] = 0
+            want[layer] = q.sum(axis=0) * 2.0 ** -24
+        # At most one grid step per token (a probability on a rounding boundary) + float32 rounding.
+        np.testing.assert_allclose(got, want, rtol=2 ** -23, atol=n * 2.0 ** -24)
+        self.assertGreaterEqual(np.mean(got == want.astype(np.float32)), 0.99)
+        # Every expert gets probability, not only the chosen ones; rows total the finite tokens.
+        self.assertTrue(np.all(got > 0))
+        np.testing.assert_allclose(got.sum(axis=1), [n, n - 1, n - 1, n], rtol=1e-5)
+        # The counts are still the top-k counts.
+        with ctx.finish(np.arange(blocks, dtype=np.int32), [n], output="int32") as result:
+            self.assertEqual(int(result.counts()[0].sum()), layers * n * 6)
+
+    def test_float16_rows_and_the_direct_mode(self):
+        ctx = CaptureContext(1, 4, max_top_k=1, num_blocks=1, block_size=4, max_direct_requests=2,
+                             record_gate_probs=1)
+        logits = np.array([[0, 0, -1000, -1000], [0, 0, 0, 0]], dtype=np.float16)
+        ids = np.array([[0], [1]], dtype=np.int32)
+        ctx.record_gate_logits(0, ids, logits, [0, 1])
+        with ctx.finish_gate_probs([[0]], [2]) as result:
+            np.testing.assert_array_equal(result.gate_prob_sums()[0][0], [0.75, 0.75, 0.25, 0.25])
+        ctx.record_direct_gate_logits(0, ids, logits.astype(np.float32), [1, -1])
+        with ctx.finish_direct_gate_probs([1]) as result:
+            np.testing.assert_array_equal(result.gate_prob_sums()[0][0], [0.5, 0.5, 0, 0])
+        with self.assertRaises(ValueError):
+            ctx.record_gate_logits(0, ids, np.zeros((2, 3), np.float32), [0, 1])
+
+
 class RouterClientCtypesTest(unittest.TestCase):
 
     def setUp(self):

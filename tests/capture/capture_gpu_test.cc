@@ -5,6 +5,8 @@
 // Without a usable GPU every test skips and says why.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <ostream>
@@ -358,6 +360,96 @@ TEST(CaptureGpuDirectTest, GateProbSumsMatchTheCpuReference) {
   EXPECT_EQ(stats[1], stats[0]);
   EXPECT_GT(stats[0].bad_gate_probs, 0u);
   EXPECT_GT(*std::max_element(out[0].begin(), out[0].end()), 10.0f);
+}
+
+// Gate logits (softmax over all experts): the softmax of gate_softmax.h runs the same IEEE double
+// operations on both devices, so the sums must be the same bits. Batches refill blocks (resets),
+// repeat slots (duplicates), carry non-finite rows, padding and bad slots, in float32 and bfloat16.
+TEST(CaptureGpuGateLogitsTest, BlockAndDirectSumsMatchTheCpuReferenceBitForBit) {
+  SKIP_WITHOUT_GPU();
+  Options options;
+  options.num_layers = 2;
+  options.num_experts = 128;
+  options.max_top_k = 8;
+  options.num_blocks = 64;
+  options.block_size = 16;
+  options.max_direct_requests = 8;
+  options.max_finish_requests = 8;
+  options.record_gate_probs = true;
+  const int tokens = 2048, experts = 128, stride = 130;
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  std::vector<int32_t> ids(tokens * 8);
+  for (int32_t& id : ids) id = static_cast<int32_t>(rng() % experts);
+  std::vector<float> logits(static_cast<size_t>(tokens) * stride);
+  for (float& x : logits) x = normal(rng);
+  logits[5 * stride + 3] = std::numeric_limits<float>::quiet_NaN();
+  logits[77 * stride + 100] = std::numeric_limits<float>::infinity();
+  std::vector<uint16_t> bf16(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &logits[i], 4);
+    bf16[i] = static_cast<uint16_t>(u >> 16);
+  }
+  // Slots: two passes over 1024 slots (the second refills every block from offset 0), some padding,
+  // some out of range, some repeated.
+  std::vector<int64_t> slots(tokens);
+  for (int t = 0; t < tokens; ++t) slots[t] = t % 1024;
+  slots[9] = -1;
+  slots[10] = 5000;
+  slots[1500] = slots[1499];
+  std::vector<int32_t> requests(tokens);
+  for (int32_t& r : requests) r = static_cast<int32_t>(rng() % 10) - 1;
+  std::vector<int32_t> table(64);
+  std::iota(table.begin(), table.end(), 0);
+  const std::vector<int32_t> finishing = {0, 3, 7};
+  std::vector<float> block_sums[2], direct_sums[2];
+  Stats stats[2];
+  for (Device device : {Device::kCpu, Device::kCuda}) {
+    options.device = device;
+    auto capture = MustCreate(options);
+    ASSERT_NE(capture, nullptr);
+    testing::DeviceArrays arrays(device);
+    const int32_t* device_ids = arrays.Upload(ids);
+    for (int layer = 0; layer < 2; ++layer) {
+      const void* data = layer == 0 ? static_cast<const void*>(arrays.Upload(logits)) : arrays.Upload(bf16);
+      const LogitsType type = layer == 0 ? LogitsType::kFloat32 : LogitsType::kBfloat16;
+      // Two batches of 1024 tokens, in stream order.
+      for (int half = 0; half < 2; ++half) {
+        const int64_t offset = int64_t{half} * 1024;
+        const void* rows = static_cast<const uint8_t*>(data) + offset * stride * (layer == 0 ? 4 : 2);
+        ASSERT_TRUE(capture
+                        ->RecordGateLogits(
+                            layer, device_ids + offset * 8, IndexType::kInt32, 8, rows, type, stride,
+                            arrays.Upload(std::vector<int64_t>(slots.begin() + offset, slots.begin() + offset + 1024)),
+                            IndexType::kInt64, 1024, 0, nullptr)
+                        .ok());
+      }
+      ASSERT_TRUE(capture
+                      ->RecordDirectGateLogits(layer, device_ids, IndexType::kInt32, 8, data, type, stride,
+                                               arrays.Upload(requests), IndexType::kInt32, tokens, nullptr)
+                      .ok());
+    }
+    const int64_t length = 1024;
+    auto result = capture->FinishGateProbs(arrays.Upload(table), 64, &length, 1, nullptr);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_TRUE((*result)->Wait().ok());
+    const int d = static_cast<int>(device);
+    block_sums[d].assign((*result)->gate_prob_sums(), (*result)->gate_prob_sums() + 2 * experts);
+    auto direct = capture->FinishDirectGateProbs(finishing.data(), 3, nullptr);
+    ASSERT_TRUE(direct.ok()) << direct.status();
+    ASSERT_TRUE((*direct)->Wait().ok());
+    direct_sums[d].assign((*direct)->gate_prob_sums(), (*direct)->gate_prob_sums() + 3 * 2 * experts);
+    stats[d] = (*direct)->stats();
+  }
+  EXPECT_EQ(block_sums[1], block_sums[0]);
+  EXPECT_EQ(direct_sums[1], direct_sums[0]);
+  EXPECT_EQ(stats[1], stats[0]);
+  EXPECT_GT(stats[0].bad_gate_probs, 0u);
+  EXPECT_GT(stats[0].duplicate_slots, 0u);
+  // The second pass replaced the first: its 1023 tokens' distributions remain (one slot repeated).
+  const double total = std::accumulate(block_sums[0].begin(), block_sums[0].begin() + experts, 0.0);
+  EXPECT_NEAR(total, 1023.0, 0.05);
 }
 
 #ifdef ELDR_CAPTURE_HAVE_CUDA

@@ -52,6 +52,26 @@ def bincount(topk, experts):
     return counts
 
 
+def stub_logits(ids, experts):
+    """Router logits [tokens][E] of the stand-in gate: 2 + 0.5 * rank on the chosen experts, a
+    per-expert ramp elsewhere (float32)."""
+    tokens, k = ids.shape
+    logits = np.tile(np.linspace(-1.0, 0.5, experts, dtype=np.float32), (tokens, 1))
+    for j in range(k):
+        logits[np.arange(tokens), ids[:, j]] = 2.0 + 0.5 * (k - j)
+    return logits
+
+
+def softmax_sums(topk, experts):
+    """[L][E] sums over tokens of softmax(stub_logits) over all experts (float64)."""
+    out = np.zeros((topk.shape[1], experts))
+    for layer in range(topk.shape[1]):
+        x = stub_logits(topk[:, layer, :].astype(np.int64), experts).astype(np.float64)
+        e = np.exp(x - x.max(axis=1, keepdims=True))
+        out[layer] = (e / e.sum(axis=1, keepdims=True)).sum(axis=0)
+    return out
+
+
 class StubRouter:
     """Stands in for vLLM's BaseRouter: select_experts returns (topk_weights, topk_ids) of the
     tokens the engine loop put in the current pass, for this router's layer."""
@@ -62,6 +82,7 @@ class StubRouter:
         self.top_k = top_k
 
     def select_experts(self, hidden_states, router_logits):
+        assert router_logits is self.engine.pass_logits[self.layer]
         ids = self.engine.pass_ids[:, self.layer, :].astype(np.int64)
         weights = np.full(ids.shape, 1.0 / self.top_k, dtype=np.float32)
         return weights, ids
@@ -84,6 +105,8 @@ class StubEngine:
 
     def __init__(self, layers, experts, top_k):
         self.pass_ids = None
+        self.pass_logits = None
+        self.experts = experts
         # MoE layers are model layers 1.. (the first is dense), as in DeepSeek-V2-Lite.
         self.modules = [StubMoE(self, layer + 1, layer, experts, top_k) for layer in range(layers)]
         config = types.SimpleNamespace(compilation_config=types.SimpleNamespace(
@@ -110,9 +133,11 @@ class StubEngine:
             entries.append((None, 2))  # padding (CUDA-graph style)
             rows_of_pass.append(np.zeros((2,) + rows.shape[1:], dtype=rows.dtype))
             self.pass_ids = np.concatenate(rows_of_pass)
+            self.pass_logits = [stub_logits(self.pass_ids[:, layer, :], self.experts)
+                                for layer in range(len(self.modules))]
             on_pass_batch(entries)
-            for module in self.modules:
-                module.router.select_experts(None, None)
+            for layer, module in enumerate(self.modules):
+                module.router.select_experts(None, self.pass_logits[layer])
             passes += 1
             for item in list(running):
                 key, prompt, rows, position = item
@@ -129,12 +154,13 @@ class CalibrationCaptureTest(unittest.TestCase):
         cls.layers, cls.top_k = cls.sequences[0][1].shape[1], cls.sequences[0][1].shape[2]
         cls.experts = 64
 
-    def replay(self, tmp):
+    def replay(self, tmp, gate_mode="all"):
         engine = StubEngine(self.layers, self.experts, self.top_k)
         capture = CaptureContext(self.layers, self.experts, max_top_k=self.top_k,
                                  max_direct_requests=6, max_finish_requests=2,
                                  record_gate_probs=1)
-        recorder = eldr_calibration.CalibrationRecorder(capture, decode_tokens=DECODE_TOKENS)
+        recorder = eldr_calibration.CalibrationRecorder(capture, decode_tokens=DECODE_TOKENS,
+                                                        gate_mode=gate_mode)
         state = {}
         # The script's hooks on the stand-in modules; the stand-in engine declares each pass's
         # layout (several requests per pass) before the first layer runs.
@@ -149,20 +175,36 @@ class CalibrationCaptureTest(unittest.TestCase):
             requests.append((key, prompt, topk))
             expected.append((domain, bincount(topk[:prompt], self.experts),
                              bincount(topk[prompt:prompt + DECODE_TOKENS], self.experts),
-                             min(generated, DECODE_TOKENS)))
+                             min(generated, DECODE_TOKENS), softmax_sums(topk[:prompt],
+                                                                         self.experts)))
         passes = engine.run(requests, recorder, recorder.set_batch)
         self.assertGreater(passes, 50)
         self.assertEqual(len(state["tokens"]), passes)  # the first MoE layer saw every pass
-        for record, (domain, _, _, _) in zip(recorder.records, expected):
+        for record, (domain, *_) in zip(recorder.records, expected):
             record.label = domain
         by_key = {r.key: r for r in recorder.records}
         return [by_key[f"r{i}"] for i in range(len(requests))], expected, recorder
 
-    def test_records_prompt_decode_and_gate_sums_of_each_request(self):
+    def test_records_prompt_decode_and_softmax_gate_sums_of_each_request(self):
         with tempfile.TemporaryDirectory() as tmp:
-            records, expected, recorder = self.replay(tmp)
+            records, expected, recorder = self.replay(tmp)  # gate_mode "all", the default
+            self.assertEqual(recorder.gate_mode, "all")
+            for record, (_, prompt, decode, decoded, softmax) in zip(records, expected):
+                np.testing.assert_array_equal(record.prefill_counts, prompt, err_msg=record.key)
+                np.testing.assert_array_equal(record.decode_counts, decode, err_msg=record.key)
+                tokens = int(prompt[0].sum()) // self.top_k
+                # softmax over all experts of the prompt tokens' logits: one grid step per token.
+                np.testing.assert_allclose(record.gate_prob_sums, softmax, rtol=2 ** -23,
+                                           atol=tokens * 2.0 ** -24, err_msg=record.key)
+                self.assertTrue(np.all(record.gate_prob_sums > 0))
+                np.testing.assert_allclose(record.gate_prob_sums.sum(axis=1), tokens, rtol=1e-5)
+            self.assertEqual(int(recorder.capture.stats()["bad_gate_probs"]), 0)
+
+    def test_records_prompt_decode_and_topk_gate_sums_of_each_request(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            records, expected, recorder = self.replay(tmp, gate_mode="topk")
             self.assertEqual(len(records), len(self.sequences))
-            for record, (domain, prompt, decode, decoded) in zip(records, expected):
+            for record, (domain, prompt, decode, decoded, _) in zip(records, expected):
                 np.testing.assert_array_equal(record.prefill_counts, prompt, err_msg=record.key)
                 np.testing.assert_array_equal(record.decode_counts, decode, err_msg=record.key)
                 self.assertEqual(record.decode_tokens, decoded)
@@ -255,6 +297,12 @@ class CalibrationCaptureTest(unittest.TestCase):
         recorder.begin_request("a", 3)
         with self.assertRaises(RuntimeError):  # both slots held by "a"
             recorder.begin_request("b", 3)
+        recorder.set_batch([("a", 1)])
+        with self.assertRaises(ValueError):  # gate_mode "all" needs the router logits
+            recorder.record(0, np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32))
+        with self.assertRaises(ValueError):
+            eldr_calibration.CalibrationRecorder(
+                CaptureContext(2, 4, max_direct_requests=2, record_gate_probs=1), gate_mode="x")
 
 
 if __name__ == "__main__":

@@ -175,6 +175,71 @@ class GateHookTest(unittest.TestCase):
         ctx.close()
 
 
+class GateAllHookTest(unittest.TestCase):
+    """gate_probs="all" (ELDR_GATE_PROBS=all): the select_experts hook records the softmax over
+    all experts of its router_logits argument, the reference's gate_prob_all."""
+
+    def test_modes_parse_and_one_keeps_meaning_topk(self):
+        self.assertEqual(eldr_vllm.parse_gate_mode(None), "off")
+        self.assertEqual(eldr_vllm.parse_gate_mode("0"), "off")
+        self.assertEqual(eldr_vllm.parse_gate_mode("1"), "topk")
+        self.assertEqual(eldr_vllm.parse_gate_mode(True), "topk")
+        self.assertEqual(eldr_vllm.parse_gate_mode("topk"), "topk")
+        self.assertEqual(eldr_vllm.parse_gate_mode("ALL"), "all")
+        with self.assertRaises(ValueError):
+            eldr_vllm.parse_gate_mode("softmax")
+
+    def test_connector_attaches_the_softmax_sums_over_all_experts(self):
+        eldr_vllm._active = None
+        ctx = CaptureContext(2, 6, max_top_k=2, num_blocks=16, block_size=4, record_gate_probs=1)
+        modules = [StubMoE(2, 6, 2), StubMoE(5, 6, 2)]
+        for module in modules:
+            module.router = GateStubRouter(2)
+        slots = np.arange(8, 13, dtype=np.int64)  # blocks 2 and 3
+        eldr = eldr_vllm.EldrPrefillCapture(ctx, [2, 5], 4, lambda: (slots, 0), gate_probs="all")
+        self.assertEqual(eldr.gate_mode, "all")
+        eldr.install(eldr_vllm.find_moe_modules(modules))
+        rng = np.random.default_rng(5)
+        expected = np.zeros((2, 6))
+        for index, module in enumerate(modules):
+            ids = np.stack([np.arange(5) % 6, (np.arange(5) + 1) % 6], axis=1).astype(np.int64)
+            logits = rng.normal(0, 2, size=(5, 6)).astype(np.float32)
+            # Weights that say nothing about the softmax: the all mode must not use them.
+            module.router.next = (np.full((5, 2), 0.5, np.float32), ids)
+            if index == 0:
+                returned = module.router.select_experts(None, logits)
+            else:
+                returned = module.router.select_experts(hidden_states=None, router_logits=logits)
+            self.assertIs(returned[1], ids)
+            e = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+            expected[index] = (e / e.sum(axis=1, keepdims=True)).sum(axis=0)
+        self.assertEqual(eldr.failures, 0)
+        connector = eldr_vllm.connector_with_counts(StubConnector)()
+        _, params = connector.request_finished(StubRequest("a", 5), [2, 3])
+        sums = eldr_vllm.gate_prob_sums_from_kv_transfer_params(params)
+        np.testing.assert_allclose(sums, expected, rtol=1e-6, atol=5 * 2.0 ** -24)
+        self.assertTrue(np.all(sums > 0))  # every expert, not only the chosen ones
+        np.testing.assert_allclose(sums.sum(axis=1), [5, 5], rtol=1e-6)
+        self.assertEqual(int(eldr_vllm.counts_from_kv_transfer_params(params).sum()), 2 * 5 * 2)
+        eldr_vllm._active = None
+        ctx.close()
+
+    def test_logits_of_the_wrong_width_are_a_counted_failure(self):
+        eldr_vllm._active = None
+        ctx = CaptureContext(1, 6, max_top_k=2, num_blocks=4, block_size=4, record_gate_probs=1)
+        module = StubMoE(0, 6, 2)
+        module.router = GateStubRouter(2)
+        eldr = eldr_vllm.EldrPrefillCapture(ctx, [0], 4,
+                                            lambda: (np.arange(2, dtype=np.int64), 0),
+                                            gate_probs="all")
+        eldr.install([module])
+        module.router.next = (np.ones((2, 2), np.float32), np.zeros((2, 2), np.int64))
+        module.router.select_experts(None, np.zeros((2, 5), np.float32))
+        self.assertEqual(eldr.failures, 1)
+        eldr_vllm._active = None
+        ctx.close()
+
+
 class HookTest(unittest.TestCase):
     LAYERS = (1, 3, 7)  # decoder layers with MoE (the others are dense)
     EXPERTS = 8

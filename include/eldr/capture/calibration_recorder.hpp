@@ -6,9 +6,13 @@
 // bookkeeping on top of a Capture context in direct mode (docs/capture.md, "Calibration capture"):
 // each request in flight holds two direct slots, one for its prompt positions, one for its decode
 // positions prompt_tokens .. prompt_tokens + N - 1; later positions are padding. The engine
-// declares each forward pass's layout with SetBatch, records every MoE layer of the pass with
-// Capture::RecordDirectGateProbs and the returned token -> slot array (copied to device memory
-// first on a CUDA context), and calls FinishRequest when a request ends.
+// declares each forward pass's layout with SetBatch, records every MoE layer of the pass with the
+// returned token -> slot array (copied to device memory first on a CUDA context), and calls
+// FinishRequest when a request ends. The record call chooses the gate sums' mode:
+// Capture::RecordDirectGateLogits with the gate's router logits for the reference's gate_prob_all
+// (softmax over all experts; what eldr-calibrate's gate_prob variant means), or
+// Capture::RecordDirectGateProbs with the router's top-k weights. The file does not say which; the
+// artifact must be served with gate sums captured in the same mode.
 //
 // integrations/vllm/eldr_calibration.py is the same recorder for Python engines.
 //

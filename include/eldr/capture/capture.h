@@ -248,6 +248,9 @@ ELDR_CAPTURE_API int eldr_capture_finish(eldr_capture_ctx* ctx, const int32_t* b
 
 /*
  * Gate probabilities (a context created with record_gate_probs = 1; FAILED_PRECONDITION otherwise).
+ * Two capture modes fill the same accumulators: "topk" (this function: each token's top-k router
+ * weights) and "all" (eldr_capture_record_gate_logits: the softmax over all experts of each token's
+ * router logits, the reference's gate_prob_all). Sums are comparable only within one mode.
  *
  * eldr_capture_record_gate_probs does everything eldr_capture_record does (same arguments, same
  * resets, same slot rule), and also adds each counted choice's gate probability
@@ -270,6 +273,47 @@ ELDR_CAPTURE_API int eldr_capture_record_gate_probs(eldr_capture_ctx* ctx, int32
                                                     int32_t id_type, const float* topk_weights, int32_t top_k,
                                                     const void* slot_mapping, int32_t slot_type, int64_t num_tokens,
                                                     uint32_t flags, void* stream);
+
+/* Element type of router logits (eldr_capture_record_gate_logits). */
+typedef enum eldr_capture_logits_type {
+  ELDR_CAPTURE_LOGITS_FLOAT32 = 0,
+  ELDR_CAPTURE_LOGITS_BFLOAT16 = 1,
+  ELDR_CAPTURE_LOGITS_FLOAT16 = 2
+} eldr_capture_logits_type;
+
+/*
+ * The reference's gate_prob_all capture (record_gate_probs = 1): everything eldr_capture_record does
+ * for the counts (same arguments, resets, slot rule and duplicate rule), and for each counted token
+ * the softmax of its router logits over ALL E experts, not only its top-k:
+ *   router_logits  device, [num_tokens][logits_stride] of logits_type (eldr_capture_logits_type): the
+ *                  MoE gate's output; row t's first E values are token t's logits. logits_stride is
+ *                  in elements, >= E; 0 means E (contiguous rows).
+ * adds softmax(router_logits[t])[e] to the block's gate-probability accumulator of (layer, e) for
+ * every e in [0, E). The accumulators and their reset rule are those of
+ * eldr_capture_record_gate_probs, so one context records one mode: a request's sums come from
+ * whichever of the two wrote its blocks (do not mix them; a router's artifact must be calibrated
+ * from sums of the mode it is served with). A token with a non-finite logit (inf or NaN) adds no
+ * probabilities and counts one bad_gate_probs; its expert choices are still counted.
+ *
+ * Headroom: each probability is at most 1, so a cell gains at most 1 per token and at most
+ * block_size per block, within the block_size * max_top_k the fraction bits are sized for.
+ *
+ * Exactness. The softmax is computed in double, stably (the row maximum is subtracted first), with
+ * an exp of the library's own (a polynomial of correctly rounded IEEE double operations, no libm and
+ * no FMA contraction), and the expert order of the sum fixed; each probability p is then rounded
+ * once to the grid 2^-F. The CPU reference and the CUDA kernels perform the same operations, so
+ * they produce the same accumulator bits, and the finishes the same float32 sums. Against the exact
+ * softmax p, the computed probability is within d = (E + 10) * 2^-53 (exp within 2^-50 relative,
+ * the sum over E terms, the division), so each rounded probability is within 2^-(F+1) + d of p:
+ * round(p * 2^F) itself except when p * 2^F lies within d * 2^F of a rounding boundary (then one
+ * grid step off). A request's sum of n tokens is within n * (2^-(F+1) + d) of the exact sum, plus
+ * the float32 rounding of the total.
+ */
+ELDR_CAPTURE_API int eldr_capture_record_gate_logits(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids,
+                                                     int32_t id_type, int32_t top_k, const void* router_logits,
+                                                     int32_t logits_type, int64_t logits_stride,
+                                                     const void* slot_mapping, int32_t slot_type, int64_t num_tokens,
+                                                     uint32_t flags, void* stream);
 
 /* Sums each request's blocks' gate-probability accumulators into float32 [num_requests][L][E], read
  * with eldr_capture_result_gate_prob_sums. Arguments and block rule as eldr_capture_finish. */
@@ -305,6 +349,15 @@ ELDR_CAPTURE_API int eldr_capture_record_direct_gate_probs(eldr_capture_ctx* ctx
                                                            int32_t id_type, const float* topk_weights, int32_t top_k,
                                                            const void* token_request, int32_t request_type,
                                                            int64_t num_tokens, void* stream);
+
+/* Direct mode of eldr_capture_record_gate_logits: eldr_capture_record_direct, plus softmax over all E
+ * experts of each token's router logits (device, [num_tokens][logits_stride] of logits_type) added
+ * to its slot's accumulators (64-bit, 24 fraction bits; the same softmax and exactness). */
+ELDR_CAPTURE_API int eldr_capture_record_direct_gate_logits(eldr_capture_ctx* ctx, int32_t layer, const void* topk_ids,
+                                                            int32_t id_type, int32_t top_k, const void* router_logits,
+                                                            int32_t logits_type, int64_t logits_stride,
+                                                            const void* token_request, int32_t request_type,
+                                                            int64_t num_tokens, void* stream);
 
 /* The gate-probability sums of request slots (host, distinct) as float32 [num_requests][L][E], and
  * zeroes those slots' gate accumulators (their counts are left to eldr_capture_finish_direct). */
@@ -369,7 +422,8 @@ typedef struct eldr_capture_stats {
   uint64_t saturated_outputs;
   /* Block rows zeroed because their offset-0 slot was in a batch (per token and call). */
   uint64_t block_resets;
-  /* Gate probabilities outside [0, 1] or NaN, skipped (written only when struct_size covers it). */
+  /* Gate probabilities outside [0, 1] or NaN, skipped, and (eldr_capture_record_gate_logits) tokens
+   * whose router logits are not all finite (written only when struct_size covers it). */
   uint64_t bad_gate_probs;
 } eldr_capture_stats;
 

@@ -24,6 +24,8 @@ enum class IndexType { kInt32 = 0, kInt64 = 1 };
 // kInt16 saturates at 32767 (the router's int16_le wire format), kInt32 at 2^31 - 1. kFloat32 is the
 // output of the gate-probability finishes (FinishGateProbs, FinishDirectGateProbs) only.
 enum class OutputType { kInt16 = 0, kInt32 = 1, kFloat32 = 2 };
+// Element type of router logits (RecordGateLogits): eldr_capture_logits_type.
+enum class LogitsType { kFloat32 = 0, kBfloat16 = 1, kFloat16 = 2 };
 
 // Defaults match eldr_capture_options_init; see eldr_capture_options for each field's contract.
 struct Options {
@@ -151,6 +153,19 @@ class Capture {
   virtual absl::Status RecordDirectGateProbs(int layer, const void* topk_ids, IndexType id_type,
                                              const float* topk_weights, int top_k, const void* token_request,
                                              IndexType request_type, int64_t num_tokens, void* stream) = 0;
+  // The reference's gate_prob_all capture (options.record_gate_probs): the counts as Record /
+  // RecordDirect, plus softmax(router_logits[t]) over all E experts (router_logits [num_tokens]
+  // [logits_stride] of logits_type, stride in elements, 0 meaning E; same memory as topk_ids) added
+  // to the same gate-probability accumulators. A token with a non-finite logit adds no
+  // probabilities and counts one bad_gate_probs. See eldr_capture_record_gate_logits.
+  virtual absl::Status RecordGateLogits(int layer, const void* topk_ids, IndexType id_type, int top_k,
+                                        const void* router_logits, LogitsType logits_type, int64_t logits_stride,
+                                        const void* slot_mapping, IndexType slot_type, int64_t num_tokens,
+                                        uint32_t flags, void* stream) = 0;
+  virtual absl::Status RecordDirectGateLogits(int layer, const void* topk_ids, IndexType id_type, int top_k,
+                                              const void* router_logits, LogitsType logits_type,
+                                              int64_t logits_stride, const void* token_request,
+                                              IndexType request_type, int64_t num_tokens, void* stream) = 0;
   // The gate-probability sums of requests, float32 [num_requests][L][E] (output type kFloat32):
   // same arguments and block rule as Finish / FinishDirect (FinishDirectGateProbs zeroes the slots'
   // gate accumulators, not their counts).
