@@ -184,7 +184,8 @@ TEST_F(RefitTest, PeriodicRefitDuringConcurrentRoutingNeverFailsARoute) {
   EXPECT_GT(routes.load(), 100);
   EXPECT_GE(stats.refits_completed, 3u) << stats.last_error;
   EXPECT_EQ(stats.refits_failed, 0u) << stats.last_error;
-  EXPECT_EQ(stats.refits_started, stats.refits_completed + stats.refits_failed + stats.refits_skipped);
+  EXPECT_EQ(stats.refits_started, stats.refits_completed + stats.refits_failed + stats.refits_skipped +
+                                      stats.refits_refused_imbalance + stats.refits_refused_churn);
   EXPECT_GT(stats.centroid_generation, 1u);
   EXPECT_EQ(router_->GetState(absl::Now()).centroid_generation, stats.centroid_generation);
   EXPECT_GT(highest_generation.load(), 1u);  // routes saw refitted sets
@@ -363,6 +364,11 @@ TEST_F(RefitTest, RemovedWorkerZoneIsAbsorbed) {
 TEST_F(RefitTest, CapacityWeightsScaleZones) {
   RefitOptions options;
   options.interval = absl::ZeroDuration();
+  // This test is about the fit's capacities; at tau = 0 on 213 requests the nearest-centroid
+  // prediction of the install guard is too noisy to compare two such sets (measured: 1.56 against
+  // 1.44), so the guard is off here (its own tests below).
+  options.max_imbalance_increase = 1000;
+  options.max_churn = 1;
   MakeRefitter(options);
   RouteAll();
   ASSERT_TRUE(refitter_->RefitNow().ok());  // equal capacities: the reference shares
@@ -663,6 +669,8 @@ TEST_F(RefitTest, MovementIsBoundedPerRefitAndInTotal) {
   unbounded.min_signatures_per_centroid = 8;
   unbounded.max_step_distance = 2;
   unbounded.max_drift_distance = 2;
+  unbounded.max_churn = 1;  // the churn guard would refuse the flood's refits: the row bounds are tested here
+  unbounded.max_imbalance_increase = 1000;
   MakeRefitter(unbounded);
   flood_and_refit(1);
   EXPECT_GT(max_distance(*artifact_, *router_->CurrentCentroids()), 0.3);  // the attack works unbounded
