@@ -345,6 +345,76 @@ absl::StatusOr<std::vector<int>> SolveBalancedAssignment(absl::Span<const double
   return SolveBalancedAssignment(cost, n, k, capacities, AssignmentMethod::kAuto);
 }
 
+absl::StatusOr<WeightedAssignment> SolveWeightedBalancedAssignment(absl::Span<const double> cost, int n, int k,
+                                                                   absl::Span<const int> units,
+                                                                   absl::Span<const int> capacities,
+                                                                   AssignmentMethod method) {
+  if (n >= 1 && units.size() != static_cast<size_t>(n)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weighted balanced assignment: ", units.size(), " unit counts for n = ", n, " points"));
+  }
+  int64_t total_units = 0;
+  for (int i = 0; i < static_cast<int>(units.size()); ++i) {
+    if (units[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weighted balanced assignment: point ", i, " has ", units[i], " units"));
+    }
+    total_units += units[i];
+  }
+  if (total_units > kMaxAssignmentUnits) {
+    return absl::InvalidArgumentError(absl::StrCat("weighted balanced assignment: ", total_units,
+                                                   " units in all, more than the ", kMaxAssignmentUnits,
+                                                   " one solve takes"));
+  }
+  // The replicated problem: one row per unit (a point's units share its cost row). Points of no
+  // unit take no capacity: they go to their cheapest cluster.
+  std::vector<double> replicated;
+  std::vector<int> owner;
+  replicated.reserve(static_cast<size_t>(total_units) * std::max(k, 0));
+  owner.reserve(static_cast<size_t>(total_units));
+  if (n >= 1 && k >= 1 && cost.size() == static_cast<size_t>(n) * k) {
+    for (int i = 0; i < n; ++i) {
+      for (int u = 0; u < units[i]; ++u) {
+        replicated.insert(replicated.end(), cost.begin() + static_cast<ptrdiff_t>(i) * k,
+                          cost.begin() + static_cast<ptrdiff_t>(i + 1) * k);
+        owner.push_back(i);
+      }
+    }
+  }
+  // Validation of n, k, sizes, capacities and finiteness is MakeIntegerProblem's (through the
+  // unweighted solve); an all-zero weighting still checks the costs.
+  WeightedAssignment result;
+  if (total_units == 0) {
+    absl::StatusOr<IntegerProblem> checked = MakeIntegerProblem(cost, n, k, std::vector<int>(k > 0 ? k : 0, n));
+    if (!checked.ok()) return checked.status();
+  } else {
+    absl::StatusOr<std::vector<int>> solved =
+        SolveBalancedAssignment(replicated, static_cast<int>(total_units), k, capacities, method);
+    if (!solved.ok()) return solved.status();
+    result.units_per_cluster.assign(static_cast<size_t>(n) * k, 0);
+    for (size_t r = 0; r < owner.size(); ++r)
+      ++result.units_per_cluster[static_cast<size_t>(owner[r]) * k + (*solved)[r]];
+  }
+  result.assignment.assign(n, -1);
+  for (int i = 0; i < n; ++i) {
+    const double* row = cost.data() + static_cast<size_t>(i) * k;
+    int best = -1;
+    for (int j = 0; j < k; ++j) {
+      const int held = units[i] == 0 ? 0 : result.units_per_cluster[static_cast<size_t>(i) * k + j];
+      if (units[i] > 0 && held == 0) continue;
+      if (best < 0) {
+        best = j;
+        continue;
+      }
+      const int best_held = units[i] == 0 ? 0 : result.units_per_cluster[static_cast<size_t>(i) * k + best];
+      if (held > best_held || (held == best_held && row[j] < row[best])) best = j;
+    }
+    result.assignment[i] = best;
+    if (units[i] > 0 && result.units_per_cluster[static_cast<size_t>(i) * k + best] < units[i]) ++result.split_points;
+  }
+  return result;
+}
+
 std::vector<int> ClusterCapacities(int n, int k, absl::Span<const double> weights) {
   if (n < 0 || k < 1) return {};
   if (weights.empty()) return std::vector<int>(k, (n + k - 1) / k);

@@ -182,14 +182,69 @@ absl::Status ValidateKMeansArguments(int n, int dim, const BalancedKMeansOptions
   return absl::OkStatus();
 }
 
+// Largest replicated assignment (units * clusters cells) a weighted fit quantises to.
+constexpr int64_t kMaxWeightedCells = int64_t{1} << 23;
+
+// Integer units of weighted points (BalancedKMeansOptions::point_weights).
+struct PointUnits {
+  std::vector<int> units;  // per point
+  int64_t total = 0;
+  double unit_weight = 0;
+};
+
+// Quantises the weights: a point of mean weight gets `resolution` units (fewer, down to 1, when
+// n * resolution * k cells would exceed kMaxWeightedCells), each point round(weight / unit).
+absl::StatusOr<PointUnits> QuantiseWeights(const std::vector<double>& weights, int n, int k, int resolution) {
+  if (weights.size() != static_cast<size_t>(n)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("balanced k-means: ", weights.size(), " point weights for ", n, " points"));
+  }
+  if (resolution < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("balanced k-means: weight_resolution = ", resolution, ", need >= 1"));
+  }
+  double total = 0;
+  for (int i = 0; i < n; ++i) {
+    if (!std::isfinite(weights[i]) || weights[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("balanced k-means: weight of point ", i, " is ", weights[i], "; need a finite value >= 0"));
+    }
+    total += weights[i];
+  }
+  if (!(total > 0) || !std::isfinite(total)) {
+    return absl::InvalidArgumentError("balanced k-means: the point weights sum to zero (or overflow)");
+  }
+  const int64_t cells_per_resolution = static_cast<int64_t>(n) * k;
+  const int effective = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(resolution, kMaxWeightedCells / std::max<int64_t>(1, cells_per_resolution))));
+  PointUnits result;
+  result.unit_weight = total / (static_cast<double>(n) * effective);
+  result.units.resize(n);
+  for (int i = 0; i < n; ++i) {
+    result.units[i] = static_cast<int>(std::llround(weights[i] / result.unit_weight));
+    result.total += result.units[i];
+  }
+  if (result.total == 0) {  // cannot happen (the units of the mean sum to n * effective), but be safe
+    return absl::InvalidArgumentError("balanced k-means: every point weight rounds to zero units");
+  }
+  return result;
+}
+
 // Validates the arguments, then the points, and returns the capacity of each cluster
-// (ClusterCapacities).
+// (ClusterCapacities; in units for a weighted fit, whose units `units` receives).
 absl::StatusOr<std::vector<int>> ValidatedCapacities(const PointRows& points, const BalancedKMeansOptions& options,
-                                                     std::vector<float>* scratch) {
+                                                     std::vector<float>* scratch, std::optional<PointUnits>* units) {
   const int n = points.rows();
   if (absl::Status status = ValidateKMeansArguments(n, points.dim(), options); !status.ok()) return status;
   const int k = options.clusters;
-  std::vector<int> capacity = ClusterCapacities(n, k, options.capacity_weights);
+  int64_t balanced_amount = n;
+  if (!options.point_weights.empty()) {
+    absl::StatusOr<PointUnits> quantised = QuantiseWeights(options.point_weights, n, k, options.weight_resolution);
+    if (!quantised.ok()) return quantised.status();
+    balanced_amount = quantised->total;
+    units->emplace(*std::move(quantised));
+  }
+  std::vector<int> capacity = ClusterCapacities(static_cast<int>(balanced_amount), k, options.capacity_weights);
   if (capacity.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("balanced k-means: capacity weights must be empty or ", k,
                                                    " finite positive values (got ", options.capacity_weights.size(),
@@ -226,32 +281,59 @@ absl::StatusOr<std::vector<float>> InitialCentroids(const PointRows& points, con
   return SeedKMeansPlusPlus(points, options.clusters, options.seeding_sample, options.seed, scratch);
 }
 
-// Total cost (cosine distance) of assigning the n points to `assignment` under the
-// [point][cluster] costs.
-double AssignmentObjective(const std::vector<double>& cost, const std::vector<int>& assignment, int n, int k) {
+// Total cost (cosine distance, weighted when `weights` is not empty) of assigning the n points to
+// `assignment` under the [point][cluster] costs.
+double AssignmentObjective(const std::vector<double>& cost, const std::vector<int>& assignment, int n, int k,
+                           const std::vector<double>& weights) {
   double objective = 0;
-  for (int i = 0; i < n; ++i) objective += cost[static_cast<size_t>(i) * k + assignment[i]];
+  for (int i = 0; i < n; ++i) {
+    objective += (weights.empty() ? 1.0 : weights[i]) * cost[static_cast<size_t>(i) * k + assignment[i]];
+  }
   return objective;
 }
 
-// Moves each centroid to the renormalised mean of its assigned points; an empty cluster (or one
-// whose points cancel out) restarts at the next worst-served point.
+// Moves each centroid to the renormalised (weighted, when `weights` is not empty) mean of its
+// assigned points; a cluster whose points all weigh 0 takes their plain mean; an empty cluster (or
+// one whose points cancel out) restarts at the next worst-served point.
 void MoveCentroidsToMeans(const PointRows& points, int k, const std::vector<int>& assignment,
-                          const std::vector<double>& cost, std::vector<float>* centroids, std::vector<float>* scratch) {
+                          const std::vector<double>& cost, const std::vector<double>& weights,
+                          std::vector<float>* centroids, std::vector<float>* scratch) {
   const int n = points.rows();
   const int dim = points.dim();
   std::vector<float> sums(static_cast<size_t>(k) * dim, 0.0f);
   std::vector<int> sizes(k, 0);
+  std::vector<double> weight_of(k, 0.0);
   ForEachBlock(points, scratch, [&](int begin, int count, absl::Span<const float> rows) {
     for (int r = 0; r < count; ++r) {
       const int i = begin + r;
       const float* x = rows.data() + static_cast<size_t>(r) * dim;
       float* sum = sums.data() + static_cast<size_t>(assignment[i]) * dim;
-      for (int d = 0; d < dim; ++d) sum[d] += x[d];
+      const float w = weights.empty() ? 1.0f : static_cast<float>(weights[i]);
+      for (int d = 0; d < dim; ++d) sum[d] += w * x[d];
       ++sizes[assignment[i]];
+      weight_of[assignment[i]] += w;
     }
     return absl::OkStatus();
-  }).IgnoreError();               // the callback never fails
+  }).IgnoreError();  // the callback never fails
+  if (!weights.empty()) {
+    // Clusters holding only weightless points: their plain mean instead.
+    std::vector<char> plain(k, 0);
+    bool any = false;
+    for (int c = 0; c < k; ++c) {
+      if (sizes[c] > 0 && !(weight_of[c] > 0)) plain[c] = any = 1;
+    }
+    if (any) {
+      ForEachBlock(points, scratch, [&](int begin, int count, absl::Span<const float> rows) {
+        for (int r = 0; r < count; ++r) {
+          if (!plain[assignment[begin + r]]) continue;
+          const float* x = rows.data() + static_cast<size_t>(r) * dim;
+          float* sum = sums.data() + static_cast<size_t>(assignment[begin + r]) * dim;
+          for (int d = 0; d < dim; ++d) sum[d] += x[d];
+        }
+        return absl::OkStatus();
+      }).IgnoreError();  // the callback never fails
+    }
+  }
   std::vector<int> worst_served;  // lazily: points by decreasing cost of their assignment
   size_t next_reseed = 0;
   for (int c = 0; c < k; ++c) {
@@ -303,7 +385,8 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(const PointRows& points, 
   const int n = points.rows();
   const int dim = points.dim();
   std::vector<float> scratch;  // one block of decoded rows (unused by a dense matrix)
-  absl::StatusOr<std::vector<int>> validated = ValidatedCapacities(points, options, &scratch);
+  std::optional<PointUnits> units;
+  absl::StatusOr<std::vector<int>> validated = ValidatedCapacities(points, options, &scratch, &units);
   if (!validated.ok()) return validated.status();
   const std::vector<int> capacity = *std::move(validated);
   const int k = options.clusters;
@@ -328,12 +411,21 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(const PointRows& points, 
     result.seconds_scoring += SecondsSince(phase);
 
     phase = Clock::now();
-    absl::StatusOr<std::vector<int>> solved = SolveBalancedAssignment(cost, n, k, capacity, options.assignment_method);
-    if (!solved.ok()) return solved.status();
-    assignment = *std::move(solved);
+    if (units.has_value()) {
+      absl::StatusOr<WeightedAssignment> solved =
+          SolveWeightedBalancedAssignment(cost, n, k, units->units, capacity, options.assignment_method);
+      if (!solved.ok()) return solved.status();
+      assignment = std::move(solved->assignment);
+      result.split_points = solved->split_points;
+    } else {
+      absl::StatusOr<std::vector<int>> solved =
+          SolveBalancedAssignment(cost, n, k, capacity, options.assignment_method);
+      if (!solved.ok()) return solved.status();
+      assignment = *std::move(solved);
+    }
     result.seconds_assignment += SecondsSince(phase);
 
-    const double objective = AssignmentObjective(cost, assignment, n, k);
+    const double objective = AssignmentObjective(cost, assignment, n, k, options.point_weights);
     result.objective = objective;
     result.objective_per_iteration.push_back(objective);
     result.iterations = iteration + 1;
@@ -349,13 +441,18 @@ absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(const PointRows& points, 
     previous_objective = objective;
 
     phase = Clock::now();
-    MoveCentroidsToMeans(points, k, assignment, cost, &centroids, &scratch);
+    MoveCentroidsToMeans(points, k, assignment, cost, options.point_weights, &centroids, &scratch);
     previous = assignment;
     result.seconds_update += SecondsSince(phase);
   }
 
   result.sizes.assign(k, 0);
   for (int c : assignment) ++result.sizes[c];
+  if (units.has_value()) {
+    result.unit_weight = units->unit_weight;
+    result.cluster_weights.assign(k, 0.0);
+    for (int i = 0; i < n; ++i) result.cluster_weights[assignment[i]] += options.point_weights[i];
+  }
   result.assignment = std::move(assignment);
   result.centroids = std::move(centroids);
   return result;

@@ -218,6 +218,160 @@ TEST(BalancedAssignmentTest, RejectsBadInput) {
   EXPECT_FALSE(SolveBalancedAssignment({}, 0, 2, std::vector<int>{1, 1}).ok());
 }
 
+// The splittable weighted problem solved independently: successive shortest paths with
+// Bellman-Ford on the unreplicated network source -> point (supply units[i]) -> cluster (cost) ->
+// sink (capacity), augmenting by the path's bottleneck. Returns the optimal total cost.
+double TransportationMinCost(const std::vector<double>& cost, int n, int k, const std::vector<int>& units,
+                             const std::vector<int>& capacity) {
+  // Nodes: 0 source, 1..n points, n+1..n+k clusters, n+k+1 sink.
+  const int nodes = n + k + 2, source = 0, sink = n + k + 1;
+  struct Arc {
+    int to;
+    int capacity;
+    double cost;
+    int reverse;
+  };
+  std::vector<std::vector<Arc>> graph(nodes);
+  auto add = [&](int from, int to, int cap, double c) {
+    graph[from].push_back(Arc{to, cap, c, static_cast<int>(graph[to].size())});
+    graph[to].push_back(Arc{from, 0, -c, static_cast<int>(graph[from].size()) - 1});
+  };
+  int supply = 0;
+  for (int i = 0; i < n; ++i) {
+    add(source, 1 + i, units[i], 0);
+    supply += units[i];
+    for (int j = 0; j < k; ++j) add(1 + i, 1 + n + j, units[i], cost[i * k + j]);
+  }
+  for (int j = 0; j < k; ++j) add(1 + n + j, sink, capacity[j], 0);
+  double total = 0;
+  while (supply > 0) {
+    std::vector<double> dist(nodes, std::numeric_limits<double>::infinity());
+    std::vector<std::pair<int, int>> parent(nodes, {-1, -1});
+    dist[source] = 0;
+    for (int round = 0; round < nodes; ++round) {
+      bool changed = false;
+      for (int u = 0; u < nodes; ++u) {
+        if (dist[u] == std::numeric_limits<double>::infinity()) continue;
+        for (size_t a = 0; a < graph[u].size(); ++a) {
+          const Arc& arc = graph[u][a];
+          if (arc.capacity > 0 && dist[u] + arc.cost < dist[arc.to] - 1e-12) {
+            dist[arc.to] = dist[u] + arc.cost;
+            parent[arc.to] = {u, static_cast<int>(a)};
+            changed = true;
+          }
+        }
+      }
+      if (!changed) break;
+    }
+    if (parent[sink].first < 0) return std::numeric_limits<double>::infinity();
+    int bottleneck = supply;
+    for (int v = sink; v != source; v = parent[v].first) {
+      bottleneck = std::min(bottleneck, graph[parent[v].first][parent[v].second].capacity);
+    }
+    for (int v = sink; v != source; v = parent[v].first) {
+      Arc& arc = graph[parent[v].first][parent[v].second];
+      arc.capacity -= bottleneck;
+      graph[v][arc.reverse].capacity += bottleneck;
+    }
+    total += bottleneck * dist[sink];
+    supply -= bottleneck;
+  }
+  return total;
+}
+
+TEST(WeightedBalancedAssignmentTest, SplitOptimumMatchesAnIndependentTransportationSolver) {
+  std::mt19937_64 rng(23);
+  std::uniform_real_distribution<double> uniform(0.0, 2.0);
+  int split_instances = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 25);
+    const int k = 1 + static_cast<int>(rng() % 6);
+    std::vector<double> cost(n * k);
+    for (double& c : cost) c = uniform(rng);
+    std::vector<int> units(n);
+    int total_units = 0;
+    for (int& u : units) total_units += (u = static_cast<int>(rng() % 7));  // zeros included
+    if (total_units == 0) units[0] = total_units = 3;
+    const std::vector<int> capacity =
+        trial % 2 == 0 ? RandomCapacities(total_units, k, rng) : ClusterCapacities(total_units, k, {});
+    const double optimum = TransportationMinCost(cost, n, k, units, capacity);
+    const double tolerance = total_units * 2.0 / (1 << 30) + 1e-9;
+    for (AssignmentMethod method : {AssignmentMethod::kNetworkSimplex, AssignmentMethod::kClusterPaths}) {
+      absl::StatusOr<WeightedAssignment> solved = SolveWeightedBalancedAssignment(cost, n, k, units, capacity, method);
+      ASSERT_TRUE(solved.ok()) << solved.status();
+      ASSERT_EQ(solved->units_per_cluster.size(), static_cast<size_t>(n * k));
+      double total = 0;
+      std::vector<int> load(k, 0), rounded_load(k, 0), split_units(k, 0);
+      int splits = 0;
+      for (int i = 0; i < n; ++i) {
+        int held = 0, most = 0, clusters_used = 0;
+        for (int j = 0; j < k; ++j) {
+          const int u = solved->units_per_cluster[i * k + j];
+          ASSERT_GE(u, 0);
+          held += u;
+          most = std::max(most, u);
+          clusters_used += u > 0;
+          load[j] += u;
+          total += u * cost[i * k + j];
+        }
+        EXPECT_EQ(held, units[i]) << "every unit of point " << i << " is placed";
+        const int a = solved->assignment[i];
+        ASSERT_GE(a, 0);
+        ASSERT_LT(a, k);
+        if (units[i] == 0) {
+          // A weightless point goes to its cheapest cluster.
+          EXPECT_EQ(cost[i * k + a], *std::min_element(cost.begin() + i * k, cost.begin() + (i + 1) * k));
+        } else {
+          EXPECT_EQ(solved->units_per_cluster[i * k + a], most) << "a point goes where most of its units went";
+        }
+        rounded_load[a] += units[i];
+        if (clusters_used > 1) {
+          ++splits;
+          split_units[a] += units[i];
+        }
+      }
+      EXPECT_EQ(solved->split_points, splits);
+      split_instances += splits > 0;
+      for (int j = 0; j < k; ++j) {
+        EXPECT_LE(load[j], capacity[j]) << "the split optimum respects every capacity";
+        EXPECT_LE(rounded_load[j], capacity[j] + split_units[j]) << "rounding overshoots by split points only";
+      }
+      EXPECT_NEAR(total, optimum, tolerance) << "trial " << trial << " n=" << n << " k=" << k;
+    }
+  }
+  EXPECT_GT(split_instances, 0) << "the instances must exercise split points";
+}
+
+TEST(WeightedBalancedAssignmentTest, UnitWeightsAreTheUnweightedProblem) {
+  std::mt19937_64 rng(29);
+  std::uniform_real_distribution<double> uniform(0.0, 2.0);
+  const int n = 40, k = 5;
+  std::vector<double> cost(n * k);
+  for (double& c : cost) c = uniform(rng);
+  const std::vector<int> capacity = ClusterCapacities(n, k, {});
+  absl::StatusOr<WeightedAssignment> weighted =
+      SolveWeightedBalancedAssignment(cost, n, k, std::vector<int>(n, 1), capacity);
+  absl::StatusOr<std::vector<int>> plain = SolveBalancedAssignment(cost, n, k, capacity);
+  ASSERT_TRUE(weighted.ok() && plain.ok());
+  EXPECT_EQ(weighted->assignment, *plain);
+  EXPECT_EQ(weighted->split_points, 0);
+}
+
+TEST(WeightedBalancedAssignmentTest, RejectsBadInput) {
+  const std::vector<double> cost(6, 0.5);
+  const std::vector<int> capacity = {3, 3};
+  EXPECT_THAT(SolveWeightedBalancedAssignment(cost, 3, 2, {1, 1}, capacity).status().message(),
+              HasSubstr("2 unit counts for n = 3"));
+  EXPECT_THAT(SolveWeightedBalancedAssignment(cost, 3, 2, {1, -1, 1}, capacity).status().message(),
+              HasSubstr("point 1 has -1 units"));
+  EXPECT_THAT(SolveWeightedBalancedAssignment(cost, 3, 2, {4, 4, 4}, capacity).status().message(),
+              HasSubstr("capacities sum to 6"));
+  std::vector<double> bad = cost;
+  bad[3] = std::nan("");
+  EXPECT_THAT(SolveWeightedBalancedAssignment(bad, 3, 2, {0, 0, 0}, capacity).status().message(),
+              HasSubstr("not finite"));
+}
+
 TEST(ClusterCapacitiesTest, EqualAndWeighted) {
   EXPECT_EQ(ClusterCapacities(100, 16, {}), std::vector<int>(16, 7));
   EXPECT_EQ(ClusterCapacities(96, 16, {}), std::vector<int>(16, 6));

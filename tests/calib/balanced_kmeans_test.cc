@@ -118,6 +118,82 @@ TEST(BalancedKMeansTest, HeterogeneousWeightsScaleClusterSizes) {
   EXPECT_EQ(fit->sizes, fit->capacities);
 }
 
+TEST(BalancedKMeansTest, WeightsBalanceWorkNotCounts) {
+  // Four planted clusters of 100 points; the first one's requests carry 5x the decode work. An
+  // unweighted fit gives each cluster 100 points (a quarter of the count, 5/8 of the work for the
+  // heavy one); the weighted fit bounds every cluster's work by a quarter of the total.
+  const int n = 400, dim = 16, k = 4;
+  const Planted p = MakePlanted(std::vector<int>(4, 100), dim, 0.4f, 8);
+  std::vector<double> weights(n);
+  for (int i = 0; i < n; ++i) weights[i] = p.truth[i] == 0 ? 50.0 : 10.0;
+  const double total = 100 * 50.0 + 300 * 10.0;
+  BalancedKMeansOptions options;
+  options.clusters = k;
+  options.seed = 3;
+  absl::StatusOr<BalancedKMeansResult> plain = FitBalancedKMeans(p.points, n, dim, options);
+  options.point_weights = weights;
+  absl::StatusOr<BalancedKMeansResult> weighted = FitBalancedKMeans(p.points, n, dim, options);
+  ASSERT_TRUE(plain.ok() && weighted.ok()) << plain.status() << weighted.status();
+
+  auto work_of = [&](const std::vector<int>& assignment) {
+    std::vector<double> work(k, 0);
+    for (int i = 0; i < n; ++i) work[assignment[i]] += weights[i];
+    return work;
+  };
+  const std::vector<double> plain_work = work_of(plain->assignment);
+  const std::vector<double> weighted_work = work_of(weighted->assignment);
+  EXPECT_GT(*std::max_element(plain_work.begin(), plain_work.end()), 0.45 * total);
+  ASSERT_EQ(weighted->cluster_weights.size(), static_cast<size_t>(k));
+  const double unit = weighted->unit_weight;
+  EXPECT_NEAR(unit, total / (n * options.weight_resolution), 1e-9);
+  for (int c = 0; c < k; ++c) {
+    EXPECT_DOUBLE_EQ(weighted->cluster_weights[c], weighted_work[c]);
+    // Capacity in units, plus at most the split points' work rounded into it (one point here).
+    EXPECT_LE(weighted_work[c], weighted->capacities[c] * unit + 50.0 * (weighted->split_points)) << "cluster " << c;
+  }
+  EXPECT_LT(*std::max_element(weighted_work.begin(), weighted_work.end()), 0.3 * total);
+  // The heavy planted cluster is spread: its points no longer share one fitted cluster.
+  std::set<int> heavy_clusters;
+  for (int i = 0; i < n; ++i) {
+    if (p.truth[i] == 0) heavy_clusters.insert(weighted->assignment[i]);
+  }
+  EXPECT_GE(heavy_clusters.size(), 2u);
+}
+
+TEST(BalancedKMeansTest, EqualWeightsAtResolutionOneReproduceTheUnweightedFit) {
+  const Planted p = MakePlanted({60, 50, 40}, 12, 0.5f, 9);
+  BalancedKMeansOptions options;
+  options.clusters = 3;
+  options.seed = 4;
+  absl::StatusOr<BalancedKMeansResult> plain = FitBalancedKMeans(p.points, 150, 12, options);
+  options.point_weights.assign(150, 2.5);
+  options.weight_resolution = 1;
+  absl::StatusOr<BalancedKMeansResult> weighted = FitBalancedKMeans(p.points, 150, 12, options);
+  ASSERT_TRUE(plain.ok() && weighted.ok());
+  EXPECT_EQ(weighted->assignment, plain->assignment);
+  ASSERT_EQ(weighted->centroids.size(), plain->centroids.size());
+  for (size_t i = 0; i < plain->centroids.size(); ++i) {
+    EXPECT_NEAR(weighted->centroids[i], plain->centroids[i], 1e-6) << i;  // scaled sums round differently
+  }
+  EXPECT_NEAR(weighted->objective, 2.5 * plain->objective, 1e-6 * plain->objective);
+}
+
+TEST(BalancedKMeansTest, RejectsBadWeights) {
+  const Planted p = MakePlanted({10, 10}, 8, 0.3f, 10);
+  BalancedKMeansOptions options;
+  options.clusters = 2;
+  options.point_weights.assign(19, 1.0);
+  EXPECT_THAT(FitBalancedKMeans(p.points, 20, 8, options).status().message(), HasSubstr("19 point weights"));
+  options.point_weights.assign(20, 1.0);
+  options.point_weights[4] = -1;
+  EXPECT_THAT(FitBalancedKMeans(p.points, 20, 8, options).status().message(), HasSubstr("weight of point 4"));
+  options.point_weights.assign(20, 0.0);
+  EXPECT_THAT(FitBalancedKMeans(p.points, 20, 8, options).status().message(), HasSubstr("sum to zero"));
+  options.point_weights.assign(20, 1.0);
+  options.weight_resolution = 0;
+  EXPECT_THAT(FitBalancedKMeans(p.points, 20, 8, options).status().message(), HasSubstr("weight_resolution"));
+}
+
 TEST(BalancedKMeansTest, ObjectiveNeverIncreases) {
   const Planted p = MakePlanted({70, 50, 40, 30, 30, 20, 10, 10}, 20, 0.8f, 8);
   BalancedKMeansOptions options;

@@ -57,6 +57,29 @@ enum class AssignmentMethod {
 absl::StatusOr<std::vector<int>> SolveBalancedAssignment(absl::Span<const double> cost, int n, int k,
                                                          absl::Span<const int> capacities, AssignmentMethod method);
 
+// ---- Weighted balanced assignment ----------------------------------------------------------------
+// Points that carry integer weights ("units", e.g. quantised decode work): cluster j holds at most
+// capacities[j] units (sum of capacities >= sum of units). The exact problem is the transportation
+// problem in which a point's units may be split between clusters: it is solved exactly (same
+// integer scaling and solvers as SolveBalancedAssignment) on the replicated problem, one row per
+// unit. A point then goes wholly to the cluster that received most of its units (ties: the cheaper
+// one); an optimal split touches few points (a basic optimum splits at most k - 1), so a cluster
+// exceeds its capacity by at most the units of the split points rounded into it. Points of 0 units
+// take no capacity and go to their cheapest cluster.
+//
+// Errors: those of SolveBalancedAssignment (with the units' sum for n), a units vector whose size
+// is not n, a negative unit count, more than kMaxAssignmentUnits units in all.
+inline constexpr int64_t kMaxAssignmentUnits = int64_t{1} << 22;
+struct WeightedAssignment {
+  std::vector<int> assignment;         // cluster of each point
+  std::vector<int> units_per_cluster;  // n * k: the exact split optimum, units of point i in cluster j
+  int split_points = 0;                // points whose units the optimum split between clusters
+};
+absl::StatusOr<WeightedAssignment> SolveWeightedBalancedAssignment(absl::Span<const double> cost, int n, int k,
+                                                                   absl::Span<const int> units,
+                                                                   absl::Span<const int> capacities,
+                                                                   AssignmentMethod method = AssignmentMethod::kAuto);
+
 // Integer capacities for n points over clusters with relative weights (empty: equal weights):
 // proportional, rounded up so that they sum to at least n; equal weights give ceil(n / k) each.
 // Returns an empty vector when n < 0, k < 1, or weights is neither empty nor k finite positive values.
@@ -79,17 +102,33 @@ struct BalancedKMeansOptions {
   // sample keeps it bounded for large n; the balanced iterations then use every point.
   int seeding_sample = 4096;
   AssignmentMethod assignment_method = AssignmentMethod::kAuto;
+  // Weights of the points (e.g. the decode work each request caused: its output tokens), n finite
+  // values >= 0 with a positive sum; empty: every point weighs 1 (the unweighted fit). With
+  // weights, a cluster's capacity bounds the sum of its points' weights (capacity_weights still
+  // scale the capacities), the objective is the weighted sum of cosine distances, and a centroid
+  // is the renormalised weighted mean of its points. The balance is solved exactly on weights
+  // quantised to integer units (SolveWeightedBalancedAssignment): a point of mean weight is
+  // weight_resolution units (fewer, down to 1, when n * resolution * clusters would exceed 2^23
+  // cells); a point below half a unit takes no capacity.
+  std::vector<double> point_weights;
+  int weight_resolution = 8;
 };
 
 struct BalancedKMeansResult {
   std::vector<float> centroids;                 // clusters * dim unit rows
   std::vector<int> assignment;                  // cluster of each point
   std::vector<int> sizes;                       // points per cluster (each <= its capacity)
-  std::vector<int> capacities;                  // the capacity of each cluster (ClusterCapacities)
-  double objective = 0;                         // total cosine distance (1 - cos) of the final assignment
+  std::vector<int> capacities;                  // the capacity of each cluster (ClusterCapacities; weighted: units)
+  double objective = 0;                         // total (weighted) cosine distance (1 - cos) of the final assignment
   int iterations = 0;                           // assignment steps run
   bool converged = false;                       // stopped by stability or tolerance, not by max_iterations
   std::vector<double> objective_per_iteration;  // after each assignment step
+  // Weighted fits (empty / 0 otherwise): the sum of the weights of each cluster's points, the
+  // weight of one unit of capacity (capacities are in units), and the points the last exact
+  // optimum split between clusters before they were rounded to one.
+  std::vector<double> cluster_weights;
+  double unit_weight = 0;
+  int split_points = 0;
   // Seconds per phase: seeding (k-means++ or warm start), scoring (sgemm), assignment (min-cost
   // flow), update (renormalised means).
   double seconds_seeding = 0, seconds_scoring = 0, seconds_assignment = 0, seconds_update = 0;
@@ -136,9 +175,9 @@ void ScorePointRows(const PointRows& points, absl::Span<const float> centroids, 
 // against the current centroids, then each centroid becomes the renormalised mean of its points
 // (an emptied cluster is re-seeded at the worst-served point), until an assignment repeats the
 // previous one, the objective improves by at most `tolerance` (relative), or max_iterations. The
-// result always pairs the returned centroids with their exact balanced assignment. The objective never increases
-// between iterations. Deterministic for a given input and seed. INVALID_ARGUMENT when n < clusters, sizes mismatch,
-// non-finite values, rows that are not unit, bad weights or a bad warm start.
+// result always pairs the returned centroids with their exact balanced assignment. Unweighted, the objective never
+// increases between iterations. Deterministic for a given input and seed. INVALID_ARGUMENT when n < clusters, sizes
+// mismatch, non-finite values, rows that are not unit, bad weights or a bad warm start.
 absl::StatusOr<BalancedKMeansResult> FitBalancedKMeans(absl::Span<const float> points, int n, int dim,
                                                        const BalancedKMeansOptions& options);
 // The same fit on points read block by block (n = points.rows(), dim = points.dim()). Memory
