@@ -742,24 +742,26 @@ absl::Status OnlineRefitter::RecordSkip(const std::string& why, RefitOutcome out
   return absl::OkStatus();
 }
 
-absl::Status OnlineRefitter::RecordRefusal(RefitRefusal refusal, RefitOutcome outcome) {
-  outcome.kind = RefitOutcome::Kind::kRefused;
-  outcome.refusal = refusal;
-  outcome.reason =
+void OnlineRefitter::NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) {
+  outcome->refusal = refusal;
+  outcome->reason =
       refusal == RefitRefusal::kImbalance
           ? absl::StrFormat("refit refused: predicted work imbalance %.3f against %.3f now (allowed +%g)",
-                            outcome.candidate.imbalance, outcome.current.imbalance, options_.max_imbalance_increase)
+                            outcome->candidate.imbalance, outcome->current.imbalance, options_.max_imbalance_increase)
           : absl::StrFormat("refit refused: %.1f%% of the window's signatures would change worker (at most %.1f%%)",
-                            100 * outcome.churn, 100 * options_.max_churn);
-  {
-    absl::MutexLock lock(&stats_mu_);
-    if (refusal == RefitRefusal::kImbalance) {
-      ++stats_.refits_refused_imbalance;
-    } else {
-      ++stats_.refits_refused_churn;
-    }
-    stats_.last_error = outcome.reason;
+                            100 * outcome->churn, 100 * options_.max_churn);
+  absl::MutexLock lock(&stats_mu_);
+  if (refusal == RefitRefusal::kImbalance) {
+    ++stats_.refits_refused_imbalance;
+  } else {
+    ++stats_.refits_refused_churn;
   }
+  stats_.last_error = outcome->reason;
+}
+
+absl::Status OnlineRefitter::RecordRefusal(RefitRefusal refusal, RefitOutcome outcome) {
+  outcome.kind = RefitOutcome::Kind::kRefused;
+  NoteRefusal(refusal, &outcome);
   if (options_.on_refit) options_.on_refit(outcome);
   return absl::OkStatus();
 }
@@ -921,6 +923,8 @@ absl::StatusOr<std::vector<float>> OnlineRefitter::FitAligned(const RefitPlan& p
   fit_options.max_iterations = options_.max_iterations;
   fit_options.tolerance = options_.tolerance;
   fit_options.capacity_weights = plan.capacity;
+  // Balance the decode work the window's signatures caused, not their count.
+  fit_options.point_weights = plan.weights;
   if (plan.kept_k > 0) {
     fit_options.initial_centroids = plan.kept_rows;
     if (plan.added > 0) {
@@ -1009,7 +1013,13 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
     next.centroids = *std::move(rows);
     BoundMovement(plan, &next.centroids, &outcome);
     if (const std::optional<RefitRefusal> refused = GuardInstall(plan, next.centroids, pool_change, &outcome)) {
-      return RecordRefusal(*refused, outcome);
+      if (plan.dropped == 0 || plan.kept_k == 0) return RecordRefusal(*refused, outcome);
+      // Workers left: the refused fit is not installed, but their rows still go (as when the
+      // window is too small), so the nearest remaining zones absorb their traffic.
+      NoteRefusal(*refused, &outcome);
+      next.k = plan.kept_k;
+      next.workers.resize(plan.kept_k);
+      next.centroids = plan.kept_rows;
     }
   }
 
@@ -1035,7 +1045,12 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
   outcome.generation = *generation;
   outcome.rows = next.k;
   outcome.seconds = SecondsSince(started);
-  outcome.reason = persist_error;
+  if (outcome.refusal != RefitRefusal::kNone) {
+    outcome.reason = absl::StrCat(outcome.reason, "; only the rows of workers that left were dropped",
+                                  persist_error.empty() ? "" : "; ", persist_error);
+  } else {
+    outcome.reason = persist_error;
+  }
   {
     absl::MutexLock lock(&stats_mu_);
     ++stats_.refits_completed;

@@ -124,6 +124,8 @@ struct RefitOutcome {
   SetPrediction candidate;
   double churn = 0;
   bool churn_exempt = false;  // a pool-change refit: churn is reported but not bounded
+  // The guard's reason to refuse (kRefused; or kInstalled after a pool change, when only the rows
+  // of workers that left were dropped instead of the refused fit).
   RefitRefusal refusal = RefitRefusal::kNone;
   double window_weight = 0;  // summed weight of the signatures the fit used
 };
@@ -391,6 +393,8 @@ class OnlineRefitter final : public RouterObserver {
   absl::Status RecordFailure(const absl::Status& status, RefitOutcome outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
   absl::Status RecordSkip(const std::string& why, RefitOutcome outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
   absl::Status RecordRefusal(RefitRefusal refusal, RefitOutcome outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
+  // Counts a refusal and sets the outcome's refusal and reason.
+  void NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
   // The install guard: fills the outcome's predictions and churn for `rows` (the plan's targets,
   // in order) against the kept rows in service; the reason to refuse them, if any.
   std::optional<RefitRefusal> GuardInstall(const RefitPlan& plan, const std::vector<float>& rows, bool pool_change,
