@@ -748,8 +748,10 @@ void OnlineRefitter::NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) {
       refusal == RefitRefusal::kImbalance
           ? absl::StrFormat("refit refused: predicted work imbalance %.3f against %.3f now (allowed +%g)",
                             outcome->candidate.imbalance, outcome->current.imbalance, options_.max_imbalance_increase)
-          : absl::StrFormat("refit refused: %.1f%% of the window's signatures would change worker (at most %.1f%%)",
-                            100 * outcome->churn, 100 * options_.max_churn);
+          : absl::StrFormat(
+                "refit refused: %.1f%% of the window's signatures would change worker (at most %.1f%%), "
+                "and still more with an eighth of the movement",
+                100 * outcome->churn, 100 * options_.max_churn);
   absl::MutexLock lock(&stats_mu_);
   if (refusal == RefitRefusal::kImbalance) {
     ++stats_.refits_refused_imbalance;
@@ -766,43 +768,85 @@ absl::Status OnlineRefitter::RecordRefusal(RefitRefusal refusal, RefitOutcome ou
   return absl::OkStatus();
 }
 
-std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, const std::vector<float>& rows,
+std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, std::vector<float>* rows,
                                                          bool pool_change, RefitOutcome* outcome) {
   outcome->window_weight = 0;
   for (const double w : plan.weights) outcome->window_weight += w;
   if (plan.kept_k == 0 || plan.m == 0) return std::nullopt;  // nothing in service to compare with
   const int k = static_cast<int>(plan.target.size());
+  const int dim = plan.current.dim();
   std::vector<int> nearest_current;
-  std::vector<int> nearest_candidate;
-  outcome->current = PredictSet(plan.points, plan.weights, plan.kept_rows, plan.kept_k,
-                                absl::MakeConstSpan(plan.capacity).subspan(0, plan.kept_k), &nearest_current);
-  outcome->candidate = PredictSet(plan.points, plan.weights, rows, k, plan.capacity, &nearest_candidate);
-  // Both index plan.target: the kept rows are its first kept_k entries.
-  int changed = 0;
-  for (int i = 0; i < plan.m; ++i) changed += nearest_current[i] != nearest_candidate[i] ? 1 : 0;
-  outcome->churn = static_cast<double>(changed) / plan.m;
+  std::vector<double> margin_current;
+  // The zones as the router uses them: a signature's work spreads over the rows of its band.
+  const double band = router_->options().tau;
+  outcome->current =
+      PredictSet(plan.points, plan.weights, plan.kept_rows, plan.kept_k,
+                 absl::MakeConstSpan(plan.capacity).subspan(0, plan.kept_k), &nearest_current, &margin_current, band);
+  // Workers without a row get nothing from the set in service: its balance is over every target
+  // worker (the added ones' shares are 0, so the mean is k / kept_k times lower).
+  outcome->current.imbalance *= static_cast<double>(k) / plan.kept_k;
+  // Churn counts the signatures the set in service places firmly: ahead of the next row by more
+  // than the band width. Within the band the router already spreads a signature by load, so which
+  // of those rows is nearest is no zone of anyone's.
+  // The prediction of a candidate and its churn: both sets index plan.target (the kept rows are
+  // its first kept_k entries).
+  std::vector<int> nearest;
+  const auto evaluate = [&](const std::vector<float>& candidate, SetPrediction* prediction) {
+    *prediction = PredictSet(plan.points, plan.weights, candidate, k, plan.capacity, &nearest, nullptr, band);
+    int changed = 0;
+    for (int i = 0; i < plan.m; ++i) changed += margin_current[i] > band && nearest_current[i] != nearest[i] ? 1 : 0;
+    return static_cast<double>(changed) / plan.m;
+  };
+  const auto balanced_enough = [&](const SetPrediction& prediction) {
+    return prediction.imbalance <= outcome->current.imbalance + options_.max_imbalance_increase;
+  };
+  outcome->churn = evaluate(*rows, &outcome->candidate);
   outcome->churn_exempt = pool_change || plan.added > 0 || plan.dropped > 0;
   outcome->guarded = true;
-  {
-    absl::MutexLock lock(&stats_mu_);
-    stats_.guarded = true;
-    stats_.current_prediction = outcome->current;
-    stats_.candidate_prediction = outcome->candidate;
-    stats_.last_churn = outcome->churn;
+  std::optional<RefitRefusal> refusal;
+  if (!balanced_enough(outcome->candidate)) {
+    refusal = RefitRefusal::kImbalance;
+  } else if (!outcome->churn_exempt && outcome->churn > options_.max_churn) {
+    // Too many signatures would change worker at once: move every row only part of the way (a
+    // half, a quarter, an eighth of its rotation) and take the largest part within both bounds.
+    refusal = RefitRefusal::kChurn;
+    outcome->fitted_churn = outcome->churn;
+    for (const double fraction : {0.5, 0.25, 0.125}) {
+      std::vector<float> partial = *rows;
+      for (int t = 0; t < plan.kept_k; ++t) {
+        const absl::Span<const float> from(plan.kept_rows.data() + static_cast<size_t>(t) * dim, dim);
+        const absl::Span<float> to = absl::MakeSpan(partial).subspan(static_cast<size_t>(t) * dim, dim);
+        const double theta = std::acos(std::clamp(Dot(from, to), -1.0, 1.0));
+        LimitRotation(from, to, 1.0 - std::cos(fraction * theta));
+      }
+      SetPrediction prediction;
+      const double churn = evaluate(partial, &prediction);
+      if (churn <= options_.max_churn && balanced_enough(prediction)) {
+        *rows = std::move(partial);
+        outcome->candidate = prediction;
+        outcome->churn = churn;
+        outcome->movement_fraction = fraction;
+        refusal.reset();
+        break;
+      }
+    }
   }
-  if (outcome->candidate.imbalance > outcome->current.imbalance + options_.max_imbalance_increase) {
-    return RefitRefusal::kImbalance;
-  }
-  if (!outcome->churn_exempt && outcome->churn > options_.max_churn) return RefitRefusal::kChurn;
-  return std::nullopt;
+  absl::MutexLock lock(&stats_mu_);
+  stats_.guarded = true;
+  stats_.current_prediction = outcome->current;
+  stats_.candidate_prediction = outcome->candidate;
+  stats_.last_churn = outcome->churn;
+  if (!refusal.has_value() && outcome->movement_fraction < 1) ++stats_.refits_churn_limited;
+  return refusal;
 }
 
 SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<const double> weights,
                                          absl::Span<const float> rows, int k, absl::Span<const double> capacity,
-                                         std::vector<int>* nearest) {
+                                         std::vector<int>* nearest, std::vector<double>* margin, double band) {
   SetPrediction prediction;
   const int m = points.rows();
   if (nearest != nullptr) nearest->assign(static_cast<size_t>(m), -1);
+  if (margin != nullptr) margin->assign(static_cast<size_t>(m), 0.0);
   if (k <= 0 || m == 0) return prediction;
   std::vector<float> scores(static_cast<size_t>(m) * k);
   std::vector<float> scratch;
@@ -814,10 +858,29 @@ SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<con
     const float* row = scores.data() + static_cast<size_t>(i) * k;
     const int c = static_cast<int>(std::max_element(row, row + k) - row);
     const double w = weights.empty() ? 1.0 : weights[i];
-    work[c] += w;
+    if (band > 0) {
+      // The router sends the request to the least loaded (per capacity) row of its band: in
+      // expectation its work spreads over the band in proportion to capacity.
+      double band_capacity = 0;
+      for (int j = 0; j < k; ++j) {
+        if (row[j] >= row[c] - band) band_capacity += capacity.empty() ? 1.0 : capacity[j];
+      }
+      for (int j = 0; j < k; ++j) {
+        if (row[j] >= row[c] - band) work[j] += w * (capacity.empty() ? 1.0 : capacity[j]) / band_capacity;
+      }
+    } else {
+      work[c] += w;
+    }
     total += w;
     similarity += w * row[c];
     if (nearest != nullptr) (*nearest)[i] = c;
+    if (margin != nullptr) {
+      float second = -2;
+      for (int j = 0; j < k; ++j) {
+        if (j != c) second = std::max(second, row[j]);
+      }
+      (*margin)[i] = k > 1 ? static_cast<double>(row[c]) - second : 2.0;
+    }
   }
   double max_share = 0;
   double sum_share = 0;
@@ -1012,7 +1075,7 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
     if (!rows.ok()) return RecordFailure(rows.status(), outcome);
     next.centroids = *std::move(rows);
     BoundMovement(plan, &next.centroids, &outcome);
-    if (const std::optional<RefitRefusal> refused = GuardInstall(plan, next.centroids, pool_change, &outcome)) {
+    if (const std::optional<RefitRefusal> refused = GuardInstall(plan, &next.centroids, pool_change, &outcome)) {
       if (plan.dropped == 0 || plan.kept_k == 0) return RecordRefusal(*refused, outcome);
       // Workers left: the refused fit is not installed, but their rows still go (as when the
       // window is too small), so the nearest remaining zones absorb their traffic.

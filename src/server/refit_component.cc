@@ -61,6 +61,10 @@ class RefitStatsCollector : public prometheus::Collectable {
     std::vector<prometheus::MetricFamily> families = {
         std::move(refused),
         std::move(weights),
+        SingleSample("eldr_refits_churn_limited_total",
+                     "Refits installed with their movement limited (a half, a quarter or an eighth of the fit) so "
+                     "that at most --refit_max_churn of the window changes worker.",
+                     MetricType::Counter, static_cast<double>(stats.refits_churn_limited)),
         SingleSample("eldr_refit_window_weight",
                      "Summed decode-work weight (output tokens or their estimate) of the refit window's signatures.",
                      MetricType::Gauge, stats.window_weight),
@@ -156,6 +160,7 @@ void LogRefit(const RefitOutcome& outcome) {
           .With("locality_current", outcome.current.locality)
           .With("locality_candidate", outcome.candidate.locality)
           .With("churn", outcome.churn)
+          .With("movement_fraction", outcome.movement_fraction)
           .With("note", outcome.reason);
       break;
     case RefitOutcome::Kind::kRefused:

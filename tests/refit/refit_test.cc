@@ -156,7 +156,7 @@ CalibrationData* RefitTest::data_ = nullptr;
 CentroidArtifact* RefitTest::artifact_ = nullptr;
 
 TEST_F(RefitTest, PeriodicRefitDuringConcurrentRoutingNeverFailsARoute) {
-  RefitOptions options;
+  RefitOptions options = Unguarded();
   options.interval = absl::Milliseconds(20);
   options.min_signatures_per_centroid = 8;
   MakeRefitter(options);
@@ -975,6 +975,17 @@ TEST(PredictSetTest, SharesAreWeightsPerCapacityMaxOverMean) {
   const std::vector<float> diagonal = {static_cast<float>(M_SQRT1_2), static_cast<float>(M_SQRT1_2)};
   p = OnlineRefitter::PredictSet(DensePointRows(diagonal, 1, 2), std::vector<double>{5}, centroids, 2, {}, nullptr);
   EXPECT_NEAR(p.locality, M_SQRT1_2, 1e-6);
+  // Margins: how far the nearest row leads the next.
+  std::vector<double> margins;
+  OnlineRefitter::PredictSet(rows, {}, centroids, 2, {}, &nearest, &margins);
+  EXPECT_EQ(margins, (std::vector<double>{1, 1, 1}));
+  // With a band the diagonal point (0.707 to both rows) spreads over both, by capacity 3 : 1.
+  p = OnlineRefitter::PredictSet(DensePointRows(diagonal, 1, 2), std::vector<double>{8}, centroids, 2,
+                                 std::vector<double>{3, 1}, nullptr, nullptr, 0.1);
+  EXPECT_NEAR(p.imbalance, 1.0, 1e-9);  // work 6 and 2 per capacity 3 and 1: both 2
+  // A point far ahead of the other row stays with its nearest one.
+  p = OnlineRefitter::PredictSet(rows, std::vector<double>{3, 1, 1}, centroids, 2, {}, nullptr, nullptr, 0.1);
+  EXPECT_DOUBLE_EQ(p.imbalance, 4.0 / 2.5);
 }
 
 // The calibrated rows, except that rows 1-3 point away from every signature (signatures are
@@ -1041,35 +1052,64 @@ TEST_F(RefitTest, GuardInstallsABetterBalancedCandidateAndBoundsChurn) {
   options.max_step_distance = 2;  // let the fit move the rows into the traffic
   options.max_drift_distance = 2;
   options.max_imbalance_increase = 0;
-  options.max_churn = 0.5;
+  options.max_churn = 1;
   options.on_refit = [&](const RefitOutcome& outcome) { outcomes.push_back(outcome); };
   MakeRefitter(options);
   RouteAll();
   ASSERT_TRUE(refitter_->RefitNow().ok());
   ASSERT_EQ(outcomes.size(), 1u);
-  // Everything goes to w0 now: imbalance 4 (of 4 workers). The fit balances, but moves most
-  // signatures to other workers at once: refused for churn.
-  EXPECT_DOUBLE_EQ(outcomes[0].current.imbalance, 4.0);
-  EXPECT_LT(outcomes[0].candidate.imbalance, 2.0);
-  EXPECT_GT(outcomes[0].churn, 0.5);
-  EXPECT_FALSE(outcomes[0].churn_exempt);
-  EXPECT_EQ(outcomes[0].kind, RefitOutcome::Kind::kRefused);
-  EXPECT_EQ(outcomes[0].refusal, RefitRefusal::kChurn);
-  EXPECT_EQ(refitter_->stats().refits_refused_churn, 1u);
-  EXPECT_NEAR(refitter_->stats().last_churn, outcomes[0].churn, 1e-12);
-  const uint64_t kept_generation = router_->GetState(absl::Now()).centroid_generation;
+  // Everything goes to w0 now: imbalance 4 (of 4 workers). The fit balances and is installed even
+  // at tolerance 0, moving most signatures to other workers at once (no churn bound here).
+  const RefitOutcome full = outcomes[0];
+  EXPECT_DOUBLE_EQ(full.current.imbalance, 4.0);
+  EXPECT_LT(full.candidate.imbalance, 2.0);
+  EXPECT_GT(full.candidate.locality, full.current.locality);
+  EXPECT_GT(full.churn, 0.5);
+  EXPECT_EQ(full.movement_fraction, 1);
+  EXPECT_EQ(full.kind, RefitOutcome::Kind::kInstalled) << full.reason;
+  EXPECT_EQ(RouteAll().size(), 4u);  // every worker has a zone again
 
-  // Without the churn bound the better-balanced candidate is installed, even at tolerance 0.
+  // With at most half the window allowed to move, the same fit is installed part of the way.
   refitter_.reset();
-  options.max_churn = 1;
+  router_ = MakeRouter();
+  ASSERT_TRUE(router_->InstallCentroids(Lopsided(*artifact_), CentroidSource::kAdmin).ok());
+  options.max_churn = 0.5;
   outcomes.clear();
   MakeRefitter(options);
   RouteAll();
   ASSERT_TRUE(refitter_->RefitNow().ok());
   ASSERT_EQ(outcomes.size(), 1u);
-  EXPECT_EQ(outcomes[0].kind, RefitOutcome::Kind::kInstalled) << outcomes[0].reason;
-  EXPECT_EQ(router_->GetState(absl::Now()).centroid_generation, kept_generation + 1);
-  EXPECT_EQ(RouteAll().size(), 4u);  // every worker has a zone again
+  const RefitOutcome limited = outcomes[0];
+  EXPECT_EQ(limited.kind, RefitOutcome::Kind::kInstalled) << limited.reason;
+  EXPECT_FALSE(limited.churn_exempt);
+  EXPECT_LT(limited.movement_fraction, 1);
+  EXPECT_DOUBLE_EQ(limited.fitted_churn, full.churn);
+  EXPECT_LE(limited.churn, 0.5);
+  EXPECT_LE(limited.candidate.imbalance, limited.current.imbalance);
+  EXPECT_EQ(refitter_->stats().refits_churn_limited, 1u);
+  EXPECT_DOUBLE_EQ(refitter_->stats().last_churn, limited.churn);
+
+  // A bound that not even an eighth of the movement meets: refused, the set in service stays.
+  // (From the lopsided set an eighth moves nobody yet. From a set of rows all pointing away from
+  // the traffic, where each signature's nearest row is merely the least opposite one, it does.)
+  refitter_.reset();
+  router_ = MakeRouter();
+  CentroidArtifact inverted = *artifact_;
+  for (float& v : inverted.centroids) v = -v;
+  ASSERT_TRUE(router_->InstallCentroids(inverted, CentroidSource::kAdmin).ok());
+  options.max_imbalance_increase = 1000;
+  options.max_churn = 0.001;
+  outcomes.clear();
+  MakeRefitter(options);
+  RouteAll();
+  const uint64_t kept_generation = router_->GetState(absl::Now()).centroid_generation;
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  ASSERT_EQ(outcomes.size(), 1u);
+  EXPECT_EQ(outcomes[0].kind, RefitOutcome::Kind::kRefused);
+  EXPECT_EQ(outcomes[0].refusal, RefitRefusal::kChurn);
+  EXPECT_THAT(outcomes[0].reason, HasSubstr("would change worker"));
+  EXPECT_EQ(refitter_->stats().refits_refused_churn, 1u);
+  EXPECT_EQ(router_->GetState(absl::Now()).centroid_generation, kept_generation);
 }
 
 TEST_F(RefitTest, APoolChangeIsExemptFromTheChurnBound) {
@@ -1079,7 +1119,7 @@ TEST_F(RefitTest, APoolChangeIsExemptFromTheChurnBound) {
   options.interval = absl::ZeroDuration();
   options.max_step_distance = 2;
   options.max_drift_distance = 2;
-  options.max_churn = 0.5;
+  options.max_churn = 0.001;  // nothing but a pool change could move anything
   options.on_refit = [&](const RefitOutcome& outcome) { outcomes.push_back(outcome); };
   MakeRefitter(options);
   RouteAll();
@@ -1089,6 +1129,7 @@ TEST_F(RefitTest, APoolChangeIsExemptFromTheChurnBound) {
   EXPECT_TRUE(outcomes[0].pool_change);
   EXPECT_TRUE(outcomes[0].churn_exempt);
   EXPECT_GT(outcomes[0].churn, 0.5);  // reported, not bounded
+  EXPECT_EQ(outcomes[0].movement_fraction, 1);
   EXPECT_EQ(outcomes[0].kind, RefitOutcome::Kind::kInstalled) << outcomes[0].reason;
   EXPECT_EQ(router_->CurrentCentroids()->workers, (std::vector<std::string>{"w0", "w1", "w2"}));
   EXPECT_EQ(refitter_->stats().refits_refused_churn, 0u);

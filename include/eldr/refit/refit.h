@@ -92,7 +92,9 @@ enum class RefitRefusal {
 absl::string_view RefitRefusalLabel(RefitRefusal refusal);  // "none", "imbalance", "churn"
 
 // The install guard's prediction for one centroid set on the refit window: every window signature
-// goes to its nearest row (tau = 0), carrying its weight (the decode work it stood for).
+// carries its weight (the decode work it stood for) to its nearest row, or, with the router's band
+// width tau > 0, spread over the rows of its band (score >= best - tau) in proportion to their
+// workers' capacity, as the router's least-loaded pick within the band spreads it in expectation.
 struct SetPrediction {
   // Max over mean of the zones' work shares, each zone's summed weight divided by its worker's
   // capacity weight: 1 is perfectly balanced; 2 means one worker gets twice the mean share.
@@ -117,13 +119,21 @@ struct RefitOutcome {
   bool pool_change = false;    // triggered by a pool change (else periodic or RefitNow)
   // The install guard (when a fit ran and the set in service has rows of active workers; else
   // `guarded` is false and the figures are 0). current: the rows in service of the workers that
-  // stay; candidate: the fitted, aligned and bounded rows. churn: the fraction of the window's
-  // signatures whose nearest worker differs between the two.
+  // stay (its imbalance over every target worker: one added without a row would get no work);
+  // candidate: the fitted, aligned and bounded rows. churn: the fraction of the window's
+  // signatures that the current rows place firmly (nearest row ahead of the next by more than the
+  // router's band width tau; the others the router already spreads by load) and whose nearest
+  // worker the candidate changes.
   bool guarded = false;
   SetPrediction current;
   SetPrediction candidate;
   double churn = 0;
   bool churn_exempt = false;  // a pool-change refit: churn is reported but not bounded
+  // Beyond max_churn the rows move only this fraction of their fitted rotation (1/2, 1/4, 1/8:
+  // the largest within both bounds); 1 when not limited. fitted_churn: the churn of the full fit
+  // when it was limited.
+  double movement_fraction = 1;
+  double fitted_churn = 0;
   // The guard's reason to refuse (kRefused; or kInstalled after a pool change, when only the rows
   // of workers that left were dropped instead of the refused fit).
   RefitRefusal refusal = RefitRefusal::kNone;
@@ -181,8 +191,11 @@ struct RefitOptions {
   int64_t max_pending_bytes = int64_t{8} << 20;
   // The install guard (see SetPrediction): a fitted set is installed only when its predicted
   // imbalance is at most the current set's plus max_imbalance_increase, and when at most
-  // max_churn of the window's signatures change their nearest worker (a refit triggered by, or
+  // max_churn of the window's signatures change their nearest worker (RefitOutcome::churn: firmly
+  // placed signatures only; a refit triggered by, or
   // reconciling, a pool change is exempt from the churn bound: moving zones is what it is for).
+  // Beyond max_churn every row is first moved only part of its way (half, a quarter, an eighth of
+  // its rotation from the row in service; the largest part within both bounds is installed).
   // Otherwise the set in service stays (RefitOutcome::Kind::kRefused). max_churn 1: no bound.
   double max_imbalance_increase = 0.05;
   double max_churn = 0.5;
@@ -238,7 +251,8 @@ struct RefitStats {
   // The install guard: refusals by reason, and the figures of the last guarded refit.
   uint64_t refits_refused_imbalance = 0;
   uint64_t refits_refused_churn = 0;
-  bool guarded = false;  // a refit has been guarded yet (the figures below are set)
+  uint64_t refits_churn_limited = 0;  // installed with the movement limited by max_churn
+  bool guarded = false;               // a refit has been guarded yet (the figures below are set)
   SetPrediction current_prediction;
   SetPrediction candidate_prediction;
   double last_churn = 0;
@@ -296,10 +310,12 @@ class OnlineRefitter final : public RouterObserver {
 
   // The install guard's figures for `rows` (k unit rows of points.dim()) on `points` weighted by
   // `weights` (empty: 1 each), with `capacity` (k weights; empty: 1 each); `nearest`, when not
-  // null, receives each point's nearest row. Exposed for tests and tools.
+  // null, receives each point's nearest row, and `margin` how far its nearest row's similarity
+  // leads the next one's (2 with one row). `band`: the router's tau (0: nearest row only).
+  // Exposed for tests and tools.
   static SetPrediction PredictSet(const PointRows& points, absl::Span<const double> weights,
                                   absl::Span<const float> rows, int k, absl::Span<const double> capacity,
-                                  std::vector<int>* nearest);
+                                  std::vector<int>* nearest, std::vector<double>* margin = nullptr, double band = 0);
 
   RefitStats stats() const;
 
@@ -397,7 +413,8 @@ class OnlineRefitter final : public RouterObserver {
   void NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
   // The install guard: fills the outcome's predictions and churn for `rows` (the plan's targets,
   // in order) against the kept rows in service; the reason to refuse them, if any.
-  std::optional<RefitRefusal> GuardInstall(const RefitPlan& plan, const std::vector<float>& rows, bool pool_change,
+  // Beyond the churn bound it first limits the movement (`rows` then holds the limited rows).
+  std::optional<RefitRefusal> GuardInstall(const RefitPlan& plan, std::vector<float>* rows, bool pool_change,
                                            RefitOutcome* outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_)
       ABSL_LOCKS_EXCLUDED(stats_mu_);
   absl::Time Now() const { return options_.clock ? options_.clock() : absl::Now(); }
