@@ -1,6 +1,7 @@
 #include "server/config.h"
 #include "eldr/common/file.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -242,7 +243,9 @@ TEST(RefitSettings, DecodeWorkWeightsAndTheInstallGuard) {
     return std::string(ValidateServerOptions(bad).message());
   };
   EXPECT_THAT(refused("refit_max_imbalance_increase", "-0.1"), HasSubstr("'refit_max_imbalance_increase'"));
-  EXPECT_THAT(refused("refit_max_imbalance_increase", "nan"), HasSubstr("'refit_max_imbalance_increase'"));
+  ServerOptions not_a_number;
+  not_a_number.refit.max_imbalance_increase = std::nan("");
+  EXPECT_THAT(ValidateServerOptions(not_a_number).message(), HasSubstr("'refit_max_imbalance_increase'"));
   EXPECT_THAT(refused("refit_max_churn", "0"), HasSubstr("'refit_max_churn'"));
   EXPECT_THAT(refused("refit_max_churn", "1.5"), HasSubstr("must be a fraction in (0, 1]"));
   EXPECT_THAT(refused("refit_default_output_tokens", "-1"), HasSubstr("'refit_default_output_tokens'"));
