@@ -89,6 +89,7 @@ struct LeaseRecord {
 struct RouteScratch {
   std::vector<float> signature;
   std::vector<ScoredRow> scored;
+  std::vector<LeaseEnd> ended;  // leases a route or Complete released, told to observers after the lock
 };
 
 RouteScratch& ThreadScratch() {
@@ -216,7 +217,8 @@ class RouterImpl final : public Router {
   }
 
   absl::StatusOr<RouteResult> Route(const RouteInput& input) override;
-  absl::StatusOr<std::string> Complete(uint64_t lease_id) override;
+  using Router::Complete;
+  absl::StatusOr<std::string> Complete(const CompleteInput& input) override;
   absl::StatusOr<uint64_t> InstallCentroids(const CentroidArtifact& artifact, CentroidSource source) override;
   absl::StatusOr<CentroidArtifact> CurrentCentroids() const override;
   void NotifyCentroidsRejected(CentroidSource source, const absl::Status& status) override;
@@ -253,13 +255,18 @@ class RouterImpl final : public Router {
                                          RouteScratch& scratch) const;
   // The decision and the lease, under mu_.
   absl::StatusOr<RouteResult> DecideLocked(const RouteInput& input, const CentroidSet* set, const Scoring& scoring,
-                                           const RouteScratch& scratch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  uint64_t TakeLeaseLocked(WorkerEntry* worker, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  RoutingPolicy& PolicyLocked(std::optional<PolicyKind> requested) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease)
+                                           RouteScratch& scratch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t TakeLeaseLocked(WorkerEntry* worker, absl::Time now, std::vector<LeaseEnd>* ended)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  RoutingPolicy& PolicyLocked(std::optional<PolicyKind> requested) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases a lease; when observers are registered and `ended` is not null, appends what
+  // OnLeaseEnded will tell them (delivered by the caller once mu_ is released: DeliverLeaseEnds).
+  void ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease, LeaseEndKind kind, absl::Time now,
+                          int64_t output_tokens, std::vector<LeaseEnd>* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the pool's oldest live lease (the max_live_leases limit).
-  void EvictOldestLeaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EvictOldestLeaseLocked(absl::Time now, std::vector<LeaseEnd>* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells observers of `ended` (no router lock held) and empties it.
+  void DeliverLeaseEnds(std::vector<LeaseEnd>* ended) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Row names for `artifact` against the pool: its own `workers`, or the pool's ids in order.
   absl::StatusOr<std::vector<std::string>> RowOwnersLocked(const CentroidArtifact& artifact) const
@@ -389,6 +396,7 @@ absl::StatusOr<RouteResult> RouterImpl::Route(const RouteInput& input) {
     DataPlaneLock lock(this);
     result = DecideLocked(input, set.get(), scoring, scratch);
   }
+  if (!scratch.ended.empty()) DeliverLeaseEnds(&scratch.ended);  // a lease evicted at the limit
   if (result.ok() && scoring.accepted_signature && has_observers_.load(std::memory_order_acquire)) {
     RoutedSignature routed;
     routed.signature = scratch.signature;
@@ -403,7 +411,7 @@ absl::StatusOr<RouteResult> RouterImpl::Route(const RouteInput& input) {
 }
 
 absl::StatusOr<RouteResult> RouterImpl::DecideLocked(const RouteInput& input, const CentroidSet* set,
-                                                     const Scoring& scoring, const RouteScratch& scratch) {
+                                                     const Scoring& scoring, RouteScratch& scratch) {
   const int n = static_cast<int>(workers_.size());
   if (n == 0) return absl::UnavailableError("no decode workers are registered");
   // Workers the caller excluded; a set only when the list is long (usually it holds one id).
@@ -465,7 +473,7 @@ absl::StatusOr<RouteResult> RouterImpl::DecideLocked(const RouteInput& input, co
 
   WorkerEntry* chosen = workers_[decision.worker].get();
   RouteResult result;
-  result.lease_id = TakeLeaseLocked(chosen, input.now);
+  result.lease_id = TakeLeaseLocked(chosen, input.now, &scratch.ended);
   result.worker_id = chosen->spec.id;
   result.address = chosen->spec.address;
   result.similarity = decision.best_similarity;
@@ -485,20 +493,37 @@ RoutingPolicy& RouterImpl::PolicyLocked(std::optional<PolicyKind> requested) {
   return *policy;
 }
 
-uint64_t RouterImpl::TakeLeaseLocked(WorkerEntry* worker, absl::Time now) {
-  if (static_cast<int64_t>(leases_.size()) >= options_.max_live_leases) EvictOldestLeaseLocked();
+uint64_t RouterImpl::TakeLeaseLocked(WorkerEntry* worker, absl::Time now, std::vector<LeaseEnd>* ended) {
+  if (static_cast<int64_t>(leases_.size()) >= options_.max_live_leases) EvictOldestLeaseLocked(now, ended);
   uint64_t id = lease_ids_.Next();
   while (leases_.contains(id)) id = lease_ids_.Next();
   leases_.emplace(id, LeaseRecord{worker, worker->load.OnAcquire(now, id)});
   return id;
 }
 
-void RouterImpl::ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease) {
+void RouterImpl::ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease, LeaseEndKind kind,
+                                    absl::Time now, int64_t output_tokens, std::vector<LeaseEnd>* ended) {
+  if (ended != nullptr && has_observers_.load(std::memory_order_acquire)) {
+    LeaseEnd& end = ended->emplace_back();
+    end.lease_id = lease->first;
+    end.worker_id = lease->second.worker->spec.id;
+    end.kind = kind;
+    end.output_tokens = kind == LeaseEndKind::kCompleted ? output_tokens : 0;
+    end.held = std::max(absl::ZeroDuration(), now - lease->second.handle->first);
+    end.expired = kind != LeaseEndKind::kCompleted;
+  }
   lease->second.worker->load.OnRelease(lease->second.handle);
   leases_.erase(lease);
 }
 
-void RouterImpl::EvictOldestLeaseLocked() {
+void RouterImpl::DeliverLeaseEnds(std::vector<LeaseEnd>* ended) {
+  ForEachObserver([&](RouterObserver& observer) {
+    for (const LeaseEnd& end : *ended) observer.OnLeaseEnded(end);
+  });
+  ended->clear();
+}
+
+void RouterImpl::EvictOldestLeaseLocked(absl::Time now, std::vector<LeaseEnd>* ended) {
   WorkerEntry* oldest = nullptr;
   for (const auto& worker : workers_) {
     if (worker->load.leases() == 0) continue;
@@ -507,7 +532,7 @@ void RouterImpl::EvictOldestLeaseLocked() {
   if (oldest == nullptr) return;
   auto lease = leases_.find(oldest->load.Oldest()->second);
   if (lease == leases_.end()) return;
-  ReleaseLeaseLocked(lease);
+  ReleaseLeaseLocked(lease, LeaseEndKind::kEvicted, now, 0, ended);
   ++evicted_total_;
 }
 
@@ -537,14 +562,23 @@ void RouterImpl::MapRows(const CentroidSet* set) {
   mapped_generation_ = set->generation;
 }
 
-absl::StatusOr<std::string> RouterImpl::Complete(uint64_t lease_id) {
-  DataPlaneLock lock(this);
-  auto it = leases_.find(lease_id);
-  if (it == leases_.end()) {
-    return absl::NotFoundError(absl::StrCat("lease ", lease_id, " is unknown, already completed or expired"));
+absl::StatusOr<std::string> RouterImpl::Complete(const CompleteInput& input) {
+  if (input.output_tokens < 0) {
+    return InvalidInput(RejectReason::kNegativeCount,
+                        absl::StrCat("output_tokens must not be negative, got ", input.output_tokens));
   }
-  std::string worker = it->second.worker->spec.id;
-  ReleaseLeaseLocked(it);
+  std::vector<LeaseEnd>& ended = ThreadScratch().ended;
+  std::string worker;
+  {
+    DataPlaneLock lock(this);
+    auto it = leases_.find(input.lease_id);
+    if (it == leases_.end()) {
+      return absl::NotFoundError(absl::StrCat("lease ", input.lease_id, " is unknown, already completed or expired"));
+    }
+    worker = it->second.worker->spec.id;
+    ReleaseLeaseLocked(it, LeaseEndKind::kCompleted, input.now, input.output_tokens, &ended);
+  }
+  if (!ended.empty()) DeliverLeaseEnds(&ended);
   return worker;
 }
 
@@ -739,21 +773,26 @@ absl::StatusOr<PoolChange> RouterImpl::DrainWorker(const std::string& id) {
 }
 
 absl::StatusOr<PoolChange> RouterImpl::RemoveWorker(const std::string& id) {
-  return MutatePool([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<PoolChange> {
-    WorkerEntry* worker = FindWorker(id);
-    if (worker == nullptr) return UnknownWorker(id);
-    const PoolChange change = DescribeChangeLocked(PoolChangeKind::kRemoved, *worker);
-    while (worker->load.leases() > 0) {
-      auto lease = leases_.find(worker->load.Oldest()->second);
-      if (lease == leases_.end()) break;  // cannot happen: every account entry has its record
-      ReleaseLeaseLocked(lease);
-    }
-    by_id_.erase(id);
-    workers_.erase(workers_.begin() + worker->index);
-    for (int i = 0; i < static_cast<int>(workers_.size()); ++i) workers_[i]->index = i;
-    MapRows(CurrentSet().get());
-    return change;
-  });
+  std::vector<LeaseEnd> ended;
+  const absl::Time now = absl::Now();
+  absl::StatusOr<PoolChange> removed =
+      MutatePool([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<PoolChange> {
+        WorkerEntry* worker = FindWorker(id);
+        if (worker == nullptr) return UnknownWorker(id);
+        const PoolChange change = DescribeChangeLocked(PoolChangeKind::kRemoved, *worker);
+        while (worker->load.leases() > 0) {
+          auto lease = leases_.find(worker->load.Oldest()->second);
+          if (lease == leases_.end()) break;  // cannot happen: every account entry has its record
+          ReleaseLeaseLocked(lease, LeaseEndKind::kWorkerRemoved, now, 0, &ended);
+        }
+        by_id_.erase(id);
+        workers_.erase(workers_.begin() + worker->index);
+        for (int i = 0; i < static_cast<int>(workers_.size()); ++i) workers_[i]->index = i;
+        MapRows(CurrentSet().get());
+        return change;
+      });
+  if (!ended.empty()) DeliverLeaseEnds(&ended);
+  return removed;
 }
 
 absl::Status RouterImpl::SetWorkerHealthy(const std::string& id, bool healthy) {
@@ -788,6 +827,7 @@ absl::Status RouterImpl::ReportLoad(const std::string& id, const LoadSnapshot& s
 int64_t RouterImpl::ExpireLeases(absl::Time now) {
   const absl::Time cutoff = now - options_.load.lease_ttl;
   int64_t total = 0;
+  std::vector<LeaseEnd> ended;
   while (true) {
     if (total > 0) {
       // Let the data-plane calls that wait for mu_ take it first; absl::Mutex wakes one on
@@ -803,13 +843,14 @@ int64_t RouterImpl::ExpireLeases(absl::Time now) {
       while (batch < kExpiryBatch && worker->load.leases() > 0 && worker->load.Oldest()->first < cutoff) {
         auto lease = leases_.find(worker->load.Oldest()->second);
         if (lease == leases_.end()) break;
-        ReleaseLeaseLocked(lease);
+        ReleaseLeaseLocked(lease, LeaseEndKind::kExpired, now, 0, &ended);
         ++batch;
       }
       if (batch == kExpiryBatch) break;
     }
     expired_total_ += batch;
     mu_.Unlock();
+    if (!ended.empty()) DeliverLeaseEnds(&ended);
     total += batch;
     if (batch < kExpiryBatch) return total;
   }
@@ -895,6 +936,20 @@ absl::string_view CentroidSourceLabel(CentroidSource source) {
 }
 
 absl::Span<const CentroidSource> AllCentroidSources() { return kAllCentroidSources; }
+
+absl::string_view LeaseEndKindLabel(LeaseEndKind kind) {
+  switch (kind) {
+    case LeaseEndKind::kCompleted:
+      return "completed";
+    case LeaseEndKind::kExpired:
+      return "expired";
+    case LeaseEndKind::kEvicted:
+      return "evicted";
+    case LeaseEndKind::kWorkerRemoved:
+      return "worker_removed";
+  }
+  return "completed";
+}
 
 absl::string_view PoolChangeKindLabel(PoolChangeKind kind) {
   switch (kind) {

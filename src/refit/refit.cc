@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -24,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "eldr/calib/calibration.h"
@@ -149,6 +151,7 @@ struct OnlineRefitter::RefitPlan {
   int added = 0;
   int dropped = 0;
   refit_internal::SignatureRows points;  // the window, usable for these centroids
+  std::vector<double> weights;           // each point's weight (decode work)
   int m = 0;
 };
 
@@ -200,6 +203,32 @@ absl::StatusOr<std::unique_ptr<OnlineRefitter>> OnlineRefitter::Create(RefitOpti
       return absl::InvalidArgumentError(
           absl::StrCat("refit: ", name, " = ", bound, ", need a cosine distance in (0, 2] (2: unbounded)"));
     }
+  }
+  for (const auto& [name, value] :
+       {std::pair<const char*, double>{"default_output_tokens", options.default_output_tokens}}) {
+    if (!(value >= 0) || !std::isfinite(value)) {
+      return absl::InvalidArgumentError(absl::StrCat("refit: ", name, " = ", value, ", need a finite number >= 0"));
+    }
+  }
+  if (!(options.default_tokens_per_second > 0) || !std::isfinite(options.default_tokens_per_second)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "refit: default_tokens_per_second = ", options.default_tokens_per_second, ", need a finite rate > 0"));
+  }
+  if (options.max_pending_signatures < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("refit: max_pending_signatures = ", options.max_pending_signatures, ", need >= 1"));
+  }
+  if (options.max_pending_bytes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("refit: max_pending_bytes = ", options.max_pending_bytes, ", need >= 1"));
+  }
+  if (!(options.max_imbalance_increase >= 0) || !std::isfinite(options.max_imbalance_increase)) {
+    return absl::InvalidArgumentError(absl::StrCat("refit: max_imbalance_increase = ", options.max_imbalance_increase,
+                                                   ", need a finite number >= 0"));
+  }
+  if (!(options.max_churn > 0 && options.max_churn <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("refit: max_churn = ", options.max_churn, ", need a fraction in (0, 1] (1: no bound)"));
   }
   if (options.pool_change_settle < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("refit: pool_change_settle must not be negative");
@@ -288,7 +317,151 @@ void OnlineRefitter::RunBackground() {
 
 // ---- Router notifications ----------------------------------------------------------------------
 
-void OnlineRefitter::OnSignatureRouted(const RoutedSignature& routed) { Observe(routed.signature, routed.client); }
+void OnlineRefitter::OnSignatureRouted(const RoutedSignature& routed) {
+  if (routed.lease_id == 0) {  // cannot happen (the router's ids are never 0): join unweighted
+    Observe(routed.signature, routed.client);
+    return;
+  }
+  if (routed.signature.empty()) return;
+  const int dim = static_cast<int>(routed.signature.size());
+  const absl::Time now = Now();
+  std::vector<std::shared_ptr<Chunk>> released;  // freed after the lock is released
+  absl::MutexLock lock(&window_mu_);
+  if (!AdmitLocked(dim, routed.client, now, &released)) return;
+  const refit_internal::EncodedSignature encoded =
+      refit_internal::EncodeSignature(routed.signature, encode_scratch_.get());
+  const int64_t bytes = static_cast<int64_t>(encoded.elements.size() * sizeof(uint16_t));
+  while (!pending_.empty() && (static_cast<int64_t>(pending_.size()) >= options_.max_pending_signatures ||
+                               pending_bytes_ + bytes > options_.max_pending_bytes)) {
+    DropOldestPendingLocked();
+  }
+  if (bytes > options_.max_pending_bytes) {  // larger than the whole pending budget
+    ++pending_dropped_;
+    return;
+  }
+  auto [it, created] = pending_.try_emplace(routed.lease_id);
+  if (!created) pending_bytes_ -= static_cast<int64_t>(it->second.elements.size() * sizeof(uint16_t));
+  PendingSignature& pending = it->second;
+  if (created && !pending_buffers_.empty()) {
+    pending.elements = std::move(pending_buffers_.back());
+    pending_buffers_.pop_back();
+  }
+  pending.elements.assign(encoded.elements.begin(), encoded.elements.end());
+  pending.encoding = static_cast<uint8_t>(encoded.encoding);
+  pending.exponent = encoded.exponent;
+  pending.dim = dim;
+  pending.routed_at = now;
+  pending_bytes_ += bytes;
+  if (created) pending_order_.push_back(routed.lease_id);
+}
+
+void OnlineRefitter::OnLeaseEnded(const LeaseEnd& ended) {
+  const absl::Time now = Now();
+  std::vector<std::shared_ptr<Chunk>> released;  // freed after the lock is released
+  absl::MutexLock lock(&window_mu_);
+  auto it = pending_.find(ended.lease_id);
+  if (it == pending_.end()) return;  // not admitted, dropped, or routed before we subscribed
+  PendingSignature pending = std::move(it->second);
+  pending_.erase(it);
+  pending_bytes_ -= static_cast<int64_t>(pending.elements.size() * sizeof(uint16_t));
+  // Pop ids of signatures that left already, so the queue stays about as long as the map; behind
+  // a long-lived lease at the front, compact it when it is mostly such ids.
+  while (!pending_order_.empty() && !pending_.contains(pending_order_.front())) pending_order_.pop_front();
+  if (pending_order_.size() > 2 * pending_.size() + 1024) {
+    std::deque<uint64_t> live;
+    for (const uint64_t id : pending_order_) {
+      if (pending_.contains(id)) live.push_back(id);
+    }
+    pending_order_ = std::move(live);
+  }
+  const auto recycle = [&] {
+    if (pending_buffers_.size() < 64) pending_buffers_.push_back(std::move(pending.elements));
+  };
+  const double held_seconds = absl::ToDoubleSeconds(ended.held);
+  double weight = 0;
+  WeightSource source = WeightSource::kDefault;
+  if (ended.kind == LeaseEndKind::kCompleted && ended.output_tokens > 0) {
+    weight = static_cast<double>(ended.output_tokens);
+    source = WeightSource::kOutputTokens;
+    if (held_seconds > 0) {
+      // Forgets with a half-life of about 180 leases.
+      constexpr double kKeep = 1.0 - 1.0 / 256;
+      rate_tokens_ = rate_tokens_ * kKeep + weight;
+      rate_seconds_ = rate_seconds_ * kKeep + held_seconds;
+    }
+  } else if (ended.kind == LeaseEndKind::kCompleted) {
+    const double rate = rate_seconds_ > 0 ? rate_tokens_ / rate_seconds_ : options_.default_tokens_per_second;
+    weight = held_seconds * rate;
+    source = WeightSource::kHoldTime;
+  } else {
+    weight = options_.default_output_tokens;
+    if (weight <= 0) {  // unmeasured work is not counted at all
+      ++pending_dropped_;
+      recycle();
+      return;
+    }
+  }
+  weight = std::max(1.0, weight);
+  if (source != WeightSource::kDefault) {
+    constexpr double kKeep = 1.0 - 1.0 / 1024;
+    measured_weight_sum_ = measured_weight_sum_ * kKeep + weight;
+    measured_weight_count_ = measured_weight_count_ * kKeep + 1;
+  }
+  if (pending.dim != window_dim_ || max_chunks_ == 0) {  // the window restarted for another transform
+    ++pending_dropped_;
+    recycle();
+    return;
+  }
+  refit_internal::EncodedSignature encoded;
+  encoded.encoding = static_cast<refit_internal::RowEncoding>(pending.encoding);
+  encoded.exponent = pending.exponent;
+  encoded.elements = pending.elements;
+  CountWeightLocked(source);
+  AppendLocked(encoded, static_cast<float>(weight), now, &released);
+  recycle();
+}
+
+void OnlineRefitter::CountWeightLocked(WeightSource source) {
+  switch (source) {
+    case WeightSource::kOutputTokens:
+      ++weights_output_tokens_;
+      break;
+    case WeightSource::kHoldTime:
+      ++weights_hold_time_;
+      break;
+    case WeightSource::kDefault:
+      ++weights_default_;
+      break;
+    case WeightSource::kUnleased:
+      ++weights_unleased_;
+      break;
+  }
+}
+
+void OnlineRefitter::DropOldestPendingLocked() {
+  while (!pending_order_.empty()) {
+    const uint64_t id = pending_order_.front();
+    pending_order_.pop_front();
+    auto it = pending_.find(id);
+    if (it == pending_.end()) continue;  // left already
+    pending_bytes_ -= static_cast<int64_t>(it->second.elements.size() * sizeof(uint16_t));
+    if (pending_buffers_.size() < 64) pending_buffers_.push_back(std::move(it->second.elements));
+    pending_.erase(it);
+    ++pending_dropped_;
+    return;
+  }
+}
+
+void OnlineRefitter::ClearPendingLocked() {
+  pending_.clear();
+  pending_order_.clear();
+  pending_bytes_ = 0;
+}
+
+double OnlineRefitter::UnleasedWeightLocked() const {
+  if (measured_weight_count_ > 0) return std::max(1.0, measured_weight_sum_ / measured_weight_count_);
+  return std::max(1.0, options_.default_output_tokens);
+}
 
 void OnlineRefitter::OnPoolChanged(const PoolChange& change) {
   // A health change moves no zone; everything else may add or remove a row.
@@ -364,7 +537,9 @@ void OnlineRefitter::RestartWindow(int dim, std::vector<std::shared_ptr<Chunk>>*
   front_skip_ = 0;
   window_rows_ = 0;
   window_elements_ = 0;
+  window_weight_ = 0;
   window_dim_ = dim;
+  ClearPendingLocked();
   // Chunks of at most kChunkBytes and at most 1/kMinChunksPerBudget of the budget (so a small
   // budget is still evicted in fine steps), but always room for one dense row.
   const size_t budget = static_cast<size_t>(options_.max_window_bytes);
@@ -378,6 +553,7 @@ void OnlineRefitter::RestartWindow(int dim, std::vector<std::shared_ptr<Chunk>>*
 void OnlineRefitter::EvictOldestRow(std::vector<std::shared_ptr<Chunk>>* released) {
   const Chunk& front = *chunks_.front();
   window_elements_ -= static_cast<int64_t>(front.row_elements(front_skip_));
+  window_weight_ = std::max(0.0, window_weight_ - front.weight(front_skip_));
   --window_rows_;
   ++front_skip_;
   // The newest chunk stays even when emptied: it is the one being appended to.
@@ -408,8 +584,11 @@ void OnlineRefitter::OpenChunk(std::vector<std::shared_ptr<Chunk>>* released) {
     std::shared_ptr<Chunk> oldest = std::move(chunks_.front());
     chunks_.erase(chunks_.begin());
     window_rows_ -= oldest->size() - front_skip_;
-    for (int r = front_skip_; r < oldest->size(); ++r)
+    for (int r = front_skip_; r < oldest->size(); ++r) {
       window_elements_ -= static_cast<int64_t>(oldest->row_elements(r));
+      window_weight_ = std::max(0.0, window_weight_ - oldest->weight(r));
+    }
+    if (window_rows_ == 0) window_weight_ = 0;
     front_skip_ = 0;
     if (chunk == nullptr && reusable(oldest)) {
       chunk = std::move(oldest);
@@ -443,17 +622,13 @@ int64_t OnlineRefitter::WindowBytes() const {
   return static_cast<int64_t>(held * chunk_bytes_);
 }
 
-void OnlineRefitter::Observe(absl::Span<const float> signature, absl::string_view client) {
-  if (signature.empty()) return;
-  const int dim = static_cast<int>(signature.size());
-  const absl::Time now = Now();
-  std::vector<std::shared_ptr<Chunk>> released;  // freed after the lock is released
-  absl::MutexLock lock(&window_mu_);
+bool OnlineRefitter::AdmitLocked(int dim, absl::string_view client, absl::Time now,
+                                 std::vector<std::shared_ptr<Chunk>>* released) {
   ++observed_;
-  if (dim != window_dim_) RestartWindow(dim, &released);  // another transform: the old rows are useless
-  if (max_chunks_ == 0) {                                 // one chunk of this dimension is larger than the whole budget
+  if (dim != window_dim_) RestartWindow(dim, released);  // another transform: the old rows are useless
+  if (max_chunks_ == 0) {                                // one chunk of this dimension is larger than the whole budget
     ++sampled_out_;
-    return;
+    return false;
   }
   const double capacity = window_capacity_;
   if (admission_tokens_ < 0) {
@@ -465,27 +640,53 @@ void OnlineRefitter::Observe(absl::Span<const float> signature, absl::string_vie
   admission_refilled_at_ = now;
   if (admission_tokens_ < 1) {
     ++sampled_out_;
-    return;
+    return false;
   }
   if (!AdmitClient(client, now)) {
     ++client_limited_;
-    return;
+    return false;
   }
   admission_tokens_ -= 1;
-  const refit_internal::EncodedSignature encoded = refit_internal::EncodeSignature(signature, encode_scratch_.get());
-  if (chunks_.empty() || !chunks_.back()->Append(encoded, now)) {
-    OpenChunk(&released);
-    chunks_.back()->Append(encoded, now);  // an empty chunk has room for any one row
+  return true;
+}
+
+void OnlineRefitter::AppendLocked(const refit_internal::EncodedSignature& encoded, float weight, absl::Time now,
+                                  std::vector<std::shared_ptr<Chunk>>* released) {
+  if (chunks_.empty() || !chunks_.back()->Append(encoded, now, weight)) {
+    OpenChunk(released);
+    chunks_.back()->Append(encoded, now, weight);  // an empty chunk has room for any one row
   }
   ++window_rows_;
   window_elements_ += static_cast<int64_t>(encoded.elements.size());
+  window_weight_ += weight;
   // Signatures too old or beyond the size bound leave, oldest first.
   const absl::Time oldest_kept = now - options_.window;
   while (window_rows_ > 0 &&
          (window_rows_ > options_.max_window_signatures || chunks_.front()->time(front_skip_) < oldest_kept)) {
-    EvictOldestRow(&released);
+    EvictOldestRow(released);
   }
   UpdateWindowCapacity(encoded.elements.size());
+}
+
+void OnlineRefitter::Observe(absl::Span<const float> signature, absl::string_view client) {
+  Observe(signature, client, /*weight=*/0);
+}
+
+void OnlineRefitter::Observe(absl::Span<const float> signature, absl::string_view client, double weight) {
+  if (signature.empty()) return;
+  const int dim = static_cast<int>(signature.size());
+  const absl::Time now = Now();
+  std::vector<std::shared_ptr<Chunk>> released;  // freed after the lock is released
+  absl::MutexLock lock(&window_mu_);
+  if (!AdmitLocked(dim, client, now, &released)) return;
+  if (!(weight > 0) || !std::isfinite(weight)) {
+    weight = UnleasedWeightLocked();
+    CountWeightLocked(WeightSource::kUnleased);
+  } else {
+    CountWeightLocked(WeightSource::kOutputTokens);
+  }
+  const refit_internal::EncodedSignature encoded = refit_internal::EncodeSignature(signature, encode_scratch_.get());
+  AppendLocked(encoded, static_cast<float>(weight), now, &released);
 }
 
 void OnlineRefitter::ResetWindow() {
@@ -539,6 +740,158 @@ absl::Status OnlineRefitter::RecordSkip(const std::string& why, RefitOutcome out
   }
   if (options_.on_refit) options_.on_refit(outcome);
   return absl::OkStatus();
+}
+
+void OnlineRefitter::NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) {
+  outcome->refusal = refusal;
+  outcome->reason =
+      refusal == RefitRefusal::kImbalance
+          ? absl::StrFormat("refit refused: predicted work imbalance %.3f against %.3f now (allowed +%g)",
+                            outcome->candidate.imbalance, outcome->current.imbalance, options_.max_imbalance_increase)
+          : absl::StrFormat(
+                "refit refused: %.1f%% of the window's signatures would change worker (at most %.1f%%), "
+                "and still more with an eighth of the movement",
+                100 * outcome->churn, 100 * options_.max_churn);
+  absl::MutexLock lock(&stats_mu_);
+  if (refusal == RefitRefusal::kImbalance) {
+    ++stats_.refits_refused_imbalance;
+  } else {
+    ++stats_.refits_refused_churn;
+  }
+  stats_.last_error = outcome->reason;
+}
+
+absl::Status OnlineRefitter::RecordRefusal(RefitRefusal refusal, RefitOutcome outcome) {
+  outcome.kind = RefitOutcome::Kind::kRefused;
+  NoteRefusal(refusal, &outcome);
+  if (options_.on_refit) options_.on_refit(outcome);
+  return absl::OkStatus();
+}
+
+std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, std::vector<float>* rows,
+                                                         bool pool_change, RefitOutcome* outcome) {
+  outcome->window_weight = 0;
+  for (const double w : plan.weights) outcome->window_weight += w;
+  if (plan.kept_k == 0 || plan.m == 0) return std::nullopt;  // nothing in service to compare with
+  const int k = static_cast<int>(plan.target.size());
+  const int dim = plan.current.dim();
+  std::vector<int> nearest_current;
+  std::vector<double> margin_current;
+  // The zones as the router uses them: a signature's work spreads over the rows of its band.
+  const double band = router_->options().tau;
+  outcome->current =
+      PredictSet(plan.points, plan.weights, plan.kept_rows, plan.kept_k,
+                 absl::MakeConstSpan(plan.capacity).subspan(0, plan.kept_k), &nearest_current, &margin_current, band);
+  // Workers without a row get nothing from the set in service: its balance is over every target
+  // worker (the added ones' shares are 0, so the mean is k / kept_k times lower).
+  outcome->current.imbalance *= static_cast<double>(k) / plan.kept_k;
+  // Churn counts the signatures the set in service places firmly: ahead of the next row by more
+  // than the band width. Within the band the router already spreads a signature by load, so which
+  // of those rows is nearest is no zone of anyone's.
+  // The prediction of a candidate and its churn: both sets index plan.target (the kept rows are
+  // its first kept_k entries).
+  std::vector<int> nearest;
+  const auto evaluate = [&](const std::vector<float>& candidate, SetPrediction* prediction) {
+    *prediction = PredictSet(plan.points, plan.weights, candidate, k, plan.capacity, &nearest, nullptr, band);
+    int changed = 0;
+    for (int i = 0; i < plan.m; ++i) changed += margin_current[i] > band && nearest_current[i] != nearest[i] ? 1 : 0;
+    return static_cast<double>(changed) / plan.m;
+  };
+  const auto balanced_enough = [&](const SetPrediction& prediction) {
+    return prediction.imbalance <= outcome->current.imbalance + options_.max_imbalance_increase;
+  };
+  outcome->churn = evaluate(*rows, &outcome->candidate);
+  outcome->churn_exempt = pool_change || plan.added > 0 || plan.dropped > 0;
+  outcome->guarded = true;
+  std::optional<RefitRefusal> refusal;
+  if (!balanced_enough(outcome->candidate)) {
+    refusal = RefitRefusal::kImbalance;
+  } else if (!outcome->churn_exempt && outcome->churn > options_.max_churn) {
+    // Too many signatures would change worker at once: move every row only part of the way (a
+    // half, a quarter, an eighth of its rotation) and take the largest part within both bounds.
+    refusal = RefitRefusal::kChurn;
+    outcome->fitted_churn = outcome->churn;
+    for (const double fraction : {0.5, 0.25, 0.125}) {
+      std::vector<float> partial = *rows;
+      for (int t = 0; t < plan.kept_k; ++t) {
+        const absl::Span<const float> from(plan.kept_rows.data() + static_cast<size_t>(t) * dim, dim);
+        const absl::Span<float> to = absl::MakeSpan(partial).subspan(static_cast<size_t>(t) * dim, dim);
+        const double theta = std::acos(std::clamp(Dot(from, to), -1.0, 1.0));
+        LimitRotation(from, to, 1.0 - std::cos(fraction * theta));
+      }
+      SetPrediction prediction;
+      const double churn = evaluate(partial, &prediction);
+      if (churn <= options_.max_churn && balanced_enough(prediction)) {
+        *rows = std::move(partial);
+        outcome->candidate = prediction;
+        outcome->churn = churn;
+        outcome->movement_fraction = fraction;
+        refusal.reset();
+        break;
+      }
+    }
+  }
+  absl::MutexLock lock(&stats_mu_);
+  stats_.guarded = true;
+  stats_.current_prediction = outcome->current;
+  stats_.candidate_prediction = outcome->candidate;
+  stats_.last_churn = outcome->churn;
+  if (!refusal.has_value() && outcome->movement_fraction < 1) ++stats_.refits_churn_limited;
+  return refusal;
+}
+
+SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<const double> weights,
+                                         absl::Span<const float> rows, int k, absl::Span<const double> capacity,
+                                         std::vector<int>* nearest, std::vector<double>* margin, double band) {
+  SetPrediction prediction;
+  const int m = points.rows();
+  if (nearest != nullptr) nearest->assign(static_cast<size_t>(m), -1);
+  if (margin != nullptr) margin->assign(static_cast<size_t>(m), 0.0);
+  if (k <= 0 || m == 0) return prediction;
+  std::vector<float> scores(static_cast<size_t>(m) * k);
+  std::vector<float> scratch;
+  ScorePointRows(points, rows, k, absl::MakeSpan(scores), &scratch);
+  std::vector<double> work(static_cast<size_t>(k), 0.0);
+  double total = 0;
+  double similarity = 0;
+  for (int i = 0; i < m; ++i) {
+    const float* row = scores.data() + static_cast<size_t>(i) * k;
+    const int c = static_cast<int>(std::max_element(row, row + k) - row);
+    const double w = weights.empty() ? 1.0 : weights[i];
+    if (band > 0) {
+      // The router sends the request to the least loaded (per capacity) row of its band: in
+      // expectation its work spreads over the band in proportion to capacity.
+      double band_capacity = 0;
+      for (int j = 0; j < k; ++j) {
+        if (row[j] >= row[c] - band) band_capacity += capacity.empty() ? 1.0 : capacity[j];
+      }
+      for (int j = 0; j < k; ++j) {
+        if (row[j] >= row[c] - band) work[j] += w * (capacity.empty() ? 1.0 : capacity[j]) / band_capacity;
+      }
+    } else {
+      work[c] += w;
+    }
+    total += w;
+    similarity += w * row[c];
+    if (nearest != nullptr) (*nearest)[i] = c;
+    if (margin != nullptr) {
+      float second = -2;
+      for (int j = 0; j < k; ++j) {
+        if (j != c) second = std::max(second, row[j]);
+      }
+      (*margin)[i] = k > 1 ? static_cast<double>(row[c]) - second : 2.0;
+    }
+  }
+  double max_share = 0;
+  double sum_share = 0;
+  for (int c = 0; c < k; ++c) {
+    const double share = work[c] / (capacity.empty() ? 1.0 : capacity[c]);
+    max_share = std::max(max_share, share);
+    sum_share += share;
+  }
+  prediction.imbalance = sum_share > 0 ? max_share / (sum_share / k) : 1.0;
+  prediction.locality = total > 0 ? similarity / total : 0.0;
+  return prediction;
 }
 
 absl::Status OnlineRefitter::Refit(bool pool_change) {
@@ -620,6 +973,7 @@ absl::StatusOr<OnlineRefitter::RefitPlan> OnlineRefitter::PlanRefit(absl::Time n
     plan.m = 0;
     plan.points = refit_internal::SignatureRows();
   }
+  plan.weights = plan.points.Weights();
   return plan;
 }
 
@@ -632,6 +986,8 @@ absl::StatusOr<std::vector<float>> OnlineRefitter::FitAligned(const RefitPlan& p
   fit_options.max_iterations = options_.max_iterations;
   fit_options.tolerance = options_.tolerance;
   fit_options.capacity_weights = plan.capacity;
+  // Balance the decode work the window's signatures caused, not their count.
+  fit_options.point_weights = plan.weights;
   if (plan.kept_k > 0) {
     fit_options.initial_centroids = plan.kept_rows;
     if (plan.added > 0) {
@@ -719,6 +1075,15 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
     if (!rows.ok()) return RecordFailure(rows.status(), outcome);
     next.centroids = *std::move(rows);
     BoundMovement(plan, &next.centroids, &outcome);
+    if (const std::optional<RefitRefusal> refused = GuardInstall(plan, &next.centroids, pool_change, &outcome)) {
+      if (plan.dropped == 0 || plan.kept_k == 0) return RecordRefusal(*refused, outcome);
+      // Workers left: the refused fit is not installed, but their rows still go (as when the
+      // window is too small), so the nearest remaining zones absorb their traffic.
+      NoteRefusal(*refused, &outcome);
+      next.k = plan.kept_k;
+      next.workers.resize(plan.kept_k);
+      next.centroids = plan.kept_rows;
+    }
   }
 
   // A reload (or another writer) replaced the centroids while we fitted: theirs win.
@@ -743,7 +1108,12 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
   outcome.generation = *generation;
   outcome.rows = next.k;
   outcome.seconds = SecondsSince(started);
-  outcome.reason = persist_error;
+  if (outcome.refusal != RefitRefusal::kNone) {
+    outcome.reason = absl::StrCat(outcome.reason, "; only the rows of workers that left were dropped",
+                                  persist_error.empty() ? "" : "; ", persist_error);
+  } else {
+    outcome.reason = persist_error;
+  }
   {
     absl::MutexLock lock(&stats_mu_);
     ++stats_.refits_completed;
@@ -773,7 +1143,29 @@ RefitStats OnlineRefitter::stats() const {
   stats.signatures_observed = observed_;
   stats.signatures_sampled_out = sampled_out_;
   stats.signatures_client_limited = client_limited_;
+  stats.weights_output_tokens = weights_output_tokens_;
+  stats.weights_hold_time = weights_hold_time_;
+  stats.weights_default = weights_default_;
+  stats.weights_unleased = weights_unleased_;
+  stats.pending_dropped = pending_dropped_;
+  stats.pending_signatures = static_cast<int64_t>(pending_.size());
+  stats.pending_bytes = pending_bytes_;
+  stats.window_weight = window_weight_;
+  stats.decode_tokens_per_second =
+      rate_seconds_ > 0 ? rate_tokens_ / rate_seconds_ : options_.default_tokens_per_second;
   return stats;
+}
+
+absl::string_view RefitRefusalLabel(RefitRefusal refusal) {
+  switch (refusal) {
+    case RefitRefusal::kNone:
+      return "none";
+    case RefitRefusal::kImbalance:
+      return "imbalance";
+    case RefitRefusal::kChurn:
+      return "churn";
+  }
+  return "none";
 }
 
 // ---- Persistence -------------------------------------------------------------------------------

@@ -77,12 +77,13 @@ size_t SignatureChunk::footprint_bytes() const {
   return sizeof(SignatureChunk) + data_.capacity() * sizeof(uint16_t) + rows_.capacity() * sizeof(Row);
 }
 
-bool SignatureChunk::Append(const EncodedSignature& encoded, absl::Time time) {
+bool SignatureChunk::Append(const EncodedSignature& encoded, absl::Time time, float weight) {
   const size_t elements = encoded.elements.size();
   if (static_cast<size_t>(size_) >= rows_.size() || elements > data_.size() - used_) return false;
   std::copy(encoded.elements.begin(), encoded.elements.end(), data_.begin() + static_cast<ptrdiff_t>(used_));
   Row& row = rows_[static_cast<size_t>(size_)];
   row.time = time;
+  row.weight = weight;
   row.offset = static_cast<uint32_t>(used_);
   row.elements = static_cast<uint32_t>(elements);
   row.exponent = static_cast<int16_t>(encoded.exponent);
@@ -147,6 +148,15 @@ void SignatureRows::DropOldest(int n) {
 absl::Time SignatureRows::time(int i) const {
   const size_t s = RangeOf(i);
   return ranges_[s].chunk->time(ranges_[s].first + (i - starts_[s]));
+}
+
+std::vector<double> SignatureRows::Weights() const {
+  std::vector<double> weights;
+  weights.reserve(static_cast<size_t>(rows_));
+  for (const Range& range : ranges_) {
+    for (int r = range.first; r < range.first + range.count; ++r) weights.push_back(range.chunk->weight(r));
+  }
+  return weights;
 }
 
 size_t SignatureRows::RangeOf(int i) const {

@@ -78,13 +78,15 @@ class SignatureChunk {
   // The bytes of a chunk built with these arguments (footprint_bytes() of it).
   static size_t FootprintBytes(size_t capacity_elements, int max_rows);
 
-  // Appends one encoded signature of dim() entries observed at `time`; false (nothing written)
-  // when the chunk has no room for it (rows or elements).
-  bool Append(const EncodedSignature& encoded, absl::Time time);
+  // Appends one encoded signature of dim() entries observed at `time`, with its fit weight (the
+  // decode work it stands for; positive and finite); false (nothing written) when the chunk has
+  // no room for it (rows or elements).
+  bool Append(const EncodedSignature& encoded, absl::Time time, float weight = 1.0f);
   // Empties the chunk for reuse (keeps its buffers).
   void Clear();
 
   absl::Time time(int r) const { return rows_[r].time; }
+  float weight(int r) const { return rows_[r].weight; }
   RowEncoding encoding(int r) const { return rows_[r].encoding; }
   // Halves row r occupies (dim() when dense).
   size_t row_elements(int r) const { return rows_[r].elements; }
@@ -96,6 +98,7 @@ class SignatureChunk {
     absl::Time time;
     uint32_t offset = 0;    // first element in data_
     uint32_t elements = 0;  // elements it occupies
+    float weight = 1.0f;
     int16_t exponent = 0;
     RowEncoding encoding = RowEncoding::kDense;
   };
@@ -131,6 +134,8 @@ class SignatureRows final : public PointRows {
   void DropOldest(int n);
   // Observation time of row i.
   absl::Time time(int i) const;
+  // The fit weight of every row, in row order.
+  std::vector<double> Weights() const;
 
  private:
   struct Range {

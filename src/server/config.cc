@@ -313,6 +313,28 @@ const std::vector<OptionDef>& OptionTable() {
       DoubleOption("refit_max_drift",
                    "Cosine distance a centroid may drift from the calibrated one at most, in total (2: no bound).",
                    [](ServerOptions& o) -> double& { return o.refit.max_drift_distance; }),
+      DoubleOption("refit_max_imbalance_increase",
+                   "Install guard: a refit is installed only when its predicted work imbalance on the window (max "
+                   "over mean of the zones' decode work per capacity) exceeds the set in service's by at most this.",
+                   [](ServerOptions& o) -> double& { return o.refit.max_imbalance_increase; }),
+      DoubleOption("refit_max_churn",
+                   "Install guard: largest fraction of the window's signatures a refit may move to another worker "
+                   "(pool-change refits are exempt); 1: no bound.",
+                   [](ServerOptions& o) -> double& { return o.refit.max_churn; }),
+      DoubleOption("refit_default_output_tokens",
+                   "Refit weight of a signature whose lease expired or was evicted (no Complete): this many decode "
+                   "tokens; 0 drops such signatures.",
+                   [](ServerOptions& o) -> double& { return o.refit.default_output_tokens; }),
+      DoubleOption("refit_default_tokens_per_second",
+                   "Refit weight of a Complete without output_tokens: hold seconds times the decode rate measured on "
+                   "completes that reported tokens, or this rate until one did.",
+                   [](ServerOptions& o) -> double& { return o.refit.default_tokens_per_second; }),
+      IntOption<int>("refit_max_pending_signatures",
+                     "Admitted signatures waiting for their request to complete, at most (oldest dropped beyond).",
+                     [](ServerOptions& o) -> int& { return o.refit.max_pending_signatures; }),
+      IntOption<int64_t>("refit_pending_bytes",
+                         "Bytes the pending signatures may hold (half precision; oldest dropped beyond).",
+                         [](ServerOptions& o) -> int64_t& { return o.refit.max_pending_bytes; }),
       // ---- Cluster ----
       StringOption("cluster_redis",
                    "host:port of a Redis (or Valkey) the router replicas of one pool share: one refit leader, "
@@ -716,6 +738,20 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   if (!(o.refit.max_drift_distance > 0 && o.refit.max_drift_distance <= 2)) {
     return bad("refit_max_drift", "must be a cosine distance in (0, 2]");
   }
+  if (!(o.refit.max_imbalance_increase >= 0 && o.refit.max_imbalance_increase <= 1000)) {
+    return bad("refit_max_imbalance_increase", "must be in [0, 1000] (an increase of max/mean work share)");
+  }
+  if (!(o.refit.max_churn > 0 && o.refit.max_churn <= 1)) {
+    return bad("refit_max_churn", "must be a fraction in (0, 1] (1: no bound)");
+  }
+  if (!(o.refit.default_output_tokens >= 0 && o.refit.default_output_tokens <= 1e9)) {
+    return bad("refit_default_output_tokens", "must be in [0, 1e9] (0: drop unmeasured signatures)");
+  }
+  if (!(o.refit.default_tokens_per_second > 0 && o.refit.default_tokens_per_second <= 1e9)) {
+    return bad("refit_default_tokens_per_second", "must be in (0, 1e9]");
+  }
+  if (o.refit.max_pending_signatures < 1) return bad("refit_max_pending_signatures", "must be at least 1");
+  if (o.refit.max_pending_bytes < 1024) return bad("refit_pending_bytes", "must be at least 1024");
   if (!o.cluster.redis.empty()) {
     if (o.cluster.redis_db < 0 || o.cluster.redis_db >= (1 << 20))
       return bad("cluster_redis_db", "must be in [0, 1048576)");

@@ -42,7 +42,69 @@ class RefitStatsCollector : public prometheus::Collectable {
                                 MetricType::Counter);
     AddSample(&bounded, static_cast<double>(stats.rows_step_bounded), {MetricLabel("bound", "step")});
     AddSample(&bounded, static_cast<double>(stats.rows_drift_bounded), {MetricLabel("bound", "drift")});
-    return {
+    auto refused = MetricFamily("eldr_refits_refused_total",
+                                "Fitted refits the install guard refused (the centroids in service stayed), by reason: "
+                                "imbalance (--refit_max_imbalance_increase) or churn (--refit_max_churn).",
+                                MetricType::Counter);
+    AddSample(&refused, static_cast<double>(stats.refits_refused_imbalance), {MetricLabel("reason", "imbalance")});
+    AddSample(&refused, static_cast<double>(stats.refits_refused_churn), {MetricLabel("reason", "churn")});
+    auto weights = MetricFamily("eldr_refit_signature_weights_total",
+                                "Signatures that joined the refit window, by where their decode-work weight came from: "
+                                "output_tokens (Complete reported them), hold_time (lease hold time times the decode "
+                                "rate), default (lease expired or evicted: --refit_default_output_tokens), unleased "
+                                "(no lease: the cluster's shared window).",
+                                MetricType::Counter);
+    AddSample(&weights, static_cast<double>(stats.weights_output_tokens), {MetricLabel("source", "output_tokens")});
+    AddSample(&weights, static_cast<double>(stats.weights_hold_time), {MetricLabel("source", "hold_time")});
+    AddSample(&weights, static_cast<double>(stats.weights_default), {MetricLabel("source", "default")});
+    AddSample(&weights, static_cast<double>(stats.weights_unleased), {MetricLabel("source", "unleased")});
+    std::vector<prometheus::MetricFamily> families = {
+        std::move(refused),
+        std::move(weights),
+        SingleSample("eldr_refits_churn_limited_total",
+                     "Refits installed with their movement limited (a half, a quarter or an eighth of the fit) so "
+                     "that at most --refit_max_churn of the window changes worker.",
+                     MetricType::Counter, static_cast<double>(stats.refits_churn_limited)),
+        SingleSample("eldr_refit_window_weight",
+                     "Summed decode-work weight (output tokens or their estimate) of the refit window's signatures.",
+                     MetricType::Gauge, stats.window_weight),
+        SingleSample("eldr_refit_pending_signatures",
+                     "Signatures admitted to the refit window that wait for their request to complete.",
+                     MetricType::Gauge, static_cast<double>(stats.pending_signatures)),
+        SingleSample("eldr_refit_pending_bytes", "Bytes the pending signatures hold (at most --refit_pending_bytes).",
+                     MetricType::Gauge, static_cast<double>(stats.pending_bytes)),
+        SingleSample("eldr_refit_pending_dropped_total",
+                     "Pending signatures dropped: the pending bound (--refit_max_pending_signatures, "
+                     "--refit_pending_bytes), a transform change, or an unmeasured end with "
+                     "--refit_default_output_tokens=0.",
+                     MetricType::Counter, static_cast<double>(stats.pending_dropped)),
+        SingleSample("eldr_refit_decode_tokens_per_second",
+                     "Decode rate per request the hold-time weight uses (measured on leases that reported output "
+                     "tokens, else --refit_default_tokens_per_second).",
+                     MetricType::Gauge, stats.decode_tokens_per_second),
+    };
+    if (stats.guarded) {
+      auto imbalance =
+          MetricFamily("eldr_refit_predicted_imbalance",
+                       "Last guarded refit: predicted work imbalance on the window (max over mean of the "
+                       "zones' weight per capacity; 1 = balanced) of the set in service and the candidate.",
+                       MetricType::Gauge);
+      AddSample(&imbalance, stats.current_prediction.imbalance, {MetricLabel("set", "current")});
+      AddSample(&imbalance, stats.candidate_prediction.imbalance, {MetricLabel("set", "candidate")});
+      auto locality = MetricFamily("eldr_refit_predicted_locality",
+                                   "Last guarded refit: predicted locality on the window (weighted mean best cosine "
+                                   "similarity) of the set in service and the candidate.",
+                                   MetricType::Gauge);
+      AddSample(&locality, stats.current_prediction.locality, {MetricLabel("set", "current")});
+      AddSample(&locality, stats.candidate_prediction.locality, {MetricLabel("set", "candidate")});
+      families.push_back(std::move(imbalance));
+      families.push_back(std::move(locality));
+      families.push_back(SingleSample("eldr_refit_churn_ratio",
+                                      "Last guarded refit: fraction of the window's signatures whose nearest worker "
+                                      "the candidate changes (bounded by --refit_max_churn except on pool changes).",
+                                      MetricType::Gauge, stats.last_churn));
+    }
+    std::vector<prometheus::MetricFamily> base = {
         SingleSample("eldr_refits_started_total", "Online refits started.", MetricType::Counter,
                      static_cast<double>(stats.refits_started)),
         SingleSample("eldr_refits_completed_total", "Online refits fitted and installed.", MetricType::Counter,
@@ -72,6 +134,8 @@ class RefitStatsCollector : public prometheus::Collectable {
                      MetricType::Counter, static_cast<double>(stats.signatures_client_limited)),
         std::move(bounded),
     };
+    for (auto& family : families) base.push_back(std::move(family));
+    return base;
   }
 
  private:
@@ -90,7 +154,25 @@ void LogRefit(const RefitOutcome& outcome) {
           .With("rows_drift_bounded", outcome.rows_drift_bounded)
           .With("seconds", outcome.seconds)
           .With("pool_change", outcome.pool_change)
+          .With("window_weight", outcome.window_weight)
+          .With("imbalance_current", outcome.current.imbalance)
+          .With("imbalance_candidate", outcome.candidate.imbalance)
+          .With("locality_current", outcome.current.locality)
+          .With("locality_candidate", outcome.candidate.locality)
+          .With("churn", outcome.churn)
+          .With("movement_fraction", outcome.movement_fraction)
           .With("note", outcome.reason);
+      break;
+    case RefitOutcome::Kind::kRefused:
+      ELDR_LOG_LIMITED(Info, "refit_refused", "refit_refused")
+          .With("refusal", RefitRefusalLabel(outcome.refusal))
+          .With("imbalance_current", outcome.current.imbalance)
+          .With("imbalance_candidate", outcome.candidate.imbalance)
+          .With("locality_current", outcome.current.locality)
+          .With("locality_candidate", outcome.candidate.locality)
+          .With("churn", outcome.churn)
+          .With("pool_change", outcome.pool_change)
+          .With("reason", outcome.reason);
       break;
     case RefitOutcome::Kind::kFailed:
       ELDR_LOG_LIMITED(Warning, "refit_failed", "refit_failed").With("error", outcome.reason);
@@ -138,6 +220,9 @@ class RefitComponent : public BackgroundComponent {
         .With("window_bytes", options.refit.max_window_bytes)
         .With("max_step", options.refit.max_step_distance)
         .With("max_drift", options.refit.max_drift_distance)
+        .With("max_imbalance_increase", options.refit.max_imbalance_increase)
+        .With("max_churn", options.refit.max_churn)
+        .With("default_output_tokens", options.refit.default_output_tokens)
         .With("state_dir", options.refit.state_dir);
     return absl::OkStatus();
   }

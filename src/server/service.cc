@@ -514,7 +514,7 @@ absl::Status DecodeRouterService::CompleteMessage(
     ctx_.metrics->RecordRejected(RejectReason::kNegativeCount);
   }
   if (status.ok()) {
-    absl::StatusOr<std::string> worker = ctx_.router->Complete(request->lease_id());
+    absl::StatusOr<std::string> worker = ctx_.router->Complete(request->lease_id(), request->output_tokens());
     status = worker.status();
     ctx_.metrics->RecordComplete(status.ok());
     if (worker.ok()) response->set_worker_id(*std::move(worker));

@@ -62,9 +62,12 @@ class InProcessBackend final : public RoutingBackend {
     return decision;
   }
 
-  absl::Status Complete(uint64_t lease_id, int64_t /*output_tokens*/, double now_us) override {
-    Clock(now_us);
-    return router_->Complete(lease_id).status();
+  absl::Status Complete(uint64_t lease_id, int64_t output_tokens, double now_us) override {
+    CompleteInput input;
+    input.lease_id = lease_id;
+    input.output_tokens = output_tokens;
+    input.now = Clock(now_us);
+    return router_->Complete(input).status();
   }
 
   absl::Status InstallCentroids(const CentroidArtifact& artifact) override {

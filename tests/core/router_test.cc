@@ -412,6 +412,99 @@ TEST(RouterTest, OnSignatureSeesAcceptedSignaturesOnly) {
   EXPECT_EQ(observer.signatures.size(), 2u);
 }
 
+// Hears lease ends; reads the router inside the callback, which would deadlock if the router
+// held its routing lock while telling observers.
+class LeaseEndObserver : public RouterObserver {
+ public:
+  explicit LeaseEndObserver(Router* router) : router_(router) {}
+  void OnLeaseEnded(const LeaseEnd& ended) override {
+    const int64_t live = router_->GetState(kT0).live_leases;
+    std::lock_guard<std::mutex> lock(mu);
+    ends.push_back(ended);
+    live_during.push_back(live);
+  }
+  Router* const router_;
+  std::mutex mu;
+  std::vector<LeaseEnd> ends;
+  std::vector<int64_t> live_during;
+};
+
+TEST(RouterTest, ObserversHearEveryLeaseEndWithItsTokensAndHoldTime) {
+  RouterOptions options;
+  options.max_live_leases = 3;
+  auto router = MakeRouter({Worker("a"), Worker("b")}, options);
+  LeaseEndObserver observer(router.get());
+  router->AddObserver(&observer);
+
+  // Complete: output tokens and the time from route to complete.
+  absl::StatusOr<RouteResult> first = router->Route(nullptr, kT0);
+  ASSERT_TRUE(first.ok());
+  CompleteInput complete;
+  complete.lease_id = first->lease_id;
+  complete.output_tokens = 321;
+  complete.now = kT0 + absl::Milliseconds(1500);
+  ASSERT_TRUE(router->Complete(complete).ok());
+  ASSERT_EQ(observer.ends.size(), 1u);
+  EXPECT_EQ(observer.ends[0].lease_id, first->lease_id);
+  EXPECT_EQ(observer.ends[0].worker_id, first->worker_id);
+  EXPECT_EQ(observer.ends[0].kind, LeaseEndKind::kCompleted);
+  EXPECT_FALSE(observer.ends[0].expired);
+  EXPECT_EQ(observer.ends[0].output_tokens, 321);
+  EXPECT_EQ(observer.ends[0].held, absl::Milliseconds(1500));
+  EXPECT_EQ(observer.live_during[0], 0);  // told after the release, without the routing lock
+  // A second Complete of the same lease, or negative tokens, tell nobody.
+  EXPECT_EQ(router->Complete(complete).status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<RouteResult> second = router->Route(nullptr, kT0);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(router->Complete(second->lease_id, -1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(observer.ends.size(), 1u);
+  // The old form still works: no tokens reported.
+  ASSERT_TRUE(router->Complete(second->lease_id).ok());
+  ASSERT_EQ(observer.ends.size(), 2u);
+  EXPECT_EQ(observer.ends[1].output_tokens, 0);
+  EXPECT_EQ(observer.ends[1].kind, LeaseEndKind::kCompleted);
+
+  // Eviction at the live-lease limit (3): the fourth route releases the oldest.
+  std::vector<uint64_t> leases;
+  for (int i = 0; i < 4; ++i) leases.push_back(router->Route(nullptr, kT0 + absl::Seconds(i)).value().lease_id);
+  ASSERT_EQ(observer.ends.size(), 3u);
+  EXPECT_EQ(observer.ends[2].lease_id, leases[0]);
+  EXPECT_EQ(observer.ends[2].kind, LeaseEndKind::kEvicted);
+  EXPECT_TRUE(observer.ends[2].expired);
+  EXPECT_EQ(observer.ends[2].output_tokens, 0);
+  EXPECT_EQ(observer.ends[2].held, absl::Seconds(3));
+
+  // Expiry: the leases older than the TTL, each told with its hold time to `now`.
+  const absl::Time later = kT0 + options.load.lease_ttl + absl::Seconds(2) + absl::Milliseconds(500);
+  EXPECT_EQ(router->ExpireLeases(later), 2);  // routed at kT0 + 1 s and + 2 s
+  ASSERT_EQ(observer.ends.size(), 5u);
+  for (int i = 3; i < 5; ++i) {
+    EXPECT_EQ(observer.ends[i].kind, LeaseEndKind::kExpired);
+    EXPECT_TRUE(observer.ends[i].expired);
+    EXPECT_GE(observer.ends[i].held, options.load.lease_ttl);
+  }
+
+  // Removal drops the rest.
+  RouterState state = router->GetState(later);
+  ASSERT_EQ(state.live_leases, 1);
+  std::string holder;
+  for (const WorkerStatus& w : state.workers) {
+    if (w.load.leases > 0) holder = w.spec.id;
+  }
+  ASSERT_TRUE(router->RemoveWorker(holder).ok());
+  ASSERT_EQ(observer.ends.size(), 6u);
+  EXPECT_EQ(observer.ends[5].lease_id, leases[3]);
+  EXPECT_EQ(observer.ends[5].kind, LeaseEndKind::kWorkerRemoved);
+  EXPECT_EQ(observer.ends[5].worker_id, holder);
+  EXPECT_EQ(LeaseEndKindLabel(LeaseEndKind::kWorkerRemoved), "worker_removed");
+
+  router->RemoveObserver(&observer);
+  absl::StatusOr<RouteResult> unheard = router->Route(nullptr, kT0);
+  ASSERT_TRUE(unheard.ok());
+  ASSERT_TRUE(router->Complete(unheard->lease_id, 5).ok());
+  EXPECT_EQ(observer.ends.size(), 6u);
+}
+
 TEST(RouterTest, ObserversHearEveryChangeInOrderAndMutationsSayWhatTheyDid) {
   RecordingObserver observer;
   auto router = MakeRouter({Worker("a"), Worker("b")});

@@ -310,8 +310,9 @@ TEST(Hardening, AFloodOfCraftedSignaturesCannotDragTheZonesAwayAndEveryRefitIsLo
   TempDir dir;
   const std::string state_dir = dir.File("state");
   std::vector<std::string> args = StandardArgs(dir);
+  // The install guard's churn bound off: the row bounds are what this test is about.
   args.insert(args.end(), {"--refit_interval=500ms", "--refit_window=30s", "--refit_max_step=0.05",
-                           "--refit_max_drift=0.1", "--state_dir=" + state_dir});
+                           "--refit_max_drift=0.1", "--refit_max_churn=1", "--state_dir=" + state_dir});
   auto router = MustStart(dir, args);
   ASSERT_NE(router, nullptr);
   const std::vector<std::string> before = Placement(*router);
@@ -328,7 +329,15 @@ TEST(Hardening, AFloodOfCraftedSignaturesCannotDragTheZonesAwayAndEveryRefitIsLo
          (absl::Now() < start + absl::Seconds(4) || flood % 200 != 0 || refits() <= 2)) {
     eldr::v1::RouteResponse response;
     auto ctx = Ctx();
-    if (stub->Route(ctx.get(), FlatRequest(), &response).ok()) ++flood;
+    if (!stub->Route(ctx.get(), FlatRequest(), &response).ok()) continue;
+    ++flood;
+    // Completed, so the flood's signatures join the refit window (they wait for their leases).
+    eldr::v1::CompleteRequest complete;
+    complete.set_lease_id(response.lease_id());
+    complete.set_output_tokens(100);
+    eldr::v1::CompleteResponse done;
+    auto complete_ctx = Ctx();
+    (void)stub->Complete(complete_ctx.get(), complete, &done);
   }
   ASSERT_GT(flood, 500);
   ASSERT_GT(refits(), 2) << router->Log();

@@ -1,6 +1,7 @@
 #include "server/config.h"
 #include "eldr/common/file.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -212,6 +213,45 @@ TEST(RefitSettings, ParsedCheckedAndDecideWhetherRefitRuns) {
   EXPECT_TRUE(ValidateServerOptions(bad).ok());
   ASSERT_TRUE(SetServerOption("refit_window_bytes", "1048575", &bad).ok());
   EXPECT_THAT(ValidateServerOptions(bad).message(), HasSubstr("'refit_window_bytes'"));
+}
+
+TEST(RefitSettings, DecodeWorkWeightsAndTheInstallGuard) {
+  ServerOptions o;
+  EXPECT_EQ(o.refit.max_imbalance_increase, 0.05);
+  EXPECT_EQ(o.refit.max_churn, 0.5);
+  EXPECT_EQ(o.refit.default_output_tokens, 256);
+  EXPECT_EQ(o.refit.default_tokens_per_second, 50);
+  ASSERT_TRUE(SetServerOption("refit_max_imbalance_increase", "0.2", &o).ok());
+  ASSERT_TRUE(SetServerOption("refit_max_churn", "1", &o).ok());
+  ASSERT_TRUE(SetServerOption("refit_default_output_tokens", "0", &o).ok());
+  ASSERT_TRUE(SetServerOption("refit_default_tokens_per_second", "80", &o).ok());
+  ASSERT_TRUE(SetServerOption("refit_max_pending_signatures", "100", &o).ok());
+  ASSERT_TRUE(SetServerOption("refit_pending_bytes", "65536", &o).ok());
+  EXPECT_EQ(o.refit.max_imbalance_increase, 0.2);
+  EXPECT_EQ(o.refit.max_churn, 1);
+  EXPECT_EQ(o.refit.default_output_tokens, 0);
+  EXPECT_EQ(o.refit.default_tokens_per_second, 80);
+  EXPECT_EQ(o.refit.max_pending_signatures, 100);
+  EXPECT_EQ(o.refit.max_pending_bytes, 65536);
+  EXPECT_TRUE(ValidateServerOptions(o).ok());
+  ASSERT_TRUE(ApplyConfigJson(R"({"refit_max_churn": 0.25})", &o).ok());
+  EXPECT_EQ(o.refit.max_churn, 0.25);
+
+  const auto refused = [](const char* name, const char* value) {
+    ServerOptions bad;
+    EXPECT_TRUE(SetServerOption(name, value, &bad).ok()) << name;
+    return std::string(ValidateServerOptions(bad).message());
+  };
+  EXPECT_THAT(refused("refit_max_imbalance_increase", "-0.1"), HasSubstr("'refit_max_imbalance_increase'"));
+  ServerOptions not_a_number;
+  not_a_number.refit.max_imbalance_increase = std::nan("");
+  EXPECT_THAT(ValidateServerOptions(not_a_number).message(), HasSubstr("'refit_max_imbalance_increase'"));
+  EXPECT_THAT(refused("refit_max_churn", "0"), HasSubstr("'refit_max_churn'"));
+  EXPECT_THAT(refused("refit_max_churn", "1.5"), HasSubstr("must be a fraction in (0, 1]"));
+  EXPECT_THAT(refused("refit_default_output_tokens", "-1"), HasSubstr("'refit_default_output_tokens'"));
+  EXPECT_THAT(refused("refit_default_tokens_per_second", "0"), HasSubstr("'refit_default_tokens_per_second'"));
+  EXPECT_THAT(refused("refit_max_pending_signatures", "0"), HasSubstr("'refit_max_pending_signatures'"));
+  EXPECT_THAT(refused("refit_pending_bytes", "100"), HasSubstr("'refit_pending_bytes'"));
 }
 
 std::vector<const char*> Argv(std::initializer_list<const char*> args) {

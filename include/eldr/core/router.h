@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "eldr/core/centroid_artifact.h"
@@ -176,6 +177,39 @@ struct CentroidInstall {
   bool transform_changed = true;
 };
 
+// How a lease ended (RouterObserver::OnLeaseEnded).
+enum class LeaseEndKind {
+  kCompleted,      // Complete
+  kExpired,        // ExpireLeases: older than the lease TTL
+  kEvicted,        // released for a new route at RouterOptions::max_live_leases
+  kWorkerRemoved,  // RemoveWorker dropped it
+};
+absl::string_view LeaseEndKindLabel(LeaseEndKind kind);  // "completed", "expired", ...
+
+// One released lease: what its request cost the worker, as far as the router knows.
+struct LeaseEnd {
+  uint64_t lease_id = 0;
+  std::string worker_id;
+  LeaseEndKind kind = LeaseEndKind::kCompleted;
+  // kCompleted: CompleteInput::output_tokens (0 when the caller reported none); otherwise 0.
+  int64_t output_tokens = 0;
+  // From the route that took the lease (RouteInput::now) to its end (CompleteInput::now, or the
+  // `now` of ExpireLeases / the route that evicted it, or the wall clock for RemoveWorker); never
+  // negative.
+  absl::Duration held = absl::ZeroDuration();
+  // True unless kind == kCompleted: nobody said how the request ended.
+  bool expired = false;
+};
+
+// What Complete is told. output_tokens: the tokens the worker generated for the request, when
+// the caller knows (0: not reported); negative is INVALID_ARGUMENT. now: when it completed (the
+// hold time LeaseEnd::held is measured to it).
+struct CompleteInput {
+  uint64_t lease_id = 0;
+  int64_t output_tokens = 0;
+  absl::Time now;
+};
+
 // A routed request whose signature the transform accepted.
 struct RoutedSignature {
   absl::Span<const float> signature;  // transformed, unit norm; valid during the call only
@@ -194,6 +228,11 @@ struct RoutedSignature {
 // read the router and may even mutate it; the change it makes is delivered after the current one.
 // It must not add or remove observers, and should hand slow work (a refit) to a thread of its own.
 // OnSignatureRouted runs on the routing threads, concurrently, and must neither block nor mutate.
+// OnLeaseEnded likewise runs on the data-plane threads (Complete, a Route that evicted a lease,
+// ExpireLeases, RemoveWorker), after the lease is released and with no router lock held that
+// routing waits on; it must neither block nor mutate. A lease's OnLeaseEnded follows its
+// OnSignatureRouted (when it had one) except when the lease was expired or evicted by another
+// thread before its route delivered OnSignatureRouted (a TTL or lease limit that small).
 class RouterObserver {
  public:
   virtual ~RouterObserver() = default;
@@ -204,6 +243,7 @@ class RouterObserver {
   // through NotifyCentroidsRejected, so one observer sees every refusal.
   virtual void OnCentroidsRejected(CentroidSource /*source*/, const absl::Status& /*status*/) {}
   virtual void OnSignatureRouted(const RoutedSignature& /*routed*/) {}
+  virtual void OnLeaseEnded(const LeaseEnd& /*ended*/) {}
 };
 
 class Router {
@@ -225,9 +265,18 @@ class Router {
   }
   absl::StatusOr<RouteResult> Route(const SignatureInput* signature) { return Route(signature, absl::Now()); }
 
-  // Releases a lease and returns the id of the worker it was on. NOT_FOUND when unknown, already
-  // completed, expired or evicted.
-  virtual absl::StatusOr<std::string> Complete(uint64_t lease_id) = 0;
+  // Releases a lease and returns the id of the worker it was on; observers hear OnLeaseEnded
+  // (kCompleted, with input.output_tokens and the hold time to input.now). NOT_FOUND when unknown,
+  // already completed, expired or evicted; INVALID_ARGUMENT (kNegativeCount) for negative
+  // output_tokens (the lease stays).
+  virtual absl::StatusOr<std::string> Complete(const CompleteInput& input) = 0;
+  absl::StatusOr<std::string> Complete(uint64_t lease_id, int64_t output_tokens = 0) {
+    CompleteInput input;
+    input.lease_id = lease_id;
+    input.output_tokens = output_tokens;
+    input.now = absl::Now();
+    return Complete(input);
+  }
 
   // The one door for centroids. Validates the artifact, maps its rows to workers (by its `workers`
   // names when present, otherwise row i -> i-th worker in insertion order), builds the index and
@@ -249,7 +298,8 @@ class Router {
   virtual absl::StatusOr<PoolChange> UpsertWorker(const WorkerSpec& spec) = 0;
   // No new routes to the worker; its leases finish normally. NOT_FOUND if unknown.
   virtual absl::StatusOr<PoolChange> DrainWorker(const std::string& id) = 0;
-  // Removes the worker and drops its leases (PoolChange::inflight = how many). NOT_FOUND if unknown.
+  // Removes the worker and drops its leases (PoolChange::inflight = how many; observers hear
+  // OnLeaseEnded, kWorkerRemoved, for each, after the pool change). NOT_FOUND if unknown.
   virtual absl::StatusOr<PoolChange> RemoveWorker(const std::string& id) = 0;
   // Health as seen by a load source (scrape failures); unhealthy workers get no new routes unless
   // every worker is unhealthy (fail open). Observers hear of actual changes only. NOT_FOUND if
@@ -264,8 +314,8 @@ class Router {
   virtual absl::Status ReportLoad(const std::string& id, const LoadSnapshot& snapshot, absl::Time now) = 0;
 
   // Releases the leases acquired before now - lease_ttl, oldest first, in batches that hold the
-  // routing mutex briefly each (routes go on in between); returns how many. The server calls it
-  // every second.
+  // routing mutex briefly each (routes go on in between); returns how many. Observers hear
+  // OnLeaseEnded (kExpired) for each, between batches. The server calls it every second.
   virtual int64_t ExpireLeases(absl::Time now) = 0;
 
   // Replaces the other replicas' lease counts per worker (ids the pool does not have are ignored;

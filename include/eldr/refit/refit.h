@@ -52,8 +52,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -65,6 +67,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "eldr/calib/calibration.h"
 #include "eldr/core/centroid_artifact.h"
 #include "eldr/core/router.h"
 
@@ -74,15 +77,37 @@ namespace refit_internal {
 class SignatureChunk;
 class SignatureRows;
 struct EncodeScratch;
+struct EncodedSignature;
 }  // namespace refit_internal
 
 // The smallest RefitOptions::max_window_bytes accepted.
 inline constexpr int64_t kMinRefitWindowBytes = int64_t{1} << 20;
 
+// Why the install guard kept the centroids in service (RefitOutcome::Kind::kRefused).
+enum class RefitRefusal {
+  kNone,
+  kImbalance,  // the candidate's predicted work imbalance exceeds the current set's by more than allowed
+  kChurn,      // more of the window's signatures would change worker than max_churn allows
+};
+absl::string_view RefitRefusalLabel(RefitRefusal refusal);  // "none", "imbalance", "churn"
+
+// The install guard's prediction for one centroid set on the refit window: every window signature
+// carries its weight (the decode work it stood for) to its nearest row, or, with the router's band
+// width tau > 0, spread over the rows of its band (score >= best - tau) in proportion to their
+// workers' capacity, as the router's least-loaded pick within the band spreads it in expectation.
+struct SetPrediction {
+  // Max over mean of the zones' work shares, each zone's summed weight divided by its worker's
+  // capacity weight: 1 is perfectly balanced; 2 means one worker gets twice the mean share.
+  double imbalance = 0;
+  // Weighted mean cosine similarity of each signature to its nearest row.
+  double locality = 0;
+};
+
 // What one refit did, for the owner's logs (RefitOptions::on_refit).
 struct RefitOutcome {
-  enum class Kind { kInstalled, kSkipped, kFailed } kind = Kind::kSkipped;
-  std::string reason;          // why it was skipped or failed; empty when installed
+  // kRefused: a fit succeeded but the install guard kept the set in service (`refusal` says why).
+  enum class Kind { kInstalled, kSkipped, kFailed, kRefused } kind = Kind::kSkipped;
+  std::string reason;          // why it was skipped, failed or refused; empty when installed
   uint64_t generation = 0;     // kInstalled: the router's new generation
   int rows = 0;                // kInstalled: centroid rows now in service
   int window_signatures = 0;   // signatures the fit used
@@ -92,6 +117,27 @@ struct RefitOutcome {
   int rows_drift_bounded = 0;  // rows the total-drift bound held back
   double seconds = 0;          // wall time of the refit
   bool pool_change = false;    // triggered by a pool change (else periodic or RefitNow)
+  // The install guard (when a fit ran and the set in service has rows of active workers; else
+  // `guarded` is false and the figures are 0). current: the rows in service of the workers that
+  // stay (its imbalance over every target worker: one added without a row would get no work);
+  // candidate: the fitted, aligned and bounded rows. churn: the fraction of the window's
+  // signatures that the current rows place firmly (nearest row ahead of the next by more than the
+  // router's band width tau; the others the router already spreads by load) and whose nearest
+  // worker the candidate changes.
+  bool guarded = false;
+  SetPrediction current;
+  SetPrediction candidate;
+  double churn = 0;
+  bool churn_exempt = false;  // a pool-change refit: churn is reported but not bounded
+  // Beyond max_churn the rows move only this fraction of their fitted rotation (1/2, 1/4, 1/8:
+  // the largest within both bounds); 1 when not limited. fitted_churn: the churn of the full fit
+  // when it was limited.
+  double movement_fraction = 1;
+  double fitted_churn = 0;
+  // The guard's reason to refuse (kRefused; or kInstalled after a pool change, when only the rows
+  // of workers that left were dropped instead of the refused fit).
+  RefitRefusal refusal = RefitRefusal::kNone;
+  double window_weight = 0;  // summed weight of the signatures the fit used
 };
 
 struct RefitOptions {
@@ -125,6 +171,34 @@ struct RefitOptions {
   // a bound (no two unit vectors are further apart).
   double max_step_distance = 0.15;
   double max_drift_distance = 0.5;
+  // Decode-work weights. A signature routed by the router (OnSignatureRouted) and admitted to the
+  // window waits, pending, until its lease ends (OnLeaseEnded), then joins the window with the
+  // weight of the decode work it caused:
+  //  - Complete reported output tokens: that many;
+  //  - Complete without tokens: the lease's hold seconds times the decode rate, the tokens per
+  //    second of the leases that reported both (a running ratio that forgets with a half-life of
+  //    about 180 leases), or default_tokens_per_second until one did;
+  //  - the lease expired, was evicted or its worker removed: default_output_tokens (0: the
+  //    signature is dropped instead).
+  // A weight is at least 1. Signatures offered through Observe (no lease: the cluster's shared
+  // window, the simulator, tools) join at once, weighted by the mean of the weights measured so
+  // far (default_output_tokens before any, or 1 when that is 0), unless a weight is given.
+  double default_output_tokens = 256;
+  double default_tokens_per_second = 50;
+  // Pending signatures kept at most, by count and by bytes of their encoded rows; beyond either
+  // the oldest pending signature is dropped (RefitStats::pending_dropped).
+  int max_pending_signatures = 4096;
+  int64_t max_pending_bytes = int64_t{8} << 20;
+  // The install guard (see SetPrediction): a fitted set is installed only when its predicted
+  // imbalance is at most the current set's plus max_imbalance_increase, and when at most
+  // max_churn of the window's signatures change their nearest worker (RefitOutcome::churn: firmly
+  // placed signatures only; a refit triggered by, or
+  // reconciling, a pool change is exempt from the churn bound: moving zones is what it is for).
+  // Beyond max_churn every row is first moved only part of its way (half, a quarter, an eighth of
+  // its rotation from the row in service; the largest part within both bounds is installed).
+  // Otherwise the set in service stays (RefitOutcome::Kind::kRefused). max_churn 1: no bound.
+  double max_imbalance_increase = 0.05;
+  double max_churn = 0.5;
   // After a pool change, how long the refitter waits for more changes before it reconciles once.
   absl::Duration pool_change_settle = absl::Milliseconds(250);
   uint64_t seed = 0;
@@ -159,8 +233,29 @@ struct RefitStats {
   int64_t window_capacity = 0;
   int64_t window_clients = 0;  // gauge: clients with signatures admitted in the last window
   uint64_t signatures_observed = 0;
-  uint64_t signatures_sampled_out = 0;                // not admitted: the window's token bucket was empty
-  uint64_t signatures_client_limited = 0;             // not admitted: their client had used its share
+  uint64_t signatures_sampled_out = 0;     // not admitted: the window's token bucket was empty
+  uint64_t signatures_client_limited = 0;  // not admitted: their client had used its share
+  // Decode-work weights: signatures that joined the window weighted by the output tokens Complete
+  // reported, by hold time, or by default_output_tokens (lease not completed); offered without a
+  // lease (Observe); dropped from pending (bound) or because their lease ended unmeasured with
+  // default_output_tokens 0.
+  uint64_t weights_output_tokens = 0;  // (Observe with a weight counts here too)
+  uint64_t weights_hold_time = 0;
+  uint64_t weights_default = 0;
+  uint64_t weights_unleased = 0;
+  uint64_t pending_dropped = 0;
+  int64_t pending_signatures = 0;       // gauge: admitted signatures waiting for their lease to end
+  int64_t pending_bytes = 0;            // gauge
+  double window_weight = 0;             // gauge: summed weight of the window's signatures
+  double decode_tokens_per_second = 0;  // gauge: the hold-time rule's rate now
+  // The install guard: refusals by reason, and the figures of the last guarded refit.
+  uint64_t refits_refused_imbalance = 0;
+  uint64_t refits_refused_churn = 0;
+  uint64_t refits_churn_limited = 0;  // installed with the movement limited by max_churn
+  bool guarded = false;               // a refit has been guarded yet (the figures below are set)
+  SetPrediction current_prediction;
+  SetPrediction candidate_prediction;
+  double last_churn = 0;
   std::string last_error;                             // why the last refit failed or was skipped; empty on success
   absl::Time last_refit_time = absl::InfinitePast();  // of the last completed refit
 };
@@ -184,10 +279,12 @@ class OnlineRefitter final : public RouterObserver {
   OnlineRefitter(const OnlineRefitter&) = delete;
   OnlineRefitter& operator=(const OnlineRefitter&) = delete;
 
-  // Offers one routed request's transformed signature (unit vector of the transform in service) to
-  // the window, on behalf of `client` (empty: an anonymous client). A signature of another
-  // dimension than the window's (a reload changed the transform) restarts the window.
+  // Offers one request's transformed signature (unit vector of the transform in service) to the
+  // window, on behalf of `client` (empty: an anonymous client), joining at once (no lease to wait
+  // for) with `weight` (positive; without one, the unleased default of RefitOptions). A signature
+  // of another dimension than the window's (a reload changed the transform) restarts the window.
   void Observe(absl::Span<const float> signature, absl::string_view client);
+  void Observe(absl::Span<const float> signature, absl::string_view client, double weight);
 
   // Starts the background thread (periodic refits and pool reconciliation); idempotent. The
   // thread runs at SCHED_IDLE (nice 19 where refused), so fits yield the CPU to routing threads.
@@ -208,13 +305,25 @@ class OnlineRefitter final : public RouterObserver {
   absl::Status OnWorkerAdded(const std::string& worker_id);
   absl::Status OnWorkerRemoved(const std::string& worker_id);
 
-  // Empties the window.
+  // Empties the window and the pending signatures.
   void ResetWindow();
+
+  // The install guard's figures for `rows` (k unit rows of points.dim()) on `points` weighted by
+  // `weights` (empty: 1 each), with `capacity` (k weights; empty: 1 each); `nearest`, when not
+  // null, receives each point's nearest row, and `margin` how far its nearest row's similarity
+  // leads the next one's (2 with one row). `band`: the router's tau (0: nearest row only).
+  // Exposed for tests and tools.
+  static SetPrediction PredictSet(const PointRows& points, absl::Span<const double> weights,
+                                  absl::Span<const float> rows, int k, absl::Span<const double> capacity,
+                                  std::vector<int>* nearest, std::vector<double>* margin = nullptr, double band = 0);
 
   RefitStats stats() const;
 
   // RouterObserver.
+  // Admits the signature (as Observe) and keeps it pending until its lease ends.
   void OnSignatureRouted(const RoutedSignature& routed) override;
+  // The pending signature of the lease joins the window with its decode-work weight.
+  void OnLeaseEnded(const LeaseEnd& ended) override;
   void OnPoolChanged(const PoolChange& change) override;
   void OnCentroidsInstalled(const CentroidInstall& install) override;
 
@@ -249,6 +358,16 @@ class OnlineRefitter final : public RouterObserver {
   // What a refit fits: the target workers (kept rows first, then workers without a row), the
   // warm-start rows and the window's points.
   struct RefitPlan;
+  // An admitted signature waiting for its lease to end.
+  struct PendingSignature {
+    std::vector<uint16_t> elements;
+    uint8_t encoding = 0;  // refit_internal::RowEncoding
+    int exponent = 0;
+    int dim = 0;
+    absl::Time routed_at;
+  };
+  // How a joining signature's weight was determined (RefitStats counters).
+  enum class WeightSource { kOutputTokens, kHoldTime, kDefault, kUnleased };
 
   absl::Status Refit(bool pool_change) ABSL_LOCKS_EXCLUDED(fit_mu_);
   // One refit: reconcile rows with the active workers, fit, align, bound, install, persist.
@@ -272,9 +391,32 @@ class OnlineRefitter final : public RouterObserver {
   int64_t WindowBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
   // Whether `client` may add one more signature now (its fair share).
   bool AdmitClient(absl::string_view client, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
+  // Observation bookkeeping and admission (token bucket, then client share) of a dim-entry
+  // signature; restarts the window for a new dimension. True: admitted (a token taken).
+  bool AdmitLocked(int dim, absl::string_view client, absl::Time now, std::vector<std::shared_ptr<Chunk>>* released)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
+  // Appends an encoded signature of window_dim_ entries with `weight` at `now`, then evicts by age
+  // and count.
+  void AppendLocked(const refit_internal::EncodedSignature& encoded, float weight, absl::Time now,
+                    std::vector<std::shared_ptr<Chunk>>* released) ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
+  // Drops the oldest pending signature (counted).
+  void DropOldestPendingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
+  void ClearPendingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
+  // The weight of a signature offered without a lease.
+  double UnleasedWeightLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
+  void CountWeightLocked(WeightSource source) ABSL_EXCLUSIVE_LOCKS_REQUIRED(window_mu_);
   // Stats bookkeeping; each returns the status the refit reports to its caller.
   absl::Status RecordFailure(const absl::Status& status, RefitOutcome outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
   absl::Status RecordSkip(const std::string& why, RefitOutcome outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
+  absl::Status RecordRefusal(RefitRefusal refusal, RefitOutcome outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
+  // Counts a refusal and sets the outcome's refusal and reason.
+  void NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
+  // The install guard: fills the outcome's predictions and churn for `rows` (the plan's targets,
+  // in order) against the kept rows in service; the reason to refuse them, if any.
+  // Beyond the churn bound it first limits the movement (`rows` then holds the limited rows).
+  std::optional<RefitRefusal> GuardInstall(const RefitPlan& plan, std::vector<float>* rows, bool pool_change,
+                                           RefitOutcome* outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_)
+      ABSL_LOCKS_EXCLUDED(stats_mu_);
   absl::Time Now() const { return options_.clock ? options_.clock() : absl::Now(); }
   void RunBackground() ABSL_LOCKS_EXCLUDED(thread_mu_);
 
@@ -317,6 +459,25 @@ class OnlineRefitter final : public RouterObserver {
   // An evicted chunk kept for reuse, so opening a chunk does not cost the routing thread an
   // allocation and zero-fill of a whole chunk.
   std::shared_ptr<Chunk> spare_chunk_ ABSL_GUARDED_BY(window_mu_);
+  double window_weight_ ABSL_GUARDED_BY(window_mu_) = 0;  // summed weight of the window's rows
+
+  // Pending signatures by lease id, and their lease ids in admission order (ids of signatures
+  // that left already are skipped lazily; the queue is compacted when mostly such ids).
+  absl::flat_hash_map<uint64_t, PendingSignature> pending_ ABSL_GUARDED_BY(window_mu_);
+  std::deque<uint64_t> pending_order_ ABSL_GUARDED_BY(window_mu_);
+  int64_t pending_bytes_ ABSL_GUARDED_BY(window_mu_) = 0;
+  std::vector<std::vector<uint16_t>> pending_buffers_ ABSL_GUARDED_BY(window_mu_);  // recycled
+  // The hold-time rule's running ratio (decayed sums of tokens and seconds), and the decayed sum
+  // and count of measured weights (the unleased default).
+  double rate_tokens_ ABSL_GUARDED_BY(window_mu_) = 0;
+  double rate_seconds_ ABSL_GUARDED_BY(window_mu_) = 0;
+  double measured_weight_sum_ ABSL_GUARDED_BY(window_mu_) = 0;
+  double measured_weight_count_ ABSL_GUARDED_BY(window_mu_) = 0;
+  uint64_t weights_output_tokens_ ABSL_GUARDED_BY(window_mu_) = 0;
+  uint64_t weights_hold_time_ ABSL_GUARDED_BY(window_mu_) = 0;
+  uint64_t weights_default_ ABSL_GUARDED_BY(window_mu_) = 0;
+  uint64_t weights_unleased_ ABSL_GUARDED_BY(window_mu_) = 0;
+  uint64_t pending_dropped_ ABSL_GUARDED_BY(window_mu_) = 0;
 
   mutable absl::Mutex stats_mu_;
   RefitStats stats_ ABSL_GUARDED_BY(stats_mu_);
