@@ -117,6 +117,17 @@ stage_calibrate() {
   echo "centroids written to $WORK_DIR/centroids.json"
 }
 
+# Stage 2b: the simulator's comparison on the same traces and pool, in-process, over six seeds
+# (mean ± standard error): static eldr and eldr_refit (the daemon's online refitter) against the
+# four load balancers (docs/evaluation.md; a few seconds).
+stage_simulate_seeds() {
+  banner "eldr-sim: eldr and eldr_refit against the load balancers, seeds 1-6 (mean ± SE), in-process"
+  need eldr-sim
+  # shellcheck disable=SC2086  # word splitting of the optional extra flags is intended
+  "$BIN/eldr-sim" --trace="$DATA_DIR" --prefill_fraction=0.5 --decoders="$DEMO_WORKERS" --seeds=1-6 \
+    --policies=rr,random,jsq,p2c,eldr,eldr_refit --quiet ${ELDR_DEMO_SIM_ARGS:-}
+}
+
 PROXY_PORTS=()
 # Stage 3: engines, two routers (eldr, jsq), a proxy in front of each.
 stage_start_stack() {
@@ -292,7 +303,7 @@ stage_simulate() {
 }
 
 if [[ $MODE == stack ]]; then
-  STAGES=(core_routing calibrate start_stack drive report stop_stack)
+  STAGES=(core_routing calibrate simulate_seeds start_stack drive report stop_stack)
 else
   STAGES=(calibrate_offline start_router simulate stop_stack)
 fi

@@ -51,18 +51,18 @@ SimRefitDriver::~SimRefitDriver() {
   if (refitter_ != nullptr) refitter_->Stop();
 }
 
-void SimRefitDriver::Observe(absl::Span<const int16_t> counts, int layers, int experts, double now_us) {
+void SimRefitDriver::Observe(absl::Span<const int16_t> counts, int layers, int experts, double now_us, double weight) {
   Observe(
       CountsInt16Le{layers, experts,
                     absl::string_view(reinterpret_cast<const char*>(counts.data()), counts.size() * sizeof(int16_t))},
-      now_us);
+      now_us, weight);
 }
 
-void SimRefitDriver::Observe(const SignatureInput& input, double now_us) {
+void SimRefitDriver::Observe(const SignatureInput& input, double now_us, double weight) {
   *clock_us_ = now_us;
   scratch_.resize(transform_.dim());
   if (!transform_.Apply(input, absl::MakeSpan(scratch_)).ok()) return;
-  refitter_->Observe(scratch_, "");
+  refitter_->Observe(scratch_, "", weight);
 }
 
 absl::StatusOr<std::optional<CentroidArtifact>> SimRefitDriver::Refit(double now_us) {

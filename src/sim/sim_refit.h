@@ -53,9 +53,11 @@ class SimRefitDriver {
   // Adds a routed request's prompt counts ([layers][experts] int16) at simulated time `now_us`.
   // Signatures the transform rejects (e.g. all zero on the masked layers) are skipped, as the
   // router skips them.
-  void Observe(absl::Span<const int16_t> counts, int layers, int experts, double now_us);
+  // `weight`: the decode work the request caused (its output tokens; the daemon's refitter weighs
+  // a signature by what Complete reports when its lease ends).
+  void Observe(absl::Span<const int16_t> counts, int layers, int experts, double now_us, double weight);
   // The same for a signature of any input form (e.g. gate-probability sums).
-  void Observe(const SignatureInput& input, double now_us);
+  void Observe(const SignatureInput& input, double now_us, double weight);
 
   // Refits at simulated time `now_us`. Returns the new artifact, or nullopt when the refitter
   // skipped (too few signatures in the window).

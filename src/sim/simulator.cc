@@ -313,13 +313,6 @@ class Simulation {
     ++workers_[decision->worker].assigned;
     ++routed_;
     ++result_.routes_per_replica[record.replica];
-    if (SimRefitDriver* refit = RefitOf(record.replica); refit != nullptr) {
-      if (cluster_.gate_prob_signatures) {
-        refit->Observe(GateProbSums{workload_.layers, workload_.experts, request.prompt_gate_sums}, now_us_);
-      } else {
-        refit->Observe(request.prompt_counts, workload_.layers, workload_.experts, now_us_);
-      }
-    }
     Push(now_us_ + cluster_.cost.kv_transfer_us, EventKind::kDecodeArrive, arrival);
     return absl::OkStatus();
   }
@@ -385,6 +378,17 @@ class Simulation {
         if (!completed.ok()) {
           return absl::Status(completed.code(),
                               absl::StrCat("completing request ", arrival, ": ", completed.message()));
+        }
+        // As in the daemon, a routed signature joins the refit window when its request completes,
+        // weighted by the decode work it caused (its output tokens, which Complete reports).
+        if (SimRefitDriver* refit = RefitOf(record.replica); refit != nullptr) {
+          const SimRequest& request = RequestOf(arrival);
+          if (cluster_.gate_prob_signatures) {
+            refit->Observe(GateProbSums{workload_.layers, workload_.experts, request.prompt_gate_sums}, now_us_,
+                           record.decode_steps);
+          } else {
+            refit->Observe(request.prompt_counts, workload_.layers, workload_.experts, now_us_, record.decode_steps);
+          }
         }
         if (worker.draining && worker.assigned == 0) ELDR_RETURN_IF_ERROR(RemoveDrained());
       } else {
