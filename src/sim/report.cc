@@ -223,25 +223,12 @@ nlohmann::json ToJson(const ExperimentResult& result, bool with_samples) {
         {"shared_state", cell.setup.shared_state},
         {"label", CellLabel(cell.policy.name, cell.setup)},
         {"router", cell.backend},
-        {"tpot_p50_ms", m.tpot_p50_ms},
-        {"tpot_p90_ms", m.tpot_p90_ms},
-        {"tpot_p99_ms", m.tpot_p99_ms},
-        {"ttft_p50_ms", m.ttft_p50_ms},
-        {"ttft_p99_ms", m.ttft_p99_ms},
-        {"ttft_prefill_p50_ms", m.ttft_prefill_p50_ms},
-        {"ttft_prefill_p99_ms", m.ttft_prefill_p99_ms},
-        {"distinct_experts_per_layer", m.distinct_experts_per_layer},
-        {"load_imbalance", m.load_imbalance},
-        {"mean_batch", m.mean_batch},
-        {"decode_tokens_per_s", m.decode_tokens_per_s},
-        {"measured_requests", m.measured_requests},
-        {"mean_similarity", m.mean_similarity},
-        {"mean_band_size", m.mean_band_size},
         {"refits", cell.run.refits},
         {"fallbacks", cell.run.fallbacks},
         {"routes_per_replica", cell.run.routes_per_replica},
         {"replica_syncs", cell.run.replica_syncs},
     };
+    entry.update(MetricsJson(m));
     if (with_samples) entry["tpot_ms_samples"] = m.tpot_ms;
     if (!cell.run.phases.empty()) {
       nlohmann::json phases = nlohmann::json::array();
