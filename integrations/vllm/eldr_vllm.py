@@ -78,23 +78,34 @@ def encode_counts(counts) -> dict:
     if not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"counts must be integers, got {array.dtype}")
     wire = np.clip(array.astype(np.int64), 0, _INT16_MAX).astype("<i2")
+    return _encode_matrix(wire, "int16_le")
+
+
+def _encode_matrix(wire: np.ndarray, encoding: str) -> dict:
+    """A payload entry: geometry, encoding and the row-major bytes of `wire` in base64."""
     return {
-        "layers": int(array.shape[0]),
-        "experts": int(array.shape[1]),
-        "encoding": "int16_le",
+        "layers": int(wire.shape[0]),
+        "experts": int(wire.shape[1]),
+        "encoding": encoding,
         "data": base64.b64encode(wire.tobytes()).decode("ascii"),
     }
 
 
-def decode_counts(entry: dict) -> np.ndarray:
-    """Counts [L][E] (int16) from an encode_counts entry; ValueError when it is inconsistent."""
-    if entry.get("encoding") != "int16_le":
+def _decode_matrix(entry: dict, encoding: str, dtype: str, what: str) -> np.ndarray:
+    """The [L][E] array of a payload entry of `encoding` (numpy `dtype`); ValueError when the
+    entry is inconsistent."""
+    if entry.get("encoding") != encoding:
         raise ValueError(f"unsupported encoding {entry.get('encoding')!r}")
     layers, experts = int(entry["layers"]), int(entry["experts"])
     raw = base64.b64decode(entry["data"], validate=True)
-    if layers <= 0 or experts <= 0 or len(raw) != 2 * layers * experts:
-        raise ValueError(f"{len(raw)} bytes for {layers} x {experts} int16 counts")
-    return np.frombuffer(raw, dtype="<i2").reshape(layers, experts).copy()
+    if layers <= 0 or experts <= 0 or len(raw) != np.dtype(dtype).itemsize * layers * experts:
+        raise ValueError(f"{len(raw)} bytes for {layers} x {experts} {what}")
+    return np.frombuffer(raw, dtype=dtype).reshape(layers, experts).copy()
+
+
+def decode_counts(entry: dict) -> np.ndarray:
+    """Counts [L][E] (int16) from an encode_counts entry; ValueError when it is inconsistent."""
+    return _decode_matrix(entry, "int16_le", "<i2", "int16 counts")
 
 
 def attach_counts(kv_transfer_params: Optional[dict], counts) -> dict:
@@ -111,25 +122,13 @@ def encode_gate_prob_sums(sums) -> dict:
     array = np.asarray(sums)
     if array.ndim != 2:
         raise ValueError(f"gate sums must be [layers][experts], got shape {array.shape}")
-    wire = np.ascontiguousarray(array, dtype="<f4")
-    return {
-        "layers": int(array.shape[0]),
-        "experts": int(array.shape[1]),
-        "encoding": "float32_le",
-        "data": base64.b64encode(wire.tobytes()).decode("ascii"),
-    }
+    return _encode_matrix(np.ascontiguousarray(array, dtype="<f4"), "float32_le")
 
 
 def decode_gate_prob_sums(entry: dict) -> np.ndarray:
     """Gate sums [L][E] (float32) from an encode_gate_prob_sums entry; ValueError when it is
     inconsistent."""
-    if entry.get("encoding") != "float32_le":
-        raise ValueError(f"unsupported encoding {entry.get('encoding')!r}")
-    layers, experts = int(entry["layers"]), int(entry["experts"])
-    raw = base64.b64decode(entry["data"], validate=True)
-    if layers <= 0 or experts <= 0 or len(raw) != 4 * layers * experts:
-        raise ValueError(f"{len(raw)} bytes for {layers} x {experts} float32 gate sums")
-    return np.frombuffer(raw, dtype="<f4").reshape(layers, experts).copy()
+    return _decode_matrix(entry, "float32_le", "<f4", "float32 gate sums")
 
 
 def attach_gate_prob_sums(kv_transfer_params: Optional[dict], sums) -> dict:
