@@ -86,11 +86,6 @@ absl::Status ValidateExperiment(const Workload& workload, const ExperimentOption
       }
     }
   }
-  if (options.drift.scenario == DriftScenario::kPoolChange && !options.grpc_target.empty()) {
-    return absl::InvalidArgumentError(
-        "--drift=pool_change changes the pool through the in-process router's elastic-pool path: it cannot be "
-        "combined with --router");
-  }
   if (!(options.replica.sync_period_ms > 0)) return absl::InvalidArgumentError("--replica_sync_ms must be > 0");
   if (!(options.replica.install_lag_ms >= 0)) {
     return absl::InvalidArgumentError("--replica_install_lag_ms must be >= 0");
@@ -180,6 +175,8 @@ class RouterPool {
   absl::StatusOr<CellRouters> ForCell(const ReplicaSetup& setup, const PolicySpec& policy) {
     CellRouters routers;
     if (setup.replicas == 1 && !policy.oracle && daemon_ != nullptr && daemon_->policy() == policy.kind) {
+      // The daemon outlives the cell: a pool change of the previous cell is undone first.
+      ELDR_RETURN_IF_ERROR(daemon_->RestorePool());
       routers.replicas.push_back(daemon_.get());
       return routers;
     }
@@ -196,10 +193,28 @@ class RouterPool {
     return routers;
   }
 
+  // Leaves the daemon's pool as the invocation found it (a pool_change run's worker removed, its
+  // drained worker back); OK without a daemon.
+  absl::Status Finish() { return daemon_ == nullptr ? absl::OkStatus() : daemon_->RestorePool(); }
+
  private:
   const ExperimentOptions& options_;
   std::unique_ptr<RoutingBackend> daemon_;
 };
+
+// `schedule` with its pool change named in `backend`'s workers. The plan drains the first worker of
+// the pool ("decode-0" of the in-process routers) and adds "decode-N"; a daemon names its workers
+// itself, so there the first of its workers is drained and the added one is "decode-N" unless the
+// daemon has that id, then the first free "decode-N-sim<i>".
+RunSchedule ScheduleForPool(const RunSchedule& schedule, const RoutingBackend* backend) {
+  if (schedule.pool_change_arrival < 0) return schedule;
+  const std::vector<std::string>& ids = backend->worker_ids();
+  RunSchedule named = schedule;
+  named.drain_worker = ids.front();
+  const auto taken = [&ids](const std::string& id) { return std::find(ids.begin(), ids.end(), id) != ids.end(); };
+  for (int i = 1; taken(named.add_worker); ++i) named.add_worker = absl::StrCat(schedule.add_worker, "-sim", i);
+  return named;
+}
 
 // Calibrates eldr's centroids on the calibration split (weighted by decode tokens when asked),
 // records the report and sizes in `result` and logs them.
@@ -463,12 +478,14 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload, const E
     for (const ReplicaSetup& setup : options.setups) {
       for (const PolicySpec& policy : options.policies) {
         ELDR_ASSIGN_OR_RETURN(CellRouters cell_routers, routers.ForCell(setup, policy));
-        ELDR_ASSIGN_OR_RETURN(ExperimentCell cell, RunCell(workload, arrivals, schedule, options, rate, policy, setup,
-                                                           centroids, cell_routers.replicas));
+        ELDR_ASSIGN_OR_RETURN(ExperimentCell cell,
+                              RunCell(workload, arrivals, ScheduleForPool(schedule, cell_routers.replicas.front()),
+                                      options, rate, policy, setup, centroids, cell_routers.replicas));
         result.cells.push_back(std::move(cell));
       }
     }
   }
+  ELDR_RETURN_IF_ERROR(routers.Finish());
   return result;
 }
 

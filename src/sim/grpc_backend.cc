@@ -1,4 +1,5 @@
 // The gRPC routing backend: every Route and Complete goes to a running eldr-router.
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -8,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -47,9 +49,7 @@ class GrpcBackend final : public RoutingBackend {
     channel_ = OpenChannel(daemon_.target);
     router_ = eldr::v1::DecodeRouter::NewStub(channel_);
     admin_ = eldr::v1::RouterAdmin::NewStub(OpenChannel(daemon_.admin_target));
-    for (int i = 0; i < static_cast<int>(daemon_.worker_ids.size()); ++i) {
-      index_[daemon_.worker_ids[i]] = i;
-    }
+    ResetWorkerList();
   }
 
   std::string Describe() const override {
@@ -58,7 +58,7 @@ class GrpcBackend final : public RoutingBackend {
   }
   PolicyKind policy() const override { return daemon_.policy; }
   double tau() const override { return daemon_.tau; }
-  const std::vector<std::string>& worker_ids() const override { return daemon_.worker_ids; }
+  const std::vector<std::string>& worker_ids() const override { return worker_ids_; }
   void StartRun() override {}
 
   absl::StatusOr<RouteDecision> Route(const RouteCall& call, double /*now_us*/) override {
@@ -87,7 +87,7 @@ class GrpcBackend final : public RoutingBackend {
     if (it == index_.end()) {
       return absl::FailedPreconditionError(
           absl::StrCat("eldr-router at ", daemon_.target, " routed to worker '", response.worker_id(),
-                       "', which it did not list when the simulation started (was the pool changed?)"));
+                       "', which is not in its pool as the simulation knows it (was the pool changed outside the simulation?)"));
     }
     RouteDecision decision;
     decision.worker = it->second;
@@ -112,7 +112,109 @@ class GrpcBackend final : public RoutingBackend {
     request.set_artifact_json(SerializeCentroidArtifact(artifact));
     eldr::v1::ReloadCentroidsResponse response;
     auto context = ContextWithDeadline(rpc_timeout_s_);
-    return FromGrpc(admin_->ReloadCentroids(context.get(), request, &response), "ReloadCentroids", daemon_.target);
+    return FromGrpc(admin_->ReloadCentroids(context.get(), request, &response), "ReloadCentroids",
+                    daemon_.admin_target);
+  }
+
+  absl::StatusOr<int> AddWorker(const std::string& id) override {
+    if (index_.contains(id)) return absl::AlreadyExistsError(absl::StrCat("worker ", id, " was in the pool already"));
+    // GetState (hence worker_ids()) lists active workers only: a draining worker of that id would be
+    // re-activated by UpsertWorker rather than added, so it is refused before the daemon changes.
+    eldr::v1::ListWorkersResponse listed;
+    {
+      auto context = ContextWithDeadline(rpc_timeout_s_);
+      ELDR_RETURN_IF_ERROR(FromGrpc(admin_->ListWorkers(context.get(), eldr::v1::ListWorkersRequest(), &listed),
+                                    "ListWorkers", daemon_.admin_target));
+    }
+    for (const eldr::v1::WorkerState& worker : listed.workers()) {
+      if (worker.worker().id() == id) {
+        return absl::AlreadyExistsError(absl::StrCat("worker ", id, " is in the pool of eldr-router at ",
+                                                     daemon_.target, " already (", worker.state(), ")"));
+      }
+    }
+    eldr::v1::UpsertWorkerRequest request;
+    eldr::v1::Worker* worker = request.mutable_worker();
+    worker->set_id(id);
+    worker->set_address(absl::StrCat("sim-", id, ":8000"));
+    worker->set_capacity(daemon_.capacities.empty() ? 1.0 : daemon_.capacities.front());
+    worker->set_max_inflight(daemon_.max_inflight.empty() ? 0 : daemon_.max_inflight.front());
+    eldr::v1::UpsertWorkerResponse response;
+    auto context = ContextWithDeadline(rpc_timeout_s_);
+    ELDR_RETURN_IF_ERROR(
+        FromGrpc(admin_->UpsertWorker(context.get(), request, &response), "UpsertWorker", daemon_.admin_target));
+    added_.push_back(id);
+    const int index = static_cast<int>(worker_ids_.size());
+    worker_ids_.push_back(id);
+    index_[id] = index;
+    return index;
+  }
+
+  absl::Status DrainWorker(const std::string& id) override {
+    eldr::v1::DrainWorkerRequest request;
+    request.set_worker_id(id);
+    eldr::v1::DrainWorkerResponse response;
+    auto context = ContextWithDeadline(rpc_timeout_s_);
+    ELDR_RETURN_IF_ERROR(
+        FromGrpc(admin_->DrainWorker(context.get(), request, &response), "DrainWorker", daemon_.admin_target));
+    NoteOriginalChanged(id);
+    return absl::OkStatus();
+  }
+
+  absl::Status RemoveWorker(const std::string& id) override {
+    eldr::v1::RemoveWorkerRequest request;
+    request.set_worker_id(id);
+    eldr::v1::RemoveWorkerResponse response;
+    auto context = ContextWithDeadline(rpc_timeout_s_);
+    ELDR_RETURN_IF_ERROR(
+        FromGrpc(admin_->RemoveWorker(context.get(), request, &response), "RemoveWorker", daemon_.admin_target));
+    // The worker keeps its index in worker_ids() (the simulator's workers are indexed by it); the
+    // daemon no longer knows it, so it is never routed to again.
+    NoteOriginalChanged(id);
+    if (changed_.contains(id)) removed_.insert(id);
+    return absl::OkStatus();
+  }
+
+  absl::Status RestorePool() override {
+    // Added workers leave first, then the starting workers rejoin: the pool never holds more
+    // workers than during a run. A worker already gone (NOT_FOUND) is what removal wants.
+    for (auto it = added_.rbegin(); it != added_.rend(); ++it) {
+      ELDR_RETURN_IF_ERROR(RemoveIfPresent(*it));
+    }
+    added_.clear();
+    // The daemon's pool order is its insertion order, and lowest_index tie-breaking follows it: a
+    // removed worker re-added would come last. So from the first removed starting worker on, every
+    // starting worker leaves and all rejoin in their starting order. (They lose their reported
+    // load snapshots, which the simulator never sends; a lease of another client on them is
+    // dropped, so point the simulator at a daemon of its own.)
+    const int n = static_cast<int>(daemon_.worker_ids.size());
+    int first_removed = n;
+    for (int i = 0; i < n; ++i) {
+      if (removed_.contains(daemon_.worker_ids[i])) {
+        first_removed = i;
+        break;
+      }
+    }
+    for (int i = first_removed; i < n; ++i) ELDR_RETURN_IF_ERROR(RemoveIfPresent(daemon_.worker_ids[i]));
+    for (int i = 0; i < n; ++i) {
+      // Before the first removed one, only drained workers need to rejoin (UpsertWorker
+      // re-activates a draining worker in place).
+      if (i < first_removed && !changed_.contains(daemon_.worker_ids[i])) continue;
+      eldr::v1::UpsertWorkerRequest request;
+      eldr::v1::Worker* worker = request.mutable_worker();
+      worker->set_id(daemon_.worker_ids[i]);
+      worker->set_address(daemon_.addresses[i]);
+      worker->set_capacity(daemon_.capacities[i]);
+      worker->set_max_inflight(daemon_.max_inflight[i]);
+      eldr::v1::UpsertWorkerResponse response;
+      auto context = ContextWithDeadline(rpc_timeout_s_);
+      ELDR_RETURN_IF_ERROR(FromGrpc(admin_->UpsertWorker(context.get(), request, &response),
+                                    absl::StrCat("UpsertWorker ", daemon_.worker_ids[i], " (restoring the pool)"),
+                                    daemon_.admin_target));
+    }
+    changed_.clear();
+    removed_.clear();
+    ResetWorkerList();
+    return absl::OkStatus();
   }
 
  private:
@@ -122,6 +224,34 @@ class GrpcBackend final : public RoutingBackend {
   std::unique_ptr<eldr::v1::DecodeRouter::Stub> router_;
   std::unique_ptr<eldr::v1::RouterAdmin::Stub> admin_;
   absl::flat_hash_map<std::string, int> index_;
+  // worker_ids(): the daemon's active workers at the start, then those AddWorker added.
+  std::vector<std::string> worker_ids_;
+  // Since the last RestorePool: the workers AddWorker added (in order), and the starting workers
+  // that were drained or removed.
+  std::vector<std::string> added_;
+  absl::flat_hash_set<std::string> changed_;
+  absl::flat_hash_set<std::string> removed_;  // those of changed_ that were removed
+
+  absl::Status RemoveIfPresent(const std::string& id) {
+    eldr::v1::RemoveWorkerRequest request;
+    request.set_worker_id(id);
+    eldr::v1::RemoveWorkerResponse response;
+    auto context = ContextWithDeadline(rpc_timeout_s_);
+    const grpc::Status removed = admin_->RemoveWorker(context.get(), request, &response);
+    if (removed.ok() || removed.error_code() == grpc::StatusCode::NOT_FOUND) return absl::OkStatus();
+    return FromGrpc(removed, absl::StrCat("RemoveWorker ", id, " (restoring the pool)"), daemon_.admin_target);
+  }
+
+  void ResetWorkerList() {
+    worker_ids_ = daemon_.worker_ids;
+    index_.clear();
+    for (int i = 0; i < static_cast<int>(worker_ids_.size()); ++i) index_[worker_ids_[i]] = i;
+  }
+  void NoteOriginalChanged(const std::string& id) {
+    if (std::find(daemon_.worker_ids.begin(), daemon_.worker_ids.end(), id) != daemon_.worker_ids.end()) {
+      changed_.insert(id);
+    }
+  }
 };
 
 }  // namespace
@@ -172,6 +302,8 @@ absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, const std::str
   for (const eldr::v1::WorkerState& worker : state.workers()) {
     if (worker.state() != "active") continue;
     info.worker_ids.push_back(worker.worker().id());
+    info.addresses.push_back(worker.worker().address());
+    info.capacities.push_back(worker.worker().capacity() == 0 ? 1.0 : worker.worker().capacity());
     info.max_inflight.push_back(worker.worker().max_inflight());
   }
   if (info.worker_ids.empty()) {

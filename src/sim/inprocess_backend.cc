@@ -135,6 +135,8 @@ absl::Status RoutingBackend::RemoveWorker(const std::string& /*id*/) {
   return absl::UnimplementedError(absl::StrCat(Describe(), " does not change its pool from the simulator"));
 }
 
+absl::Status RoutingBackend::RestorePool() { return absl::OkStatus(); }
+
 absl::Status RoutingBackend::SetDomainShares(const std::vector<double>& /*shares*/) { return absl::OkStatus(); }
 
 absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind policy, double tau,

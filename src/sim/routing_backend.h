@@ -72,11 +72,20 @@ class RoutingBackend {
 
   // The elastic pool (the pool_change drift scenario), as eldr-router's discovery drives it:
   // Router::UpsertWorker (the worker joins with the backend's overload guard; returns its index in
-  // worker_ids()), Router::DrainWorker (no new routes, its leases finish) and Router::RemoveWorker.
-  // Only in-process backends have them; the others answer UNIMPLEMENTED.
+  // worker_ids(); ALREADY_EXISTS when the id is in worker_ids() already), Router::DrainWorker (no
+  // new routes, its leases finish) and Router::RemoveWorker (the worker keeps its index and is never
+  // chosen again). The in-process router, the oracle and the gRPC backend (RouterAdmin
+  // UpsertWorker, DrainWorker, RemoveWorker) have them; the default answers UNIMPLEMENTED.
   virtual absl::StatusOr<int> AddWorker(const std::string& id);
   virtual absl::Status DrainWorker(const std::string& id);
   virtual absl::Status RemoveWorker(const std::string& id);
+  // Undoes the pool changes made through this backend, so that a run starts from the pool the
+  // backend started with: workers it added are removed, drained or removed workers it started with
+  // rejoin with their original settings, in their starting order (tie-breaking follows the pool
+  // order), and worker_ids() is the starting list again. A backend that
+  // outlives one run (the daemon serves every cell of its policy) needs it; those made for one cell
+  // do not, and answer OK without doing anything.
+  virtual absl::Status RestorePool();
 
   // The decode work share of each domain (indexed like Workload::domains, any scale) in the traffic
   // about to come: the oracle partitions its workers by it; every other backend ignores it.
@@ -118,7 +127,9 @@ struct DaemonInfo {
   PolicyKind policy = PolicyKind::kEldr;
   double tau = 0;
   std::vector<std::string> worker_ids;
-  std::vector<int64_t> max_inflight;  // per worker, 0: no overload guard
+  std::vector<std::string> addresses;  // per worker, host:port
+  std::vector<double> capacities;      // per worker
+  std::vector<int64_t> max_inflight;   // per worker, 0: no overload guard
   int64_t live_leases = 0;
   uint64_t centroid_generation = 0;
 };
@@ -131,7 +142,12 @@ absl::StatusOr<std::string> ParseGrpcTarget(const std::string& url);
 absl::StatusOr<DaemonInfo> QueryDaemon(const std::string& target, const std::string& admin_target, double timeout_s);
 
 // Every Route and Complete of the run goes to the daemon (DecodeRouter, synchronous stub); centroids
-// are installed with RouterAdmin.ReloadCentroids (inline JSON).
+// are installed with RouterAdmin.ReloadCentroids (inline JSON), and the pool is changed with
+// RouterAdmin.UpsertWorker, DrainWorker and RemoveWorker. Those answer FAILED_PRECONDITION when the
+// daemon's pool follows Kubernetes (--discovery=kubernetes): pool_change needs a static pool
+// (--workers). An added worker gets the address "sim-<id>:8000" (nothing connects to it: the
+// simulator only routes) and the capacity and overload guard of the daemon's first worker.
+// A failed admin RPC surfaces as its status code with "<RPC> at <admin target> failed: <message>".
 absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeGrpcBackend(const DaemonInfo& daemon, double rpc_timeout_s);
 
 }  // namespace eldr::sim

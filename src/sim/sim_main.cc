@@ -118,7 +118,9 @@ ABSL_FLAG(std::string, drift, "none",
           "before the change, the other half after it); new_domain (--drift_new_domain is left out of the "
           "calibration split and of the arrivals before the change, then arrives in its natural share); "
           "pool_change (decode-N joins and decode-0 is drained, then removed once empty, through the router's "
-          "elastic pool; eldr_refit refits for the new pool, static eldr keeps its centroids; in-process only). "
+          "elastic pool; eldr_refit refits for the new pool, static eldr keeps its centroids; with --router through "
+          "RouterAdmin UpsertWorker / DrainWorker / RemoveWorker: the daemon's first worker is drained, it needs a "
+          "static pool (--workers, not --discovery=kubernetes), and its pool is restored after each run). "
           "In mix_shift and new_domain each phase's arrival rate is scaled so that it offers the decode work per "
           "second of the undrifted mix at --rates");
 ABSL_FLAG(double, drift_at, eldr::sim::DriftOptions().change_fraction,
@@ -364,9 +366,6 @@ int main(int argc, char** argv) {
   options.drift.change_fraction = absl::GetFlag(FLAGS_drift_at);
   options.drift.dominant_share = absl::GetFlag(FLAGS_drift_dominant_share);
   options.drift.new_domain = absl::GetFlag(FLAGS_drift_new_domain);
-  if (options.drift.scenario == eldr::sim::DriftScenario::kPoolChange && !options.grpc_target.empty()) {
-    return Fail("--drift=pool_change changes the pool through the in-process router: drop --router");
-  }
   std::vector<uint64_t> seeds = {absl::GetFlag(FLAGS_seed)};
   if (const std::string list = absl::GetFlag(FLAGS_seeds); !list.empty()) {
     if (absl::GetFlag(FLAGS_seed) != 1) return Fail("give --seed or --seeds, not both");
