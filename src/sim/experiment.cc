@@ -86,6 +86,9 @@ absl::Status ValidateExperiment(const Workload& workload, const ExperimentOption
       }
     }
   }
+  if (!(options.daemon_pace >= 0) || std::isinf(options.daemon_pace)) {
+    return absl::InvalidArgumentError("--pace must be finite and >= 0");
+  }
   if (!(options.replica.sync_period_ms > 0)) return absl::InvalidArgumentError("--replica_sync_ms must be > 0");
   if (!(options.replica.install_lag_ms >= 0)) {
     return absl::InvalidArgumentError("--replica_install_lag_ms must be >= 0");
@@ -116,6 +119,7 @@ void MeasureWorkloadAndCapacity(const Workload& workload, const ExperimentOption
 struct CellRouters {
   std::vector<RoutingBackend*> replicas;
   std::vector<std::unique_ptr<RoutingBackend>> owned;
+  bool daemon = false;  // the cell is routed by the daemon
 };
 
 // The routers of one invocation: the daemon (when options.grpc_target names one), and in-process
@@ -178,6 +182,7 @@ class RouterPool {
       // The daemon outlives the cell: a pool change of the previous cell is undone first.
       ELDR_RETURN_IF_ERROR(daemon_->RestorePool());
       routers.replicas.push_back(daemon_.get());
+      routers.daemon = true;
       return routers;
     }
     for (int r = 0; r < setup.replicas; ++r) {
@@ -478,9 +483,11 @@ absl::StatusOr<ExperimentResult> RunExperiment(const Workload& workload, const E
     for (const ReplicaSetup& setup : options.setups) {
       for (const PolicySpec& policy : options.policies) {
         ELDR_ASSIGN_OR_RETURN(CellRouters cell_routers, routers.ForCell(setup, policy));
+        ExperimentOptions cell_options = options;
+        if (cell_routers.daemon) cell_options.cluster.replay_pace = options.daemon_pace;
         ELDR_ASSIGN_OR_RETURN(ExperimentCell cell,
                               RunCell(workload, arrivals, ScheduleForPool(schedule, cell_routers.replicas.front()),
-                                      options, rate, policy, setup, centroids, cell_routers.replicas));
+                                      cell_options, rate, policy, setup, centroids, cell_routers.replicas));
         result.cells.push_back(std::move(cell));
       }
     }

@@ -98,6 +98,9 @@ struct ExperimentOptions {
   std::string grpc_target;        // host:port of a running eldr-router; empty: in-process
   std::string grpc_admin_target;  // host:port of its RouterAdmin; empty: grpc_target
   double rpc_timeout_s = 10;
+  // ClusterOptions::replay_pace for the cells the daemon routes (the others, in-process, replay
+  // as fast as they can); 0: no pacing.
+  double daemon_pace = 0;
   std::function<void(const std::string&)> log;  // progress lines (may be empty)
 };
 

@@ -85,9 +85,9 @@ class GrpcBackend final : public RoutingBackend {
     ELDR_RETURN_IF_ERROR(FromGrpc(router_->Route(context.get(), request, &response), "Route", daemon_.target));
     auto it = index_.find(response.worker_id());
     if (it == index_.end()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("eldr-router at ", daemon_.target, " routed to worker '", response.worker_id(),
-                       "', which is not in its pool as the simulation knows it (was the pool changed outside the simulation?)"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "eldr-router at ", daemon_.target, " routed to worker '", response.worker_id(),
+          "', which is not in its pool as the simulation knows it (was the pool changed outside the simulation?)"));
     }
     RouteDecision decision;
     decision.worker = it->second;

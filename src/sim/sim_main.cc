@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -108,6 +109,11 @@ ABSL_FLAG(
     "grpc://HOST:PORT of that eldr-router's RouterAdmin listener (its --admin_listen); empty: the --router address");
 ABSL_FLAG(uint64_t, router_seed, 0x5eed, "Tie-breaking seed of the in-process routers (eldr-router's default)");
 ABSL_FLAG(double, rpc_timeout_s, 10, "Deadline of each RPC to the router, seconds");
+ABSL_FLAG(double, pace, 0,
+          "With --router: replay the cells the daemon routes at this many simulated seconds per wall-clock second "
+          "(each event waits for its simulated time / pace), so that the daemon's wall-clock timers (online refit "
+          "interval and window, the refit's 250 ms settle after a pool change) see the simulated timeline; 0: as fast "
+          "as the daemon answers (~35x simulated time on the real traces here)");
 ABSL_FLAG(double, refit_interval_s, kRefit.interval_s, "eldr_refit: simulated seconds between refits");
 ABSL_FLAG(double, refit_window_s, kRefit.window_s, "eldr_refit: rolling window of signatures, seconds");
 
@@ -334,6 +340,11 @@ int main(int argc, char** argv) {
   if (options.replica.install_lag_ms == -1) options.replica.install_lag_ms = options.replica.sync_period_ms;
   if (!(options.replica.install_lag_ms >= 0)) {
     return Fail("--replica_install_lag_ms must be -1 (= --replica_sync_ms) or >= 0");
+  }
+  options.daemon_pace = absl::GetFlag(FLAGS_pace);
+  if (!(options.daemon_pace >= 0) || std::isinf(options.daemon_pace)) return Fail("--pace must be finite and >= 0");
+  if (options.daemon_pace > 0 && absl::GetFlag(FLAGS_router).empty()) {
+    return Fail("--pace paces the cells a daemon routes: it needs --router");
   }
   options.rpc_timeout_s = absl::GetFlag(FLAGS_rpc_timeout_s);
   if (!(options.rpc_timeout_s > 0)) return Fail("--rpc_timeout_s must be > 0");

@@ -1,9 +1,11 @@
 #include "sim/simulator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <deque>
 #include <queue>
+#include <thread>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -139,10 +141,15 @@ class Simulation {
     }
     free_prefill_ = cluster_.prefill_workers;
 
+    const auto wall_start = std::chrono::steady_clock::now();
     while (!events_.empty()) {
       const Event event = events_.top();
       events_.pop();
       now_us_ = event.time_us;
+      if (cluster_.replay_pace > 0) {
+        std::this_thread::sleep_until(wall_start +
+                                      std::chrono::microseconds(static_cast<int64_t>(now_us_ / cluster_.replay_pace)));
+      }
       switch (event.kind) {
         case EventKind::kArrival:
           OnArrival(event.subject);
@@ -585,6 +592,9 @@ absl::Status ValidateClusterOptions(const ClusterOptions& o) {
   }
   if (!(o.imbalance_sample_ms > 0)) {
     return absl::InvalidArgumentError("--imbalance_sample_ms must be > 0");
+  }
+  if (!(o.replay_pace >= 0) || std::isinf(o.replay_pace)) {
+    return absl::InvalidArgumentError("--pace must be finite and >= 0");
   }
   return ValidateCostModel(o.cost);
 }

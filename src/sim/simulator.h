@@ -48,6 +48,12 @@ struct ClusterOptions {
   // Route (and refit) on each request's prompt gate-probability sums instead of its counts (the
   // gate_prob variant); the workload must carry them (synthetic workloads do).
   bool gate_prob_signatures = false;
+  // Replay pace, simulated seconds per wall-clock second: > 0 holds each event back until its
+  // simulated time, divided by the pace, has passed on the wall clock since the run began (a
+  // daemon's wall-clock timers, its online refit and the refit's settle delay, then see the
+  // simulated timeline compressed by the pace); 0 replays as fast as the routers answer. It only
+  // delays events: the order of calls, hence every decision of a deterministic router, is the same.
+  double replay_pace = 0;
 };
 
 absl::Status ValidateClusterOptions(const ClusterOptions& options);

@@ -71,16 +71,16 @@ absl::StatusOr<::eldr::testing::RouterChild> StartDaemon(const ::eldr::testing::
   }
   const std::string path = temp.path() + "/workers.json";
   std::ofstream(path) << workers.dump();
-  return ::eldr::testing::StartRouter(temp, {"--workers=" + path, "--policy=eldr", "--tau=0.1",
-                                             "--tie_break=lowest_index", "--refit_interval=0"});
+  return ::eldr::testing::StartRouter(
+      temp, {"--workers=" + path, "--policy=eldr", "--tau=0.1", "--tie_break=lowest_index", "--refit_interval=0"});
 }
 
 std::string Target(int port) { return "127.0.0.1:" + std::to_string(port); }
 
 // The daemon's workers as "id:state".
 std::set<std::string> DaemonPool(int admin_port) {
-  auto admin = eldr::v1::RouterAdmin::NewStub(
-      grpc::CreateChannel(Target(admin_port), grpc::InsecureChannelCredentials()));
+  auto admin =
+      eldr::v1::RouterAdmin::NewStub(grpc::CreateChannel(Target(admin_port), grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   eldr::v1::ListWorkersResponse response;
@@ -159,6 +159,52 @@ TEST(GrpcPoolChangeTest, DaemonChangesItsPoolAsTheLibraryDoes) {
   }
 }
 
+// --pace holds the daemon's cells to the wall clock (so that its own timers see the simulated
+// timeline) without changing a decision; the in-process cells are not held back.
+TEST(GrpcPoolChangeTest, PacedDaemonCellsTakeTheirWallTimeAndDecideTheSame) {
+  absl::StatusOr<Workload> workload = SmallWorkload();
+  ASSERT_TRUE(workload.ok()) << workload.status();
+  ExperimentOptions options = Options();
+  options.policies = *ParsePolicies("eldr,jsq");
+  options.rates = {80};
+  absl::StatusOr<ExperimentResult> local = RunExperiment(*workload, options);
+  ASSERT_TRUE(local.ok()) << local.status();
+
+  const ::eldr::testing::TempDir temp;
+  absl::StatusOr<::eldr::testing::RouterChild> daemon = StartDaemon(temp);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  constexpr double kPace = 10;
+  options.grpc_target = Target(daemon->ports.grpc);
+  options.grpc_admin_target = Target(daemon->ports.admin);
+  options.daemon_pace = kPace;
+  std::vector<double> cell_wall_s;
+  options.log = [&cell_wall_s](const std::string& line) {
+    // "rate 80 req/s, eldr       TPOT p50 ... ms  (0.6 s)"
+    const size_t open = line.rfind('(');
+    if (line.rfind("rate ", 0) == 0 && open != std::string::npos)
+      cell_wall_s.push_back(std::stod(line.substr(open + 1)));
+  };
+  absl::StatusOr<ExperimentResult> paced = RunExperiment(*workload, options);
+  ASSERT_TRUE(paced.ok()) << paced.status() << "\n" << daemon->process->Log();
+  ASSERT_EQ(paced->cells.size(), 2u);
+  ASSERT_EQ(cell_wall_s.size(), 2u);
+  for (size_t c = 0; c < paced->cells.size(); ++c) {
+    const ExperimentCell& a = local->cells[c];
+    const ExperimentCell& b = paced->cells[c];
+    SCOPED_TRACE(b.policy.name);
+    ASSERT_EQ(a.run.requests.size(), b.run.requests.size());
+    for (size_t i = 0; i < a.run.requests.size(); ++i) {
+      ASSERT_EQ(a.run.requests[i].worker, b.run.requests[i].worker) << "request " << i;
+    }
+  }
+  // eldr (the daemon's): at least its simulated time / pace (the log rounds to 0.1 s); jsq ran
+  // in-process, unpaced.
+  const double simulated_s = paced->cells[0].run.simulated_seconds;
+  ASSERT_GT(simulated_s, 3);
+  EXPECT_GE(cell_wall_s[0], simulated_s / kPace - 0.06);
+  EXPECT_LT(cell_wall_s[1], simulated_s / kPace / 2);
+}
+
 TEST(GrpcPoolChangeTest, AdminErrorsCarryTheRpcMessageAndTheDaemonServesOn) {
   const ::eldr::testing::TempDir temp;
   absl::StatusOr<::eldr::testing::RouterChild> daemon = StartDaemon(temp);
@@ -191,9 +237,8 @@ TEST(GrpcPoolChangeTest, AdminErrorsCarryTheRpcMessageAndTheDaemonServesOn) {
   ASSERT_TRUE(added.ok()) << added.status();
   EXPECT_EQ(*added, kDecoders);
   ASSERT_TRUE(pool.DrainWorker("sim-0").ok());
-  EXPECT_EQ(DaemonPool(daemon->ports.admin),
-            (std::set<std::string>{"sim-0:draining", "sim-1:active", "sim-2:active", "sim-3:active",
-                                   "decode-4:active"}));
+  EXPECT_EQ(DaemonPool(daemon->ports.admin), (std::set<std::string>{"sim-0:draining", "sim-1:active", "sim-2:active",
+                                                                    "sim-3:active", "decode-4:active"}));
   ASSERT_TRUE(pool.RemoveWorker("sim-0").ok());
   EXPECT_EQ(pool.worker_ids().size(), static_cast<size_t>(kDecoders + 1));
   EXPECT_EQ(pool.worker_ids()[0], "sim-0");

@@ -273,6 +273,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadInvocation{"DriftInsideTheWarmup",
                       {"--synthetic=8x16x2", "--requests=100", "--drift=mix_shift", "--drift_at=0.1"},
                       "--drift_at"},
+        BadInvocation{"NegativePace", {"--synthetic=8x16x2", "--pace=-1"}, "--pace must be"},
+        BadInvocation{"PaceWithoutADaemon", {"--synthetic=8x16x2", "--pace=2"}, "needs --router"},
         BadInvocation{"BadSeeds", {"--synthetic=8x16x2", "--seeds=3-1"}, "--seeds: '3-1'"},
         BadInvocation{"SeedAndSeeds", {"--synthetic=8x16x2", "--seed=4", "--seeds=1-2"}, "not both"},
         BadInvocation{"ReplicatedOracle",
