@@ -205,6 +205,35 @@ TEST(GrpcPoolChangeTest, PacedDaemonCellsTakeTheirWallTimeAndDecideTheSame) {
   EXPECT_LT(cell_wall_s[1], simulated_s / kPace / 2);
 }
 
+// eldr-sim as users run it: --drift=pool_change with --router reports both phases of the cell the
+// daemon served, and the daemon's pool is back as it was afterwards.
+TEST(GrpcPoolChangeTest, EldrSimRunsPoolChangeThroughTheDaemon) {
+  const ::eldr::testing::TempDir temp;
+  absl::StatusOr<::eldr::testing::RouterChild> daemon = StartDaemon(temp);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const ::eldr::testing::ProcessResult run = ::eldr::testing::RunProcess(
+      ::eldr::testing::BinaryPath("eldr-sim"),
+      {"--synthetic=8x32x4", "--domains=2", "--topics_per_domain=2", "--requests=400", "--calibration_requests=96",
+       "--prompt_tokens_mean=48", "--output_tokens_mean=24", "--rates=80", "--policies=eldr,jsq",
+       "--tie_break=lowest_index", "--max_inflight=16", "--drift=pool_change", "--quiet", "--json",
+       "--router=grpc://" + Target(daemon->ports.grpc), "--router_admin=grpc://" + Target(daemon->ports.admin)},
+      absl::Seconds(120));
+  ASSERT_EQ(run.exit_code, 0) << run.stderr_text << "\n" << daemon->process->Log();
+  const nlohmann::json json = nlohmann::json::parse(run.stdout_text);
+  EXPECT_EQ(json["drift"]["scenario"], "pool_change");
+  ASSERT_EQ(json["results"].size(), 2u);
+  for (const nlohmann::json& result : json["results"]) {
+    SCOPED_TRACE(result["policy"].get<std::string>());
+    if (result["policy"] == "eldr") EXPECT_THAT(result["router"].get<std::string>(), HasSubstr("grpc://"));
+    ASSERT_EQ(result["phases"].size(), 2u);
+    EXPECT_EQ(result["phases"][0]["phase"], "before");
+    EXPECT_EQ(result["phases"][1]["phase"], "after");
+    EXPECT_GT(result["phases"][1]["measured_requests"].get<int>(), 0);
+    EXPECT_GT(result["phases"][1]["tpot_p50_ms"].get<double>(), 0);
+  }
+  EXPECT_EQ(DaemonPool(daemon->ports.admin), kStartingPool);
+}
+
 TEST(GrpcPoolChangeTest, AdminErrorsCarryTheRpcMessageAndTheDaemonServesOn) {
   const ::eldr::testing::TempDir temp;
   absl::StatusOr<::eldr::testing::RouterChild> daemon = StartDaemon(temp);
