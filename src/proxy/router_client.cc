@@ -281,8 +281,7 @@ void RouterClient::Send(eldr::v1::RouteStreamRequest message, absl::Time deadlin
     const StreamRefusal refusal = SendOnStream(message, deadline, done);
     if (refusal == StreamRefusal::kNone) return;
     if (metrics_ != nullptr && refusal != StreamRefusal::kShuttingDown) {
-      metrics_->RecordRouterUnaryFallback(refusal == StreamRefusal::kUnimplemented ? "unimplemented"
-                                                                                   : "reconnecting");
+      metrics_->RecordRouterUnaryFallback(refusal == StreamRefusal::kUnimplemented ? "unimplemented" : "reconnecting");
     }
   }
   SendUnary(std::move(message), deadline, std::move(done));

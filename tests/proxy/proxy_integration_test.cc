@@ -5,15 +5,15 @@
 
 #include <fstream>
 #include <map>
-#include <set>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/blocking_counter.h"
@@ -834,12 +834,11 @@ class PendingPost {
   // The answer once it came within `timeout`; nullopt before.
   std::optional<absl::StatusOr<http::FetchedResponse>> Wait(absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
-    mu_.AwaitWithTimeout(absl::Condition(
-                             +[](std::optional<absl::StatusOr<http::FetchedResponse>>* answer) {
-                               return answer->has_value();
-                             },
-                             &answer_),
-                         timeout);
+    mu_.AwaitWithTimeout(
+        absl::Condition(
+            +[](std::optional<absl::StatusOr<http::FetchedResponse>>* answer) { return answer->has_value(); },
+            &answer_),
+        timeout);
     return answer_;
   }
 
