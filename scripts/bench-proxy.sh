@@ -18,7 +18,8 @@
 #
 # Usage: scripts/bench-proxy.sh [BUILD_DIR]   (default: build)
 # Environment: CONCURRENCY (default "100 1000"), MAX_TOKENS (64), DURATION_S (20), HOLD_STREAMS
-# (5000), OUT (BUILD_DIR/bench-proxy: JSON of every run and summary.json).
+# (5000), ROUTER_STREAMS (4, eldr-proxy's default: the eldr target's --router_streams), OUT (BUILD_DIR/bench-proxy: JSON of
+# every run and summary.json).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,6 +32,7 @@ CONCURRENCY="${CONCURRENCY:-100 1000}"
 MAX_TOKENS="${MAX_TOKENS:-64}"
 DURATION_S="${DURATION_S:-20}"
 HOLD_STREAMS="${HOLD_STREAMS:-5000}"
+ROUTER_STREAMS="${ROUTER_STREAMS:-4}"
 PY=/usr/bin/python3
 mkdir -p "$OUT"
 rm -f "$OUT"/*.json "$OUT"/*.log
@@ -81,7 +83,7 @@ PIDS+=($ROUTER_PID)
 R=$(port_of "$OUT/router.json" grpc_port)
 
 "$BIN/eldr-proxy" --listen=127.0.0.1:0 --port_file="$OUT/eldr-proxy.json" --prefill="127.0.0.1:$P0" \
-  --decode="127.0.0.1:$D0" --router="127.0.0.1:$R" 2>"$OUT/eldr-proxy.log" &
+  --decode="127.0.0.1:$D0" --router="127.0.0.1:$R" --router_streams="$ROUTER_STREAMS" 2>"$OUT/eldr-proxy.log" &
 ELDR_PID=$!
 PIDS+=($ELDR_PID)
 E=$(port_of "$OUT/eldr-proxy.json" port)

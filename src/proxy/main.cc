@@ -38,7 +38,8 @@ ABSL_FLAG(absl::Duration, route_timeout, absl::Seconds(1), "Deadline of one Rout
 ABSL_FLAG(std::string, router_api, "stream",
           "stream (Route and Complete as messages of long-lived RouteStream calls; unary RPCs against a router "
           "without RouteStream) or unary (one Route and one Complete RPC per request).");
-ABSL_FLAG(int32_t, router_streams, 1, "router_api=stream: RouteStream calls kept open to the router, [1, 64].");
+ABSL_FLAG(int32_t, router_streams, 4,
+          "router_api=stream: RouteStream calls kept open to the router, [1, 64]; messages go round robin.");
 ABSL_FLAG(std::string, prefill_policy, "prefix_hash", "prefix_hash, least_loaded or round_robin.");
 ABSL_FLAG(int64_t, prefill_prefix_bytes, 1024, "prefix_hash: bytes of the prompt that pick the instance.");
 ABSL_FLAG(double, prefill_load_factor, 1.25,

@@ -853,7 +853,8 @@ class PendingPost {
 // the stream re-opens, and later requests are routed by the new router on it.
 TEST(ProxyIntegration, ARouterKilledWithAMessageInFlightFailsItOnceAndTheStreamReopens) {
   StackOptions options;
-  options.proxy_args = {"--route_timeout=20s"};  // the break, not the deadline, must end the wait
+  // One stream, so that the opens are counted simply; the break, not the deadline, must end the wait.
+  options.proxy_args = {"--router_streams=1", "--route_timeout=20s"};
   Stack stack(options);
   ASSERT_NO_FATAL_FAILURE(stack.Start());
   auto client = NewClient();
@@ -906,7 +907,7 @@ TEST(ProxyIntegration, ARouterKilledWithAMessageInFlightFailsItOnceAndTheStreamR
 // lease released; the stream goes on.
 TEST(ProxyIntegration, AStreamMessageWithoutAnAnswerFailsAtItsDeadline) {
   StackOptions options;
-  options.proxy_args = {"--route_timeout=300ms"};
+  options.proxy_args = {"--router_streams=1", "--route_timeout=300ms"};
   Stack stack(options);
   ASSERT_NO_FATAL_FAILURE(stack.Start());
   auto client = NewClient();

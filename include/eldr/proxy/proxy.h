@@ -76,8 +76,11 @@ struct RouterClientOptions {
   // unary Route and one unary Complete RPC per request.
   RouterApi api = RouterApi::kStream;
   // kStream: RouteStream calls kept open on the router's channel, [1, 64]; messages are spread over
-  // them round robin (the router answers the messages of one stream one after the other).
-  int streams = 1;
+  // them round robin. More than one because each stream is a serial pipeline on both sides (one
+  // write at a time here; the router answers a stream's messages one after the other): on a
+  // CPU-saturated host one stream put its queueing into the TTFT tail, four did not
+  // (docs/benchmarks.md, "eldr-proxy").
+  int streams = 4;
 };
 
 struct ProxyOptions {
