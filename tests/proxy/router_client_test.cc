@@ -5,6 +5,7 @@
 #include "proxy/router_client.h"
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <thread>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "eldr/v1/router.grpc.pb.h"
@@ -25,6 +27,29 @@ namespace eldr::proxy {
 namespace {
 
 using ::testing::HasSubstr;
+
+// gRPC's shared callback completion queue (Debian's gRPC 1.51 runs callback calls on its
+// "alternative" queue and its own threads) stays up for the whole binary, as in eldr-proxy, where
+// one RouterClient lives as long as the process. Otherwise the queue is torn down with the last
+// channel and built again with the next one, and that cycle double-frees inside libgrpc
+// (grpc_cq_internal_unref, seen under ASan after a few tests of either transport).
+class KeepCallbackQueueAlive : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    static auto* channel =
+        new std::shared_ptr<grpc::Channel>(grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
+    static auto* stub = eldr::v1::DecodeRouter::NewStub(*channel).release();
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+    eldr::v1::CompleteRequest request;
+    eldr::v1::CompleteResponse response;
+    absl::Notification done;
+    stub->async()->Complete(&context, &request, &response, [&](grpc::Status) { done.Notify(); });
+    done.WaitForNotification();
+  }
+};
+const ::testing::Environment* const kKeepCallbackQueueAlive =
+    ::testing::AddGlobalTestEnvironment(new KeepCallbackQueueAlive);
 
 // Route request ids the fake treats apart.
 constexpr char kReject[] = "reject";  // INVALID_ARGUMENT, as a bad signature
