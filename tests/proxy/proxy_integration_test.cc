@@ -791,7 +791,9 @@ TEST(ProxyIntegration, RouteAndCompleteGoAsMessagesOfTheRouteStreams) {
   EXPECT_EQ(stack.RouterMetric("eldr_complete_requests_total{outcome=\"released\"}"), 6);
   EXPECT_EQ(stack.RouterMetric("eldr_route_streams_open"), 2);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 6);
-  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}"), 6);
+  EXPECT_TRUE(eldr::testing::PollUntil(  // counted when the answer is back, after the router's count
+      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 6; },
+      absl::Seconds(10)));
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 2);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_streams_open"), 2);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_unary_fallbacks_total{reason=\"reconnecting\"}"), 0);
@@ -813,7 +815,9 @@ TEST(ProxyIntegration, RouterApiUnaryCallsTheUnaryRpcs) {
   EXPECT_EQ(stack.RouterMetric("eldr_route_streams_open"), 0);
   EXPECT_EQ(stack.RouterMetric("eldr_complete_requests_total{outcome=\"released\"}"), 4);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 4);
-  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}"), 4);
+  EXPECT_TRUE(eldr::testing::PollUntil(  // counted when the answer is back, after the router's count
+      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 4; },
+      absl::Seconds(10)));
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 0);
 }
 
@@ -897,7 +901,8 @@ TEST(ProxyIntegration, ARouterKilledWithAMessageInFlightFailsItOnceAndTheStreamR
   }
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), static_routes);
   EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"route\",outcome=\"ok\"}"), stream_routes + 4);
-  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 2);
+  // At least one re-open; more when an open raced the channel's reconnection and failed fast.
+  EXPECT_GE(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 2);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_streams_open"), 1);
   EXPECT_TRUE(stack.LeasesBackToZero());
 }
@@ -1010,7 +1015,10 @@ TEST(ProxyIntegration, ARouterWithoutRouteStreamIsCalledUnary) {
   EXPECT_EQ(old_router.routes(), 4);
   EXPECT_TRUE(eldr::testing::PollUntil([&] { return old_router.completes() == 4; }, absl::Seconds(10)));
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 4);
-  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}"), 4);
+  // The proxy counts a Complete when its answer is back, a moment after the router counted it.
+  EXPECT_TRUE(eldr::testing::PollUntil(
+      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 4; },
+      absl::Seconds(10)));
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 0);
   // One stream was tried; its message went again unary, and so did every later one.
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 1);
