@@ -35,6 +35,11 @@ ABSL_FLAG(std::string, router_tls_key, "", "PEM key of --router_tls_cert.");
 ABSL_FLAG(std::string, router_tls_server_name, "", "Name to verify in the router's certificate (default: its host).");
 ABSL_FLAG(std::string, router_token_file, "", "File with the router's data-plane bearer token.");
 ABSL_FLAG(absl::Duration, route_timeout, absl::Seconds(1), "Deadline of one Route call.");
+ABSL_FLAG(std::string, router_api, "stream",
+          "stream (Route and Complete as messages of long-lived RouteStream calls; unary RPCs against a router "
+          "without RouteStream) or unary (one Route and one Complete RPC per request).");
+ABSL_FLAG(int32_t, router_streams, 4,
+          "router_api=stream: RouteStream calls kept open to the router, [1, 64]; messages go round robin.");
 ABSL_FLAG(std::string, prefill_policy, "prefix_hash", "prefix_hash, least_loaded or round_robin.");
 ABSL_FLAG(int64_t, prefill_prefix_bytes, 1024, "prefix_hash: bytes of the prompt that pick the instance.");
 ABSL_FLAG(double, prefill_load_factor, 1.25,
@@ -135,6 +140,13 @@ int main(int argc, char** argv) {
   options.router.tls_server_name = absl::GetFlag(FLAGS_router_tls_server_name);
   options.router.token_file = absl::GetFlag(FLAGS_router_token_file);
   options.router.route_timeout = absl::GetFlag(FLAGS_route_timeout);
+  absl::StatusOr<eldr::proxy::RouterApi> router_api = eldr::proxy::ParseRouterApi(absl::GetFlag(FLAGS_router_api));
+  if (!router_api.ok()) {
+    std::fprintf(stderr, "eldr-proxy: --router_api: %s\n", std::string(router_api.status().message()).c_str());
+    return 2;
+  }
+  options.router.api = *router_api;
+  options.router.streams = absl::GetFlag(FLAGS_router_streams);
   absl::StatusOr<eldr::proxy::PrefillPolicy> policy =
       eldr::proxy::ParsePrefillPolicy(absl::GetFlag(FLAGS_prefill_policy));
   if (!policy.ok()) {

@@ -146,6 +146,9 @@ absl::Status ValidateProxyOptions(const ProxyOptions& options) {
     }
     if (value < absl::ZeroDuration()) return absl::InvalidArgumentError(absl::StrCat("ProxyOptions.", name, " < 0"));
   }
+  if (options.router.streams < 1 || options.router.streams > 64) {
+    return absl::InvalidArgumentError("ProxyOptions.router.streams must be in [1, 64]");
+  }
   if (options.retry_backoff < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("ProxyOptions.retry_backoff must be >= 0");
   }
@@ -864,7 +867,7 @@ void ProxyCall::RecordLatencies() {
 
 absl::Status ProxyImpl::Init() {
   if (!options_.router.target.empty()) {
-    absl::StatusOr<std::unique_ptr<RouterClient>> router = RouterClient::Create(options_.router);
+    absl::StatusOr<std::unique_ptr<RouterClient>> router = RouterClient::Create(options_.router, &metrics_);
     if (!router.ok()) return router.status();
     router_ = *std::move(router);
   }

@@ -92,6 +92,23 @@ ProxyMetrics::ProxyMetrics()
                            .Name("eldr_proxy_upstream_errors_total")
                            .Help("Failures of engine calls by phase (prefill, decode) and kind.")
                            .Register(*registry_)),
+      router_stream_opens_(prometheus::BuildCounter()
+                               .Name("eldr_proxy_router_stream_opens_total")
+                               .Help("RouteStream calls the proxy opened to eldr-router (--router_api=stream): one "
+                                     "at the first request, one more after each stream that ended.")
+                               .Register(*registry_)
+                               .Add({})),
+      router_streams_open_(prometheus::BuildGauge()
+                               .Name("eldr_proxy_router_streams_open")
+                               .Help("RouteStream calls to eldr-router open now.")
+                               .Register(*registry_)
+                               .Add({})),
+      router_unary_fallbacks_(prometheus::BuildCounter()
+                                  .Name("eldr_proxy_router_unary_fallbacks_total")
+                                  .Help("Route and Complete messages sent as unary RPCs although --router_api=stream, "
+                                        "by reason: unimplemented (the router has no RouteStream), reconnecting (the "
+                                        "stream is waiting to be re-opened).")
+                                  .Register(*registry_)),
       in_flight_(prometheus::BuildGauge()
                      .Name("eldr_proxy_in_flight")
                      .Help("Requests in flight.")
@@ -118,6 +135,12 @@ void ProxyMetrics::RecordStaticRoute() { static_routes_.Increment(); }
 
 void ProxyMetrics::RecordRouterCall(absl::string_view method, absl::string_view code) {
   router_calls_.Add({{"method", std::string(method)}, {"code", std::string(code)}}).Increment();
+}
+
+void ProxyMetrics::RecordRouterStreamOpen() { router_stream_opens_.Increment(); }
+void ProxyMetrics::SetRouterStreamsOpen(int64_t open) { router_streams_open_.Set(static_cast<double>(open)); }
+void ProxyMetrics::RecordRouterUnaryFallback(absl::string_view reason) {
+  router_unary_fallbacks_.Add({{"reason", std::string(reason)}}).Increment();
 }
 
 void ProxyMetrics::RecordSignature(absl::string_view source) {

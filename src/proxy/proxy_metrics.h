@@ -51,6 +51,12 @@ class ProxyMetrics {
   void RecordStaticRoute();
   // eldr_proxy_router_calls_total{method="route|complete", code="OK|UNAVAILABLE|..."}.
   void RecordRouterCall(absl::string_view method, absl::string_view code);
+  // The RouteStream transport of the router client: eldr_proxy_router_stream_opens_total (calls
+  // started), eldr_proxy_router_streams_open (gauge), eldr_proxy_router_unary_fallbacks_total{
+  // reason="unimplemented|reconnecting"} (messages sent unary instead).
+  void RecordRouterStreamOpen();
+  void SetRouterStreamsOpen(int64_t open);
+  void RecordRouterUnaryFallback(absl::string_view reason);
   // eldr_proxy_signatures_total{source="eldr_expert_counts|eldr_sig|none|invalid|refused"}.
   void RecordSignature(absl::string_view source);
   // eldr_proxy_upstream_errors_total{phase="prefill|decode", kind="connect|timeout|http_4xx|
@@ -77,6 +83,9 @@ class ProxyMetrics {
   prometheus::Family<prometheus::Counter>& router_calls_;
   prometheus::Family<prometheus::Counter>& signatures_;
   prometheus::Family<prometheus::Counter>& upstream_errors_;
+  prometheus::Counter& router_stream_opens_;
+  prometheus::Gauge& router_streams_open_;
+  prometheus::Family<prometheus::Counter>& router_unary_fallbacks_;
   prometheus::Gauge& in_flight_;
   mutable absl::Mutex collectables_mu_;
   std::vector<std::shared_ptr<prometheus::Collectable>> collectables_ ABSL_GUARDED_BY(collectables_mu_);

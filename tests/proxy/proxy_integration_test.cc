@@ -7,12 +7,15 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -20,7 +23,9 @@
 #include "discovery/fake_kube.h"
 #include "eldr/http/http_client.h"
 #include "eldr/http/sse.h"
+#include "eldr/v1/router.grpc.pb.h"
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "testing/process.h"
@@ -112,10 +117,10 @@ class Stack {
       for (int i = 0; i < options_.decode; ++i)
         workers.push_back(absl::StrCat("d", i, "=127.0.0.1:", decode_ports_[i]));
       if (options_.dead_decode_worker) workers.push_back(absl::StrCat("dead=127.0.0.1:", UnusedLoopbackPort()));
-      absl::StatusOr<eldr::testing::RouterChild> router = eldr::testing::StartRouter(
-          dir_, {"--workers=" + absl::StrJoin(workers, ","),
-                 "--centroids=" + (options_.centroids.empty() ? CentroidsFile() : options_.centroids),
-                 "--policy=" + options_.router_policy, "--refit_interval=0", "--log_level=warning"});
+      router_args_ = {"--workers=" + absl::StrJoin(workers, ","),
+                      "--centroids=" + (options_.centroids.empty() ? CentroidsFile() : options_.centroids),
+                      "--policy=" + options_.router_policy, "--refit_interval=0", "--log_level=warning"};
+      absl::StatusOr<eldr::testing::RouterChild> router = eldr::testing::StartRouter(dir_, router_args_);
       ASSERT_TRUE(router.ok()) << router.status();
       router_ = std::move(router->process);
       router_ports_ = router->ports;
@@ -147,6 +152,19 @@ class Stack {
     proxy_port_ = *port;
   }
 
+  // SIGKILLs eldr-router and starts a new one on the same gRPC port (a router restart: the
+  // proxy's channel and stream see the connection drop, then a new server there).
+  void RestartRouter() {
+    router_->Signal(SIGKILL);
+    ASSERT_TRUE(router_->Wait(absl::Seconds(10)).ok());
+    std::vector<std::string> args = router_args_;
+    args.push_back(absl::StrCat("--listen=127.0.0.1:", router_ports_.grpc));
+    absl::StatusOr<eldr::testing::RouterChild> router = eldr::testing::StartRouter(dir_, args);
+    ASSERT_TRUE(router.ok()) << router.status();
+    router_ = std::move(router->process);
+    router_ports_ = router->ports;
+  }
+
   int proxy_port() const { return proxy_port_; }
   int decode_port(int i) const { return decode_ports_[i]; }
   int prefill_port(int i) const { return prefill_ports_[i]; }
@@ -157,6 +175,19 @@ class Stack {
     absl::StatusOr<std::string> page = HttpGet(router_ports_.metrics, "/metrics");
     if (!page.ok()) return -1;
     return SampleValue(*page, series).value_or(0);
+  }
+  // The sum of every series of `family` on the router's page (e.g. all outcomes and policies of
+  // eldr_route_requests_total: every Route it handled, unary or as a stream message).
+  double RouterMetricSum(const std::string& family) const {
+    absl::StatusOr<std::string> page = HttpGet(router_ports_.metrics, "/metrics");
+    if (!page.ok()) return -1;
+    double sum = 0;
+    for (absl::string_view line : absl::StrSplit(*page, '\n')) {
+      if (!absl::ConsumePrefix(&line, family) || line.empty() || (line[0] != '{' && line[0] != ' ')) continue;
+      double value = 0;
+      if (absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &value)) sum += value;
+    }
+    return sum;
   }
   double ProxyMetric(const std::string& series) const {
     absl::StatusOr<std::string> page = HttpGet(proxy_port_, "/metrics");
@@ -219,6 +250,7 @@ class Stack {
   std::vector<int> prefill_ports_;
   std::vector<int> decode_ports_;
   std::unique_ptr<ChildProcess> router_;
+  std::vector<std::string> router_args_;
   eldr::testing::DaemonPorts router_ports_;
   std::unique_ptr<ChildProcess> proxy_;
   int proxy_port_ = 0;
@@ -736,6 +768,265 @@ TEST(ProxyIntegration, PrefillInstancesFollowTheDiscoveredPods) {
   EXPECT_EQ(stack.ProxyMetric("eldr_discovery_synced{role=\"prefill\"}"), 1);
   EXPECT_EQ(stack.ProxyMetric("eldr_discovery_workers{role=\"prefill\",state=\"ready\"}"), 1);
   EXPECT_TRUE(stack.LeasesBackToZero());
+}
+
+// ---- eldr-router's RouteStream (--router_api) -----------------------------------------------------
+
+// By default Route and Complete are messages of the proxy's RouteStream calls (--router_streams
+// of them), not unary RPCs; what the proxy counts per router call is the same as on the unary path.
+TEST(ProxyIntegration, RouteAndCompleteGoAsMessagesOfTheRouteStreams) {
+  StackOptions options;
+  options.proxy_args = {"--router_streams=2"};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 6; ++trace) {
+    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
+  }
+  EXPECT_TRUE(stack.LeasesBackToZero());
+  EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"route\",outcome=\"ok\"}"), 6);
+  EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"complete\",outcome=\"ok\"}"), 6);
+  // Every Route the router handled came on a stream: none was a unary RPC.
+  EXPECT_EQ(stack.RouterMetricSum("eldr_route_requests_total"), 6);
+  EXPECT_EQ(stack.RouterMetric("eldr_complete_requests_total{outcome=\"released\"}"), 6);
+  EXPECT_EQ(stack.RouterMetric("eldr_route_streams_open"), 2);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 6);
+  EXPECT_TRUE(eldr::testing::PollUntil(  // counted when the answer is back, after the router's count
+      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 6; },
+      absl::Seconds(10)));
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 2);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_streams_open"), 2);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_unary_fallbacks_total{reason=\"reconnecting\"}"), 0);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 0);
+}
+
+TEST(ProxyIntegration, RouterApiUnaryCallsTheUnaryRpcs) {
+  StackOptions options;
+  options.proxy_args = {"--router_api=unary"};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 4; ++trace) {
+    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
+  }
+  EXPECT_TRUE(stack.LeasesBackToZero());
+  EXPECT_EQ(stack.RouterMetricSum("eldr_route_requests_total"), 4);
+  EXPECT_EQ(stack.RouterMetricSum("eldr_route_stream_messages_total"), 0);
+  EXPECT_EQ(stack.RouterMetric("eldr_route_streams_open"), 0);
+  EXPECT_EQ(stack.RouterMetric("eldr_complete_requests_total{outcome=\"released\"}"), 4);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 4);
+  EXPECT_TRUE(eldr::testing::PollUntil(  // counted when the answer is back, after the router's count
+      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 4; },
+      absl::Seconds(10)));
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 0);
+}
+
+// A request in flight whose answer comes after `Send` returned: the outcome of one proxy request.
+class PendingPost {
+ public:
+  PendingPost(http::HttpClient& client, int port, const std::string& body) {
+    http::Fetch(client, JsonPost(port, "/v1/completions", body), 1 << 20,
+                [this](absl::StatusOr<http::FetchedResponse> answer) {
+                  absl::MutexLock lock(&mu_);
+                  answer_ = std::move(answer);
+                });
+  }
+  ~PendingPost() { Wait(absl::Seconds(30)); }  // the callback references this
+  PendingPost(const PendingPost&) = delete;
+  PendingPost& operator=(const PendingPost&) = delete;
+
+  // The answer once it came within `timeout`; nullopt before.
+  std::optional<absl::StatusOr<http::FetchedResponse>> Wait(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(
+        absl::Condition(
+            +[](std::optional<absl::StatusOr<http::FetchedResponse>>* answer) { return answer->has_value(); },
+            &answer_),
+        timeout);
+    return answer_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::optional<absl::StatusOr<http::FetchedResponse>> answer_ ABSL_GUARDED_BY(mu_);
+};
+
+// The router dies with a Route message of the stream unanswered (SIGSTOP first, so the message
+// is surely in flight), and a new router comes up on the same port: the message fails once,
+// UNAVAILABLE, and the proxy routes that request from its static list as on any router error;
+// the stream re-opens, and later requests are routed by the new router on it.
+TEST(ProxyIntegration, ARouterKilledWithAMessageInFlightFailsItOnceAndTheStreamReopens) {
+  StackOptions options;
+  // One stream, so that the opens are counted simply; the break, not the deadline, must end the wait.
+  options.proxy_args = {"--router_streams=1", "--route_timeout=20s"};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, 1, /*max_tokens=*/3));
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 1);
+
+  stack.router().Signal(SIGSTOP);
+  std::optional<absl::StatusOr<http::FetchedResponse>> answer;
+  {
+    PendingPost stuck(*client, stack.proxy_port(), CompletionBody(2, 3, false));
+    // Its prefill is done (the proxy now waits for the Route answer), and nothing answers it.
+    ASSERT_TRUE(eldr::testing::PollUntil(
+        [&] { return stack.EngineMetric(stack.prefill_port(0), "eldr_emu_prefills_total") >= 2; }, absl::Seconds(10)))
+        << stack.Logs();
+    EXPECT_FALSE(stuck.Wait(absl::Milliseconds(300)).has_value()) << "answered while the router was stopped";
+    ASSERT_NO_FATAL_FAILURE(stack.RestartRouter());
+    answer = stuck.Wait(absl::Seconds(10));
+    ASSERT_TRUE(answer.has_value()) << stack.Logs();
+  }
+  ASSERT_TRUE(answer->ok()) << answer->status();
+  EXPECT_EQ((*answer)->head.status, 200) << (*answer)->body << stack.Logs();
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"UNAVAILABLE\",method=\"route\"}"), 1);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"DEADLINE_EXCEEDED\",method=\"route\"}"), 0);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 1);
+
+  // The new router gets a new stream (after the re-open's backoff; unary in between).
+  ASSERT_TRUE(eldr::testing::PollUntil(
+      [&] {
+        absl::StatusOr<http::FetchedResponse> probe =
+            Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(3, 2, false));
+        return probe.ok() && probe->head.status == 200 &&
+               stack.RouterMetric("eldr_route_stream_messages_total{kind=\"route\",outcome=\"ok\"}") >= 1;
+      },
+      absl::Seconds(15), absl::Milliseconds(100)))
+      << stack.Logs();
+  const double static_routes = stack.ProxyMetric("eldr_proxy_static_routes_total");
+  const double stream_routes = stack.RouterMetric("eldr_route_stream_messages_total{kind=\"route\",outcome=\"ok\"}");
+  for (int trace = 4; trace < 8; ++trace) {
+    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
+  }
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), static_routes);
+  EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"route\",outcome=\"ok\"}"), stream_routes + 4);
+  // At least one re-open; more when an open raced the channel's reconnection and failed fast.
+  EXPECT_GE(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 2);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_streams_open"), 1);
+  EXPECT_TRUE(stack.LeasesBackToZero());
+}
+
+// A Route message that the router does not answer by --route_timeout fails DEADLINE_EXCEEDED (the
+// request is routed from the static list meanwhile); the router's late answer is dropped and its
+// lease released; the stream goes on.
+TEST(ProxyIntegration, AStreamMessageWithoutAnAnswerFailsAtItsDeadline) {
+  StackOptions options;
+  options.proxy_args = {"--router_streams=1", "--route_timeout=300ms"};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, 1, /*max_tokens=*/3));
+  ASSERT_TRUE(stack.LeasesBackToZero());
+  const double released = stack.RouterMetric("eldr_complete_requests_total{outcome=\"released\"}");
+
+  stack.router().Signal(SIGSTOP);
+  const absl::Time sent = absl::Now();
+  absl::StatusOr<http::FetchedResponse> answer =
+      Post(*client, stack.proxy_port(), "/v1/completions", CompletionBody(2, 3, false));
+  const absl::Duration took = absl::Now() - sent;
+  stack.router().Signal(SIGCONT);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->head.status, 200) << answer->body << stack.Logs();
+  EXPECT_GE(took, absl::Milliseconds(300));
+  EXPECT_LT(took, absl::Seconds(5));
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"DEADLINE_EXCEEDED\",method=\"route\"}"), 1);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 1);
+
+  // The resumed router answers the message: the lease it took is released by the proxy.
+  EXPECT_TRUE(eldr::testing::PollUntil(
+      [&] { return stack.RouterMetric("eldr_complete_requests_total{outcome=\"released\"}") >= released + 1; },
+      absl::Seconds(10)))
+      << stack.Logs();
+  EXPECT_TRUE(stack.LeasesBackToZero());
+  ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, 3, /*max_tokens=*/3));
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 1);
+  EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"route\",outcome=\"ok\"}"), 3);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 1);
+  EXPECT_TRUE(stack.LeasesBackToZero());
+}
+
+// A DecodeRouter from before RouteStream: a real gRPC server that implements Route and Complete
+// only (gRPC answers RouteStream UNIMPLEMENTED), routing every request to one address.
+class RouterWithoutRouteStream final : public eldr::v1::DecodeRouter::Service {
+ public:
+  void set_address(const std::string& address) {
+    absl::MutexLock lock(&mu_);
+    address_ = address;
+  }
+  int routes() const {
+    absl::MutexLock lock(&mu_);
+    return routes_;
+  }
+  int completes() const {
+    absl::MutexLock lock(&mu_);
+    return completes_;
+  }
+
+  grpc::Status Route(grpc::ServerContext*, const eldr::v1::RouteRequest*, eldr::v1::RouteResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    ++routes_;
+    const uint64_t lease = next_lease_++;
+    leases_.insert(lease);
+    response->set_worker_id("d0");
+    response->set_address(address_);
+    response->set_lease_id(lease);
+    response->set_policy("jsq");
+    return grpc::Status::OK;
+  }
+  grpc::Status Complete(grpc::ServerContext*, const eldr::v1::CompleteRequest* request,
+                        eldr::v1::CompleteResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    if (leases_.erase(request->lease_id()) == 0) return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown lease");
+    ++completes_;
+    response->set_worker_id("d0");
+    return grpc::Status::OK;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::string address_ ABSL_GUARDED_BY(mu_);
+  int routes_ ABSL_GUARDED_BY(mu_) = 0;
+  int completes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_lease_ ABSL_GUARDED_BY(mu_) = 1;
+  std::set<uint64_t> leases_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(ProxyIntegration, ARouterWithoutRouteStreamIsCalledUnary) {
+  RouterWithoutRouteStream old_router;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&old_router);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ASSERT_GT(port, 0);
+  StackOptions options;
+  options.router = false;
+  options.decode = 1;
+  options.proxy_args = {absl::StrCat("--router=127.0.0.1:", port)};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  old_router.set_address(absl::StrCat("127.0.0.1:", stack.decode_port(0)));
+  auto client = NewClient();
+  for (int trace = 0; trace < 4; ++trace) {
+    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
+  }
+  EXPECT_EQ(old_router.routes(), 4);
+  EXPECT_TRUE(eldr::testing::PollUntil([&] { return old_router.completes() == 4; }, absl::Seconds(10)));
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 4);
+  // The proxy counts a Complete when its answer is back, a moment after the router counted it.
+  EXPECT_TRUE(eldr::testing::PollUntil(
+      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 4; },
+      absl::Seconds(10)));
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 0);
+  // One stream was tried; its message went again unary, and so did every later one.
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 1);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_streams_open"), 0);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_unary_fallbacks_total{reason=\"unimplemented\"}"), 8);
+  stack.proxy().Signal(SIGTERM);
+  EXPECT_EQ(stack.proxy().Wait(absl::Seconds(10)).value_or(-1), 0) << stack.Logs();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 
 }  // namespace

@@ -37,6 +37,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "eldr/discovery/discovery.h"
 #include "eldr/http/http_client.h"
@@ -47,6 +48,11 @@
 namespace eldr::proxy {
 
 // How the proxy reaches eldr-router.
+// The RPCs eldr-proxy calls eldr-router's Route and Complete with (--router_api).
+enum class RouterApi { kStream, kUnary };
+// "stream" or "unary"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<RouterApi> ParseRouterApi(absl::string_view name);
+
 struct RouterClientOptions {
   // "host:port" of eldr-router's data plane. Empty: no router; every request is routed by the
   // proxy's static decode list (round robin), as a plain two-phase proxy would.
@@ -64,6 +70,17 @@ struct RouterClientOptions {
   absl::Duration route_timeout = absl::Seconds(1);
   // Deadline of one Complete call (they are retried once). > 0.
   absl::Duration complete_timeout = absl::Seconds(2);
+  // How Route and Complete travel to the router. kStream: as messages of long-lived RouteStream
+  // calls (docs/api.md, "RouteStream"): no call set-up per request; against a router without
+  // RouteStream (UNIMPLEMENTED) the client falls back to the unary RPCs by itself. kUnary: one
+  // unary Route and one unary Complete RPC per request.
+  RouterApi api = RouterApi::kStream;
+  // kStream: RouteStream calls kept open on the router's channel, [1, 64]; messages are spread over
+  // them round robin. More than one because each stream is a serial pipeline on both sides (one
+  // write at a time here; the router answers a stream's messages one after the other): on a
+  // CPU-saturated host one stream put its queueing into the TTFT tail, four did not
+  // (docs/benchmarks.md, "eldr-proxy").
+  int streams = 4;
 };
 
 struct ProxyOptions {
