@@ -6,7 +6,8 @@
 //                                            picks for k, scored as the Router does
 //                                            (SignatureScorer: fused where it can); /count:
 //                                            variant count (no IDF); /unfused: Apply, then Search;
-//                                            /int8: the exact scorer's 8-bit scan
+//                                            /int8, /bf16: the exact scorer's 8-bit first stage,
+//                                            its bfloat16 scan (forced)
 //   BM_Transform/<L>x<E>                     the signature transform alone
 //   BM_Scorer/<L>x<E>/K:<k>/<impl>           scoring one transformed signature only: exact_fp32,
 //                                            exact_fp16, exact_bf16, exact_int8 (the exact scorer's scan
@@ -508,7 +509,7 @@ void CommonSettings(benchmark::internal::Benchmark* b) {
 
 void RegisterAll() {
   const Geometry geometries[] = {{26, 64, 6}, {48, 128, 8}};
-  const int pools[] = {8, 16, 64, 256, 1024};
+  const int pools[] = {8, 16, 24, 32, 48, 64, 96, 256, 1024};
   for (const Geometry& g : geometries) {
     for (int k : pools) {
       benchmark::RegisterBenchmark(
@@ -519,11 +520,15 @@ void RegisterAll() {
           absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k, "/unfused").c_str(),
           [g, k](benchmark::State& state) { RouteDecision(state, g, k, SignatureVariant::kCountIdf, false); })
           ->Apply(CommonSettings);
-      benchmark::RegisterBenchmark(absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k, "/int8").c_str(),
-                                   [g, k](benchmark::State& state) {
-                                     RouteDecision(state, g, k, SignatureVariant::kCountIdf, true, HalfFormat::kInt8);
-                                   })
-          ->Apply(CommonSettings);
+      for (HalfFormat format : {HalfFormat::kInt8, HalfFormat::kBfloat16}) {
+        benchmark::RegisterBenchmark(
+            absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k, format == HalfFormat::kInt8 ? "/int8" : "/bf16")
+                .c_str(),
+            [g, k, format](benchmark::State& state) {
+              RouteDecision(state, g, k, SignatureVariant::kCountIdf, true, format);
+            })
+            ->Apply(CommonSettings);
+      }
     }
   }
   // No IDF: no column is zero everywhere, the exact scorer reads every column.

@@ -628,7 +628,8 @@ TEST(ExactIndexTest, DecidesAsDoubleReferenceExceptNearTheEdge) {
         options.band_tau = tau;
         auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, c.rows, c.dim, options);
         ASSERT_TRUE(index.ok()) << index.status();
-        EXPECT_EQ((*index)->kind(), scan.format == HalfFormat::kAuto && KeptColumns(data) < 2048 ? "exact" : scan.kind);
+        const bool auto_fp32 = KeptColumns(data) < 2048 || internal::DetectSimdLevel() == SimdLevel::kScalar;
+        EXPECT_EQ((*index)->kind(), scan.format == HalfFormat::kAuto && auto_fp32 ? "exact" : scan.kind);
         std::vector<ScoredRow> got;
         for (int k = 0; k < 60; ++k) {
           std::vector<float> q =
@@ -1009,10 +1010,17 @@ TEST(BuildCentroidIndexTest, PicksTheImplementationByPoolSize) {
   ASSERT_TRUE(small32.ok());
   EXPECT_EQ((*small32)->kind(), "exact");
 
-  const std::vector<float> long_rows = RandomRows(8, 4096, rng);
-  auto long_auto = BuildCentroidIndex(long_rows, 8, 4096, CentroidIndexOptions());
+  // Long rows under kAuto: bfloat16 for small pools, the 8-bit first stage from 20 rows on; both
+  // only with vector kernels (the portable ones scan fp32 fastest).
+  const bool portable = internal::DetectSimdLevel() == SimdLevel::kScalar;
+  const std::vector<float> long_rows = RandomRows(32, 4096, rng);
+  auto long_auto =
+      BuildCentroidIndex(absl::MakeConstSpan(long_rows).subspan(0, 8 * 4096), 8, 4096, CentroidIndexOptions());
   ASSERT_TRUE(long_auto.ok());
-  EXPECT_EQ((*long_auto)->kind(), "exact_bf16") << "long rows scan in bfloat16 under kAuto";
+  EXPECT_EQ((*long_auto)->kind(), portable ? "exact" : "exact_bf16") << "long rows, 8 of them, under kAuto";
+  auto long_32 = BuildCentroidIndex(long_rows, 32, 4096, CentroidIndexOptions());
+  ASSERT_TRUE(long_32.ok());
+  EXPECT_EQ((*long_32)->kind(), portable ? "exact" : "exact_int8") << "long rows, 32 of them, under kAuto";
   EXPECT_EQ(CentroidIndexOptions().large_pool_min_rows, 128);
 }
 

@@ -100,8 +100,8 @@ std::vector<int> Band(const std::vector<ScoredRow>& scored, float tau, float mar
   return band;
 }
 
-void ExpectSameDecisions(const CentroidIndex& index, const SignatureTransform& transform, const Workload& w,
-                         float tau, int first_query) {
+void ExpectSameDecisions(const CentroidIndex& index, const SignatureTransform& transform, const Workload& w, float tau,
+                         int first_query) {
   const SignatureScorer scorer(transform, index);
   ASSERT_TRUE(scorer.fused()) << index.kind();
   SignatureScorer::Buffers buffers;
@@ -183,7 +183,8 @@ TEST(SignatureScorerTest, FusedPathWithALayerMaskAndRejections) {
   std::vector<int32_t> zero = w.prompts[0];
   for (int layer : {1, 4, 7}) std::fill(zero.begin() + layer * 32, zero.begin() + (layer + 1) * 32, 0);
   const std::string zero_bytes = Int16Bytes(zero);
-  EXPECT_EQ(RejectReasonOf(scorer.Score(CountsInt16Le{0, 0, zero_bytes}, &buffers, &out)), RejectReason::kZeroSignature);
+  EXPECT_EQ(RejectReasonOf(scorer.Score(CountsInt16Le{0, 0, zero_bytes}, &buffers, &out)),
+            RejectReason::kZeroSignature);
   // Other encodings take Apply + Search.
   EXPECT_TRUE(scorer.Score(CountsInt32{0, 0, w.prompts[1]}, &buffers, &out).ok());
   EXPECT_EQ(out.size(), 12u);
