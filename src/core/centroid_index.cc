@@ -164,6 +164,7 @@ class ColumnMap {
   struct Prepared {
     const float* data;
     float norm;
+    float max = -1;  // >= 0: every value lies in [0, max] (see SearchKept); else unknown
   };
   Prepared Prepare(const float* query, const ScorerKernels& kernels, AlignedVector<float>* buffer) const {
     if (!compact_) {
@@ -284,13 +285,13 @@ class RowStore {
   // 8-bit scan of rows `ids` (null: 0..n-1) against `q` (cols() floats, norm q_norm): scores and
   // their error bounds (see BuildInt8) into `scores` and scratch->bounds. Returns false when the
   // query cannot be quantised (a negative or non-finite value): nothing is written then.
-  bool ScanInt8(const ScorerKernels& kernels, const float* q, float q_norm, const int* ids, int n, Scratch* scratch,
-                float* scores) const {
+  bool ScanInt8(const ScorerKernels& kernels, const float* q, float q_norm, float q_max, const int* ids, int n,
+                Scratch* scratch, float* scores) const {
     const int padded = PaddedStride<int8_t>(cols_);
     if (static_cast<int>(scratch->query8.size()) < padded) scratch->query8.resize(padded);
     float q_scale = 0, residual2 = 0, quantised2 = 0;
-    if (!kernels.quantise_query(q, cols_, padded, kernels.int8_query_max, scratch->query8.data(), &q_scale, &residual2,
-                                &quantised2)) {
+    if (!kernels.quantise_query(q, cols_, padded, kernels.int8_query_max, q_max, scratch->query8.data(), &q_scale,
+                                &residual2, &quantised2)) {
       return false;
     }
     scratch->i8_rows.resize(n);
@@ -385,12 +386,14 @@ class RowStore {
 // (B16: the largest bfloat16 bound) lies below the band edge by more than any later score of the
 // best row can err, so it keeps its 8-bit score and is marked decided (scratch->decided; RefineRows
 // skips it); the others, the best among them, are scored again in bfloat16 with their bounds.
-void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* q, float q_norm, const int* ids, int n,
-              float band_tau, Scratch* scratch, float* scores) {
+void ScanRows(const RowStore& store, const ScorerKernels& kernels, const ColumnMap::Prepared& query, const int* ids,
+              int n, float band_tau, Scratch* scratch, float* scores) {
+  const float* q = query.data;
+  const float q_norm = query.norm;
   const int cols = store.cols();
   scratch->scan_exact = false;
   scratch->has_decided = false;
-  if (store.int8() && store.ScanInt8(kernels, q, q_norm, ids, n, scratch, scores)) {
+  if (store.int8() && store.ScanInt8(kernels, q, q_norm, query.max, ids, n, scratch, scores)) {
     float floor = -std::numeric_limits<float>::infinity();
     for (int i = 0; i < n; ++i) floor = std::max(floor, scores[i] - scratch->bounds[i]);
     const float out_below = floor - band_tau - q_norm * store.max_error_factor();
@@ -624,10 +627,10 @@ class ExactIndex final : public CentroidIndex {
 
   const ColumnSelection* kept_columns() const override { return columns_.selection(); }
 
-  absl::Status SearchKept(absl::Span<const float> kept_query, float kept_norm,
+  absl::Status SearchKept(absl::Span<const float> kept_query, float kept_norm, float kept_max,
                           std::vector<ScoredRow>* out) const override {
     ELDR_RETURN_IF_ERROR(CheckKeptQuery(columns_, kept_query));
-    SearchPrepared(ColumnMap::Prepared{kept_query.data(), kept_norm}, &ThreadScratch(), out);
+    SearchPrepared(ColumnMap::Prepared{kept_query.data(), kept_norm, kept_max}, &ThreadScratch(), out);
     return absl::OkStatus();
   }
 
@@ -641,7 +644,7 @@ class ExactIndex final : public CentroidIndex {
     const ScorerKernels& kernels = BestKernels();
     const int n = store_.rows();
     scratch->scores.resize(n);
-    ScanRows(store_, kernels, q.data, q.norm, nullptr, n, band_tau_, scratch, scratch->scores.data());
+    ScanRows(store_, kernels, q, nullptr, n, band_tau_, scratch, scratch->scores.data());
     RefineRows(store_, kernels, q.data, nullptr, n, band_tau_, scratch, scratch->scores.data());
     out->resize(n);
     for (int r = 0; r < n; ++r) (*out)[r] = ScoredRow{r, scratch->scores[r]};
@@ -712,10 +715,10 @@ class ReducedIndex final : public CentroidIndex {
 
   const ColumnSelection* kept_columns() const override { return columns_.selection(); }
 
-  absl::Status SearchKept(absl::Span<const float> kept_query, float kept_norm,
+  absl::Status SearchKept(absl::Span<const float> kept_query, float kept_norm, float kept_max,
                           std::vector<ScoredRow>* out) const override {
     ELDR_RETURN_IF_ERROR(CheckKeptQuery(columns_, kept_query));
-    return SearchPrepared(ColumnMap::Prepared{kept_query.data(), kept_norm}, &ThreadScratch(), out);
+    return SearchPrepared(ColumnMap::Prepared{kept_query.data(), kept_norm, kept_max}, &ThreadScratch(), out);
   }
 
   absl::Status ScoreBatch(absl::Span<const float> queries, int n, absl::Span<float> scores) const override {
@@ -780,7 +783,7 @@ class ReducedIndex final : public CentroidIndex {
       fetched = static_cast<int>(scratch.ids.size());
       // Score the new candidates (HNSW with a larger k returns the earlier ones first).
       scratch.candidate_scores.resize(fetched);
-      ScanRows(store_, kernels, q, prepared.norm, scratch.ids.data() + scored, fetched - scored, band_tau_, &scratch,
+      ScanRows(store_, kernels, prepared, scratch.ids.data() + scored, fetched - scored, band_tau_, &scratch,
                scratch.candidate_scores.data() + scored);
       // Bounds and 8-bit decisions accumulate over the rounds, in candidate order (RefineRows
       // reads them all).

@@ -59,8 +59,9 @@ float GatherColumnsScalar(const float* in, int /*dim*/, const uint16_t* /*masks*
 }
 
 float ConvertGatherInt16Scalar(const char* src, const float* weights, int n, const uint16_t* masks, const int* offsets,
-                               float* out, float* kept_sum, int32_t* bits) {
+                               float* out, float* kept_sum, float* kept_max, int32_t* bits) {
   double full = 0, kept = 0;
+  float largest = *kept_max;
   int32_t acc = 0;
   for (int c = 0; 16 * c < n; ++c) {
     int pos = offsets[c];
@@ -74,11 +75,13 @@ float ConvertGatherInt16Scalar(const char* src, const float* weights, int n, con
       if ((masks[c] >> (i & 15)) & 1) {
         out[pos++] = v;
         kept += static_cast<double>(v) * v;
+        largest = std::max(largest, v);
       }
     }
   }
   *bits |= acc;
   *kept_sum += static_cast<float>(kept);
+  *kept_max = largest;
   return static_cast<float>(full);
 }
 
@@ -91,12 +94,15 @@ void DotRowsU8S8Scalar(const int8_t* const* rows, int n, const uint8_t* query, i
   }
 }
 
-bool QuantiseQueryScalar(const float* q, int dim, int padded, int max_level, uint8_t* out, float* scale,
-                         float* residual_norm2, float* quantised_norm2) {
-  float largest = 0;
-  for (int i = 0; i < dim; ++i) {
-    if (!(q[i] >= 0.f) || !std::isfinite(q[i])) return false;
-    largest = std::max(largest, q[i]);
+bool QuantiseQueryScalar(const float* q, int dim, int padded, int max_level, float known_max, uint8_t* out,
+                         float* scale, float* residual_norm2, float* quantised_norm2) {
+  float largest = known_max;
+  if (!(known_max >= 0.f)) {
+    largest = 0;
+    for (int i = 0; i < dim; ++i) {
+      if (!(q[i] >= 0.f) || !std::isfinite(q[i])) return false;
+      largest = std::max(largest, q[i]);
+    }
   }
   const float step = largest > 0 ? largest / static_cast<float>(max_level) : 1.f;
   const float inverse = 1.f / step;
@@ -344,7 +350,7 @@ ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_
 
 // Values i .. n - 1 (fewer than 16, the end of a run) of ConvertGatherInt16, one at a time.
 void ConvertGatherInt16Tail(const char* src, const float* weights, int i, int n, const uint16_t* masks,
-                            const int* offsets, float* out, float* full, float* kept, int32_t* bits) {
+                            const int* offsets, float* out, float* full, float* kept, float* kept_max, int32_t* bits) {
   for (; i < n; ++i) {
     int16_t count;
     std::memcpy(&count, src + 2 * i, sizeof(count));
@@ -355,16 +361,19 @@ void ConvertGatherInt16Tail(const char* src, const float* weights, int i, int n,
     if ((word >> (i & 15)) & 1) {
       out[offsets[i >> 4] + __builtin_popcount(word & ((1u << (i & 15)) - 1))] = v;
       *kept += v * v;
+      *kept_max = std::max(*kept_max, v);
     }
   }
 }
 
 ELDR_TARGET_AVX2 float ConvertGatherInt16Avx2(const char* src, const float* weights, int n, const uint16_t* masks,
-                                              const int* offsets, float* out, float* kept_sum, int32_t* bits) {
+                                              const int* offsets, float* out, float* kept_sum, float* kept_max,
+                                              int32_t* bits) {
   static const CompressTable table;
   const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   // One pair of sums per half chunk: consecutive steps do not wait on each other's FMA.
   __m256 full0 = _mm256_setzero_ps(), full1 = full0, kept0 = full0, kept1 = full0;
+  __m256 largest = _mm256_set1_ps(*kept_max);
   __m128i or_bits = _mm_setzero_si128();
   int i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -392,6 +401,9 @@ ELDR_TARGET_AVX2 float ConvertGatherInt16Avx2(const char* src, const float* weig
     const __m256 k1 = _mm256_and_ps(v1, _mm256_castsi256_ps(sel1));
     kept0 = _mm256_fmadd_ps(k0, k0, kept0);
     kept1 = _mm256_fmadd_ps(k1, k1, kept1);
+    // Unselected lanes hold +0 in k0/k1; *kept_max starts at >= 0 in every use, and a negative
+    // selected value cannot raise it either way.
+    largest = _mm256_max_ps(largest, _mm256_max_ps(k0, k1));
     // In order: the second store overwrites the first one's spill-over lanes.
     _mm256_storeu_ps(out + pos0,
                      _mm256_permutevar8x32_ps(v0, _mm256_load_si256(reinterpret_cast<const __m256i*>(table.perm[m0]))));
@@ -404,7 +416,10 @@ ELDR_TARGET_AVX2 float ConvertGatherInt16Avx2(const char* src, const float* weig
   for (int16_t lane : lanes) acc |= lane;
   float full = HorizontalSumAvx2(_mm256_add_ps(full0, full1));
   float kept = HorizontalSumAvx2(_mm256_add_ps(kept0, kept1));
-  ConvertGatherInt16Tail(src, weights, i, n, masks, offsets, out, &full, &kept, &acc);
+  alignas(32) float top[8];
+  _mm256_store_ps(top, largest);
+  for (float lane : top) *kept_max = std::max(*kept_max, lane);
+  ConvertGatherInt16Tail(src, weights, i, n, masks, offsets, out, &full, &kept, kept_max, &acc);
   *bits |= acc;
   *kept_sum += kept;
   return full;
@@ -442,14 +457,14 @@ ELDR_TARGET_AVX2 void DotRowsU8S8Avx2(const int8_t* const* rows, int n, const ui
               rows, n, out);
 }
 
-ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* q, int dim, int padded, int max_level, uint8_t* out, float* scale,
-                                        float* residual_norm2, float* quantised_norm2) {
+ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* q, int dim, int padded, int max_level, float known_max,
+                                        uint8_t* out, float* scale, float* residual_norm2, float* quantised_norm2) {
   // Pass 1: the largest value; a negative value or a NaN fails the ordered >= 0 test, +Inf the
   // finiteness test of the maximum.
   __m256 largest = _mm256_setzero_ps();
   __m256 bad = _mm256_setzero_ps();
   const __m256 zero = _mm256_setzero_ps();
-  int i = 0;
+  int i = known_max >= 0.f ? dim : 0;  // a known maximum skips the pass
   for (; i + 8 <= dim; i += 8) {
     const __m256 v = _mm256_loadu_ps(q + i);
     bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, zero, _CMP_NGE_UQ));
@@ -464,6 +479,7 @@ ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* q, int dim, int padded, int
     if (!(q[j] >= 0.f)) return false;
     top = std::max(top, q[j]);
   }
+  if (known_max >= 0.f) top = known_max;
   if (!std::isfinite(top)) return false;
   const float step = top > 0 ? top / static_cast<float>(max_level) : 1.f;
   const __m256 inverse = _mm256_set1_ps(1.f / step);
@@ -766,10 +782,13 @@ ELDR_TARGET_AVX512 inline __m512 LoadInt16ChunkAvx512(const char* src, const flo
 }
 
 ELDR_TARGET_AVX512 float ConvertGatherInt16Avx512(const char* src, const float* weights, int n, const uint16_t* masks,
-                                                  const int* offsets, float* out, float* kept_sum, int32_t* bits) {
+                                                  const int* offsets, float* out, float* kept_sum, float* kept_max,
+                                                  int32_t* bits) {
   // Two chunks per step, two sums of each kind (as GatherColumnsAvx512); chunks store in order,
   // so each store's spill-over lanes are overwritten by the next one's.
   __m512 full0 = _mm512_setzero_ps(), full1 = full0, kept0 = full0, kept1 = full0;
+  // Compressed-out lanes are +0: see ConvertGatherInt16Avx2.
+  __m512 largest = _mm512_set1_ps(*kept_max);
   __m256i or_bits = _mm256_setzero_si256();
   const int chunks = (n + 15) / 16;
   int c = 0;
@@ -782,6 +801,7 @@ ELDR_TARGET_AVX512 float ConvertGatherInt16Avx512(const char* src, const float* 
     const __m512 k1 = _mm512_maskz_compress_ps(masks[c + 1], v1);
     kept0 = _mm512_fmadd_ps(k0, k0, kept0);
     kept1 = _mm512_fmadd_ps(k1, k1, kept1);
+    largest = _mm512_max_ps(largest, _mm512_max_ps(k0, k1));
     _mm512_storeu_ps(out + offsets[c], k0);
     _mm512_storeu_ps(out + offsets[c + 1], k1);
   }
@@ -790,6 +810,7 @@ ELDR_TARGET_AVX512 float ConvertGatherInt16Avx512(const char* src, const float* 
     full0 = _mm512_fmadd_ps(v, v, full0);
     const __m512 k = _mm512_maskz_compress_ps(masks[c], v);
     kept0 = _mm512_fmadd_ps(k, k, kept0);
+    largest = _mm512_max_ps(largest, k);
     _mm512_storeu_ps(out + offsets[c], k);
   }
   alignas(32) int16_t lanes[16];
@@ -797,6 +818,7 @@ ELDR_TARGET_AVX512 float ConvertGatherInt16Avx512(const char* src, const float* 
   int32_t acc = 0;
   for (int16_t lane : lanes) acc |= lane;
   *bits |= acc;
+  *kept_max = _mm512_reduce_max_ps(largest);
   *kept_sum += HorizontalSumAvx512(_mm512_add_ps(kept0, kept1));
   return HorizontalSumAvx512(_mm512_add_ps(full0, full1));
 }
@@ -853,13 +875,13 @@ ELDR_TARGET_AVX512_VNNI void DotRowsU8S8Avx512Vnni(const int8_t* const* rows, in
               rows, n, out);
 }
 
-ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* q, int dim, int padded, int max_level, uint8_t* out,
-                                            float* scale, float* residual_norm2, float* quantised_norm2) {
+ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* q, int dim, int padded, int max_level, float known_max,
+                                            uint8_t* out, float* scale, float* residual_norm2, float* quantised_norm2) {
   // Pass 1: the largest value; a negative value or a NaN fails the ordered >= 0 test.
   const __m512 zero = _mm512_setzero_ps();
   __m512 largest = zero;
   __mmask16 bad = 0;
-  int i = 0;
+  int i = known_max >= 0.f ? dim : 0;  // a known maximum skips the pass
   for (; i < dim; i += 16) {
     const __mmask16 valid =
         dim - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (dim - i)) - 1);
@@ -868,7 +890,7 @@ ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* q, int dim, int padded,
     largest = _mm512_max_ps(largest, v);
   }
   if (bad != 0) return false;
-  const float top = _mm512_reduce_max_ps(largest);
+  const float top = known_max >= 0.f ? known_max : _mm512_reduce_max_ps(largest);
   if (!std::isfinite(top)) return false;
   const float step = top > 0 ? top / static_cast<float>(max_level) : 1.f;
   const __m512 inverse = _mm512_set1_ps(1.f / step);

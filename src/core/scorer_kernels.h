@@ -67,10 +67,11 @@ using ExpandBitmapFn = void (*)(const uint16_t* words, int dim, const float* val
 // count into *bits (a negative count sets its sign bit), and writes the values whose bit is set in
 // `masks` (bit i % 16 of masks[i / 16]; bits at or beyond n clear) in order from out + offsets[c]
 // for the values of chunk c (16 values each). Returns the sum of the squares of all n values and
-// adds those of the written ones to *kept_sum. `out` needs 16 floats of room past the last
-// written value (the vector versions store whole registers).
+// adds those of the written ones to *kept_sum; raises *kept_max to the largest written value.
+// `out` needs 16 floats of room past the last written value (the vector versions store whole
+// registers).
 using ConvertGatherInt16Fn = float (*)(const char* src, const float* weights, int n, const uint16_t* masks,
-                                       const int* offsets, float* out, float* kept_sum, int32_t* bits);
+                                       const int* offsets, float* out, float* kept_sum, float* kept_max, int32_t* bits);
 
 // 8-bit scoring. Rows hold int8 values in [-127, 127] (one scale per row, kept by the index);
 // the query is quantised per search to unsigned integers in [0, query_max] (QuantiseQueryFn).
@@ -83,8 +84,10 @@ using DotRowsU8S8Fn = void (*)(const int8_t* const* rows, int n, const uint8_t* 
 // of 64, >= dim). Sets *scale, *residual_norm2 = sum (out[i] * scale - q[i])^2 and
 // *quantised_norm2 = sum (out[i] * scale)^2, both accumulated in float lanes. Returns false,
 // writing nothing useful, when a value is negative or not finite (the caller scans in fp32).
-using QuantiseQueryFn = bool (*)(const float* q, int dim, int padded, int max_level, uint8_t* out, float* scale,
-                                 float* residual_norm2, float* quantised_norm2);
+// known_max >= 0: the caller guarantees every value lies in [0, known_max] (the fused transform
+// knows it), so the checking pass over q is skipped and max(q) is taken as known_max.
+using QuantiseQueryFn = bool (*)(const float* q, int dim, int padded, int max_level, float known_max, uint8_t* out,
+                                 float* scale, float* residual_norm2, float* quantised_norm2);
 
 // The largest magnitude bits (bits & 0x7fffffff) of n floats: their integer order is the order of
 // |x|, with Inf and NaN above every finite value. 0 for n = 0.

@@ -461,8 +461,9 @@ bool SignatureTransform::SupportsApplyKept(const ColumnSelection& selection) con
          (all_layers_ || spec_.experts % 16 == 0);
 }
 
-absl::StatusOr<float> SignatureTransform::ApplyKept(const CountsInt16Le& counts, const ColumnSelection& selection,
-                                                    absl::Span<float> out) const {
+absl::StatusOr<SignatureTransform::KeptValues> SignatureTransform::ApplyKept(const CountsInt16Le& counts,
+                                                                             const ColumnSelection& selection,
+                                                                             absl::Span<float> out) const {
   if (!SupportsApplyKept(selection)) {
     return absl::FailedPreconditionError(absl::StrCat("ApplyKept: the ", SignatureVariantName(spec_.variant),
                                                       " transform cannot write this column selection"));
@@ -478,10 +479,10 @@ absl::StatusOr<float> SignatureTransform::ApplyKept(const CountsInt16Le& counts,
   const char* base = counts.bytes.data();
   int32_t bits = 0;
   double sum = 0;
-  float kept_sum = 0;
+  float kept_sum = 0, kept_max = 0;
   if (all_layers_) {
     sum = kernels.convert_gather_int16(base, layout.weights, dim_, selection.masks.data(), selection.offsets.data(),
-                                       out.data(), &kept_sum, &bits);
+                                       out.data(), &kept_sum, &kept_max, &bits);
   } else {
     // Layer j of the mask is columns [j * experts, (j + 1) * experts): whole chunks.
     for (size_t j = 0; j < mask_.size(); ++j) {
@@ -489,7 +490,7 @@ absl::StatusOr<float> SignatureTransform::ApplyKept(const CountsInt16Le& counts,
       sum += kernels.convert_gather_int16(base + 2 * static_cast<size_t>(experts) * mask_[j],
                                           layout.weights ? layout.weights + j * experts : nullptr, experts,
                                           selection.masks.data() + first_chunk, selection.offsets.data() + first_chunk,
-                                          out.data(), &kept_sum, &bits);
+                                          out.data(), &kept_sum, &kept_max, &bits);
     }
     for (int layer : unmasked_)
       bits |= layout.kernels.or_int16(base + 2 * static_cast<size_t>(experts) * layer, experts);
@@ -505,20 +506,25 @@ absl::StatusOr<float> SignatureTransform::ApplyKept(const CountsInt16Le& counts,
     std::vector<float> whole(dim_);
     ELDR_RETURN_IF_ERROR(Apply(counts, absl::MakeSpan(whole)));
     double kept_norm2 = 0;
+    float largest = 0;
     for (int c = 0, at = 0; c < static_cast<int>(selection.masks.size()); ++c) {
       for (int bit = 0; bit < 16; ++bit) {
         if ((selection.masks[c] >> bit) & 1) {
           const float v = whole[16 * c + bit];
           out[at++] = v;
           kept_norm2 += static_cast<double>(v) * v;
+          largest = std::max(largest, v);
         }
       }
     }
-    return static_cast<float>(std::sqrt(kept_norm2));
+    return KeptValues{static_cast<float>(std::sqrt(kept_norm2)), largest};
   }
   const double inverse_norm = 1.0 / std::sqrt(sum);
-  layout.kernels.scale(out.data(), static_cast<size_t>(selection.kept), static_cast<float>(inverse_norm));
-  return static_cast<float>(std::sqrt(std::max(0.0, static_cast<double>(kept_sum))) * inverse_norm);
+  const float factor = static_cast<float>(inverse_norm);
+  layout.kernels.scale(out.data(), static_cast<size_t>(selection.kept), factor);
+  // Rounding is monotonic: the largest scaled value is the scaled largest value.
+  return KeptValues{static_cast<float>(std::sqrt(std::max(0.0, static_cast<double>(kept_sum))) * inverse_norm),
+                    kept_max * factor};
 }
 
 // ---- IDF ---------------------------------------------------------------------------------------

@@ -420,11 +420,13 @@ TEST(ScorerKernelsTest, ConvertGatherInt16MatchesTheDefinitionAtEveryLevel) {
           for (size_t c = 1; c < masks.size(); ++c) offsets[c] = offsets[c - 1] + __builtin_popcount(masks[c - 1]);
           std::vector<float> out(kept.size() + 16, -9.f);
           float kept_sum = 0.5f;  // added to, not overwritten
+          float kept_max = 0.f;   // raised, not overwritten
           int32_t bits = 0;
-          const float full =
-              KernelsFor(level).convert_gather_int16(src.data() + 1, weighted ? weights.data() : nullptr, n,
-                                                     masks.data(), offsets.data(), out.data(), &kept_sum, &bits);
+          const float full = KernelsFor(level).convert_gather_int16(src.data() + 1, weighted ? weights.data() : nullptr,
+                                                                    n, masks.data(), offsets.data(), out.data(),
+                                                                    &kept_sum, &kept_max, &bits);
           double expected_full = 0, expected_kept = 0.5;
+          float expected_max = 0.f;
           for (int i = 0; i < n; ++i) {
             const double v = static_cast<double>(counts[i]) * (weighted ? weights[i] : 1.f);
             expected_full += v * v;
@@ -433,6 +435,7 @@ TEST(ScorerKernelsTest, ConvertGatherInt16MatchesTheDefinitionAtEveryLevel) {
             const float want = static_cast<float>(counts[kept[k]]) * (weighted ? weights[kept[k]] : 1.f);
             ASSERT_EQ(out[k], want) << SimdLevelName(level) << " n " << n << " #" << k;
             expected_kept += static_cast<double>(want) * want;
+            expected_max = std::max(expected_max, want);
           }
           EXPECT_NEAR(full, expected_full, 1e-5 * (1 + expected_full)) << SimdLevelName(level) << " n " << n;
           EXPECT_NEAR(kept_sum, expected_kept, 1e-5 * (1 + expected_kept)) << SimdLevelName(level) << " n " << n;
@@ -482,8 +485,16 @@ TEST(ScorerKernelsTest, QueryQuantisationMatchesTheDefinitionAtEveryLevel) {
       for (float& v : q) v = uniform(rng) * uniform(rng);
       std::vector<uint8_t> out(padded, 0xee);
       float scale = 0, residual2 = 0, quantised2 = 0;
-      ASSERT_TRUE(kernels.quantise_query(q.data(), dim, padded, kernels.int8_query_max, out.data(), &scale, &residual2,
-                                         &quantised2));
+      ASSERT_TRUE(kernels.quantise_query(q.data(), dim, padded, kernels.int8_query_max, /*known_max=*/-1.f, out.data(),
+                                         &scale, &residual2, &quantised2));
+      // A known maximum gives the same result without the checking pass.
+      std::vector<uint8_t> hinted(padded, 0xee);
+      float hinted_scale = 0, hinted_residual2 = 0, hinted_quantised2 = 0;
+      ASSERT_TRUE(kernels.quantise_query(q.data(), dim, padded, kernels.int8_query_max,
+                                         *std::max_element(q.begin(), q.end()), hinted.data(), &hinted_scale,
+                                         &hinted_residual2, &hinted_quantised2));
+      EXPECT_EQ(hinted, out);
+      EXPECT_EQ(hinted_scale, scale);
       const float top = *std::max_element(q.begin(), q.end());
       EXPECT_FLOAT_EQ(scale, top / kernels.int8_query_max);
       double want_residual = 0, want_quantised = 0;
@@ -501,8 +512,8 @@ TEST(ScorerKernelsTest, QueryQuantisationMatchesTheDefinitionAtEveryLevel) {
       for (float bad : {-1e-3f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
         std::vector<float> spoiled = q;
         spoiled[dim / 2] = bad;
-        EXPECT_FALSE(kernels.quantise_query(spoiled.data(), dim, padded, kernels.int8_query_max, out.data(), &scale,
-                                            &residual2, &quantised2))
+        EXPECT_FALSE(kernels.quantise_query(spoiled.data(), dim, padded, kernels.int8_query_max, -1.f, out.data(),
+                                            &scale, &residual2, &quantised2))
             << SimdLevelName(level) << " " << bad;
       }
     }

@@ -210,7 +210,7 @@ TEST(SignatureScorerTest, NotFusedWhereTheTransformOrIndexCannot) {
   EXPECT_EQ((*dense_index)->kept_columns(), nullptr);
   std::vector<ScoredRow> out;
   std::vector<float> query(40, 0.f);
-  EXPECT_EQ((*dense_index)->SearchKept(query, 1.f, &out).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*dense_index)->SearchKept(query, 1.f, -1.f, &out).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

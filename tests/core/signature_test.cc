@@ -545,14 +545,19 @@ TEST(SignatureApplyKeptTest, WritesTheKeptColumnsOfApplyAndTheirNorm) {
         std::vector<float> whole(transform.dim());
         ASSERT_TRUE(transform.Apply(counts, absl::MakeSpan(whole)).ok());
         std::vector<float> kept(selection.kept.size() + 16, -1.f);
-        absl::StatusOr<float> norm = transform.ApplyKept(counts, selection.View(), absl::MakeSpan(kept));
-        ASSERT_TRUE(norm.ok()) << norm.status();
+        absl::StatusOr<SignatureTransform::KeptValues> applied =
+            transform.ApplyKept(counts, selection.View(), absl::MakeSpan(kept));
+        ASSERT_TRUE(applied.ok()) << applied.status();
+        const float* norm = &applied->norm;
+        float expected_max = 0;
         double expected_norm2 = 0;
         for (size_t k = 0; k < selection.kept.size(); ++k) {
           const float want = whole[selection.kept[k]];
           ASSERT_NEAR(kept[k], want, 1e-6f * std::fabs(want) + 1e-9f) << c.layers << "x" << c.experts << " #" << k;
           expected_norm2 += static_cast<double>(want) * want;
+          expected_max = std::max(expected_max, kept[k]);
         }
+        EXPECT_EQ(applied->max, expected_max);
         EXPECT_NEAR(*norm, std::sqrt(expected_norm2), 1e-5) << c.layers << "x" << c.experts << " keep " << keep;
         ++checked;
       }
@@ -580,7 +585,8 @@ TEST(SignatureApplyKeptTest, RejectsWhatApplyRejectsWithTheSameStatus) {
   for (const CountsInt16Le& input : inputs) {
     const absl::Status applied = transform.Apply(input, absl::MakeSpan(whole));
     ASSERT_FALSE(applied.ok());
-    const absl::StatusOr<float> fused = transform.ApplyKept(input, selection.View(), absl::MakeSpan(kept));
+    const absl::StatusOr<SignatureTransform::KeptValues> fused =
+        transform.ApplyKept(input, selection.View(), absl::MakeSpan(kept));
     ASSERT_FALSE(fused.ok());
     EXPECT_EQ(fused.status().code(), applied.code());
     EXPECT_EQ(fused.status().message(), applied.message());

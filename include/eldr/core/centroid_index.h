@@ -107,10 +107,11 @@ class CentroidIndex {
 
   // Search for a unit query given by its kept columns only (SignatureTransform::ApplyKept writes
   // them in one pass, without the full-dimension vector): `kept_query` holds kept_columns()->kept
-  // values followed by at least 16 floats of room, `kept_norm` is their norm. The results are
-  // those of Search on the full query. FAILED_PRECONDITION when kept_columns() is null;
-  // INVALID_ARGUMENT (kGeometry) when the span is too short.
-  virtual absl::Status SearchKept(absl::Span<const float> /*kept_query*/, float /*kept_norm*/,
+  // values followed by at least 16 floats of room, `kept_norm` is their norm. `kept_max` >= 0
+  // promises that every value lies in [0, kept_max] (the 8-bit scan then skips its checking pass);
+  // negative: unknown. The results are those of Search on the full query. FAILED_PRECONDITION when
+  // kept_columns() is null; INVALID_ARGUMENT (kGeometry) when the span is too short.
+  virtual absl::Status SearchKept(absl::Span<const float> /*kept_query*/, float /*kept_norm*/, float /*kept_max*/,
                                   std::vector<ScoredRow>* /*out*/) const {
     return absl::FailedPreconditionError("this centroid index has no kept-column search");
   }

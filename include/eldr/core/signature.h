@@ -116,12 +116,16 @@ class SignatureTransform {
   // The fused form of Apply for int16 counts and a scorer that reads only some columns
   // (CentroidIndex::SearchKept): writes the columns of `selection` of the unit-norm signature,
   // in order, into `out` (at least selection.kept + 16 floats: the vector kernels store whole
-  // registers) and returns their norm (<= 1). One pass over the counts: the full-dimension vector
-  // is never written. Validation and rejections are Apply's; the values are Apply's up to float
-  // rounding (the norm is summed in another order). Requires SupportsApplyKept(selection)
-  // (FAILED_PRECONDITION otherwise).
-  absl::StatusOr<float> ApplyKept(const CountsInt16Le& counts, const ColumnSelection& selection,
-                                  absl::Span<float> out) const;
+  // registers) and returns their norm (<= 1) and largest value (>= 0). One pass over the counts:
+  // the full-dimension vector is never written. Validation and rejections are Apply's; the values
+  // are Apply's up to float rounding (the norm is summed in another order). Requires
+  // SupportsApplyKept(selection) (FAILED_PRECONDITION otherwise).
+  struct KeptValues {
+    float norm = 0;
+    float max = 0;
+  };
+  absl::StatusOr<KeptValues> ApplyKept(const CountsInt16Le& counts, const ColumnSelection& selection,
+                                       absl::Span<float> out) const;
 
  private:
   explicit SignatureTransform(SignatureSpec spec);
