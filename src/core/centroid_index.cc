@@ -95,7 +95,18 @@ struct Scratch {
   std::vector<int> refine_ids;
   std::vector<const float*> f32_rows;
   std::vector<const uint16_t*> h16_rows;
-  int64_t refined_rows = 0;  // rows re-scored in fp32 by this thread (statistics)
+  std::vector<const int8_t*> i8_rows;
+  AlignedVector<uint8_t> query8;    // the quantised query (8-bit scans)
+  std::vector<int32_t> dots;        // 8-bit dot products
+  std::vector<float> bounds;        // per scanned row: error bound of its scan score (ScanRows)
+  std::vector<float> round_bounds;  // large pools: the bounds of every round's candidates
+  bool scan_exact = false;          // the last ScanRows scored in fp32: nothing to refine
+  bool has_decided = false;         // the last ScanRows had an 8-bit stage: `decided` is valid
+  std::vector<char> decided;        // per scanned row: ruled out of the band by the 8-bit stage
+  std::vector<int> undecided;       // the others, scored again in 16 bits
+  std::vector<float> rescored;
+  std::vector<char> round_decided;  // large pools: `decided` of every round's candidates
+  int64_t refined_rows = 0;         // rows re-scored in fp32 by this thread (statistics)
   std::vector<float> faiss_distances;
   std::vector<faiss::Index::idx_t> faiss_labels;
 };
@@ -129,7 +140,13 @@ class ColumnMap {
     for (size_t c = 1; c < masks_.size(); ++c) {
       offsets_[c] = offsets_[c - 1] + __builtin_popcount(static_cast<unsigned>(masks_[c - 1]));
     }
+    selection_ = ColumnSelection{dim_, masks_, offsets_, kept()};
   }
+  ColumnMap(const ColumnMap&) = delete;
+  ColumnMap& operator=(const ColumnMap&) = delete;
+
+  // The kept columns as a ColumnSelection (views into this map), or null when nothing is dropped.
+  const ColumnSelection* selection() const { return compact_ ? &selection_ : nullptr; }
 
   int dim() const { return dim_; }
   int kept() const { return static_cast<int>(kept_.size()); }
@@ -147,6 +164,7 @@ class ColumnMap {
   struct Prepared {
     const float* data;
     float norm;
+    float max = -1;  // >= 0: every value lies in [0, max] (see SearchKept); else unknown
   };
   Prepared Prepare(const float* query, const ScorerKernels& kernels, AlignedVector<float>* buffer) const {
     if (!compact_) {
@@ -166,6 +184,7 @@ class ColumnMap {
   std::vector<int> kept_;
   std::vector<uint16_t> masks_;  // bit i % 16 of masks_[i / 16]: column i is kept
   std::vector<int> offsets_;     // kept columns before each 16-column chunk
+  ColumnSelection selection_;
 };
 
 // ---- Row storage --------------------------------------------------------------------------------
@@ -174,8 +193,10 @@ class ColumnMap {
 // a 16-bit copy for the scan, binary16 or paired-layout bfloat16. Rows are 64-byte aligned.
 class RowStore {
  public:
-  // `half`: also keep a 16-bit copy in `format` (kBfloat16 or kBinary16) for the scan.
-  RowStore(const float* data, int rows, int dim, const ColumnMap& columns, bool half, HalfFormat format)
+  // `half`: also keep a reduced-precision copy in `format` for the scan; with kInt8, an 8-bit copy
+  // whose undecided rows are scanned again from a `second_stage` (kBfloat16 or kBinary16) copy.
+  RowStore(const float* data, int rows, int dim, const ColumnMap& columns, bool half, HalfFormat format,
+           HalfFormat second_stage = HalfFormat::kBfloat16)
       : rows_(rows), cols_(columns.kept()) {
     const int stride32 = PaddedStride<float>(cols_);
     f32_.assign(static_cast<size_t>(rows) * stride32, 0.f);
@@ -192,16 +213,23 @@ class RowStore {
     }
     if (!half) return;
     format_ = format;
+    // fp32 accumulation: at most n additions per path, gamma_n = n u / (1 - n u), u = 2^-24.
+    const double u = std::ldexp(1.0, -24);
+    const double n = internal::AccumulationDepth(cols_);
+    gamma_ = n * u / (1 - n * u);
+    if (format_ == HalfFormat::kInt8) {
+      // The 8-bit scan is a first stage: rows it cannot rule out are scored again from the 16-bit
+      // copy (ScanRows), so both are kept.
+      BuildInt8(rows);
+      format_ = second_stage;
+    }
     const int stride16 =
         format_ == HalfFormat::kBfloat16 ? internal::PairedBfloat16Elements(cols_) : PaddedStride<uint16_t>(cols_);
     h16_.assign(static_cast<size_t>(rows) * stride16, 0);
     h16_rows_.resize(rows);
     error_factor_.resize(rows);
     max_error_factor_ = 0;
-    // fp32 accumulation: at most n additions per path, gamma_n = n u / (1 - n u), u = 2^-24.
-    const double u = std::ldexp(1.0, -24);
-    const double n = internal::AccumulationDepth(cols_);
-    const double gamma = n * u / (1 - n * u);
+    const double gamma = gamma_;
     for (int r = 0; r < rows; ++r) {
       uint16_t* dst = h16_.data() + static_cast<size_t>(r) * stride16;
       const float* src = f32_rows_[r];
@@ -235,10 +263,17 @@ class RowStore {
     }
   }
 
+  // Rows longer than this are never scanned in 8 bits: padded * 255 * 127 must fit the int32
+  // sums of DotRowsU8S8Fn.
+  static constexpr int kMaxInt8Columns = 65536 - 64;
+
   int rows() const { return rows_; }
   int cols() const { return cols_; }
-  bool half() const { return !h16_rows_.empty(); }
-  HalfFormat format() const { return format_; }
+  // Whether the scan reads a reduced-precision copy (16- or 8-bit) whose scores need bounds.
+  bool half() const { return !h16_rows_.empty() || !i8_rows_.empty(); }
+  bool int8() const { return !i8_rows_.empty(); }
+  // kInt8 for an 8-bit first stage (then ScanHalf reads bfloat16), else the 16-bit format.
+  HalfFormat format() const { return int8() ? HalfFormat::kInt8 : format_; }
   // Error bound of row r's 16-bit score per unit of query norm (see the constructor).
   float error_factor(int r) const { return error_factor_[r]; }
   float max_error_factor() const { return max_error_factor_; }
@@ -246,6 +281,41 @@ class RowStore {
   const uint16_t* const* h16_rows() const { return h16_rows_.data(); }
   const float* f32_row(int r) const { return f32_rows_[r]; }
   const uint16_t* h16_row(int r) const { return h16_rows_[r]; }
+
+  // 8-bit scan of rows `ids` (null: 0..n-1) against `q` (cols() floats, norm q_norm): scores and
+  // their error bounds (see BuildInt8) into `scores` and scratch->bounds. Returns false when the
+  // query cannot be quantised (a negative or non-finite value): nothing is written then.
+  bool ScanInt8(const ScorerKernels& kernels, const float* q, float q_norm, float q_max, const int* ids, int n,
+                Scratch* scratch, float* scores) const {
+    const int padded = PaddedStride<int8_t>(cols_);
+    if (static_cast<int>(scratch->query8.size()) < padded) scratch->query8.resize(padded);
+    float q_scale = 0, residual2 = 0, quantised2 = 0;
+    if (!kernels.quantise_query(q, cols_, padded, kernels.int8_query_max, q_max, scratch->query8.data(), &q_scale,
+                                &residual2, &quantised2)) {
+      return false;
+    }
+    scratch->i8_rows.resize(n);
+    for (int i = 0; i < n; ++i) scratch->i8_rows[i] = i8_rows_[ids == nullptr ? i : ids[i]];
+    scratch->dots.resize(n);
+    kernels.dot_rows_u8s8(scratch->i8_rows.data(), n, scratch->query8.data(), padded, scratch->dots.data());
+    const double residual = std::sqrt(std::max(0.f, residual2));
+    const double quantised = std::sqrt(std::max(0.f, quantised2));
+    scratch->bounds.resize(n);
+    for (int i = 0; i < n; ++i) {
+      const int r = ids == nullptr ? i : ids[i];
+      scores[i] = static_cast<float>(scratch->dots[i]) * (q_scale * i8_scale_[r]);
+      // |8-bit score - exact| + |fp32 score - exact| <= (see BuildInt8)
+      //   |q'| |e_r| + |q' - q| |c_r|      (the two quantisations, Cauchy-Schwarz)
+      //   + 3 u |q'| |c'_r|                (int32 -> float and two products, each rounding once)
+      //   + gamma_n |q| |c_r|              (the fp32 re-scoring's accumulation),
+      // with 2% slack for the rounding of the bound itself.
+      scratch->bounds[i] =
+          static_cast<float>((quantised * i8_residual_[r] + residual * f32_norm_[r] +
+                              3 * std::ldexp(1.0, -24) * quantised * i8_norm_[r] + gamma_ * q_norm * f32_norm_[r]) *
+                             1.02);
+    }
+    return true;
+  }
 
   // Scores n rows given by pointers from the 16-bit copy.
   void ScanHalf(const ScorerKernels& kernels, const uint16_t* const* rows, int n, const float* q, float* scores) const {
@@ -260,6 +330,45 @@ class RowStore {
   int rows_;
   int cols_;
   HalfFormat format_ = HalfFormat::kBfloat16;
+  // The 8-bit copy: row r is i8_rows_[r] (values in [-127, 127], zero-padded to a multiple of 64),
+  // standing for i8_scale_[r] * values. i8_residual_[r] = |scaled values - c_r|, i8_norm_[r] =
+  // |scaled values|, f32_norm_[r] = |c_r| (computed in double at build time).
+  void BuildInt8(int rows) {
+    const int padded = PaddedStride<int8_t>(cols_);
+    i8_.assign(static_cast<size_t>(rows) * padded, 0);
+    i8_rows_.resize(rows);
+    i8_scale_.resize(rows);
+    i8_residual_.resize(rows);
+    i8_norm_.resize(rows);
+    f32_norm_.resize(rows);
+    for (int r = 0; r < rows; ++r) {
+      const float* src = f32_rows_[r];
+      int8_t* dst = i8_.data() + static_cast<size_t>(r) * padded;
+      float largest = 0;
+      for (int i = 0; i < cols_; ++i) largest = std::max(largest, std::fabs(src[i]));
+      const float scale = largest > 0 ? largest / 127.f : 1.f;
+      double residual2 = 0, norm2 = 0, scaled2 = 0;
+      for (int i = 0; i < cols_; ++i) {
+        const int level = std::clamp(static_cast<int>(std::nearbyint(src[i] / scale)), -127, 127);
+        dst[i] = static_cast<int8_t>(level);
+        const double value = static_cast<double>(level) * scale;
+        residual2 += (value - src[i]) * (value - src[i]);
+        norm2 += static_cast<double>(src[i]) * src[i];
+        scaled2 += value * value;
+      }
+      i8_rows_[r] = dst;
+      i8_scale_[r] = scale;
+      i8_residual_[r] = std::sqrt(residual2);
+      i8_norm_[r] = std::sqrt(scaled2);
+      f32_norm_[r] = std::sqrt(norm2);
+    }
+  }
+
+  double gamma_ = 0;
+  AlignedVector<int8_t> i8_;
+  std::vector<const int8_t*> i8_rows_;
+  std::vector<float> i8_scale_;
+  std::vector<double> i8_residual_, i8_norm_, f32_norm_;
   std::vector<float> error_factor_;
   float max_error_factor_ = 0;
   AlignedVector<float> f32_;
@@ -268,12 +377,51 @@ class RowStore {
   std::vector<const uint16_t*> h16_rows_;
 };
 
-// Scans rows `ids` (n of them; null means rows 0..n-1) of `store` against the prepared query `q`:
-// 16-bit scores when the store has a 16-bit copy, fp32 scores otherwise.
-void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* q, const int* ids, int n,
-              Scratch* scratch, float* scores) {
+// Scans rows `ids` (n of them; null means rows 0..n-1) of `store` against the prepared query `q`
+// (norm q_norm): reduced-precision scores with their error bounds in scratch->bounds when the
+// store has a 16- or 8-bit copy, fp32 scores otherwise (and scratch->scan_exact).
+//
+// With an 8-bit copy the scan has two stages. The 8-bit scores s8_j come with bounds b8_j; m8 =
+// max_j (s8_j - b8_j) is at most the exact best score. A row with s8_j + b8_j < m8 - band_tau - B16
+// (B16: the largest bfloat16 bound) lies below the band edge by more than any later score of the
+// best row can err, so it keeps its 8-bit score and is marked decided (scratch->decided; RefineRows
+// skips it); the others, the best among them, are scored again in bfloat16 with their bounds.
+void ScanRows(const RowStore& store, const ScorerKernels& kernels, const ColumnMap::Prepared& query, const int* ids,
+              int n, float band_tau, Scratch* scratch, float* scores) {
+  const float* q = query.data;
+  const float q_norm = query.norm;
   const int cols = store.cols();
-  if (!store.half()) {
+  scratch->scan_exact = false;
+  scratch->has_decided = false;
+  if (store.int8() && store.ScanInt8(kernels, q, q_norm, query.max, ids, n, scratch, scores)) {
+    float floor = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < n; ++i) floor = std::max(floor, scores[i] - scratch->bounds[i]);
+    const float out_below = floor - band_tau - q_norm * store.max_error_factor();
+    scratch->decided.assign(n, 0);
+    scratch->h16_rows.clear();
+    scratch->undecided.clear();
+    for (int i = 0; i < n; ++i) {
+      if (scores[i] + scratch->bounds[i] < out_below) {
+        scratch->decided[i] = 1;
+      } else {
+        scratch->undecided.push_back(i);
+        scratch->h16_rows.push_back(store.h16_row(ids == nullptr ? i : ids[i]));
+      }
+    }
+    scratch->has_decided = true;
+    const int m = static_cast<int>(scratch->undecided.size());
+    scratch->rescored.resize(m);
+    store.ScanHalf(kernels, scratch->h16_rows.data(), m, q, scratch->rescored.data());
+    for (int k = 0; k < m; ++k) {
+      const int i = scratch->undecided[k];
+      scores[i] = scratch->rescored[k];
+      scratch->bounds[i] = q_norm * store.error_factor(ids == nullptr ? i : ids[i]);
+    }
+    return;
+  }
+  if (!store.half() || store.int8()) {  // fp32 rows, or a query the 8-bit scan cannot take
+    scratch->scan_exact = true;
+    scratch->bounds.assign(n, 0.f);
     if (ids == nullptr) {
       kernels.dot_rows_f32(store.f32_rows(), n, q, cols, scores);
       return;
@@ -283,6 +431,8 @@ void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* 
     kernels.dot_rows_f32(scratch->f32_rows.data(), n, q, cols, scores);
     return;
   }
+  scratch->bounds.resize(n);
+  for (int i = 0; i < n; ++i) scratch->bounds[i] = q_norm * store.error_factor(ids == nullptr ? i : ids[i]);
   if (ids == nullptr) {
     store.ScanHalf(kernels, store.h16_rows(), n, q, scores);
     return;
@@ -292,37 +442,47 @@ void ScanRows(const RowStore& store, const ScorerKernels& kernels, const float* 
   store.ScanHalf(kernels, scratch->h16_rows.data(), n, q, scores);
 }
 
-// After ScanRows on a 16-bit store: re-scores in fp32 what is needed for every row to fall on the
-// same side of the band edge as with fp32 scores. Row j's 16-bit score is within
-// b_j = |q| error_factor(j) of its exact score, B = max b_j, m is the best 16-bit score, tau =
-// band_tau and e = m - tau the 16-bit edge (the fp32 edge is within B of it):
+// After ScanRows with reduced-precision scores: re-scores in fp32 what is needed for every row to
+// fall on the same side of the band edge as with fp32 scores. Row j's scan score is within b_j =
+// scratch->bounds[j] of its exact score (and the fp32 score too, the bound covers both), B = max
+// b_j, m is the best scan score, tau = band_tau and e = m - tau the scan's edge (the fp32 edge is
+// within B of it):
 //  - a row more than b_j + B from e is decided: its fp32 score lies on the same side of the fp32
 //    edge. When every row is, nothing is re-scored (the common case) and every score is within
 //    b_j of exact.
 //  - otherwise the rows within b_j + 2B of e are re-scored, and so are the rows with score
-//    >= m - 2B: the true best row is among them (its 16-bit score is >= its exact score - B >=
-//    m - 2B) and every other row's 16-bit score is below the fp32 score of the best, so the best
+//    >= m - 2B: the true best row is among them (its scan score is >= its exact score - B >=
+//    m - 2B) and every other row's scan score is below the fp32 score of the best, so the best
 //    returned score, and the edge the caller derives from it, are those of fp32 scoring (the extra
 //    B covers the edge moving from e to the fp32 one).
-void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float* q, float query_norm, const int* ids,
-                int n, float band_tau, Scratch* scratch, float* scores) {
-  if (!store.half() || n == 0) return;
-  const float max_bound = query_norm * store.max_error_factor();
+void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float* q, const int* ids, int n,
+                float band_tau, Scratch* scratch, float* scores) {
+  if (scratch->scan_exact || n == 0) return;
+  const float* bounds = scratch->bounds.data();
+  // Rows the 8-bit stage decided (see ScanRows) take no part.
+  const bool has_decided = scratch->has_decided;
+  const char* decided = scratch->decided.data();
+  auto open = [&](int i) { return !has_decided || decided[i] == 0; };
+  float max_bound = 0;
   float best = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < n; ++i) best = std::max(best, scores[i]);
+  for (int i = 0; i < n; ++i) {
+    if (!open(i)) continue;
+    best = std::max(best, scores[i]);
+    max_bound = std::max(max_bound, bounds[i]);
+  }
   const float edge = best - band_tau;
-  auto row_bound = [&](int i) { return query_norm * store.error_factor(ids == nullptr ? i : ids[i]); };
   // NaN scores (a non-finite query) compare false everywhere: they count as near the edge and
   // are re-scored, harmlessly.
   bool any_near_edge = false;
   for (int i = 0; i < n && !any_near_edge; ++i) {
-    any_near_edge = !(std::fabs(scores[i] - edge) > row_bound(i) + max_bound);
+    any_near_edge = open(i) && !(std::fabs(scores[i] - edge) > bounds[i] + max_bound);
   }
   if (!any_near_edge) return;
   const float top_floor = best - 2 * max_bound;
   scratch->refine_ids.clear();
   for (int i = 0; i < n; ++i) {
-    if (!(scores[i] < top_floor) || !(std::fabs(scores[i] - edge) > row_bound(i) + 2 * max_bound)) {
+    if (!open(i)) continue;
+    if (!(scores[i] < top_floor) || !(std::fabs(scores[i] - edge) > bounds[i] + 2 * max_bound)) {
       scratch->refine_ids.push_back(i);
     }
   }
@@ -336,6 +496,21 @@ void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float
   scratch->refined.resize(m);
   kernels.dot_rows_f32(scratch->f32_rows.data(), m, q, store.cols(), scratch->refined.data());
   for (int k = 0; k < m; ++k) scores[scratch->refine_ids[k]] = scratch->refined[k];
+}
+
+// SearchKept's argument checks: the index drops columns and the query holds its kept ones.
+absl::Status CheckKeptQuery(const ColumnMap& columns, absl::Span<const float> kept_query) {
+  const ColumnSelection* selection = columns.selection();
+  if (selection == nullptr) {
+    return absl::FailedPreconditionError("SearchKept on a centroid index that keeps every column: call Search");
+  }
+  if (static_cast<int64_t>(kept_query.size()) < int64_t{selection->kept} + 16) {
+    return InvalidInput(RejectReason::kGeometry,
+                        absl::StrFormat("kept query has %d values, the centroid index keeps %d columns (plus 16 of "
+                                        "room)",
+                                        kept_query.size(), selection->kept));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckQuery(absl::Span<const float> query, int dim) {
@@ -385,6 +560,11 @@ absl::Status ScoreBatchCompacted(const RowStore& store, const ColumnMap& columns
   return absl::OkStatus();
 }
 
+// Whether the scan kernels are the portable ones (no AVX2: ELDR_SIMD=scalar or an old CPU). Their
+// 16- and 8-bit scans decode one value at a time, 11-15x slower than their fp32 scan (48 x 128,
+// K = 16: fp32 8.2 us, bfloat16 124 us, binary16 90 us, int8 45 us), so kAuto scans fp32 there.
+bool PortableKernelsOnly() { return BestKernels().level == internal::SimdLevel::kScalar; }
+
 // ---- Exact index --------------------------------------------------------------------------------
 
 class ExactIndex final : public CentroidIndex {
@@ -394,7 +574,25 @@ class ExactIndex final : public CentroidIndex {
         band_tau_(static_cast<float>(options.band_tau)),
         columns_(centroids, rows, dim),
         store_(centroids, rows, dim, columns_, ScanInHalf(options, columns_.kept()),
-               options.half_format == HalfFormat::kAuto ? HalfFormat::kBfloat16 : options.half_format) {}
+               ScanFormat(options, rows, columns_.kept())) {}
+
+  // kAuto: the 8-bit first stage from Int8MinRows() rows on, where the CPU has vector integer dot
+  // products (AVX2 or AVX-512), else bfloat16 (see kShortRowColumns for when no reduced copy is
+  // scanned at all). kInt8 rows too long for the int32 sums fall back to bfloat16. Measured with
+  // eldr-microbench on 48 x 128 (docs/benchmarks.md): with AVX-512 VNNI the two tie at 16 rows and
+  // 8 bits is 20% faster at 24; with AVX2 it is 13% faster at 16 and 11% slower at 8.
+  static int Int8MinRows() { return BestKernels().level == internal::SimdLevel::kAvx512 ? 20 : 16; }
+  static HalfFormat ScanFormat(const CentroidIndexOptions& options, int rows, int kept_columns) {
+    if (options.half_format == HalfFormat::kAuto) {
+      const bool vector_int8 = static_cast<int>(BestKernels().level) >= static_cast<int>(internal::SimdLevel::kAvx2);
+      return vector_int8 && rows >= Int8MinRows() && kept_columns <= RowStore::kMaxInt8Columns ? HalfFormat::kInt8
+                                                                                               : HalfFormat::kBfloat16;
+    }
+    if (options.half_format == HalfFormat::kInt8 && kept_columns > RowStore::kMaxInt8Columns) {
+      return HalfFormat::kBfloat16;
+    }
+    return options.half_format;
+  }
 
   // kAuto: rows shorter than this many kept columns (8 KB in fp32) are scanned in fp32. Measured
   // (docs/benchmarks.md): for 26 x 64 signatures (~950 kept columns) the fp32 scan beats both
@@ -402,27 +600,38 @@ class ExactIndex final : public CentroidIndex {
   static constexpr int kShortRowColumns = 2048;
   static bool ScanInHalf(const CentroidIndexOptions& options, int kept_columns) {
     if (!options.half_precision) return false;
-    return options.half_format != HalfFormat::kAuto || kept_columns >= kShortRowColumns;
+    if (options.half_format != HalfFormat::kAuto) return true;
+    return kept_columns >= kShortRowColumns && !PortableKernelsOnly();
   }
 
   int rows() const override { return store_.rows(); }
   int dim() const override { return dim_; }
   absl::string_view kind() const override {
     if (!store_.half()) return "exact";
-    return store_.format() == HalfFormat::kBfloat16 ? "exact_bf16" : "exact_fp16";
+    switch (store_.format()) {
+      case HalfFormat::kInt8:
+        return "exact_int8";
+      case HalfFormat::kBinary16:
+        return "exact_fp16";
+      default:
+        return "exact_bf16";
+    }
   }
 
   absl::Status Search(absl::Span<const float> query, std::vector<ScoredRow>* out) const override {
     ELDR_RETURN_IF_ERROR(CheckQuery(query, dim_));
     Scratch& scratch = ThreadScratch();
-    const ScorerKernels& kernels = BestKernels();
-    const ColumnMap::Prepared q = columns_.Prepare(query.data(), kernels, &scratch.query);
-    const int n = store_.rows();
-    scratch.scores.resize(n);
-    ScanRows(store_, kernels, q.data, nullptr, n, &scratch, scratch.scores.data());
-    RefineRows(store_, kernels, q.data, q.norm, nullptr, n, band_tau_, &scratch, scratch.scores.data());
-    out->resize(n);
-    for (int r = 0; r < n; ++r) (*out)[r] = ScoredRow{r, scratch.scores[r]};
+    const ColumnMap::Prepared q = columns_.Prepare(query.data(), BestKernels(), &scratch.query);
+    SearchPrepared(q, &scratch, out);
+    return absl::OkStatus();
+  }
+
+  const ColumnSelection* kept_columns() const override { return columns_.selection(); }
+
+  absl::Status SearchKept(absl::Span<const float> kept_query, float kept_norm, float kept_max,
+                          std::vector<ScoredRow>* out) const override {
+    ELDR_RETURN_IF_ERROR(CheckKeptQuery(columns_, kept_query));
+    SearchPrepared(ColumnMap::Prepared{kept_query.data(), kept_norm, kept_max}, &ThreadScratch(), out);
     return absl::OkStatus();
   }
 
@@ -431,6 +640,17 @@ class ExactIndex final : public CentroidIndex {
   }
 
  private:
+  // Scores the prepared (kept-column) query against every row.
+  void SearchPrepared(const ColumnMap::Prepared& q, Scratch* scratch, std::vector<ScoredRow>* out) const {
+    const ScorerKernels& kernels = BestKernels();
+    const int n = store_.rows();
+    scratch->scores.resize(n);
+    ScanRows(store_, kernels, q, nullptr, n, band_tau_, scratch, scratch->scores.data());
+    RefineRows(store_, kernels, q.data, nullptr, n, band_tau_, scratch, scratch->scores.data());
+    out->resize(n);
+    for (int r = 0; r < n; ++r) (*out)[r] = ScoredRow{r, scratch->scores[r]};
+  }
+
   int dim_;
   float band_tau_;
   ColumnMap columns_;
@@ -491,8 +711,27 @@ class ReducedIndex final : public CentroidIndex {
   absl::Status Search(absl::Span<const float> query, std::vector<ScoredRow>* out) const override {
     ELDR_RETURN_IF_ERROR(CheckQuery(query, dim_));
     Scratch& scratch = ThreadScratch();
+    return SearchPrepared(columns_.Prepare(query.data(), BestKernels(), &scratch.query), &scratch, out);
+  }
+
+  const ColumnSelection* kept_columns() const override { return columns_.selection(); }
+
+  absl::Status SearchKept(absl::Span<const float> kept_query, float kept_norm, float kept_max,
+                          std::vector<ScoredRow>* out) const override {
+    ELDR_RETURN_IF_ERROR(CheckKeptQuery(columns_, kept_query));
+    return SearchPrepared(ColumnMap::Prepared{kept_query.data(), kept_norm, kept_max}, &ThreadScratch(), out);
+  }
+
+  absl::Status ScoreBatch(absl::Span<const float> queries, int n, absl::Span<float> scores) const override {
+    return ScoreBatchCompacted(store_, columns_, queries, n, scores);
+  }
+
+ private:
+  // The search proper, on the prepared (kept-column) query.
+  absl::Status SearchPrepared(const ColumnMap::Prepared& prepared, Scratch* scratch_ptr,
+                              std::vector<ScoredRow>* out) const {
+    Scratch& scratch = *scratch_ptr;
     const ScorerKernels& kernels = BestKernels();
-    const ColumnMap::Prepared prepared = columns_.Prepare(query.data(), kernels, &scratch.query);
     const float* q = prepared.data;
     const int rows = store_.rows();
 
@@ -530,6 +769,11 @@ class ReducedIndex final : public CentroidIndex {
     }
     scratch.ids.clear();
     float best = -std::numeric_limits<float>::infinity();
+    std::vector<float>& round_bounds = scratch.round_bounds;
+    round_bounds.clear();
+    std::vector<char>& round_decided = scratch.round_decided;
+    round_decided.clear();
+    bool any_exact = false;
     while (true) {
       if (hnsw_) {
         ELDR_RETURN_IF_ERROR(SearchHnsw(y, want, &scratch));
@@ -540,8 +784,17 @@ class ReducedIndex final : public CentroidIndex {
       fetched = static_cast<int>(scratch.ids.size());
       // Score the new candidates (HNSW with a larger k returns the earlier ones first).
       scratch.candidate_scores.resize(fetched);
-      ScanRows(store_, kernels, q, scratch.ids.data() + scored, fetched - scored, &scratch,
+      ScanRows(store_, kernels, prepared, scratch.ids.data() + scored, fetched - scored, band_tau_, &scratch,
                scratch.candidate_scores.data() + scored);
+      // Bounds and 8-bit decisions accumulate over the rounds, in candidate order (RefineRows
+      // reads them all).
+      round_bounds.insert(round_bounds.end(), scratch.bounds.begin(), scratch.bounds.end());
+      if (scratch.has_decided) {
+        round_decided.insert(round_decided.end(), scratch.decided.begin(), scratch.decided.end());
+      } else {
+        round_decided.resize(round_decided.size() + (fetched - scored), 0);
+      }
+      any_exact |= scratch.scan_exact;
       for (int k = scored; k < fetched; ++k) best = std::max(best, scratch.candidate_scores[k]);
       scored = fetched;
       if (fetched >= std::min(rows, max_candidates_) || fetched < want) break;
@@ -555,24 +808,39 @@ class ReducedIndex final : public CentroidIndex {
 
     // Exact decisions at full dimension.
     float* exact = scratch.candidate_scores.data();
-    RefineRows(store_, kernels, q, prepared.norm, scratch.ids.data(), fetched, band_tau_, &scratch, exact);
+    // A round scanned in fp32 (a query the 8-bit scan cannot take) scanned them all in fp32.
+    scratch.scan_exact = any_exact;
+    scratch.has_decided = true;
+    scratch.bounds.swap(round_bounds);
+    scratch.decided.swap(round_decided);
+    RefineRows(store_, kernels, q, scratch.ids.data(), fetched, band_tau_, &scratch, exact);
+    scratch.bounds.swap(round_bounds);
+    scratch.decided.swap(round_decided);
     out->resize(fetched);
     for (int k = 0; k < fetched; ++k) (*out)[k] = ScoredRow{scratch.ids[k], exact[k]};
     return absl::OkStatus();
   }
 
-  absl::Status ScoreBatch(absl::Span<const float> queries, int n, absl::Span<float> scores) const override {
-    return ScoreBatchCompacted(store_, columns_, queries, n, scores);
-  }
-
- private:
   ReducedIndex(const float* centroids, int rows, int dim, const CentroidIndexOptions& options)
       : dim_(dim),
         band_tau_(static_cast<float>(options.band_tau)),
         columns_(centroids, rows, dim),
-        store_(centroids, rows, dim, columns_, options.half_precision,
-               options.half_format == HalfFormat::kAuto ? HalfFormat::kBinary16 : options.half_format),
+        store_(centroids, rows, dim, columns_, CandidatesInHalf(options), CandidateFormat(options, columns_.kept()),
+               HalfFormat::kBinary16),
         options_(options) {}
+
+  // kAuto with the portable kernels: fp32 (see PortableKernelsOnly).
+  static bool CandidatesInHalf(const CentroidIndexOptions& options) {
+    return options.half_precision && (options.half_format != HalfFormat::kAuto || !PortableKernelsOnly());
+  }
+  // kAuto: binary16 (see CentroidIndexOptions::half_format).
+  static HalfFormat CandidateFormat(const CentroidIndexOptions& options, int kept_columns) {
+    if (options.half_format == HalfFormat::kAuto) return HalfFormat::kBinary16;
+    if (options.half_format == HalfFormat::kInt8 && kept_columns > RowStore::kMaxInt8Columns) {
+      return HalfFormat::kBinary16;
+    }
+    return options.half_format;
+  }
 
   absl::Status Fit() {
     const int rows = store_.rows();
@@ -604,7 +872,7 @@ class ReducedIndex final : public CentroidIndex {
 
     // Principal axes as rows, in bfloat16 when the centroids have a 16-bit copy: they only choose
     // candidates, so their precision does not reach any decision.
-    axes_half_ = options_.half_precision;
+    axes_half_ = CandidatesInHalf(options_);
     axes_f32_.assign(static_cast<size_t>(reduced_dims_) * PaddedStride<float>(cols), 0.f);
     for (int k = 0; k < reduced_dims_; ++k) {
       float* dst = axes_f32_.data() + static_cast<size_t>(k) * PaddedStride<float>(cols);

@@ -28,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "eldr/core/errors.h"
+#include "eldr/core/signature_scorer.h"
 
 namespace eldr {
 namespace {
@@ -56,12 +57,14 @@ struct CentroidSet {
       : generation(generation),
         artifact(std::move(artifact)),
         transform(std::move(transform)),
-        index(std::move(index)) {}
+        index(std::move(index)),
+        scorer(this->transform, *this->index) {}
 
   const uint64_t generation;
   const CentroidArtifact artifact;  // `workers` always filled: row i belongs to workers[i]
   const SignatureTransform transform;
   const std::unique_ptr<const CentroidIndex> index;
+  const SignatureScorer scorer;  // over transform and index
 };
 
 struct WorkerEntry {
@@ -87,7 +90,7 @@ struct LeaseRecord {
 // Per-thread buffers for the part of a route that runs outside every lock, reused across calls so
 // a route does not allocate once a thread has warmed up.
 struct RouteScratch {
-  std::vector<float> signature;
+  SignatureScorer::Buffers signature;
   std::vector<ScoredRow> scored;
   std::vector<LeaseEnd> ended;  // leases a route or Complete released, told to observers after the lock
 };
@@ -366,20 +369,18 @@ absl::StatusOr<RouterImpl::Scoring> RouterImpl::ScoreSignature(const SignatureIn
     scoring.no_scores_reason = FallbackReason::kNoCentroids;
     return scoring;
   }
-  scratch.signature.resize(static_cast<size_t>(set->transform.dim()));
-  const absl::Status transformed = set->transform.Apply(*signature, absl::MakeSpan(scratch.signature));
-  if (!transformed.ok()) {
-    if (RejectReasonOf(transformed) != RejectReason::kZeroSignature) return transformed;
+  // Other policies need no scores, but the signature is still validated (and observed).
+  const bool wants_scores = options_.policy == PolicyKind::kEldr;
+  scratch.scored.clear();
+  const absl::Status scored = wants_scores ? set->scorer.Score(*signature, &scratch.signature, &scratch.scored)
+                                           : set->scorer.Transform(*signature, &scratch.signature);
+  if (!scored.ok()) {
+    if (RejectReasonOf(scored) != RejectReason::kZeroSignature) return scored;
     scoring.no_scores_reason = FallbackReason::kZeroSignature;
     return scoring;
   }
   scoring.accepted_signature = true;
-  if (options_.policy == PolicyKind::kEldr) {
-    scratch.scored.clear();
-    const absl::Status searched = set->index->Search(scratch.signature, &scratch.scored);
-    if (!searched.ok()) return absl::InternalError(absl::StrCat("centroid index search failed: ", searched.message()));
-    scoring.have_scores = true;
-  }
+  scoring.have_scores = wants_scores;
   return scoring;
 }
 
@@ -398,8 +399,19 @@ absl::StatusOr<RouteResult> RouterImpl::Route(const RouteInput& input) {
   }
   if (!scratch.ended.empty()) DeliverLeaseEnds(&scratch.ended);  // a lease evicted at the limit
   if (result.ok() && scoring.accepted_signature && has_observers_.load(std::memory_order_acquire)) {
+    // Built only if an observer asks for it (SignatureScorer::Signature).
+    struct LazySignature final : RoutedSignature::Source {
+      LazySignature(const SignatureScorer& scorer, const SignatureInput& input, SignatureScorer::Buffers& buffers)
+          : scorer(scorer), input(input), buffers(buffers) {}
+      absl::Span<const float> Get() const override { return scorer.Signature(input, &buffers); }
+      const SignatureScorer& scorer;
+      const SignatureInput& input;
+      SignatureScorer::Buffers& buffers;
+    };
+    const LazySignature lazy(set->scorer, *input.signature, scratch.signature);
     RoutedSignature routed;
-    routed.signature = scratch.signature;
+    routed.source = &lazy;
+    routed.signature_dim = set->transform.dim();
     routed.worker_id = result->worker_id;
     routed.lease_id = result->lease_id;
     routed.centroid_generation = result->centroid_generation;

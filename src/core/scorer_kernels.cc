@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -55,6 +56,69 @@ float GatherColumnsScalar(const float* in, int /*dim*/, const uint16_t* /*masks*
     sum += v * v;
   }
   return sum;
+}
+
+float ConvertGatherInt16Scalar(const char* src, const float* weights, int n, const uint16_t* masks, const int* offsets,
+                               float* out, float* kept_sum, float* kept_max, int32_t* bits) {
+  double full = 0, kept = 0;
+  float largest = *kept_max;
+  int32_t acc = 0;
+  for (int c = 0; 16 * c < n; ++c) {
+    int pos = offsets[c];
+    const int end = std::min(n, 16 * c + 16);
+    for (int i = 16 * c; i < end; ++i) {
+      int16_t count;
+      std::memcpy(&count, src + 2 * i, sizeof(count));
+      acc |= count;
+      const float v = static_cast<float>(count) * (weights != nullptr ? weights[i] : 1.f);
+      full += static_cast<double>(v) * v;
+      if ((masks[c] >> (i & 15)) & 1) {
+        out[pos++] = v;
+        kept += static_cast<double>(v) * v;
+        largest = std::max(largest, v);
+      }
+    }
+  }
+  *bits |= acc;
+  *kept_sum += static_cast<float>(kept);
+  *kept_max = largest;
+  return static_cast<float>(full);
+}
+
+void DotRowsU8S8Scalar(const int8_t* const* rows, int n, const uint8_t* query, int padded, int32_t* out) {
+  for (int r = 0; r < n; ++r) {
+    const int8_t* row = rows[r];
+    int32_t sum = 0;
+    for (int i = 0; i < padded; ++i) sum += static_cast<int32_t>(query[i]) * row[i];
+    out[r] = sum;
+  }
+}
+
+bool QuantiseQueryScalar(const float* q, int dim, int padded, int max_level, float known_max, uint8_t* out,
+                         float* scale, float* residual_norm2, float* quantised_norm2) {
+  float largest = known_max;
+  if (!(known_max >= 0.f)) {
+    largest = 0;
+    for (int i = 0; i < dim; ++i) {
+      if (!(q[i] >= 0.f) || !std::isfinite(q[i])) return false;
+      largest = std::max(largest, q[i]);
+    }
+  }
+  const float step = largest > 0 ? largest / static_cast<float>(max_level) : 1.f;
+  const float inverse = 1.f / step;
+  float residual = 0, quantised = 0;
+  for (int i = 0; i < dim; ++i) {
+    const int level = std::min(max_level, static_cast<int>(std::nearbyint(q[i] * inverse)));
+    out[i] = static_cast<uint8_t>(level);
+    const float value = static_cast<float>(level) * step;
+    residual += (value - q[i]) * (value - q[i]);
+    quantised += value * value;
+  }
+  std::memset(out + dim, 0, static_cast<size_t>(padded - dim));
+  *scale = step;
+  *residual_norm2 = residual;
+  *quantised_norm2 = quantised;
+  return true;
 }
 
 void AccumulateColumnsScalar(const float* columns, int k, int n, int stride, const float* weights, float* out) {
@@ -118,6 +182,21 @@ size_t EncodeHalvesScalar(const float* in, int dim, float scale, uint16_t* halve
 // ---- AVX2 + FMA + F16C --------------------------------------------------------------------------
 // Four rows at a time so each query chunk is loaded once for four rows; two accumulators per row
 // hide the FMA latency. The rows stream from L2/L3, which is what bounds these kernels.
+// Runs `blocks` (a kernel body that handles rows in groups of 4) on n rows: the last group is
+// padded with copies of the last row, whose results are dropped, so no row falls back to the
+// scalar loop (at 4.5k columns one scalar bfloat16 row costs as much as 16 vector ones).
+template <typename Row, typename Out, typename Blocks>
+void InGroupsOf4(const Blocks& blocks, const Row* const* rows, int n, Out* out) {
+  const int whole = n & ~3;
+  if (whole > 0) blocks(rows, whole, out);
+  if (whole == n) return;
+  const Row* tail[4];
+  Out tail_out[4];
+  for (int k = 0; k < 4; ++k) tail[k] = rows[std::min(whole + k, n - 1)];
+  blocks(tail, 4, tail_out);
+  for (int k = 0; whole + k < n; ++k) out[whole + k] = tail_out[k];
+}
+
 #define ELDR_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 ELDR_TARGET_AVX2 inline float HorizontalSumAvx2(__m256 v) {
@@ -199,7 +278,8 @@ ELDR_TARGET_AVX2 inline __m256 HighBf16Avx2(__m256i words) {
   return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-ELDR_TARGET_AVX2 void DotRowsBf16Avx2(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
+ELDR_TARGET_AVX2 void DotRowsBf16Avx2Groups(const uint16_t* const* rows, int n, const float* query, int dim,
+                                            float* out) {
   const int full = dim & ~31;
   int r = 0;
   for (; r + 4 <= n; r += 4) {
@@ -226,6 +306,12 @@ ELDR_TARGET_AVX2 void DotRowsBf16Avx2(const uint16_t* const* rows, int n, const 
     }
   }
   if (r < n) DotRowsBf16Scalar(rows + r, n - r, query, dim, out + r);
+}
+
+ELDR_TARGET_AVX2 void DotRowsBf16Avx2(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
+  InGroupsOf4([&](const uint16_t* const* group, int count,
+                  float* group_out) { DotRowsBf16Avx2Groups(group, count, query, dim, group_out); },
+              rows, n, out);
 }
 
 // Lane permutations that move the selected lanes of an 8-lane register to the front.
@@ -260,6 +346,172 @@ ELDR_TARGET_AVX2 float GatherColumnsAvx2(const float* in, int dim, const uint16_
     _mm256_storeu_ps(out + pos, _mm256_permutevar8x32_ps(v, perm));
   }
   return HorizontalSumAvx2(sum);
+}
+
+// Values i .. n - 1 (fewer than 16, the end of a run) of ConvertGatherInt16, one at a time.
+void ConvertGatherInt16Tail(const char* src, const float* weights, int i, int n, const uint16_t* masks,
+                            const int* offsets, float* out, float* full, float* kept, float* kept_max, int32_t* bits) {
+  for (; i < n; ++i) {
+    int16_t count;
+    std::memcpy(&count, src + 2 * i, sizeof(count));
+    *bits |= count;
+    const float v = static_cast<float>(count) * (weights != nullptr ? weights[i] : 1.f);
+    *full += v * v;
+    const unsigned word = masks[i >> 4];
+    if ((word >> (i & 15)) & 1) {
+      out[offsets[i >> 4] + __builtin_popcount(word & ((1u << (i & 15)) - 1))] = v;
+      *kept += v * v;
+      *kept_max = std::max(*kept_max, v);
+    }
+  }
+}
+
+ELDR_TARGET_AVX2 float ConvertGatherInt16Avx2(const char* src, const float* weights, int n, const uint16_t* masks,
+                                              const int* offsets, float* out, float* kept_sum, float* kept_max,
+                                              int32_t* bits) {
+  static const CompressTable table;
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  // One pair of sums per half chunk: consecutive steps do not wait on each other's FMA.
+  __m256 full0 = _mm256_setzero_ps(), full1 = full0, kept0 = full0, kept1 = full0;
+  __m256 largest = _mm256_set1_ps(*kept_max);
+  __m128i or_bits = _mm_setzero_si128();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const int chunk = i >> 4;
+    const unsigned word = masks[chunk];
+    const __m128i raw0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
+    const __m128i raw1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i + 16));
+    or_bits = _mm_or_si128(or_bits, _mm_or_si128(raw0, raw1));
+    __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(raw0));
+    __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(raw1));
+    if (weights != nullptr) {
+      v0 = _mm256_mul_ps(v0, _mm256_loadu_ps(weights + i));
+      v1 = _mm256_mul_ps(v1, _mm256_loadu_ps(weights + i + 8));
+    }
+    full0 = _mm256_fmadd_ps(v0, v0, full0);
+    full1 = _mm256_fmadd_ps(v1, v1, full1);
+    const unsigned m0 = word & 0xff, m1 = word >> 8;
+    const int pos0 = offsets[chunk];
+    const int pos1 = pos0 + __builtin_popcount(m0);
+    const __m256i sel0 =
+        _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(m0)), lane_bits), lane_bits);
+    const __m256i sel1 =
+        _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(m1)), lane_bits), lane_bits);
+    const __m256 k0 = _mm256_and_ps(v0, _mm256_castsi256_ps(sel0));
+    const __m256 k1 = _mm256_and_ps(v1, _mm256_castsi256_ps(sel1));
+    kept0 = _mm256_fmadd_ps(k0, k0, kept0);
+    kept1 = _mm256_fmadd_ps(k1, k1, kept1);
+    // Unselected lanes hold +0 in k0/k1; *kept_max starts at >= 0 in every use, and a negative
+    // selected value cannot raise it either way.
+    largest = _mm256_max_ps(largest, _mm256_max_ps(k0, k1));
+    // In order: the second store overwrites the first one's spill-over lanes.
+    _mm256_storeu_ps(out + pos0,
+                     _mm256_permutevar8x32_ps(v0, _mm256_load_si256(reinterpret_cast<const __m256i*>(table.perm[m0]))));
+    _mm256_storeu_ps(out + pos1,
+                     _mm256_permutevar8x32_ps(v1, _mm256_load_si256(reinterpret_cast<const __m256i*>(table.perm[m1]))));
+  }
+  alignas(16) int16_t lanes[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), or_bits);
+  int32_t acc = 0;
+  for (int16_t lane : lanes) acc |= lane;
+  float full = HorizontalSumAvx2(_mm256_add_ps(full0, full1));
+  float kept = HorizontalSumAvx2(_mm256_add_ps(kept0, kept1));
+  alignas(32) float top[8];
+  _mm256_store_ps(top, largest);
+  for (float lane : top) *kept_max = std::max(*kept_max, lane);
+  ConvertGatherInt16Tail(src, weights, i, n, masks, offsets, out, &full, &kept, kept_max, &acc);
+  *bits |= acc;
+  *kept_sum += kept;
+  return full;
+}
+
+ELDR_TARGET_AVX2 void DotRowsU8S8Avx2Groups(const int8_t* const* rows, int n, const uint8_t* query, int padded,
+                                            int32_t* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  int r = 0;
+  for (; r + 4 <= n; r += 4) {
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int i = 0; i < padded; i += 32) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(query + i));
+      for (int k = 0; k < 4; ++k) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r + k] + i));
+        // u8 x s8 pairs summed in int16 (no saturation for query levels <= 127), then in int32.
+        acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(q, w), ones));
+      }
+    }
+    for (int k = 0; k < 4; ++k) {
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[k]);
+      int32_t sum = 0;
+      for (int32_t lane : lanes) sum += lane;
+      out[r + k] = sum;
+    }
+  }
+  if (r < n) DotRowsU8S8Scalar(rows + r, n - r, query, padded, out + r);
+}
+
+ELDR_TARGET_AVX2 void DotRowsU8S8Avx2(const int8_t* const* rows, int n, const uint8_t* query, int padded,
+                                      int32_t* out) {
+  InGroupsOf4([&](const int8_t* const* group, int count,
+                  int32_t* group_out) { DotRowsU8S8Avx2Groups(group, count, query, padded, group_out); },
+              rows, n, out);
+}
+
+ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* q, int dim, int padded, int max_level, float known_max,
+                                        uint8_t* out, float* scale, float* residual_norm2, float* quantised_norm2) {
+  // Pass 1: the largest value; a negative value or a NaN fails the ordered >= 0 test, +Inf the
+  // finiteness test of the maximum.
+  __m256 largest = _mm256_setzero_ps();
+  __m256 bad = _mm256_setzero_ps();
+  const __m256 zero = _mm256_setzero_ps();
+  int i = known_max >= 0.f ? dim : 0;  // a known maximum skips the pass
+  for (; i + 8 <= dim; i += 8) {
+    const __m256 v = _mm256_loadu_ps(q + i);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, zero, _CMP_NGE_UQ));
+    largest = _mm256_max_ps(largest, v);
+  }
+  if (_mm256_movemask_ps(bad) != 0) return false;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, largest);
+  float top = 0;
+  for (float lane : lanes) top = std::max(top, lane);
+  for (int j = i; j < dim; ++j) {
+    if (!(q[j] >= 0.f)) return false;
+    top = std::max(top, q[j]);
+  }
+  if (known_max >= 0.f) top = known_max;
+  if (!std::isfinite(top)) return false;
+  const float step = top > 0 ? top / static_cast<float>(max_level) : 1.f;
+  const __m256 inverse = _mm256_set1_ps(1.f / step);
+  const __m256 step_v = _mm256_set1_ps(step);
+  const __m256i cap = _mm256_set1_epi32(max_level);
+  __m256 residual = _mm256_setzero_ps(), quantised = _mm256_setzero_ps();
+  i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    const __m256 v = _mm256_loadu_ps(q + i);
+    // Round to nearest (the default MXCSR mode, as std::nearbyint in the scalar version).
+    const __m256i level = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, inverse)), cap);
+    const __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(level), step_v);
+    const __m256 d = _mm256_sub_ps(value, v);
+    residual = _mm256_fmadd_ps(d, d, residual);
+    quantised = _mm256_fmadd_ps(value, value, quantised);
+    const __m128i packed16 = _mm_packus_epi32(_mm256_castsi256_si128(level), _mm256_extracti128_si256(level, 1));
+    const __m128i packed8 = _mm_packus_epi16(packed16, packed16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), packed8);
+  }
+  float residual_sum = HorizontalSumAvx2(residual), quantised_sum = HorizontalSumAvx2(quantised);
+  for (; i < dim; ++i) {
+    const int level = std::min(max_level, static_cast<int>(std::nearbyint(q[i] * (1.f / step))));
+    out[i] = static_cast<uint8_t>(level);
+    const float value = static_cast<float>(level) * step;
+    residual_sum += (value - q[i]) * (value - q[i]);
+    quantised_sum += value * value;
+  }
+  std::memset(out + dim, 0, static_cast<size_t>(padded - dim));
+  *scale = step;
+  *residual_norm2 = residual_sum;
+  *quantised_norm2 = quantised_sum;
+  return true;
 }
 
 ELDR_TARGET_AVX2 void AccumulateColumnsAvx2(const float* columns, int k, int n, int stride, const float* weights,
@@ -446,7 +698,8 @@ ELDR_TARGET_AVX512 void DotRowsF16Avx512(const uint16_t* const* rows, int n, con
   DotRowsAvx512<uint16_t>(rows, n, query, dim, out);
 }
 
-ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
+ELDR_TARGET_AVX512 void DotRowsBf16Avx512Groups(const uint16_t* const* rows, int n, const float* query, int dim,
+                                                float* out) {
   const int full = dim & ~31;
   const int rest = dim - full;
   const __mmask16 mask_lo = rest >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << rest) - 1);
@@ -480,6 +733,12 @@ ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, co
   if (r < n) DotRowsBf16Scalar(rows + r, n - r, query, dim, out + r);
 }
 
+ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
+  InGroupsOf4([&](const uint16_t* const* group, int count,
+                  float* group_out) { DotRowsBf16Avx512Groups(group, count, query, dim, group_out); },
+              rows, n, out);
+}
+
 ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uint16_t* masks, const int* offsets,
                                              const int* /*kept*/, int /*kept_count*/, float* out) {
   // Chunks store in order, so a store's spill-over lanes (zeros past this chunk's count) are
@@ -506,6 +765,157 @@ ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uin
   }
   return HorizontalSumAvx512(_mm512_add_ps(sum0, sum1));
 }
+
+// GCC 12 warns that the "undefined" source register inside _mm512_cvtepi16_epi32 and
+// _mm512_cvtepi32_ps may be used uninitialised (a false positive of its intrinsic headers).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// Chunk c (16 values, fewer at the end of the run) of ConvertGatherInt16 as weighted floats.
+ELDR_TARGET_AVX512 inline __m512 LoadInt16ChunkAvx512(const char* src, const float* weights, int n, int c,
+                                                      __m256i* or_bits) {
+  const int left = n - 16 * c;
+  const __mmask16 valid = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+  const __m256i raw = _mm256_maskz_loadu_epi16(valid, src + 32 * c);
+  *or_bits = _mm256_or_si256(*or_bits, raw);
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(raw));
+  return weights != nullptr ? _mm512_mul_ps(v, _mm512_maskz_loadu_ps(valid, weights + 16 * c)) : v;
+}
+
+ELDR_TARGET_AVX512 float ConvertGatherInt16Avx512(const char* src, const float* weights, int n, const uint16_t* masks,
+                                                  const int* offsets, float* out, float* kept_sum, float* kept_max,
+                                                  int32_t* bits) {
+  // Two chunks per step, two sums of each kind (as GatherColumnsAvx512); chunks store in order,
+  // so each store's spill-over lanes are overwritten by the next one's.
+  __m512 full0 = _mm512_setzero_ps(), full1 = full0, kept0 = full0, kept1 = full0;
+  // Compressed-out lanes are +0: see ConvertGatherInt16Avx2.
+  __m512 largest = _mm512_set1_ps(*kept_max);
+  __m256i or_bits = _mm256_setzero_si256();
+  const int chunks = (n + 15) / 16;
+  int c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    const __m512 v0 = LoadInt16ChunkAvx512(src, weights, n, c, &or_bits);
+    const __m512 v1 = LoadInt16ChunkAvx512(src, weights, n, c + 1, &or_bits);
+    full0 = _mm512_fmadd_ps(v0, v0, full0);
+    full1 = _mm512_fmadd_ps(v1, v1, full1);
+    const __m512 k0 = _mm512_maskz_compress_ps(masks[c], v0);
+    const __m512 k1 = _mm512_maskz_compress_ps(masks[c + 1], v1);
+    kept0 = _mm512_fmadd_ps(k0, k0, kept0);
+    kept1 = _mm512_fmadd_ps(k1, k1, kept1);
+    largest = _mm512_max_ps(largest, _mm512_max_ps(k0, k1));
+    _mm512_storeu_ps(out + offsets[c], k0);
+    _mm512_storeu_ps(out + offsets[c + 1], k1);
+  }
+  if (c < chunks) {
+    const __m512 v = LoadInt16ChunkAvx512(src, weights, n, c, &or_bits);
+    full0 = _mm512_fmadd_ps(v, v, full0);
+    const __m512 k = _mm512_maskz_compress_ps(masks[c], v);
+    kept0 = _mm512_fmadd_ps(k, k, kept0);
+    largest = _mm512_max_ps(largest, k);
+    _mm512_storeu_ps(out + offsets[c], k);
+  }
+  alignas(32) int16_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), or_bits);
+  int32_t acc = 0;
+  for (int16_t lane : lanes) acc |= lane;
+  *bits |= acc;
+  *kept_max = _mm512_reduce_max_ps(largest);
+  *kept_sum += HorizontalSumAvx512(_mm512_add_ps(kept0, kept1));
+  return HorizontalSumAvx512(_mm512_add_ps(full0, full1));
+}
+#pragma GCC diagnostic pop
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // as above: _mm512_reduce_add_epi32 and the
+#pragma GCC diagnostic ignored "-Wuninitialized"        // conversions of QuantiseQueryAvx512
+ELDR_TARGET_AVX512 void DotRowsU8S8Avx512Groups(const int8_t* const* rows, int n, const uint8_t* query, int padded,
+                                                int32_t* out) {
+  const __m512i ones = _mm512_set1_epi16(1);
+  int r = 0;
+  for (; r + 4 <= n; r += 4) {
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int i = 0; i < padded; i += 64) {
+      const __m512i q = _mm512_loadu_si512(query + i);
+      for (int k = 0; k < 4; ++k) {
+        const __m512i w = _mm512_loadu_si512(rows[r + k] + i);
+        acc[k] = _mm512_add_epi32(acc[k], _mm512_madd_epi16(_mm512_maddubs_epi16(q, w), ones));
+      }
+    }
+    for (int k = 0; k < 4; ++k) out[r + k] = _mm512_reduce_add_epi32(acc[k]);
+  }
+  if (r < n) DotRowsU8S8Scalar(rows + r, n - r, query, padded, out + r);
+}
+
+ELDR_TARGET_AVX512 void DotRowsU8S8Avx512(const int8_t* const* rows, int n, const uint8_t* query, int padded,
+                                          int32_t* out) {
+  InGroupsOf4([&](const int8_t* const* group, int count,
+                  int32_t* group_out) { DotRowsU8S8Avx512Groups(group, count, query, padded, group_out); },
+              rows, n, out);
+}
+
+#define ELDR_TARGET_AVX512_VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")))
+
+ELDR_TARGET_AVX512_VNNI void DotRowsU8S8Avx512VnniGroups(const int8_t* const* rows, int n, const uint8_t* query,
+                                                         int padded, int32_t* out) {
+  int r = 0;
+  for (; r + 4 <= n; r += 4) {
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int i = 0; i < padded; i += 64) {
+      const __m512i q = _mm512_loadu_si512(query + i);
+      for (int k = 0; k < 4; ++k) acc[k] = _mm512_dpbusd_epi32(acc[k], q, _mm512_loadu_si512(rows[r + k] + i));
+    }
+    for (int k = 0; k < 4; ++k) out[r + k] = _mm512_reduce_add_epi32(acc[k]);
+  }
+  if (r < n) DotRowsU8S8Scalar(rows + r, n - r, query, padded, out + r);
+}
+
+ELDR_TARGET_AVX512_VNNI void DotRowsU8S8Avx512Vnni(const int8_t* const* rows, int n, const uint8_t* query, int padded,
+                                                   int32_t* out) {
+  InGroupsOf4([&](const int8_t* const* group, int count,
+                  int32_t* group_out) { DotRowsU8S8Avx512VnniGroups(group, count, query, padded, group_out); },
+              rows, n, out);
+}
+
+ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* q, int dim, int padded, int max_level, float known_max,
+                                            uint8_t* out, float* scale, float* residual_norm2, float* quantised_norm2) {
+  // Pass 1: the largest value; a negative value or a NaN fails the ordered >= 0 test.
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 largest = zero;
+  __mmask16 bad = 0;
+  int i = known_max >= 0.f ? dim : 0;  // a known maximum skips the pass
+  for (; i < dim; i += 16) {
+    const __mmask16 valid =
+        dim - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (dim - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(valid, q + i);
+    bad |= _mm512_mask_cmp_ps_mask(valid, v, zero, _CMP_NGE_UQ);
+    largest = _mm512_max_ps(largest, v);
+  }
+  if (bad != 0) return false;
+  const float top = known_max >= 0.f ? known_max : _mm512_reduce_max_ps(largest);
+  if (!std::isfinite(top)) return false;
+  const float step = top > 0 ? top / static_cast<float>(max_level) : 1.f;
+  const __m512 inverse = _mm512_set1_ps(1.f / step);
+  const __m512 step_v = _mm512_set1_ps(step);
+  const __m512i cap = _mm512_set1_epi32(max_level);
+  __m512 residual = zero, quantised = zero;
+  for (i = 0; i < dim; i += 16) {
+    const __mmask16 valid =
+        dim - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (dim - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(valid, q + i);
+    // Round to nearest even (the default MXCSR mode, as std::nearbyint in the scalar version).
+    const __m512i level = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inverse)), cap);
+    const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(level), step_v);
+    const __m512 d = _mm512_sub_ps(value, v);
+    residual = _mm512_fmadd_ps(d, d, residual);
+    quantised = _mm512_fmadd_ps(value, value, quantised);
+    _mm_mask_storeu_epi8(out + i, valid, _mm512_cvtusepi32_epi8(level));
+  }
+  std::memset(out + dim, 0, static_cast<size_t>(padded - dim));
+  *scale = step;
+  *residual_norm2 = HorizontalSumAvx512(residual);
+  *quantised_norm2 = HorizontalSumAvx512(quantised);
+  return true;
+}
+#pragma GCC diagnostic pop
 
 ELDR_TARGET_AVX512 void AccumulateColumnsAvx512(const float* columns, int k, int n, int stride, const float* weights,
                                                 float* out) {
@@ -668,12 +1078,20 @@ SimdLevel ComputeCpuSimdLevel() {
   return SimdLevel::kScalar;
 }
 
+bool CpuHasVnni() {
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
+  return vnni;
+}
+
 SimdLevel ComputeDetectedSimdLevel() {
   SimdLevel level = CpuSimdLevel();
   if (const char* env = std::getenv("ELDR_SIMD"); env != nullptr) {
     const std::string requested(env);
     SimdLevel cap = level;
-    if (requested == "scalar") cap = SimdLevel::kScalar;
+    if (requested == "scalar" || requested == "generic") cap = SimdLevel::kScalar;
     if (requested == "avx2") cap = SimdLevel::kAvx2;
     if (requested == "avx512") cap = SimdLevel::kAvx512;
     if (static_cast<int>(cap) < static_cast<int>(level)) level = cap;
@@ -717,15 +1135,45 @@ absl::string_view SimdLevelName(SimdLevel level) {
 }
 
 const ScorerKernels& KernelsFor(SimdLevel level) {
-  static const ScorerKernels kScalar{SimdLevel::kScalar, DotRowsF32Scalar,       DotRowsF16Scalar,
-                                     DotRowsBf16Scalar,  GatherColumnsScalar,    AccumulateColumnsScalar,
-                                     ExpandBitmapScalar, MaxMagnitudeBitsScalar, EncodeHalvesScalar};
-  static const ScorerKernels kAvx2{SimdLevel::kAvx2, DotRowsF32Avx2,       DotRowsF16Avx2,
-                                   DotRowsBf16Avx2,  GatherColumnsAvx2,    AccumulateColumnsAvx2,
-                                   ExpandBitmapAvx2, MaxMagnitudeBitsAvx2, EncodeHalvesAvx2};
-  static const ScorerKernels kAvx512{SimdLevel::kAvx512, DotRowsF32Avx512,       DotRowsF16Avx512,
-                                     DotRowsBf16Avx512,  GatherColumnsAvx512,    AccumulateColumnsAvx512,
-                                     ExpandBitmapAvx512, MaxMagnitudeBitsAvx512, EncodeHalvesAvx512};
+  static const ScorerKernels kScalar{SimdLevel::kScalar,
+                                     DotRowsF32Scalar,
+                                     DotRowsF16Scalar,
+                                     DotRowsBf16Scalar,
+                                     GatherColumnsScalar,
+                                     AccumulateColumnsScalar,
+                                     ExpandBitmapScalar,
+                                     MaxMagnitudeBitsScalar,
+                                     EncodeHalvesScalar,
+                                     ConvertGatherInt16Scalar,
+                                     DotRowsU8S8Scalar,
+                                     QuantiseQueryScalar,
+                                     255};
+  static const ScorerKernels kAvx2{SimdLevel::kAvx2,
+                                   DotRowsF32Avx2,
+                                   DotRowsF16Avx2,
+                                   DotRowsBf16Avx2,
+                                   GatherColumnsAvx2,
+                                   AccumulateColumnsAvx2,
+                                   ExpandBitmapAvx2,
+                                   MaxMagnitudeBitsAvx2,
+                                   EncodeHalvesAvx2,
+                                   ConvertGatherInt16Avx2,
+                                   DotRowsU8S8Avx2,
+                                   QuantiseQueryAvx2,
+                                   127};
+  static const ScorerKernels kAvx512{SimdLevel::kAvx512,
+                                     DotRowsF32Avx512,
+                                     DotRowsF16Avx512,
+                                     DotRowsBf16Avx512,
+                                     GatherColumnsAvx512,
+                                     AccumulateColumnsAvx512,
+                                     ExpandBitmapAvx512,
+                                     MaxMagnitudeBitsAvx512,
+                                     EncodeHalvesAvx512,
+                                     ConvertGatherInt16Avx512,
+                                     CpuHasVnni() ? DotRowsU8S8Avx512Vnni : DotRowsU8S8Avx512,
+                                     QuantiseQueryAvx512,
+                                     CpuHasVnni() ? 255 : 127};
   if (static_cast<int>(level) > static_cast<int>(CpuSimdLevel())) level = CpuSimdLevel();
   switch (level) {
     case SimdLevel::kAvx512:
@@ -736,6 +1184,18 @@ const ScorerKernels& KernelsFor(SimdLevel level) {
       break;
   }
   return kScalar;
+}
+
+std::vector<Int8DotKernel> AvailableInt8DotKernels() {
+  std::vector<Int8DotKernel> kernels = {{"scalar", DotRowsU8S8Scalar, 255}};
+  if (static_cast<int>(CpuSimdLevel()) >= static_cast<int>(SimdLevel::kAvx2)) {
+    kernels.push_back({"avx2", DotRowsU8S8Avx2, 127});
+  }
+  if (CpuSimdLevel() == SimdLevel::kAvx512) {
+    kernels.push_back({"avx512", DotRowsU8S8Avx512, 127});
+    if (CpuHasVnni()) kernels.push_back({"avx512_vnni", DotRowsU8S8Avx512Vnni, 255});
+  }
+  return kernels;
 }
 
 const ScorerKernels& BestKernels() {

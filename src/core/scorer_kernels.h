@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 
@@ -21,8 +22,9 @@ namespace eldr::internal {
 enum class SimdLevel { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // The best level this CPU supports (cached after the first call). The environment variable
-// ELDR_SIMD=scalar|avx2|avx512 lowers it (never raises it above what the CPU supports), so a
-// machine can reproduce what a smaller CI machine runs.
+// ELDR_SIMD=scalar|avx2|avx512 (generic: scalar) lowers it (never raises it above what the CPU
+// supports), so a machine can run and benchmark every path a smaller one would: the scorer's, the
+// signature transform's and the refit window's kernels all follow it. Other values are ignored.
 SimdLevel DetectSimdLevel();
 // What the CPU supports, ignoring ELDR_SIMD.
 SimdLevel CpuSimdLevel();
@@ -60,6 +62,33 @@ using AccumulateColumnsFn = void (*)(const float* columns, int k, int n, int str
 // at or beyond dim must be clear.
 using ExpandBitmapFn = void (*)(const uint16_t* words, int dim, const float* values, float* out);
 
+// The fused front of a route decision (SignatureTransform::ApplyKept): converts n int16
+// little-endian counts at `src` (any alignment) to floats, times weights[i] (null: 1), ORs every
+// count into *bits (a negative count sets its sign bit), and writes the values whose bit is set in
+// `masks` (bit i % 16 of masks[i / 16]; bits at or beyond n clear) in order from out + offsets[c]
+// for the values of chunk c (16 values each). Returns the sum of the squares of all n values and
+// adds those of the written ones to *kept_sum; raises *kept_max to the largest written value.
+// `out` needs 16 floats of room past the last written value (the vector versions store whole
+// registers).
+using ConvertGatherInt16Fn = float (*)(const char* src, const float* weights, int n, const uint16_t* masks,
+                                       const int* offsets, float* out, float* kept_sum, float* kept_max, int32_t* bits);
+
+// 8-bit scoring. Rows hold int8 values in [-127, 127] (one scale per row, kept by the index);
+// the query is quantised per search to unsigned integers in [0, query_max] (QuantiseQueryFn).
+// out[r] = sum_i query[i] * rows[r][i], exactly, in int32: `padded` is a multiple of 64, rows and
+// query are zero past their length. padded * 255 * 127 must fit in int32 (padded <= 65,536).
+using DotRowsU8S8Fn = void (*)(const int8_t* const* rows, int n, const uint8_t* query, int padded, int32_t* out);
+
+// Quantises a non-negative query of dim floats to out[i] = round(q[i] / scale) in [0, max_level],
+// scale = max(q) / max_level (1 for an all-zero query), zero-padding out to `padded` (a multiple
+// of 64, >= dim). Sets *scale, *residual_norm2 = sum (out[i] * scale - q[i])^2 and
+// *quantised_norm2 = sum (out[i] * scale)^2, both accumulated in float lanes. Returns false,
+// writing nothing useful, when a value is negative or not finite (the caller scans in fp32).
+// known_max >= 0: the caller guarantees every value lies in [0, known_max] (the fused transform
+// knows it), so the checking pass over q is skipped and max(q) is taken as known_max.
+using QuantiseQueryFn = bool (*)(const float* q, int dim, int padded, int max_level, float known_max, uint8_t* out,
+                                 float* scale, float* residual_norm2, float* quantised_norm2);
+
 // The largest magnitude bits (bits & 0x7fffffff) of n floats: their integer order is the order of
 // |x|, with Inf and NaN above every finite value. 0 for n = 0.
 using MaxMagnitudeBitsFn = uint32_t (*)(const float* in, size_t n);
@@ -81,7 +110,23 @@ struct ScorerKernels {
   ExpandBitmapFn expand_bitmap = nullptr;
   MaxMagnitudeBitsFn max_magnitude_bits = nullptr;
   EncodeHalvesFn encode_halves = nullptr;
+  ConvertGatherInt16Fn convert_gather_int16 = nullptr;
+  DotRowsU8S8Fn dot_rows_u8s8 = nullptr;
+  QuantiseQueryFn quantise_query = nullptr;
+  // The largest query level dot_rows_u8s8 takes: 255 where the product pairs are summed in 32 bits
+  // (scalar, AVX-512 VNNI), 127 where they are first summed in 16 bits (AVX2 and AVX-512 without
+  // VNNI: vpmaddubsw, 2 * 127 * 127 < 2^15, no saturation).
+  int int8_query_max = 255;
 };
+
+// Every 8-bit dot kernel this CPU can run, with its query_max and a name (tests and benchmarks:
+// AVX-512 has a VNNI and a non-VNNI version; KernelsFor picks VNNI where the CPU has it).
+struct Int8DotKernel {
+  const char* name;
+  DotRowsU8S8Fn dot;
+  int query_max;
+};
+std::vector<Int8DotKernel> AvailableInt8DotKernels();
 
 // Kernels of `level`, which must not exceed CpuSimdLevel() (it is clamped to it).
 const ScorerKernels& KernelsFor(SimdLevel level);

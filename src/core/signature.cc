@@ -10,11 +10,29 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "core/scorer_kernels.h"
 #include "core/signature_kernels.h"
 #include "eldr/core/errors.h"
 
 namespace eldr {
+namespace internal {
+
+// What the converters read of a SignatureTransform (borrowed from it, nothing copied).
+struct TransformLayout {
+  const SignatureSpec& spec;
+  const internal::SignatureKernels& kernels;
+  const float* weights;              // the IDF weights for count_idf, else nullptr
+  bool wants_counts;                 // count variants take integer counts, gate_prob float sums
+  const std::vector<int>& mask;      // the kept layers, ascending
+  const std::vector<int>& unmasked;  // the other layers (still checked for bad values)
+  bool all_layers;                   // mask keeps every layer: one contiguous pass
+};
+
+}  // namespace internal
+
 namespace {
+
+using internal::TransformLayout;
 
 // Largest raw [layers][experts] matrix a transform accepts (16M cells, 32 MB of int16 counts):
 // far above any real MoE model, low enough that sizes never overflow.
@@ -64,17 +82,6 @@ absl::Status ZeroSignatureError() {
 // validates its input, writes the weighted (unnormalised) vector into `out` (dim() floats, already
 // checked) and sets *sum_of_squares only on success.
 
-// What the converters read of a SignatureTransform (borrowed from it, nothing copied).
-struct TransformLayout {
-  const SignatureSpec& spec;
-  const internal::SignatureKernels& kernels;
-  const float* weights;              // the IDF weights for count_idf, else nullptr
-  bool wants_counts;                 // count variants take integer counts, gate_prob float sums
-  const std::vector<int>& mask;      // the kept layers, ascending
-  const std::vector<int>& unmasked;  // the other layers (still checked for bad values)
-  bool all_layers;                   // mask keeps every layer: one contiguous pass
-};
-
 // The rejection of integer counts sent to a gate_prob transform.
 absl::Status IntegerCountsForGateProbError() {
   return InvalidInput(RejectReason::kWrongEncoding,
@@ -89,12 +96,9 @@ double SumOfSquaresInDouble(absl::Span<const float> values) {
   return sum;
 }
 
-// Little-endian int16 counts: checks encoding, geometry and byte length, converts the masked
-// layers and rejects a negative count on any layer.
-absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16Le& counts, absl::Span<float> out,
-                                double* sum_of_squares) {
+// Little-endian int16 counts: checks encoding, geometry and byte length.
+absl::Status CheckInt16Counts(const TransformLayout& layout, const CountsInt16Le& counts) {
   const SignatureSpec& spec = layout.spec;
-  const size_t experts = static_cast<size_t>(spec.experts);
   if (!layout.wants_counts) return IntegerCountsForGateProbError();
   if (!GeometryMatches(counts.layers, counts.experts, spec)) {
     return GeometryError("int16 counts", counts.layers, counts.experts, spec);
@@ -104,13 +108,27 @@ absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16
         RejectReason::kWrongEncoding,
         absl::StrFormat("int16 counts must have an even byte length, got %d bytes", counts.bytes.size()));
   }
-  const size_t cells = static_cast<size_t>(spec.layers) * experts;
+  const size_t cells = static_cast<size_t>(spec.layers) * spec.experts;
   if (counts.bytes.size() != 2 * cells) {
     return InvalidInput(RejectReason::kGeometry,
                         absl::StrFormat("int16 counts for %d layers x %d experts need %d bytes, "
                                         "got %d",
                                         spec.layers, spec.experts, 2 * cells, counts.bytes.size()));
   }
+  return absl::OkStatus();
+}
+
+absl::Status NegativeInt16CountError() {
+  return InvalidInput(RejectReason::kNegativeCount, "int16 counts contain a negative count");
+}
+
+// Little-endian int16 counts: checks them (CheckInt16Counts), converts the masked layers and
+// rejects a negative count on any layer.
+absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16Le& counts, absl::Span<float> out,
+                                double* sum_of_squares) {
+  ELDR_RETURN_IF_ERROR(CheckInt16Counts(layout, counts));
+  const size_t experts = static_cast<size_t>(layout.spec.experts);
+  const size_t cells = static_cast<size_t>(layout.spec.layers) * experts;
   const internal::SignatureKernels& kernels = layout.kernels;
   const float* weights = layout.weights;
   const char* base = counts.bytes.data();
@@ -125,9 +143,7 @@ absl::Status ConvertInt16Counts(const TransformLayout& layout, const CountsInt16
     }
     for (int layer : layout.unmasked) bits |= kernels.or_int16(base + 2 * experts * layer, experts);
   }
-  if (bits < 0) {
-    return InvalidInput(RejectReason::kNegativeCount, "int16 counts contain a negative count");
-  }
+  if (bits < 0) return NegativeInt16CountError();
   *sum_of_squares = sum;
   return absl::OkStatus();
 }
@@ -409,19 +425,23 @@ absl::Status SignatureTransform::Weighted(const SignatureInput& input, absl::Spa
   return Convert(input, out, &sum_of_squares);
 }
 
+TransformLayout SignatureTransform::Layout() const {
+  return TransformLayout{spec_,
+                         internal::BestSignatureKernels(),
+                         spec_.variant == SignatureVariant::kCountIdf ? spec_.idf.data() : nullptr,
+                         spec_.variant != SignatureVariant::kGateProb,
+                         mask_,
+                         unmasked_,
+                         all_layers_};
+}
+
 absl::Status SignatureTransform::Convert(const SignatureInput& input, absl::Span<float> out,
                                          double* sum_of_squares) const {
   if (static_cast<int64_t>(out.size()) != dim_) {
     return InvalidInput(RejectReason::kGeometry,
                         absl::StrFormat("output buffer holds %d floats, the transform produces %d", out.size(), dim_));
   }
-  const TransformLayout layout{spec_,
-                               internal::BestSignatureKernels(),
-                               spec_.variant == SignatureVariant::kCountIdf ? spec_.idf.data() : nullptr,
-                               spec_.variant != SignatureVariant::kGateProb,
-                               mask_,
-                               unmasked_,
-                               all_layers_};
+  const TransformLayout layout = Layout();
   if (const auto* counts = std::get_if<CountsInt16Le>(&input)) {
     return ConvertInt16Counts(layout, *counts, out, sum_of_squares);
   }
@@ -432,6 +452,79 @@ absl::Status SignatureTransform::Convert(const SignatureInput& input, absl::Span
     return ConvertGateProbSums(layout, *sums, out, sum_of_squares);
   }
   return ConvertTransformedVector(layout, std::get<TransformedVector>(input), dim_, out, sum_of_squares);
+}
+
+bool SignatureTransform::SupportsApplyKept(const ColumnSelection& selection) const {
+  const size_t chunks = static_cast<size_t>((dim_ + 15) / 16);
+  return spec_.variant != SignatureVariant::kGateProb && selection.dim == dim_ && selection.masks.size() == chunks &&
+         selection.offsets.size() == chunks && selection.kept >= 0 && selection.kept <= dim_ &&
+         (all_layers_ || spec_.experts % 16 == 0);
+}
+
+absl::StatusOr<SignatureTransform::KeptValues> SignatureTransform::ApplyKept(const CountsInt16Le& counts,
+                                                                             const ColumnSelection& selection,
+                                                                             absl::Span<float> out) const {
+  if (!SupportsApplyKept(selection)) {
+    return absl::FailedPreconditionError(absl::StrCat("ApplyKept: the ", SignatureVariantName(spec_.variant),
+                                                      " transform cannot write this column selection"));
+  }
+  if (static_cast<int64_t>(out.size()) < int64_t{selection.kept} + 16) {
+    return InvalidInput(RejectReason::kGeometry, absl::StrFormat("ApplyKept: output buffer holds %d floats, needs %d",
+                                                                 out.size(), int64_t{selection.kept} + 16));
+  }
+  const TransformLayout layout = Layout();
+  ELDR_RETURN_IF_ERROR(CheckInt16Counts(layout, counts));
+  const internal::ScorerKernels& kernels = internal::BestKernels();
+  const int experts = spec_.experts;
+  const char* base = counts.bytes.data();
+  int32_t bits = 0;
+  double sum = 0;
+  float kept_sum = 0, kept_max = 0;
+  if (all_layers_) {
+    sum = kernels.convert_gather_int16(base, layout.weights, dim_, selection.masks.data(), selection.offsets.data(),
+                                       out.data(), &kept_sum, &kept_max, &bits);
+  } else {
+    // Layer j of the mask is columns [j * experts, (j + 1) * experts): whole chunks.
+    for (size_t j = 0; j < mask_.size(); ++j) {
+      const size_t first_chunk = j * experts / 16;
+      sum += kernels.convert_gather_int16(base + 2 * static_cast<size_t>(experts) * mask_[j],
+                                          layout.weights ? layout.weights + j * experts : nullptr, experts,
+                                          selection.masks.data() + first_chunk, selection.offsets.data() + first_chunk,
+                                          out.data(), &kept_sum, &kept_max, &bits);
+    }
+    for (int layer : unmasked_)
+      bits |= layout.kernels.or_int16(base + 2 * static_cast<size_t>(experts) * layer, experts);
+  }
+  if (bits < 0) return NegativeInt16CountError();
+  if (!(sum > 0)) return ZeroSignatureError();
+  // Outside the range where float squares are exact enough (see Apply): Apply's rescaled path,
+  // then the selected columns of its result. Not reached by int16 counts and finite IDF weights
+  // below ~1e13; kept for hostile specs.
+  constexpr double kFloatSquaresExactFrom = 1e-30;
+  constexpr double kFloatSquaresExactTo = 1e36;
+  if (!(sum >= kFloatSquaresExactFrom && sum <= kFloatSquaresExactTo)) {
+    std::vector<float> whole(dim_);
+    ELDR_RETURN_IF_ERROR(Apply(counts, absl::MakeSpan(whole)));
+    double kept_norm2 = 0;
+    float largest = 0;
+    for (int c = 0, at = 0; c < static_cast<int>(selection.masks.size()); ++c) {
+      for (int bit = 0; bit < 16; ++bit) {
+        if ((selection.masks[c] >> bit) & 1) {
+          const float v = whole[16 * c + bit];
+          out[at++] = v;
+          kept_norm2 += static_cast<double>(v) * v;
+          largest = std::max(largest, v);
+        }
+      }
+    }
+    return KeptValues{static_cast<float>(std::sqrt(kept_norm2)), largest};
+  }
+  const double inverse_norm = 1.0 / std::sqrt(sum);
+  const float factor = static_cast<float>(inverse_norm);
+  layout.kernels.scale(out.data(), static_cast<size_t>(selection.kept), factor);
+  // Rounding is monotonic: the largest scaled value is the scaled largest value.
+  return KeptValues{static_cast<float>(std::sqrt(std::max(0.0, static_cast<double>(kept_sum))) * inverse_norm),
+                    kept_max * factor};
 }
 
 // ---- IDF ---------------------------------------------------------------------------------------

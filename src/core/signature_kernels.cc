@@ -1,5 +1,7 @@
 #include "core/signature_kernels.h"
 
+#include "core/scorer_kernels.h"
+
 #include <cstdlib>
 #include <cstring>
 
@@ -230,9 +232,9 @@ const SignatureKernels& Avx2SignatureKernelsIfSupported() {
 }
 
 const SignatureKernels& BestSignatureKernels() {
+  // One reading of ELDR_SIMD for every kernel family (DetectSimdLevel).
   static const SignatureKernels* const best = [] {
-    const char* forced = std::getenv("ELDR_SIMD");
-    if (forced != nullptr && std::strcmp(forced, "scalar") == 0) return &kScalar;
+    if (DetectSimdLevel() == SimdLevel::kScalar) return &kScalar;
     return &Avx2SignatureKernelsIfSupported();
   }();
   return *best;

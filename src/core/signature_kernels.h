@@ -3,7 +3,7 @@
 // Each kernel converts one contiguous run of raw values, multiplies by the weights (when given),
 // writes the result, and returns its squared L2 norm, while folding the values into a bad-input
 // indicator. An AVX2 + FMA version is chosen at run time when the CPU has it (the x86-64 baseline
-// has neither); ELDR_SIMD=scalar forces the portable one.
+// has neither); ELDR_SIMD=scalar (or generic) forces the portable one (see DetectSimdLevel).
 #ifndef ELDR_CORE_SIGNATURE_KERNELS_H_
 #define ELDR_CORE_SIGNATURE_KERNELS_H_
 
@@ -31,7 +31,8 @@ struct SignatureKernels {
 const SignatureKernels& ScalarSignatureKernels();
 // The AVX2 kernels when the CPU supports AVX2 and FMA, otherwise the scalar ones.
 const SignatureKernels& Avx2SignatureKernelsIfSupported();
-// What SignatureTransform uses: the AVX2 kernels when supported, unless ELDR_SIMD=scalar.
+// What SignatureTransform uses: the AVX2 kernels when supported, unless DetectSimdLevel() is
+// scalar (ELDR_SIMD=scalar or generic).
 const SignatureKernels& BestSignatureKernels();
 
 }  // namespace eldr::internal

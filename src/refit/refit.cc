@@ -319,17 +319,19 @@ void OnlineRefitter::RunBackground() {
 
 void OnlineRefitter::OnSignatureRouted(const RoutedSignature& routed) {
   if (routed.lease_id == 0) {  // cannot happen (the router's ids are never 0): join unweighted
-    Observe(routed.signature, routed.client);
+    Observe(routed.signature(), routed.client);
     return;
   }
-  if (routed.signature.empty()) return;
-  const int dim = static_cast<int>(routed.signature.size());
+  if (routed.signature_dim <= 0) return;
+  const int dim = routed.signature_dim;
   const absl::Time now = Now();
   std::vector<std::shared_ptr<Chunk>> released;  // freed after the lock is released
   absl::MutexLock lock(&window_mu_);
   if (!AdmitLocked(dim, routed.client, now, &released)) return;
-  const refit_internal::EncodedSignature encoded =
-      refit_internal::EncodeSignature(routed.signature, encode_scratch_.get());
+  // Built here, for the admitted signatures only (see RoutedSignature::signature).
+  const absl::Span<const float> signature = routed.signature();
+  if (static_cast<int>(signature.size()) != dim) return;
+  const refit_internal::EncodedSignature encoded = refit_internal::EncodeSignature(signature, encode_scratch_.get());
   const int64_t bytes = static_cast<int64_t>(encoded.elements.size() * sizeof(uint16_t));
   while (!pending_.empty() && (static_cast<int64_t>(pending_.size()) >= options_.max_pending_signatures ||
                                pending_bytes_ + bytes > options_.max_pending_bytes)) {

@@ -298,7 +298,8 @@ class ClusterComponent : public BackgroundComponent, public RouterObserver {
     ClusterState* const state = state_.get();
     if (state == nullptr) return;
     cluster::WindowSignature entry;
-    entry.signature.assign(routed.signature.begin(), routed.signature.end());
+    const absl::Span<const float> signature = routed.signature();  // built for the sampled ones only
+    entry.signature.assign(signature.begin(), signature.end());
     entry.client = std::string(routed.client);
     state->AppendSignatures(absl::MakeConstSpan(&entry, 1));
   }

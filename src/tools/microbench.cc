@@ -3,10 +3,14 @@
 //   BM_RouteDecision/<L>x<E>/K:<k>[/count]   one full route decision: int16 counts -> signature
 //                                            transform -> centroid index search -> eldr policy
 //                                            pick (tau 0.1), with the index BuildCentroidIndex
-//                                            picks for k; /count: variant count (no IDF)
+//                                            picks for k, scored as the Router does
+//                                            (SignatureScorer: fused where it can); /count:
+//                                            variant count (no IDF); /unfused: Apply, then Search;
+//                                            /int8, /bf16: the exact scorer's 8-bit first stage,
+//                                            its bfloat16 scan (forced)
 //   BM_Transform/<L>x<E>                     the signature transform alone
 //   BM_Scorer/<L>x<E>/K:<k>/<impl>           scoring one transformed signature only: exact_fp32,
-//                                            exact_fp16, exact_bf16 (the exact scorer's scan
+//                                            exact_fp16, exact_bf16, exact_int8 (the exact scorer's scan
 //                                            formats), reduced_flat (PCA + flat, the large-pool
 //                                            default), reduced_flat_bf16, reduced_hnsw,
 //                                            reduced_flat/d:<dims>/m:<candidates>, faiss_flat_ip
@@ -53,6 +57,7 @@
 #include "eldr/core/centroid_index.h"
 #include "eldr/core/policy.h"
 #include "eldr/core/signature.h"
+#include "eldr/core/signature_scorer.h"
 #include "faiss/IndexFlat.h"
 #include "faiss/utils/distances.h"
 
@@ -264,15 +269,21 @@ void SetCommonCounters(benchmark::State& state, const Workload& w) {
 
 // ---- Full route decision ------------------------------------------------------------------------
 
-void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant variant) {
+// `fused`: the router's scoring (SignatureScorer, which fuses the transform into the index's
+// column selection where it can); false: Apply then Search, as before the fusion.
+void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant variant, bool fused = true,
+                   HalfFormat format = HalfFormat::kAuto) {
   const Workload& w = GetWorkload(g, variant);
   CentroidIndexOptions options;
+  options.half_format = format;
   options.band_tau = kTau;
   std::unique_ptr<CentroidIndex> index = MustBuild(BuildCentroidIndex(FirstRows(w, k), k, w.dim, options));
   std::unique_ptr<RoutingPolicy> policy = MakePolicy(PolicyKind::kEldr, /*seed=*/1);
   std::vector<WorkerLoadView> workers(k);
   std::mt19937 rng(5);
   for (WorkerLoadView& worker : workers) worker.load = static_cast<double>(rng() % 8);
+  const SignatureScorer scorer(*w.transform, *index);
+  SignatureScorer::Buffers buffers;
   std::vector<float> signature(w.dim);
   std::vector<ScoredRow> scores;
   std::vector<WorkerScore> candidates;  // row r belongs to worker r, as the Router maps them
@@ -281,9 +292,11 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
   const int64_t refined_before = internal::RefinedRowsOnThisThread();
   for (auto _ : state) {
     const size_t q = i++ % w.query_bytes.size();
-    const absl::Status status =
-        w.transform->Apply(CountsInt16Le{g.layers, g.experts, w.query_bytes[q]}, absl::MakeSpan(signature));
-    if (!status.ok() || !index->Search(signature, &scores).ok()) {
+    const CountsInt16Le counts{g.layers, g.experts, w.query_bytes[q]};
+    const bool ok =
+        fused ? scorer.Score(counts, &buffers, &scores).ok()
+              : w.transform->Apply(counts, absl::MakeSpan(signature)).ok() && index->Search(signature, &scores).ok();
+    if (!ok) {
       state.SkipWithError("route decision failed");
       break;
     }
@@ -293,7 +306,7 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
     benchmark::DoNotOptimize(decision);
     band_total += decision.band_size;
   }
-  state.SetLabel(std::string(index->kind()));
+  state.SetLabel(absl::StrCat(index->kind(), fused && scorer.fused() ? " fused" : ""));
   SetCommonCounters(state, w);
   const double n = std::max<double>(1, static_cast<double>(state.iterations()));
   state.counters["band"] = static_cast<double>(band_total) / n;
@@ -496,13 +509,26 @@ void CommonSettings(benchmark::internal::Benchmark* b) {
 
 void RegisterAll() {
   const Geometry geometries[] = {{26, 64, 6}, {48, 128, 8}};
-  const int pools[] = {8, 16, 64, 256, 1024};
+  const int pools[] = {8, 16, 24, 32, 48, 64, 96, 256, 1024};
   for (const Geometry& g : geometries) {
     for (int k : pools) {
       benchmark::RegisterBenchmark(
           absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k).c_str(),
           [g, k](benchmark::State& state) { RouteDecision(state, g, k, SignatureVariant::kCountIdf); })
           ->Apply(CommonSettings);
+      benchmark::RegisterBenchmark(
+          absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k, "/unfused").c_str(),
+          [g, k](benchmark::State& state) { RouteDecision(state, g, k, SignatureVariant::kCountIdf, false); })
+          ->Apply(CommonSettings);
+      for (HalfFormat format : {HalfFormat::kInt8, HalfFormat::kBfloat16}) {
+        benchmark::RegisterBenchmark(
+            absl::StrCat("BM_RouteDecision/", g.name(), "/K:", k, format == HalfFormat::kInt8 ? "/int8" : "/bf16")
+                .c_str(),
+            [g, k, format](benchmark::State& state) {
+              RouteDecision(state, g, k, SignatureVariant::kCountIdf, true, format);
+            })
+            ->Apply(CommonSettings);
+      }
     }
   }
   // No IDF: no column is zero everywhere, the exact scorer reads every column.
@@ -527,10 +553,15 @@ void RegisterAll() {
       fp16.half_format = HalfFormat::kBinary16;
       CentroidIndexOptions bf16;
       bf16.half_format = HalfFormat::kBfloat16;
+      CentroidIndexOptions int8;
+      int8.half_format = HalfFormat::kInt8;
       CentroidIndexOptions hnsw;
       hnsw.use_hnsw = true;
       benchmark::RegisterBenchmark((prefix + "exact_fp32").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kExact, fp32);
+      })->Apply(CommonSettings);
+      benchmark::RegisterBenchmark((prefix + "exact_int8").c_str(), [=](benchmark::State& s) {
+        ScoreWithIndex(s, g, k, CentroidIndexKind::kExact, int8);
       })->Apply(CommonSettings);
       benchmark::RegisterBenchmark((prefix + "exact_fp16").c_str(), [=](benchmark::State& s) {
         ScoreWithIndex(s, g, k, CentroidIndexKind::kExact, fp16);

@@ -394,6 +394,132 @@ TEST(ScorerKernelsTest, GatherColumnsKeepsTheMaskedColumnsInOrder) {
   }
 }
 
+TEST(ScorerKernelsTest, ConvertGatherInt16MatchesTheDefinitionAtEveryLevel) {
+  std::mt19937_64 rng(33);
+  std::uniform_real_distribution<float> uniform(0.f, 1.f);
+  for (SimdLevel level : AvailableLevels()) {
+    for (int n : {1, 7, 8, 15, 16, 17, 31, 64, 100, 6144}) {
+      for (double keep : {0.0, 0.3, 0.9, 1.0}) {
+        for (bool weighted : {false, true}) {
+          std::vector<int16_t> counts(n);
+          for (int16_t& c : counts) c = static_cast<int16_t>(rng() % 300);
+          if (n > 3) counts[n / 2] = -2;  // sets the sign bit of *bits
+          std::string src(reinterpret_cast<const char*>(counts.data()), 2 * counts.size());
+          src.insert(src.begin(), 'x');  // unaligned
+          std::vector<float> weights(n);
+          for (float& w : weights) w = 4 * uniform(rng);
+          std::vector<uint16_t> masks((n + 15) / 16, 0);
+          std::vector<int> kept;
+          for (int i = 0; i < n; ++i) {
+            if (uniform(rng) < keep) {
+              kept.push_back(i);
+              masks[i / 16] |= static_cast<uint16_t>(1u << (i % 16));
+            }
+          }
+          std::vector<int> offsets(masks.size(), 0);
+          for (size_t c = 1; c < masks.size(); ++c) offsets[c] = offsets[c - 1] + __builtin_popcount(masks[c - 1]);
+          std::vector<float> out(kept.size() + 16, -9.f);
+          float kept_sum = 0.5f;  // added to, not overwritten
+          float kept_max = 0.f;   // raised, not overwritten
+          int32_t bits = 0;
+          const float full = KernelsFor(level).convert_gather_int16(src.data() + 1, weighted ? weights.data() : nullptr,
+                                                                    n, masks.data(), offsets.data(), out.data(),
+                                                                    &kept_sum, &kept_max, &bits);
+          double expected_full = 0, expected_kept = 0.5;
+          float expected_max = 0.f;
+          for (int i = 0; i < n; ++i) {
+            const double v = static_cast<double>(counts[i]) * (weighted ? weights[i] : 1.f);
+            expected_full += v * v;
+          }
+          for (size_t k = 0; k < kept.size(); ++k) {
+            const float want = static_cast<float>(counts[kept[k]]) * (weighted ? weights[kept[k]] : 1.f);
+            ASSERT_EQ(out[k], want) << SimdLevelName(level) << " n " << n << " #" << k;
+            expected_kept += static_cast<double>(want) * want;
+            expected_max = std::max(expected_max, want);
+          }
+          EXPECT_NEAR(full, expected_full, 1e-5 * (1 + expected_full)) << SimdLevelName(level) << " n " << n;
+          EXPECT_NEAR(kept_sum, expected_kept, 1e-5 * (1 + expected_kept)) << SimdLevelName(level) << " n " << n;
+          EXPECT_EQ(bits<0, n> 3) << SimdLevelName(level) << " n " << n;
+        }
+      }
+    }
+  }
+}
+
+TEST(ScorerKernelsTest, Int8DotsAreExactAtEveryLevel) {
+  std::mt19937_64 rng(41);
+  for (const internal::Int8DotKernel& kernel : internal::AvailableInt8DotKernels()) {
+    for (int padded : {64, 128, 4544 / 64 * 64 + 64, 6144}) {
+      for (int n : {1, 3, 4, 5, 16, 17}) {
+        std::vector<std::vector<int8_t>> rows(n, std::vector<int8_t>(padded));
+        std::vector<const int8_t*> pointers;
+        for (auto& row : rows) {
+          for (int8_t& v : row) v = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+          pointers.push_back(row.data());
+        }
+        std::vector<uint8_t> query(padded);
+        for (uint8_t& v : query) v = static_cast<uint8_t>(rng() % (kernel.query_max + 1));
+        query[0] = static_cast<uint8_t>(kernel.query_max);  // the extremes: no saturation anywhere
+        rows[0][0] = rows[0][1] = -127;
+        query[1] = static_cast<uint8_t>(kernel.query_max);
+        std::vector<int32_t> out(n, -1);
+        kernel.dot(pointers.data(), n, query.data(), padded, out.data());
+        for (int r = 0; r < n; ++r) {
+          int64_t want = 0;
+          for (int i = 0; i < padded; ++i) want += int64_t{query[i]} * rows[r][i];
+          ASSERT_EQ(out[r], want) << kernel.name << " padded " << padded << " n " << n << " row " << r;
+        }
+      }
+    }
+  }
+}
+
+TEST(ScorerKernelsTest, QueryQuantisationMatchesTheDefinitionAtEveryLevel) {
+  std::mt19937_64 rng(43);
+  std::uniform_real_distribution<float> uniform(0.f, 1.f);
+  for (SimdLevel level : AvailableLevels()) {
+    const internal::ScorerKernels& kernels = KernelsFor(level);
+    for (int dim : {1, 7, 8, 9, 100, 4544}) {
+      const int padded = (dim + 63) / 64 * 64;
+      std::vector<float> q(dim);
+      for (float& v : q) v = uniform(rng) * uniform(rng);
+      std::vector<uint8_t> out(padded, 0xee);
+      float scale = 0, residual2 = 0, quantised2 = 0;
+      ASSERT_TRUE(kernels.quantise_query(q.data(), dim, padded, kernels.int8_query_max, /*known_max=*/-1.f, out.data(),
+                                         &scale, &residual2, &quantised2));
+      // A known maximum gives the same result without the checking pass.
+      std::vector<uint8_t> hinted(padded, 0xee);
+      float hinted_scale = 0, hinted_residual2 = 0, hinted_quantised2 = 0;
+      ASSERT_TRUE(kernels.quantise_query(q.data(), dim, padded, kernels.int8_query_max,
+                                         *std::max_element(q.begin(), q.end()), hinted.data(), &hinted_scale,
+                                         &hinted_residual2, &hinted_quantised2));
+      EXPECT_EQ(hinted, out);
+      EXPECT_EQ(hinted_scale, scale);
+      const float top = *std::max_element(q.begin(), q.end());
+      EXPECT_FLOAT_EQ(scale, top / kernels.int8_query_max);
+      double want_residual = 0, want_quantised = 0;
+      for (int i = 0; i < dim; ++i) {
+        ASSERT_LE(out[i], kernels.int8_query_max);
+        const double value = out[i] * static_cast<double>(scale);
+        ASSERT_LE(std::fabs(value - q[i]), 0.5001 * scale) << SimdLevelName(level) << " dim " << dim << " #" << i;
+        want_residual += (value - q[i]) * (value - q[i]);
+        want_quantised += value * value;
+      }
+      for (int i = dim; i < padded; ++i) ASSERT_EQ(out[i], 0);
+      EXPECT_NEAR(residual2, want_residual, 1e-3 * want_residual + 1e-12) << SimdLevelName(level);
+      EXPECT_NEAR(quantised2, want_quantised, 1e-4 * want_quantised) << SimdLevelName(level);
+      // A negative value or a NaN: refused (the index scans in fp32 instead).
+      for (float bad : {-1e-3f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+        std::vector<float> spoiled = q;
+        spoiled[dim / 2] = bad;
+        EXPECT_FALSE(kernels.quantise_query(spoiled.data(), dim, padded, kernels.int8_query_max, -1.f, out.data(),
+                                            &scale, &residual2, &quantised2))
+            << SimdLevelName(level) << " " << bad;
+      }
+    }
+  }
+}
+
 TEST(ScorerKernelsTest, AccumulateColumnsIsATransposedMatrixTimesVector) {
   std::mt19937_64 rng(21);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -465,9 +591,8 @@ struct ScanCase {
   }
 };
 const ScanCase kScanCases[] = {
-    {"exact_bf16", true, HalfFormat::kAuto, 4.5e-3},
-    {"exact_bf16", true, HalfFormat::kBfloat16, 4.5e-3},
-    {"exact_fp16", true, HalfFormat::kBinary16, 6e-4},
+    {"exact_bf16", true, HalfFormat::kAuto, 3e-2},     {"exact_bf16", true, HalfFormat::kBfloat16, 4.5e-3},
+    {"exact_fp16", true, HalfFormat::kBinary16, 6e-4}, {"exact_int8", true, HalfFormat::kInt8, 3e-2},
     {"exact", false, HalfFormat::kBfloat16, 1e-5},
 };
 
@@ -514,7 +639,14 @@ TEST(ExactIndexTest, DecidesAsDoubleReferenceExceptNearTheEdge) {
         options.band_tau = tau;
         auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, data.centroids, c.rows, c.dim, options);
         ASSERT_TRUE(index.ok()) << index.status();
-        EXPECT_EQ((*index)->kind(), scan.format == HalfFormat::kAuto && KeptColumns(data) < 2048 ? "exact" : scan.kind);
+        const bool auto_fp32 = KeptColumns(data) < 2048 || internal::DetectSimdLevel() == SimdLevel::kScalar;
+        if (scan.format != HalfFormat::kAuto) {
+          EXPECT_EQ((*index)->kind(), scan.kind);
+        } else if (auto_fp32) {
+          EXPECT_EQ((*index)->kind(), "exact");
+        } else {  // by pool size and instruction set (PicksTheImplementationByPoolSize)
+          EXPECT_THAT(std::string((*index)->kind()), ::testing::AnyOf("exact_bf16", "exact_int8"));
+        }
         std::vector<ScoredRow> got;
         for (int k = 0; k < 60; ++k) {
           std::vector<float> q =
@@ -536,7 +668,7 @@ TEST(ExactIndexTest, DecidesAsDoubleReferenceExceptNearTheEdge) {
       }
     }
   }
-  EXPECT_EQ(judged_queries, 5 * 4 * 4 * 60);
+  EXPECT_EQ(judged_queries, 5 * 4 * static_cast<int>(std::size(kScanCases)) * 60);
 }
 
 // A row placed 1.5e-4 above the band edge whose 16-bit score falls below it: the rounding errors
@@ -608,6 +740,72 @@ TEST(ExactIndexTest, RefinementRescuesRowsThat16BitScansMisplace) {
     EXPECT_EQ(BandMismatches(got, reference, tau, 1e-4, &best_mismatch), 0);
     EXPECT_FALSE(best_mismatch);
   }
+}
+
+// Rows placed just above and below the band edge (best - tau) of non-negative queries, closer than
+// the 8-bit scan's error bound: each must end on its own side, as in double precision.
+TEST(ExactIndexTest, Int8ScanDecidesRowsAtTheBandEdgeAsDouble) {
+  std::mt19937_64 rng(77);
+  std::uniform_real_distribution<double> uniform(0, 1);
+  const int dim = 4544;
+  const double tau = 0.1;
+  const double offsets[] = {-5e-3, -1e-3, -2e-4, 2e-4, 1e-3, 5e-3};
+  int judged = 0;
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<double> q(dim);
+    double norm = 0;
+    for (double& v : q) {
+      v = uniform(rng) < 0.3 ? 0 : std::pow(uniform(rng), 2);
+      norm += v * v;
+    }
+    for (double& v : q) v /= std::sqrt(norm);
+    // u: a unit vector orthogonal to q.
+    std::vector<double> u(dim);
+    double dot = 0, unorm = 0;
+    for (int i = 0; i < dim; ++i) {
+      u[i] = uniform(rng) - 0.5;
+      dot += u[i] * q[i];
+    }
+    for (int i = 0; i < dim; ++i) {
+      u[i] -= dot * q[i];
+      unorm += u[i] * u[i];
+    }
+    for (double& v : u) v /= std::sqrt(unorm);
+    const int rows = 2 + static_cast<int>(std::size(offsets));
+    std::vector<float> centroids(static_cast<size_t>(rows) * dim);
+    for (int i = 0; i < dim; ++i) centroids[i] = static_cast<float>(q[i]);  // row 0: the best, score 1
+    for (int r = 1; r < rows; ++r) {
+      const double target = r == rows - 1 ? 0.5 : 1 - tau + offsets[r - 1];
+      const double side = std::sqrt(1 - target * target);
+      for (int i = 0; i < dim; ++i) {
+        centroids[static_cast<size_t>(r) * dim + i] = static_cast<float>(target * q[i] + side * u[i]);
+      }
+    }
+    CentroidIndexOptions options;
+    options.half_format = HalfFormat::kInt8;
+    options.band_tau = tau;
+    auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kExact, centroids, rows, dim, options);
+    ASSERT_TRUE(index.ok()) << index.status();
+    ASSERT_EQ((*index)->kind(), "exact_int8");
+    std::vector<float> query(q.begin(), q.end());
+    std::vector<ScoredRow> got;
+    ASSERT_TRUE((*index)->Search(query, &got).ok());
+    const std::vector<double> reference = ReferenceScores(centroids, rows, dim, query.data());
+    float best = -1;
+    for (const ScoredRow& s : got) best = std::max(best, s.score);
+    const double best_reference = *std::max_element(reference.begin(), reference.end());
+    for (const ScoredRow& s : got) {
+      const bool in_band = s.score >= best - static_cast<float>(tau);
+      const bool in_reference_band = reference[s.row] >= best_reference - tau;
+      if (std::fabs(reference[s.row] - (best_reference - tau)) < 1e-4) continue;  // fp32 itself may differ
+      EXPECT_EQ(in_band, in_reference_band)
+          << "trial " << trial << " row " << s.row << " score " << s.score << " reference " << reference[s.row];
+      ++judged;
+    }
+  }
+  EXPECT_GE(judged, 20 * 7);
+  // These queries need re-scoring: the rows sit inside the 8-bit bound of the edge.
+  EXPECT_GT(internal::RefinedRowsOnThisThread(), 0);
 }
 
 TEST(ExactIndexTest, NothingIsRescoredWhenNoRowIsNearTheEdge) {
@@ -829,10 +1027,17 @@ TEST(BuildCentroidIndexTest, PicksTheImplementationByPoolSize) {
   ASSERT_TRUE(small32.ok());
   EXPECT_EQ((*small32)->kind(), "exact");
 
-  const std::vector<float> long_rows = RandomRows(8, 4096, rng);
-  auto long_auto = BuildCentroidIndex(long_rows, 8, 4096, CentroidIndexOptions());
+  // Long rows under kAuto: bfloat16 for small pools, the 8-bit first stage from 20 rows on (16 with AVX2); both
+  // only with vector kernels (the portable ones scan fp32 fastest).
+  const bool portable = internal::DetectSimdLevel() == SimdLevel::kScalar;
+  const std::vector<float> long_rows = RandomRows(32, 4096, rng);
+  auto long_auto =
+      BuildCentroidIndex(absl::MakeConstSpan(long_rows).subspan(0, 8 * 4096), 8, 4096, CentroidIndexOptions());
   ASSERT_TRUE(long_auto.ok());
-  EXPECT_EQ((*long_auto)->kind(), "exact_bf16") << "long rows scan in bfloat16 under kAuto";
+  EXPECT_EQ((*long_auto)->kind(), portable ? "exact" : "exact_bf16") << "long rows, 8 of them, under kAuto";
+  auto long_32 = BuildCentroidIndex(long_rows, 32, 4096, CentroidIndexOptions());
+  ASSERT_TRUE(long_32.ok());
+  EXPECT_EQ((*long_32)->kind(), portable ? "exact" : "exact_int8") << "long rows, 32 of them, under kAuto";
   EXPECT_EQ(CentroidIndexOptions().large_pool_min_rows, 128);
 }
 

@@ -359,8 +359,8 @@ class RecordingObserver : public RouterObserver {
  public:
   void OnSignatureRouted(const RoutedSignature& routed) override {
     std::lock_guard<std::mutex> lock(mu);
-    signatures.emplace_back(std::vector<float>(routed.signature.begin(), routed.signature.end()),
-                            std::string(routed.worker_id));
+    const absl::Span<const float> signature = routed.signature();
+    signatures.emplace_back(std::vector<float>(signature.begin(), signature.end()), std::string(routed.worker_id));
     clients.emplace_back(routed.client);
     leases.push_back(routed.lease_id);
   }

@@ -491,5 +491,135 @@ TEST(ComputeIdfTest, InconsistentArgumentsGiveEmpty) {
   EXPECT_EQ(ComputeIdf({}, 0, 2, 2), std::vector<float>(4, 0.f));  // log(1/1)
 }
 
+// ---- ApplyKept: the fused form for scorers that drop columns -----------------------------------
+
+// A column selection over `dim` columns, owning its arrays.
+struct OwnedSelection {
+  std::vector<uint16_t> masks;
+  std::vector<int> offsets;
+  std::vector<int> kept;
+  int dim = 0;
+  ColumnSelection View() const { return ColumnSelection{dim, masks, offsets, static_cast<int>(kept.size())}; }
+};
+
+OwnedSelection RandomSelection(int dim, double keep, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> uniform(0, 1);
+  OwnedSelection s;
+  s.dim = dim;
+  s.masks.assign((dim + 15) / 16, 0);
+  for (int i = 0; i < dim; ++i) {
+    if (uniform(rng) < keep) {
+      s.kept.push_back(i);
+      s.masks[i / 16] |= static_cast<uint16_t>(1u << (i % 16));
+    }
+  }
+  s.offsets.assign(s.masks.size(), 0);
+  for (size_t c = 1; c < s.masks.size(); ++c) s.offsets[c] = s.offsets[c - 1] + __builtin_popcount(s.masks[c - 1]);
+  return s;
+}
+
+TEST(SignatureApplyKeptTest, WritesTheKeptColumnsOfApplyAndTheirNorm) {
+  struct Case {
+    int layers, experts;
+    std::vector<int> mask;
+    bool idf;
+  };
+  const Case cases[] = {{48, 128, {}, true}, {26, 64, {0, 1, 2, 5, 12, 15, 22}, true},
+                        {26, 64, {}, false}, {5, 16, {1, 3}, true},
+                        {3, 10, {}, true},   {7, 9, {}, false}};
+  int checked = 0;
+  for (const Case& c : cases) {
+    SignatureSpec spec = CountIdfSpec(c.layers, c.experts, c.mask);
+    if (!c.idf) {
+      spec.variant = SignatureVariant::kCount;
+      spec.idf.clear();
+    }
+    const SignatureTransform transform = MakeTransform(spec);
+    for (double keep : {0.0, 0.5, 0.74, 1.0}) {
+      const OwnedSelection selection = RandomSelection(transform.dim(), keep, 11 + checked);
+      ASSERT_TRUE(transform.SupportsApplyKept(selection.View()));
+      for (uint32_t seed : {1u, 2u, 3u}) {
+        const std::string bytes = Int16Bytes(RandomCounts(c.layers, c.experts, seed + checked));
+        const CountsInt16Le counts{c.layers, c.experts, bytes};
+        std::vector<float> whole(transform.dim());
+        ASSERT_TRUE(transform.Apply(counts, absl::MakeSpan(whole)).ok());
+        std::vector<float> kept(selection.kept.size() + 16, -1.f);
+        absl::StatusOr<SignatureTransform::KeptValues> applied =
+            transform.ApplyKept(counts, selection.View(), absl::MakeSpan(kept));
+        ASSERT_TRUE(applied.ok()) << applied.status();
+        const float* norm = &applied->norm;
+        float expected_max = 0;
+        double expected_norm2 = 0;
+        for (size_t k = 0; k < selection.kept.size(); ++k) {
+          const float want = whole[selection.kept[k]];
+          ASSERT_NEAR(kept[k], want, 1e-6f * std::fabs(want) + 1e-9f) << c.layers << "x" << c.experts << " #" << k;
+          expected_norm2 += static_cast<double>(want) * want;
+          expected_max = std::max(expected_max, kept[k]);
+        }
+        EXPECT_EQ(applied->max, expected_max);
+        EXPECT_NEAR(*norm, std::sqrt(expected_norm2), 1e-5) << c.layers << "x" << c.experts << " keep " << keep;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 6 * 4 * 3);
+}
+
+TEST(SignatureApplyKeptTest, RejectsWhatApplyRejectsWithTheSameStatus) {
+  const SignatureSpec spec = CountIdfSpec(4, 16, {0, 2});
+  const SignatureTransform transform = MakeTransform(spec);
+  const OwnedSelection selection = RandomSelection(transform.dim(), 0.6, 5);
+  std::vector<float> whole(transform.dim());
+  std::vector<float> kept(selection.kept.size() + 16);
+  std::vector<int32_t> negative_masked = RandomCounts(4, 16, 3);
+  negative_masked[2 * 16 + 5] = -1;
+  std::vector<int32_t> negative_unmasked = RandomCounts(4, 16, 4);
+  negative_unmasked[1 * 16 + 7] = -3;
+  std::vector<int32_t> zero_on_mask = RandomCounts(4, 16, 5);
+  for (int e = 0; e < 16; ++e) zero_on_mask[e] = zero_on_mask[2 * 16 + e] = 0;
+  const std::string bytes[] = {Int16Bytes(negative_masked), Int16Bytes(negative_unmasked), Int16Bytes(zero_on_mask),
+                               Int16Bytes(RandomCounts(4, 16, 6)).substr(3)};
+  const CountsInt16Le inputs[] = {
+      {4, 16, bytes[0]}, {4, 16, bytes[1]}, {4, 16, bytes[2]}, {4, 16, bytes[3]}, {5, 16, bytes[2]}};
+  for (const CountsInt16Le& input : inputs) {
+    const absl::Status applied = transform.Apply(input, absl::MakeSpan(whole));
+    ASSERT_FALSE(applied.ok());
+    const absl::StatusOr<SignatureTransform::KeptValues> fused =
+        transform.ApplyKept(input, selection.View(), absl::MakeSpan(kept));
+    ASSERT_FALSE(fused.ok());
+    EXPECT_EQ(fused.status().code(), applied.code());
+    EXPECT_EQ(fused.status().message(), applied.message());
+    EXPECT_EQ(RejectReasonOf(fused.status()), RejectReasonOf(applied));
+  }
+  // A buffer without the 16 floats of room.
+  std::vector<float> short_buffer(selection.kept.size());
+  const std::string good = Int16Bytes(RandomCounts(4, 16, 8));
+  EXPECT_EQ(
+      transform.ApplyKept(CountsInt16Le{4, 16, good}, selection.View(), absl::MakeSpan(short_buffer)).status().code(),
+      absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SignatureApplyKeptTest, SupportsOnlyCountVariantsAndChunkAlignedLayers) {
+  OwnedSelection selection = RandomSelection(2 * 10, 0.5, 1);
+  // A partial mask of 10-expert layers: layer boundaries fall inside 16-column chunks.
+  const SignatureTransform partial = MakeTransform(CountIdfSpec(4, 10, {1, 3}));
+  EXPECT_FALSE(partial.SupportsApplyKept(selection.View()));
+  std::vector<float> out(selection.kept.size() + 16);
+  const std::string bytes = Int16Bytes(RandomCounts(4, 10, 2));
+  EXPECT_EQ(partial.ApplyKept(CountsInt16Le{4, 10, bytes}, selection.View(), absl::MakeSpan(out)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Every layer of 10 experts: one contiguous run, fine.
+  const SignatureTransform all = MakeTransform(CountIdfSpec(2, 10, {}));
+  EXPECT_TRUE(all.SupportsApplyKept(selection.View()));
+  // A selection of another dimension.
+  EXPECT_FALSE(all.SupportsApplyKept(RandomSelection(21, 0.5, 1).View()));
+  SignatureSpec gate;
+  gate.layers = 2;
+  gate.experts = 10;
+  gate.variant = SignatureVariant::kGateProb;
+  EXPECT_FALSE(MakeTransform(gate).SupportsApplyKept(selection.View()));
+}
+
 }  // namespace
 }  // namespace eldr

@@ -307,7 +307,7 @@ TEST(RouterServer, ComponentsInstallCentroidsAndObserveTheRouter) {
     std::atomic<int> observed{0};
     std::atomic<int> observed_dim{0};
     void OnSignatureRouted(const RoutedSignature& routed) override {
-      observed_dim = static_cast<int>(routed.signature.size());
+      observed_dim = static_cast<int>(routed.signature().size());
       if (routed.worker_id == "w1") ++observed;
     }
   } counter;

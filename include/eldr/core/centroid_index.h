@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "eldr/core/column_selection.h"
 
 namespace eldr {
 
@@ -28,7 +29,11 @@ struct ScoredRow {
   float score = 0.f;  // cosine similarity with the query (precision: see band_tau)
 };
 
-enum class HalfFormat { kAuto, kBfloat16, kBinary16 };
+// The reduced-precision copy of the centroids that the scan reads (see half_precision).
+// kInt8: 8-bit rows with one scale per row, scored with integer dot products against the query
+// quantised per search to 8 bits (7 where the kernels sum product pairs in 16 bits); a query with
+// a negative value is scanned in fp32 instead.
+enum class HalfFormat { kAuto, kBfloat16, kBinary16, kInt8 };
 
 struct CentroidIndexOptions {
   // Pools with at least this many centroids use the FAISS reduced-space index; smaller pools are
@@ -55,11 +60,15 @@ struct CentroidIndexOptions {
   // could be decided differently than in fp32 (see band_tau) are re-scored from an fp32 copy, so
   // decisions are those of fp32 scoring.
   bool half_precision = true;
-  // The 16-bit format. bfloat16 scans fastest where rows stream from cache (no conversion
-  // instruction), but its error bound (~4e-3 for unit vectors) sends ~5x more rows to fp32
-  // re-scoring than binary16 (~5e-4). kAuto: for the exact scorer bfloat16, or fp32 when rows
-  // have fewer than 2,048 non-zero columns (short rows scan fastest in fp32); binary16 for the
-  // large-pool candidates, whose rows are gathered from memory anyway (docs/benchmarks.md).
+  // The reduced-precision format. bfloat16 scans fastest where rows stream from cache (no
+  // conversion instruction), but its error bound (~4e-3 for unit vectors) sends ~5x more rows to
+  // fp32 re-scoring than binary16 (~5e-4). kInt8 reads half the bytes again and does 64 products
+  // per instruction with AVX-512 VNNI (32 with AVX2), but its bound is ~10x bfloat16's, so it is a
+  // first stage: rows it cannot rule out of the band are scored again from a bfloat16 copy, then
+  // refined as usual. kAuto: for the exact scorer fp32 when rows have fewer than 2,048 non-zero
+  // columns (short rows scan fastest in fp32), else kInt8 from 20 rows on with AVX-512 (16 with AVX2),
+  // else bfloat16; binary16 for the large-pool candidates, whose rows are gathered from memory
+  // anyway (docs/benchmarks.md).
   HalfFormat half_format = HalfFormat::kAuto;
   // The locality band width the caller applies to the scores (Router: RouterOptions::tau), in
   // [0, 2]. With half_precision, every row lies on the same side of best - band_tau as with fp32
@@ -67,7 +76,9 @@ struct CentroidIndexOptions {
   // scores carry a certified error bound b (for unit vectors about 4e-3 with bfloat16, 5e-4 with
   // binary16), and when a row's 16-bit score is within 3b of the 16-bit edge, the rows near the
   // edge and near the best are re-scored in fp32 (then the best score is exact too). Otherwise
-  // scores, the best included, are within b of fp32. For another tau the same bound holds.
+  // scores, the best included, are within b of fp32. With kInt8, a row the 8-bit stage rules out
+  // keeps its 8-bit score (within its larger bound, and below the band edge by more than that).
+  // For another tau the same bound holds.
   double band_tau = 0.1;
 };
 
@@ -89,6 +100,21 @@ class CentroidIndex {
   // kGeometry) on a wrong dimension; INTERNAL if FAISS fails (HNSW). Uses per-thread scratch
   // buffers: no allocation in steady state except inside FAISS HNSW.
   virtual absl::Status Search(absl::Span<const float> query, std::vector<ScoredRow>* out) const = 0;
+
+  // The columns Search restricts every query to, when the index drops some (columns that are zero
+  // in every centroid); null when it keeps them all. A view, valid as long as the index.
+  virtual const ColumnSelection* kept_columns() const { return nullptr; }
+
+  // Search for a unit query given by its kept columns only (SignatureTransform::ApplyKept writes
+  // them in one pass, without the full-dimension vector): `kept_query` holds kept_columns()->kept
+  // values followed by at least 16 floats of room, `kept_norm` is their norm. `kept_max` >= 0
+  // promises that every value lies in [0, kept_max] (the 8-bit scan then skips its checking pass);
+  // negative: unknown. The results are those of Search on the full query. FAILED_PRECONDITION when
+  // kept_columns() is null; INVALID_ARGUMENT (kGeometry) when the span is too short.
+  virtual absl::Status SearchKept(absl::Span<const float> /*kept_query*/, float /*kept_norm*/, float /*kept_max*/,
+                                  std::vector<ScoredRow>* /*out*/) const {
+    return absl::FailedPreconditionError("this centroid index has no kept-column search");
+  }
 
   // Exact scores of n queries against every row: scores[i * rows() + j]. Queries are row-major
   // n x dim(). Uses BLAS sgemm; for the simulator, refit and calibration.

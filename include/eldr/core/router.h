@@ -212,12 +212,26 @@ struct CompleteInput {
 
 // A routed request whose signature the transform accepted.
 struct RoutedSignature {
-  absl::Span<const float> signature;  // transformed, unit norm; valid during the call only
+  // The transformed, unit-norm signature; valid during the call only. Built on the first call when
+  // the route was scored without it (SignatureScorer's fused path), so an observer that samples
+  // signatures pays only for those it takes.
+  absl::Span<const float> signature() const { return source != nullptr ? source->Get() : absl::Span<const float>(); }
+  int signature_dim = 0;  // signature().size(), known without building it
   absl::string_view worker_id;
   uint64_t lease_id = 0;
   uint64_t centroid_generation = 0;
   absl::string_view client;  // RouteInput::client
   absl::Time at;
+
+  // Where signature() comes from (set by the router).
+  class Source {
+   public:
+    virtual absl::Span<const float> Get() const = 0;
+
+   protected:
+    ~Source() = default;
+  };
+  const Source* source = nullptr;
 };
 
 // Subscribers to the router's changes. Every method has an empty default.

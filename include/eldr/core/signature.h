@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "eldr/core/column_selection.h"
 
 namespace eldr {
 
@@ -81,6 +82,10 @@ struct TransformedVector {  // already transformed, dim() floats; renormalised o
 };
 using SignatureInput = std::variant<CountsInt16Le, CountsInt32, GateProbSums, TransformedVector>;
 
+namespace internal {
+struct TransformLayout;  // signature.cc
+}  // namespace internal
+
 // An immutable, validated transform. Thread-safe: Apply is const and keeps no state.
 class SignatureTransform {
  public:
@@ -103,8 +108,29 @@ class SignatureTransform {
   // weighted vectors.
   absl::Status Weighted(const SignatureInput& input, absl::Span<float> out) const;
 
+  // Whether ApplyKept can serve `selection`: a count or count_idf transform, a selection of dim()
+  // columns, and either every layer in the mask or layers of whole 16-column chunks (experts a
+  // multiple of 16).
+  bool SupportsApplyKept(const ColumnSelection& selection) const;
+
+  // The fused form of Apply for int16 counts and a scorer that reads only some columns
+  // (CentroidIndex::SearchKept): writes the columns of `selection` of the unit-norm signature,
+  // in order, into `out` (at least selection.kept + 16 floats: the vector kernels store whole
+  // registers) and returns their norm (<= 1) and largest value (>= 0). One pass over the counts:
+  // the full-dimension vector is never written. Validation and rejections are Apply's; the values
+  // are Apply's up to float rounding (the norm is summed in another order). Requires
+  // SupportsApplyKept(selection) (FAILED_PRECONDITION otherwise).
+  struct KeptValues {
+    float norm = 0;
+    float max = 0;
+  };
+  absl::StatusOr<KeptValues> ApplyKept(const CountsInt16Le& counts, const ColumnSelection& selection,
+                                       absl::Span<float> out) const;
+
  private:
   explicit SignatureTransform(SignatureSpec spec);
+  // What the converters read of this transform (see signature.cc).
+  internal::TransformLayout Layout() const;
   // Validates `input`, writes the weighted (unnormalised) vector into `out` and its squared norm.
   absl::Status Convert(const SignatureInput& input, absl::Span<float> out, double* sum_of_squares) const;
 
