@@ -260,7 +260,7 @@ const std::vector<OptionDef>& OptionTable() {
                    [](ServerOptions& o) -> double& { return o.router.tau; }),
       DoubleOption("eldr_max_load_gap",
                    "eldr: a request whose band pick carries more than this many in-flight requests (per unit "
-                   "capacity) above the least loaded routable worker goes to that worker (fallback load_gap). 0: off.",
+                   "capacity) above the pool's mean goes to the least loaded worker (fallback load_gap). 0: off.",
                    [](ServerOptions& o) -> double& { return o.router.max_load_gap; }),
       ChoiceOption<TieBreak>("tie_break",
                              "Among equally loaded workers (band, jsq, spill, p2c): random, or lowest_index (the "

@@ -97,7 +97,7 @@ struct ClusterSettings {
 
 // The daemon's default load-gap guard (RouterOptions::max_load_gap): measured in
 // docs/evaluation.md, "The load-gap guard".
-inline constexpr double kDefaultMaxLoadGap = 8;
+inline constexpr double kDefaultMaxLoadGap = 4;
 
 struct ServerOptions {
   ServerOptions();

@@ -92,10 +92,10 @@ ABSL_FLAG(std::string, tie_break, "random",
 ABSL_FLAG(int64_t, max_inflight, -1,
           "Overload guard of the in-process routers (WorkerSpec::max_inflight): a worker with this "
           "many in-flight requests leaves eldr's band. -1: --max_batch; 0: no guard");
-ABSL_FLAG(double, max_load_gap, 8,
-          "Load-gap guard of the in-process routers (RouterOptions::max_load_gap; 8 is eldr-router's "
+ABSL_FLAG(double, max_load_gap, 4,
+          "Load-gap guard of the in-process routers (RouterOptions::max_load_gap; 4 is eldr-router's "
           "--eldr_max_load_gap default): eldr sends a request to the least loaded worker when its band's pick carries "
-          "more than this many in-flight requests above it. 0: off");
+          "more than this many in-flight requests above the pool's mean. 0: off");
 ABSL_FLAG(std::string, variant, "count_idf",
           "Signature variant: count, count_idf or gate_prob (synthetic workloads: prompts' gate-probability sums)");
 ABSL_FLAG(bool, select_layers, true, "Calibration: greedy layer-mask search");

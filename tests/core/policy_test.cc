@@ -130,35 +130,41 @@ TEST(EldrPolicyTest, OverloadSpillsToLeastLoadedOverall) {
   EXPECT_EQ(all.worker, 1);
 }
 
-TEST(EldrPolicyTest, LoadGapSpillsOnlyBeyondTheGap) {
+TEST(EldrPolicyTest, LoadGapSpillsOnlyBeyondTheGapAboveTheMean) {
   auto policy = MakePolicy(PolicyKind::kEldr, 1);
-  // Worker 0 holds the locality; worker 3 is the lightest of the pool.
-  auto workers = Loads({12, 20, 9, 4});
+  // Worker 0 holds the locality; the pool's mean load is (14 + 20 + 6 + 4) / 4 = 11; worker 3 is
+  // the lightest.
+  auto workers = Loads({14, 20, 6, 4});
   const std::vector<WorkerScore> scores = {{0, 0.9f}, {1, 0.85f}, {2, 0.3f}, {3, 0.2f}};
   const PolicyDecision off = PickEldr(*policy, workers, scores, 0.1, /*max_load_gap=*/0);
   EXPECT_EQ(off.worker, 0);
   EXPECT_EQ(off.fallback, FallbackReason::kNone);
-  // 12 - 4 = 8: not more than a gap of 8, the band keeps it.
-  const PolicyDecision within = PickEldr(*policy, workers, scores, 0.1, 8);
+  // 14 - 11 = 3: not more than a gap of 3, the band keeps it (although 14 - 4 = 10).
+  const PolicyDecision within = PickEldr(*policy, workers, scores, 0.1, 3);
   EXPECT_EQ(within.worker, 0);
   EXPECT_EQ(within.fallback, FallbackReason::kNone);
   EXPECT_EQ(within.used, PolicyKind::kEldr);
-  // A gap of 7 is exceeded: the lightest worker takes it, reported as a jsq decision.
-  const PolicyDecision beyond = PickEldr(*policy, workers, scores, 0.1, 7);
+  // A gap of 2.5 is exceeded: the lightest worker takes it, reported as a jsq decision.
+  const PolicyDecision beyond = PickEldr(*policy, workers, scores, 0.1, 2.5);
   EXPECT_EQ(beyond.worker, 3);
   EXPECT_EQ(beyond.fallback, FallbackReason::kLoadGap);
   EXPECT_EQ(beyond.used, PolicyKind::kJsq);
   EXPECT_EQ(beyond.band_size, 2);
   EXPECT_FLOAT_EQ(beyond.best_similarity, 0.9f);
   EXPECT_EQ(FallbackReasonLabel(FallbackReason::kLoadGap), "load_gap");
-  // Loads are compared per unit of capacity, and a worker at its limit is not "the lightest".
+  // The spill goes to the least loaded worker below its limit.
   workers[3].max_inflight = 4;
-  const PolicyDecision limited = PickEldr(*policy, workers, scores, 0.1, 2);
-  EXPECT_EQ(limited.worker, 2);  // 9 is the lightest below its limit; 12 - 9 > 2
-  workers[0].capacity = 2;       // 12 / 2 = 6, now itself the lightest below its limit
-  const PolicyDecision weighted = PickEldr(*policy, workers, scores, 0.1, 2);
+  EXPECT_EQ(PickEldr(*policy, workers, scores, 0.1, 2.5).worker, 2);
+  // Loads are compared per unit of capacity: 14 / 2 = 7 against a mean of (7 + 20 + 6 + 4) / 4.
+  workers[0].capacity = 2;
+  const PolicyDecision weighted = PickEldr(*policy, workers, scores, 0.1, 2.5);
   EXPECT_EQ(weighted.worker, 0);
   EXPECT_EQ(weighted.fallback, FallbackReason::kNone);
+  // Ineligible workers do not count in the mean: without workers 1 and 3 it is (7 + 6) / 2.
+  workers[1].eligible = false;
+  workers[3].eligible = false;
+  EXPECT_EQ(PickEldr(*policy, workers, scores, 0.1, 0.4).worker, 2);
+  EXPECT_EQ(PickEldr(*policy, workers, scores, 0.1, 0.6).worker, 0);
 }
 
 TEST(EldrPolicyTest, LoadGapDrawsNoRandomNumberWhenItDoesNotSpill) {

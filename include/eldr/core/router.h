@@ -75,8 +75,8 @@ struct RouterOptions {
   uint64_t seed = 0x5eed;                  // tie-breaking and sampling generator seed
   TieBreak tie_break = TieBreak::kRandom;  // among equally loaded workers (policy.h)
   // eldr's load-gap guard (PolicyInput::max_load_gap): when the band's least loaded worker carries
-  // more than this many in-flight requests per unit of capacity above the least loaded routable
-  // worker, the request goes to that one (fallback "load_gap"). Finite, >= 0; 0: off.
+  // more than this many in-flight requests per unit of capacity above the routable workers' mean,
+  // the request goes to the least loaded one (fallback "load_gap"). Finite, >= 0; 0: off.
   double max_load_gap = 0;
   LoadOptions load;            // lease TTL, snapshot staleness
   CentroidIndexOptions index;  // exact vs FAISS crossover and its parameters
