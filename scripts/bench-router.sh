@@ -22,11 +22,16 @@
 # Client APIs: APIS="cq stream" measures the unary RPCs (eldr-bench --api=cq) and RouteStream
 # (--api=stream: the same CONCURRENCY routes in flight, pipelined on one stream) side by side,
 # alternating within each run (a fresh daemon for each), so that both see the same machine; every
-# line names its `api`.
+# line names its `api`. STREAM_BATCH="1 4 16 64" runs --api=stream once per batch size
+# (eldr-bench --stream_batch: that many requests per RouteStream message, the same CONCURRENCY
+# leases in flight), again each on a fresh daemon within the run; every line names its
+# `stream_batch`. Other APIs run once, whatever STREAM_BATCH says.
 #
 # Usage: scripts/bench-router.sh [BUILD_DIR]
-#   env: RUNS (1), APIS (cq), DURATION_S (10), CONCURRENCY (16), GEOMETRY (48x128), WORKERS (16),
-#        PIN (auto), ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra eldr-bench flags)
+#   env: RUNS (1), APIS (cq), STREAM_BATCH (1), DURATION_S (10), CONCURRENCY (16), GEOMETRY (48x128),
+#        WORKERS (16), PIN (auto), ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra
+#        eldr-bench flags), PERF_DIR (when set: `perf record -g` of the daemon during each load,
+#        written there as perf-<api>-<batch>-run<run>.data)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,6 +39,7 @@ BUILD_DIR="${1:-$ROOT/build}"
 BIN="$BUILD_DIR/bin"
 RUNS="${RUNS:-1}"
 APIS="${APIS:-cq}"
+STREAM_BATCH="${STREAM_BATCH:-1}"
 DURATION_S="${DURATION_S:-10}"
 CONCURRENCY="${CONCURRENCY:-16}"
 GEOMETRY="${GEOMETRY:-48x128}"
@@ -101,8 +107,20 @@ print(json.dumps(out))
 EOF
 }
 
-for run in $(seq 1 "$RUNS"); do
+# Each (api, batch) of a run: "cq:1 stream:1 stream:4 ...".
+CASES=()
 for api in $APIS; do
+  if [[ "$api" == stream ]]; then
+    for batch in $STREAM_BATCH; do CASES+=("$api:$batch"); done
+  else
+    CASES+=("$api:1")
+  fi
+done
+
+for run in $(seq 1 "$RUNS"); do
+for case in "${CASES[@]}"; do
+  api="${case%%:*}"
+  batch="${case##*:}"
   rm -f "$WORK_DIR/ports.json"
   # shellcheck disable=SC2086  # word splitting of the optional extra flags is intended
   "${ROUTER_CPU[@]}" "$BIN/eldr-router" --listen=127.0.0.1:0 --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
@@ -120,10 +138,20 @@ for api in $APIS; do
   # The two scrapes bracket the whole eldr-bench run, its warm-up included: the histogram delta
   # holds about warmup_s / duration_s more decisions than the client's `requests`.
   curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/before.txt"
+  PERF_PID=""
+  if [[ -n "${PERF_DIR:-}" ]]; then
+    mkdir -p "$PERF_DIR"
+    perf record -g -o "$PERF_DIR/perf-$api-$batch-run$run.data" -p "$ROUTER_PID" 2>"$WORK_DIR/perf.log" &
+    PERF_PID=$!
+  fi
   # shellcheck disable=SC2086
   client_json="$("${BENCH_CPU[@]}" "$BIN/eldr-bench" --target="127.0.0.1:$grpc_port" \
     --duration_s="$DURATION_S" --concurrency="$CONCURRENCY" --geometry="$GEOMETRY" \
-    --encoding=int16 --complete --json --api="$api" ${BENCH_ARGS:-})"
+    --encoding=int16 --complete --json --api="$api" --stream_batch="$batch" ${BENCH_ARGS:-})"
+  if [[ -n "$PERF_PID" ]]; then
+    kill -INT "$PERF_PID"
+    wait "$PERF_PID" || true
+  fi
   curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/after.txt"
   rss_kib="$(awk '/^VmRSS:/ {print $2}' "/proc/$ROUTER_PID/status")"
   peak_rss_kib="$(awk '/^VmHWM:/ {print $2}' "/proc/$ROUTER_PID/status")"
