@@ -623,11 +623,11 @@ void DecodeRouterService::AnswerStreamBatch(absl::string_view client, const eldr
   if (entries.size() > ctx_.max_stream_batch) {
     // Refused before any entry is handled, so the caller knows that none was (no lease taken, none
     // released): it can split the batch and send it again.
-    SetStreamError(MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
-                                  absl::StrCat("RouteStreamBatch holds ", entries.size(),
-                                               " requests; the router accepts at most ", ctx_.max_stream_batch,
-                                               " in one batch (--max_stream_batch); none was handled")),
-                   response);
+    SetStreamError(
+        MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
+                       absl::StrCat("RouteStreamBatch holds ", entries.size(), " requests; the router accepts at most ",
+                                    ctx_.max_stream_batch, " in one batch (--max_stream_batch); none was handled")),
+        response);
     ctx_.metrics->RecordRejected(RejectReason::kOversized);
     ctx_.metrics->RecordRouteStreamBatchRefused();
     return;

@@ -475,8 +475,8 @@ grpc::ByteBuffer CompleteFrame(uint64_t id, uint64_t lease) {
 
 // A RouteStreamBatch message: the header of the outer RouteStreamRequest, then per entry a small
 // header slice and the shared, pre-serialized RouteRequest slice (no copy of any request).
-constexpr char kTagBatch = 0x22;         // RouteStreamRequest.batch = 4, length-delimited
-constexpr char kTagBatchEntry = 0x0a;    // RouteStreamBatch.requests = 1, length-delimited
+constexpr char kTagBatch = 0x22;       // RouteStreamRequest.batch = 4, length-delimited
+constexpr char kTagBatchEntry = 0x0a;  // RouteStreamBatch.requests = 1, length-delimited
 
 size_t VarintSize(uint64_t value) {
   size_t n = 1;
@@ -577,8 +577,8 @@ class StreamCall {
   };
   // One slot of a group: one lease at a time.
   struct Entry {
-    uint64_t id;     // of its requests: the slot's index + 1
-    size_t next;     // index of its next request
+    uint64_t id;  // of its requests: the slot's index + 1
+    size_t next;  // index of its next request
     uint64_t lease = 0;
   };
   struct StreamGroup final : CqTag {
@@ -699,8 +699,8 @@ class StreamCall {
     const bool measured = run_->measured(done);
     const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(done - group->sent_at).count();
     // The answer of each entry of the message: the message's own, or its batch's entries.
-    const bool whole = !batched_ || (answer_.has_batch() && answer_.batch().responses_size() ==
-                                                                static_cast<int>(group->sent.size()));
+    const bool whole =
+        !batched_ || (answer_.has_batch() && answer_.batch().responses_size() == static_cast<int>(group->sent.size()));
     std::vector<size_t> leased;  // entries whose route got a lease
     for (size_t k = 0; k < group->sent.size(); ++k) {
       Entry& entry = group->entries[group->sent[k]];
@@ -717,8 +717,8 @@ class StreamCall {
           RecordError(&stats_, r.has_error() ? r.error().code() : -1,
                       r.has_error() ? r.error().message() : "stream: a batch answered without its entries");
         } else if (batched_ && r.id() != entry.id) {
-          RecordError(&stats_, -1, absl::StrCat("stream: batch entry ", k, " answered with id ", r.id(), ", not ",
-                                                entry.id));
+          RecordError(&stats_, -1,
+                      absl::StrCat("stream: batch entry ", k, " answered with id ", r.id(), ", not ", entry.id));
         } else if (r.has_error()) {
           RecordError(&stats_, r.error().code(), r.error().message());
         }

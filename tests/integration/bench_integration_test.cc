@@ -116,9 +116,9 @@ TEST(BenchIntegration, StreamBatchSendsEachGroupsRoutesAndCompletesAsOneMessage)
   auto router = RouterProcess::Start(dir, StandardArgs(dir));
   ASSERT_TRUE(router.ok()) << router.status();
   // 10 slots on 2 streams, 5 each, in groups of 4: one group of 4 and one of 1 per stream.
-  nlohmann::json out = RunBench({"--target=" + (*router)->target(), "--api=stream", "--streams=2", "--concurrency=10",
-                                 "--stream_batch=4", "--duration_s=1", "--warmup_s=0.2", "--geometry=26x64",
-                                 "--complete", "--json"});
+  nlohmann::json out =
+      RunBench({"--target=" + (*router)->target(), "--api=stream", "--streams=2", "--concurrency=10",
+                "--stream_batch=4", "--duration_s=1", "--warmup_s=0.2", "--geometry=26x64", "--complete", "--json"});
   ASSERT_TRUE(out.is_object());
   EXPECT_EQ(out["stream_batch"].get<int>(), 4);
   EXPECT_GT(out["requests"].get<int64_t>(), 50);

@@ -197,8 +197,7 @@ TEST(RouteStreamBatch, RoutesAndCompletesAreAnsweredInOneMessageInOrder) {
   auto metrics = ScrapeMetrics(router->metrics_port());
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   EXPECT_EQ(metrics->Value("eldr_route_stream_messages_total", {{"kind", "route"}, {"outcome", "ok"}}), routes);
-  EXPECT_EQ(metrics->Value("eldr_route_stream_messages_total", {{"kind", "complete"}, {"outcome", "ok"}}),
-            kRoutes + 2);
+  EXPECT_EQ(metrics->Value("eldr_route_stream_messages_total", {{"kind", "complete"}, {"outcome", "ok"}}), kRoutes + 2);
   EXPECT_EQ(metrics->Value("eldr_route_duration_seconds_count"), routes + 1);  // + the unary one
   EXPECT_EQ(metrics->Value("eldr_route_requests_total", {{"policy", "eldr"}, {"outcome", "ok"}}), routes + 1);
   EXPECT_EQ(metrics->Value("eldr_complete_requests_total", {{"outcome", "released"}}), kRoutes + 2 + 1);
@@ -208,7 +207,7 @@ TEST(RouteStreamBatch, RoutesAndCompletesAreAnsweredInOneMessageInOrder) {
   EXPECT_EQ(metrics->types.at("eldr_route_stream_batch_size"), "histogram");
   EXPECT_EQ(metrics->Value("eldr_route_stream_batch_size_count"), 3 + kBatches);
   EXPECT_EQ(metrics->Value("eldr_route_stream_batch_size_sum"), 2 * kRoutes + 2 + kBatches * kPerBatch);
-  EXPECT_EQ(metrics->Value("eldr_route_stream_batch_size_bucket", {{"le", "2"}}), 1);   // the mix
+  EXPECT_EQ(metrics->Value("eldr_route_stream_batch_size_bucket", {{"le", "2"}}), 1);  // the mix
   EXPECT_EQ(metrics->Value("eldr_route_stream_batch_size_bucket", {{"le", "8"}}), 1);
   EXPECT_EQ(metrics->Value("eldr_route_stream_batch_size_bucket", {{"le", "16"}}), 3 + kBatches);
 }
@@ -455,9 +454,9 @@ TEST(RouteStreamBatch, UnaryRpcsAndSingleMessagesWorkBesideBatches) {
     const RouteStreamResponse batch =
         ExchangeBatch(stream.get(), Batch(3, {RouteEntry(4, BlockRequest(3)), RouteEntry(5, BlockRequest(round))}));
     ASSERT_EQ(batch.batch().responses_size(), 2);
-    const RouteStreamResponse done = ExchangeBatch(
-        stream.get(), Batch(6, {CompleteEntry(7, batch.batch().responses(0).route().lease_id()),
-                                CompleteEntry(8, batch.batch().responses(1).route().lease_id())}));
+    const RouteStreamResponse done =
+        ExchangeBatch(stream.get(), Batch(6, {CompleteEntry(7, batch.batch().responses(0).route().lease_id()),
+                                              CompleteEntry(8, batch.batch().responses(1).route().lease_id())}));
     EXPECT_TRUE(done.batch().responses(0).has_complete());
     EXPECT_TRUE(done.batch().responses(1).has_complete());
   }
