@@ -8,6 +8,8 @@
 # after the load, so warm-up and start-up are not counted. Prints one JSON object per run: the
 # client's figures (requests, errors, qps, p50_us, p90_us, p99_us, ...) plus server_decisions,
 # server_p50_us, server_p90_us, server_p99_us, server_p999_us (bucket-interpolated upper estimates),
+# router_cpu_s (the daemon's user + system CPU between the two scrapes) and
+# router_cpu_us_per_route (that over server_decisions: a route and its Complete),
 # router_rss_kib and router_peak_rss_kib (VmRSS and VmHWM right after the load), the online
 # refit's gauges from the last scrape (refit_last_duration_s, refit_window_signatures,
 # refit_window_bytes; null when refit is off or the build does not export them), and run (its
@@ -72,6 +74,12 @@ trap cleanup EXIT
 
 "$BIN/eldr-bench" --write_artifact="$WORK_DIR/centroids.eldr" --write_workers="$WORK_DIR/workers.json" \
   --geometry="$GEOMETRY" --workers="$WORKERS" >/dev/null
+
+# The daemon's user + system CPU so far, in clock ticks (/proc/PID/stat fields 14 and 15; the
+# command name in field 2 has no spaces).
+router_cpu_ticks() {
+  awk '{print $14 + $15}' "/proc/$ROUTER_PID/stat"
+}
 
 # Prints the decision-time percentiles between two scrapes as JSON fields.
 histogram_delta() {
@@ -138,6 +146,7 @@ for case in "${CASES[@]}"; do
   # The two scrapes bracket the whole eldr-bench run, its warm-up included: the histogram delta
   # holds about warmup_s / duration_s more decisions than the client's `requests`.
   curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/before.txt"
+  cpu_before="$(router_cpu_ticks)"
   PERF_PID=""
   if [[ -n "${PERF_DIR:-}" ]]; then
     mkdir -p "$PERF_DIR"
@@ -153,13 +162,15 @@ for case in "${CASES[@]}"; do
     wait "$PERF_PID" || true
   fi
   curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/after.txt"
+  cpu_after="$(router_cpu_ticks)"
   rss_kib="$(awk '/^VmRSS:/ {print $2}' "/proc/$ROUTER_PID/status")"
   peak_rss_kib="$(awk '/^VmHWM:/ {print $2}' "/proc/$ROUTER_PID/status")"
   server_json="$(histogram_delta "$WORK_DIR/before.txt" "$WORK_DIR/after.txt")"
   kill -TERM "$ROUTER_PID"
   wait "$ROUTER_PID" || { echo "bench-router.sh: eldr-router exited with $?" >&2; exit 1; }
   ROUTER_PID=""
-  "$PYTHON" - "$client_json" "$server_json" "$rss_kib" "$peak_rss_kib" "$PIN" "$WORK_DIR/after.txt" "$run" <<'EOF'
+  "$PYTHON" - "$client_json" "$server_json" "$rss_kib" "$peak_rss_kib" "$PIN" "$WORK_DIR/after.txt" "$run" \
+    "$(( cpu_after - cpu_before ))" "$(getconf CLK_TCK)" <<'EOF'
 import json, re, sys
 
 c = json.loads(sys.argv[1])
@@ -168,6 +179,9 @@ c["router_rss_kib"] = int(sys.argv[3])
 c["router_peak_rss_kib"] = int(sys.argv[4])
 c["pinned"] = sys.argv[5] == "1"
 c["run"] = int(sys.argv[7])
+c["router_cpu_s"] = int(sys.argv[8]) / int(sys.argv[9])
+decisions = c.get("server_decisions") or 0
+c["router_cpu_us_per_route"] = round(c["router_cpu_s"] * 1e6 / decisions, 2) if decisions else None
 gauges = {}
 for line in open(sys.argv[6]):
     m = re.match(r"(eldr_refit_[a-z_]+) (\S+)$", line)
