@@ -33,7 +33,9 @@
 #   env: RUNS (1), APIS (cq), STREAM_BATCH (1), DURATION_S (10), CONCURRENCY (16), GEOMETRY (48x128),
 #        WORKERS (16), PIN (auto), ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra
 #        eldr-bench flags), PERF_DIR (when set: `perf record -g` of the daemon during each load,
-#        written there as perf-<api>-<batch>-run<run>.data)
+#        written there as perf-<api>-<batch>-run<run>.data), PERF_STAT (1: `perf stat` of the
+#        daemon during each load, reported per route as router_sendmsg_per_route,
+#        router_recvmsg_per_route and router_context_switches_per_route; needs tracepoints)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -148,6 +150,13 @@ for case in "${CASES[@]}"; do
   curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/before.txt"
   cpu_before="$(router_cpu_ticks)"
   PERF_PID=""
+  STAT_PID=""
+  rm -f "$WORK_DIR/perf-stat.csv"
+  if [[ "${PERF_STAT:-0}" == 1 ]]; then
+    perf stat -x, -e context-switches,syscalls:sys_enter_sendmsg,syscalls:sys_enter_recvmsg -p "$ROUTER_PID" \
+      -o "$WORK_DIR/perf-stat.csv" 2>"$WORK_DIR/perf-stat.log" &
+    STAT_PID=$!
+  fi
   if [[ -n "${PERF_DIR:-}" ]]; then
     mkdir -p "$PERF_DIR"
     perf record -g -o "$PERF_DIR/perf-$api-$batch-run$run.data" -p "$ROUTER_PID" 2>"$WORK_DIR/perf.log" &
@@ -157,10 +166,10 @@ for case in "${CASES[@]}"; do
   client_json="$("${BENCH_CPU[@]}" "$BIN/eldr-bench" --target="127.0.0.1:$grpc_port" \
     --duration_s="$DURATION_S" --concurrency="$CONCURRENCY" --geometry="$GEOMETRY" \
     --encoding=int16 --complete --json --api="$api" --stream_batch="$batch" ${BENCH_ARGS:-})"
-  if [[ -n "$PERF_PID" ]]; then
-    kill -INT "$PERF_PID"
-    wait "$PERF_PID" || true
-  fi
+  for pid in $PERF_PID $STAT_PID; do
+    kill -INT "$pid"
+    wait "$pid" || true
+  done
   curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$WORK_DIR/after.txt"
   cpu_after="$(router_cpu_ticks)"
   rss_kib="$(awk '/^VmRSS:/ {print $2}' "/proc/$ROUTER_PID/status")"
@@ -170,7 +179,7 @@ for case in "${CASES[@]}"; do
   wait "$ROUTER_PID" || { echo "bench-router.sh: eldr-router exited with $?" >&2; exit 1; }
   ROUTER_PID=""
   "$PYTHON" - "$client_json" "$server_json" "$rss_kib" "$peak_rss_kib" "$PIN" "$WORK_DIR/after.txt" "$run" \
-    "$(( cpu_after - cpu_before ))" "$(getconf CLK_TCK)" <<'EOF'
+    "$(( cpu_after - cpu_before ))" "$(getconf CLK_TCK)" "$WORK_DIR/perf-stat.csv" <<'EOF'
 import json, re, sys
 
 c = json.loads(sys.argv[1])
@@ -182,6 +191,18 @@ c["run"] = int(sys.argv[7])
 c["router_cpu_s"] = int(sys.argv[8]) / int(sys.argv[9])
 decisions = c.get("server_decisions") or 0
 c["router_cpu_us_per_route"] = round(c["router_cpu_s"] * 1e6 / decisions, 2) if decisions else None
+try:
+    for line in open(sys.argv[10]):
+        fields = line.strip().split(",")
+        if len(fields) < 3 or not fields[0].replace(".", "").isdigit() or not decisions:
+            continue
+        name = {"context-switches": "router_context_switches_per_route",
+                "syscalls:sys_enter_sendmsg": "router_sendmsg_per_route",
+                "syscalls:sys_enter_recvmsg": "router_recvmsg_per_route"}.get(fields[2])
+        if name:
+            c[name] = round(float(fields[0]) / decisions, 3)
+except FileNotFoundError:
+    pass
 gauges = {}
 for line in open(sys.argv[6]):
     m = re.match(r"(eldr_refit_[a-z_]+) (\S+)$", line)
