@@ -32,8 +32,9 @@
 # Usage: scripts/bench-router.sh [BUILD_DIR]
 #   env: RUNS (1), APIS (cq), STREAM_BATCH (1), DURATION_S (10), CONCURRENCY (16), GEOMETRY (48x128),
 #        WORKERS (16), PIN (auto), ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra
-#        eldr-bench flags), PERF_DIR (when set: `perf record -g` of the daemon during each load,
-#        written there as perf-<api>-<batch>-run<run>.data), PERF_STAT (1: `perf stat` of the
+#        eldr-bench flags), PERF_DIR (when set: `perf record --call-graph dwarf` of the daemon
+#        during each load at 499 Hz, written there as perf-<api>-<batch>-run<run>.data; about 15 MB
+#        a second), PERF_STAT (1: `perf stat` of the
 #        daemon during each load, reported per route as router_sendmsg_per_route,
 #        router_recvmsg_per_route and router_context_switches_per_route; needs tracepoints)
 set -euo pipefail
@@ -159,7 +160,9 @@ for case in "${CASES[@]}"; do
   fi
   if [[ -n "${PERF_DIR:-}" ]]; then
     mkdir -p "$PERF_DIR"
-    perf record -g -o "$PERF_DIR/perf-$api-$batch-run$run.data" -p "$ROUTER_PID" 2>"$WORK_DIR/perf.log" &
+    # DWARF unwinding: Debian's gRPC, protobuf and libc have no frame pointers.
+    perf record --call-graph dwarf,16384 -F 499 -o "$PERF_DIR/perf-$api-$batch-run$run.data" -p "$ROUTER_PID" \
+      2>"$WORK_DIR/perf.log" &
     PERF_PID=$!
   fi
   # shellcheck disable=SC2086
