@@ -141,6 +141,20 @@ class EldrPolicy final : public RoutingPolicy {
     decision.band_size = band_size;
     if (least.pick() >= 0) {
       decision.worker = least.pick();
+      if (input.max_load_gap > 0) {
+        // Locality stops paying once the band's workers queue far behind the rest of the pool (a
+        // domain surging past its zone): the gap bounds how far. The lightest load is found without
+        // the tie breaker, so decisions that do not spill draw exactly what they would without it.
+        double lightest = std::numeric_limits<double>::infinity();
+        for (const WorkerLoadView& worker : workers) {
+          if (worker.eligible && !AtLimit(worker)) lightest = std::min(lightest, NormalisedLoad(worker));
+        }
+        if (NormalisedLoad(workers[decision.worker]) - lightest > input.max_load_gap) {
+          decision.worker = PickSpill(workers, &ties_);
+          decision.fallback = FallbackReason::kLoadGap;
+          decision.used = PolicyKind::kJsq;
+        }
+      }
       return decision;
     }
     decision.fallback = FallbackReason::kOverload;
@@ -286,6 +300,8 @@ absl::string_view FallbackReasonLabel(FallbackReason reason) {
       return "no_eligible_centroid";
     case FallbackReason::kOverload:
       return "overload";
+    case FallbackReason::kLoadGap:
+      return "load_gap";
     case FallbackReason::kAllUnhealthy:
       return "all_unhealthy";
   }

@@ -197,6 +197,10 @@ absl::Status CheckAddress(const WorkerSpec& spec) {
 }
 
 absl::Status ValidateRouterOptions(const RouterOptions& options) {
+  if (!std::isfinite(options.max_load_gap) || options.max_load_gap < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("router: max_load_gap must be finite and >= 0, got %g", options.max_load_gap));
+  }
   if (!std::isfinite(options.tau) || options.tau < 0 || options.tau > 1) {
     return absl::InvalidArgumentError(absl::StrFormat("router: tau must be in [0, 1], got %g", options.tau));
   }
@@ -479,6 +483,7 @@ absl::StatusOr<RouteResult> RouterImpl::DecideLocked(const RouteInput& input, co
   policy_input.workers = views_;
   policy_input.candidates = candidates_;
   policy_input.tau = options_.tau;
+  policy_input.max_load_gap = options_.max_load_gap;
   policy_input.no_scores_reason = no_scores_reason;
   const PolicyDecision decision = PolicyLocked(input.policy).Pick(policy_input);
   if (decision.worker < 0 || decision.worker >= n) return absl::UnavailableError("no decode worker is eligible");

@@ -258,6 +258,10 @@ const std::vector<OptionDef>& OptionTable() {
                                PolicyKindName),
       DoubleOption("tau", "Locality band width in [0, 1] (eldr).",
                    [](ServerOptions& o) -> double& { return o.router.tau; }),
+      DoubleOption("eldr_max_load_gap",
+                   "eldr: a request whose band pick carries more than this many in-flight requests (per unit "
+                   "capacity) above the least loaded routable worker goes to that worker (fallback load_gap). 0: off.",
+                   [](ServerOptions& o) -> double& { return o.router.max_load_gap; }),
       ChoiceOption<TieBreak>("tie_break",
                              "Among equally loaded workers (band, jsq, spill, p2c): random, or lowest_index (the "
                              "reference implementation's rule, to reproduce its decisions).",
@@ -518,6 +522,9 @@ std::string JsonToSettingText(const Json& value) {
 
 ServerOptions::ServerOptions() {
   metrics_http.listen = "0.0.0.0:9464";
+  // The daemon guards P99 by default (docs/operations.md, "The load-gap guard"); the library's
+  // RouterOptions leave it off.
+  router.max_load_gap = kDefaultMaxLoadGap;
   metrics_http.max_connections = 64;
   refit.seed = router.seed;
 }
@@ -715,6 +722,9 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
                             "loopback, or pass allow_insecure_admin to accept the risk"));
   }
   if (!(o.router.tau >= 0.0 && o.router.tau <= 1.0)) return bad("tau", "must be in [0, 1]");
+  if (!(o.router.max_load_gap >= 0.0 && std::isfinite(o.router.max_load_gap))) {
+    return bad("eldr_max_load_gap", "must be finite and >= 0 (0: off)");
+  }
   if (o.router.load.lease_ttl <= absl::ZeroDuration()) return bad("lease_ttl", "must be positive");
   if (o.router.load.snapshot_staleness <= absl::ZeroDuration()) return bad("snapshot_staleness", "must be positive");
   if (o.router.max_live_leases < 1) return bad("max_live_leases", "must be at least 1");

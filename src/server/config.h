@@ -100,6 +100,10 @@ struct ClusterSettings {
   absl::Duration redis_timeout = absl::Seconds(1);
 };
 
+// The daemon's default load-gap guard (RouterOptions::max_load_gap): measured in
+// docs/evaluation.md, "The load-gap guard".
+inline constexpr double kDefaultMaxLoadGap = 8;
+
 struct ServerOptions {
   ServerOptions();
 

@@ -37,7 +37,7 @@ constexpr RouteOutcome kOutcomes[] = {RouteOutcome::kOk, RouteOutcome::kFallback
 constexpr FallbackReason kFallbackReasons[] = {
     FallbackReason::kNone,        FallbackReason::kNoSignature,        FallbackReason::kZeroSignature,
     FallbackReason::kNoCentroids, FallbackReason::kNoEligibleCentroid, FallbackReason::kOverload,
-    FallbackReason::kAllUnhealthy};
+    FallbackReason::kLoadGap,     FallbackReason::kAllUnhealthy};
 
 template <typename Enum, size_t N>
 size_t IndexOf(const Enum (&all)[N], Enum value, size_t fallback) {

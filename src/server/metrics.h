@@ -114,7 +114,7 @@ class ServerMetrics {
  private:
   static constexpr int kNumPolicies = 5;
   static constexpr int kNumOutcomes = 5;
-  static constexpr int kNumFallbacks = 7;
+  static constexpr int kNumFallbacks = 8;
   static constexpr int kNumPlanes = 3;
   static constexpr int kNumStreamKinds = 3;
 

@@ -190,7 +190,7 @@ class RouterPool {
       absl::StatusOr<std::unique_ptr<RoutingBackend>> created =
           policy.oracle ? MakeOracleBackend(options_.cluster.decoders, seed, options_.tie_break)
                         : MakeInProcessBackend(policy.kind, options_.tau, seed, options_.cluster.decoders,
-                                               options_.max_inflight, options_.tie_break);
+                                               options_.max_inflight, options_.tie_break, options_.max_load_gap);
       if (!created.ok()) return created.status();
       routers.replicas.push_back(created->get());
       routers.owned.push_back(*std::move(created));

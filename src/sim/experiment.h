@@ -76,6 +76,7 @@ struct ExperimentOptions {
   int requests = 4000;                            // arrivals per rate
   double tau = 0.1;                               // in-process routers; a daemon uses its own
   int64_t max_inflight = 0;                       // in-process routers' per-worker overload guard (0: none)
+  double max_load_gap = 0;                        // in-process routers' RouterOptions::max_load_gap
   uint64_t seed = 1;                              // arrivals, calibration, refit
   uint64_t router_seed = 0x5eed;                  // in-process routers' tie-breaking (eldr-router's default)
   TieBreak tie_break = TieBreak::kRandom;         // in-process routers' rule among equally loaded workers

@@ -141,11 +141,13 @@ absl::Status RoutingBackend::SetDomainShares(const std::vector<double>& /*shares
 
 absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind policy, double tau,
                                                                      uint64_t router_seed, int workers,
-                                                                     int64_t max_inflight, TieBreak tie_break) {
+                                                                     int64_t max_inflight, TieBreak tie_break,
+                                                                     double max_load_gap) {
   if (workers < 1) return absl::InvalidArgumentError("--decoders must be >= 1");
   RouterOptions options;
   options.policy = policy;
   options.tau = tau;
+  options.max_load_gap = max_load_gap;
   options.seed = router_seed;
   options.tie_break = tie_break;
   std::vector<WorkerSpec> specs;

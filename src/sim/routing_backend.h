@@ -96,10 +96,12 @@ class RoutingBackend {
 // over workers "decode-0" .. "decode-{workers-1}", each with the overload guard `max_inflight`
 // (0: none), ties among equally loaded workers broken by `tie_break`. Simulated time is passed to the router as
 // absl::Time, advancing monotonically across runs.
+// `max_load_gap`: RouterOptions::max_load_gap (0: off).
 absl::StatusOr<std::unique_ptr<RoutingBackend>> MakeInProcessBackend(PolicyKind policy, double tau,
                                                                      uint64_t router_seed, int workers,
                                                                      int64_t max_inflight,
-                                                                     TieBreak tie_break = TieBreak::kRandom);
+                                                                     TieBreak tie_break = TieBreak::kRandom,
+                                                                     double max_load_gap = 0);
 
 // The oracle policy (not a router policy: it reads RouteCall::domain, the label no router sees).
 // Every domain with a positive share (SetDomainShares) gets a group of the active workers, sized

@@ -92,6 +92,10 @@ ABSL_FLAG(std::string, tie_break, "random",
 ABSL_FLAG(int64_t, max_inflight, -1,
           "Overload guard of the in-process routers (WorkerSpec::max_inflight): a worker with this "
           "many in-flight requests leaves eldr's band. -1: --max_batch; 0: no guard");
+ABSL_FLAG(double, max_load_gap, 8,
+          "Load-gap guard of the in-process routers (RouterOptions::max_load_gap; 8 is eldr-router's "
+          "--eldr_max_load_gap default): eldr sends a request to the least loaded worker when its band's pick carries "
+          "more than this many in-flight requests above it. 0: off");
 ABSL_FLAG(std::string, variant, "count_idf",
           "Signature variant: count, count_idf or gate_prob (synthetic workloads: prompts' gate-probability sums)");
 ABSL_FLAG(bool, select_layers, true, "Calibration: greedy layer-mask search");
@@ -299,6 +303,10 @@ int main(int argc, char** argv) {
   options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
   if (options.max_inflight == -1) options.max_inflight = options.cluster.max_batch;
   if (options.max_inflight < 0) return Fail("--max_inflight must be -1 (= --max_batch), 0 (none) or positive");
+  options.max_load_gap = absl::GetFlag(FLAGS_max_load_gap);
+  if (!std::isfinite(options.max_load_gap) || options.max_load_gap < 0) {
+    return Fail("--max_load_gap must be finite and >= 0 (0: off)");
+  }
   absl::StatusOr<eldr::SignatureVariant> variant = eldr::ParseSignatureVariant(absl::GetFlag(FLAGS_variant));
   if (!variant.ok()) return Fail(absl::StrCat("--variant: ", variant.status().message()));
   if (*variant == eldr::SignatureVariant::kGateProb && !trace_dir.empty()) {

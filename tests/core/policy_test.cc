@@ -20,11 +20,12 @@ std::vector<WorkerLoadView> Loads(const std::vector<double>& loads) {
 }
 
 PolicyDecision PickEldr(RoutingPolicy& policy, const std::vector<WorkerLoadView>& workers,
-                        const std::vector<WorkerScore>& scores, double tau) {
+                        const std::vector<WorkerScore>& scores, double tau, double max_load_gap = 0) {
   PolicyInput input;
   input.workers = workers;
   input.candidates = scores;
   input.tau = tau;
+  input.max_load_gap = max_load_gap;
   return policy.Pick(input);
 }
 
@@ -127,6 +128,49 @@ TEST(EldrPolicyTest, OverloadSpillsToLeastLoadedOverall) {
   const PolicyDecision all = PickEldr(*policy, workers, scores, 0.1);
   EXPECT_EQ(all.fallback, FallbackReason::kOverload);
   EXPECT_EQ(all.worker, 1);
+}
+
+TEST(EldrPolicyTest, LoadGapSpillsOnlyBeyondTheGap) {
+  auto policy = MakePolicy(PolicyKind::kEldr, 1);
+  // Worker 0 holds the locality; worker 3 is the lightest of the pool.
+  auto workers = Loads({12, 20, 9, 4});
+  const std::vector<WorkerScore> scores = {{0, 0.9f}, {1, 0.85f}, {2, 0.3f}, {3, 0.2f}};
+  const PolicyDecision off = PickEldr(*policy, workers, scores, 0.1, /*max_load_gap=*/0);
+  EXPECT_EQ(off.worker, 0);
+  EXPECT_EQ(off.fallback, FallbackReason::kNone);
+  // 12 - 4 = 8: not more than a gap of 8, the band keeps it.
+  const PolicyDecision within = PickEldr(*policy, workers, scores, 0.1, 8);
+  EXPECT_EQ(within.worker, 0);
+  EXPECT_EQ(within.fallback, FallbackReason::kNone);
+  EXPECT_EQ(within.used, PolicyKind::kEldr);
+  // A gap of 7 is exceeded: the lightest worker takes it, reported as a jsq decision.
+  const PolicyDecision beyond = PickEldr(*policy, workers, scores, 0.1, 7);
+  EXPECT_EQ(beyond.worker, 3);
+  EXPECT_EQ(beyond.fallback, FallbackReason::kLoadGap);
+  EXPECT_EQ(beyond.used, PolicyKind::kJsq);
+  EXPECT_EQ(beyond.band_size, 2);
+  EXPECT_FLOAT_EQ(beyond.best_similarity, 0.9f);
+  EXPECT_EQ(FallbackReasonLabel(FallbackReason::kLoadGap), "load_gap");
+  // Loads are compared per unit of capacity, and a worker at its limit is not "the lightest".
+  workers[3].max_inflight = 4;
+  const PolicyDecision limited = PickEldr(*policy, workers, scores, 0.1, 2);
+  EXPECT_EQ(limited.worker, 2);  // 9 is the lightest below its limit; 12 - 9 > 2
+  workers[0].capacity = 2;       // 12 / 2 = 6, now itself the lightest below its limit
+  const PolicyDecision weighted = PickEldr(*policy, workers, scores, 0.1, 2);
+  EXPECT_EQ(weighted.worker, 0);
+  EXPECT_EQ(weighted.fallback, FallbackReason::kNone);
+}
+
+TEST(EldrPolicyTest, LoadGapDrawsNoRandomNumberWhenItDoesNotSpill) {
+  // Equal loads in the band: ties are drawn. With a gap that never triggers, the draws, hence the
+  // decisions, are those of the policy without the gap.
+  const auto workers = Loads({3, 3, 3, 3});
+  const std::vector<WorkerScore> scores = {{0, 0.9f}, {1, 0.9f}, {2, 0.9f}, {3, 0.1f}};
+  auto with_gap = MakePolicy(PolicyKind::kEldr, 9);
+  auto without = MakePolicy(PolicyKind::kEldr, 9);
+  for (int i = 0; i < 50; ++i) {
+    EXPECT_EQ(PickEldr(*with_gap, workers, scores, 0.1, 8).worker, PickEldr(*without, workers, scores, 0.1).worker);
+  }
 }
 
 TEST(EldrPolicyTest, NoScoresFallsBackToJsqWithCallersReason) {

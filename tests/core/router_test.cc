@@ -66,6 +66,19 @@ std::unique_ptr<Router> MakeRouter(std::vector<WorkerSpec> workers, RouterOption
   return *std::move(router);
 }
 
+TEST(RouterCreateTest, ValidatesTheLoadGap) {
+  for (double gap : {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    RouterOptions options;
+    options.max_load_gap = gap;
+    const absl::Status status = Router::Create(options, {Worker("a")}).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << gap;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("max_load_gap")) << gap;
+  }
+  RouterOptions options;
+  options.max_load_gap = 8;
+  EXPECT_TRUE(Router::Create(options, {Worker("a")}).ok());
+}
+
 TEST(RouterCreateTest, ValidatesOptionsAndWorkers) {
   RouterOptions options;
   options.tau = 1.5;

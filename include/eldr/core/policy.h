@@ -32,6 +32,7 @@ enum class FallbackReason {
   kNoCentroids,         // no centroids loaded -> jsq
   kNoEligibleCentroid,  // no routable worker has a centroid -> jsq
   kOverload,            // every band member at its in-flight limit -> least loaded overall (spill)
+  kLoadGap,             // the band's least loaded member too far above the least loaded worker -> spill
   kAllUnhealthy,        // every worker unhealthy -> route by leases among all non-draining (fail open)
 };
 absl::string_view FallbackReasonLabel(FallbackReason reason);  // "", "no_signature", ...
@@ -59,12 +60,18 @@ struct PolicyInput {
   // Why `candidates` is empty, reported by eldr as its fallback (it then decides as jsq): the caller
   // knows whether the request had no signature, a zero one, or no centroids were loaded.
   FallbackReason no_scores_reason = FallbackReason::kNoSignature;
+  // eldr's load-gap guard (RouterOptions::max_load_gap): > 0 and the band's pick carries more than
+  // this much load/capacity above the least loaded eligible worker below its limit -> that worker
+  // instead (fallback kLoadGap, used = jsq). 0: off.
+  double max_load_gap = 0;
 };
 
 // eldr: the band is every eligible candidate whose score >= best - tau (best = the highest score
 // among eligible candidates; band_size counts them); members at their in-flight limit cannot be
 // picked; the least load/capacity member wins, ties by TieBreak (below). If every band member is at its limit, the
-// request spills to the least loaded eligible worker overall (fallback kOverload, used = jsq). If `candidates` is
+// request spills to the least loaded eligible worker overall (fallback kOverload, used = jsq). With max_load_gap > 0,
+// a pick whose load/capacity exceeds the least loaded eligible worker's (below its limit) by more than the gap spills
+// to that worker too (fallback kLoadGap, used = jsq). If `candidates` is
 // empty, fallback = no_scores_reason; if no candidate is eligible, fallback = kNoEligibleCentroid; both decide as jsq.
 // rr: next eligible worker in index order. random: uniform over eligible workers. jsq: least load/capacity, ties at
 // random. p2c: two distinct eligible workers at random, the lower load/capacity wins (ties at random); a single

@@ -74,8 +74,12 @@ struct RouterOptions {
   double tau = 0.1;                        // locality band width, in [0, 1]
   uint64_t seed = 0x5eed;                  // tie-breaking and sampling generator seed
   TieBreak tie_break = TieBreak::kRandom;  // among equally loaded workers (policy.h)
-  LoadOptions load;                        // lease TTL, snapshot staleness
-  CentroidIndexOptions index;              // exact vs FAISS crossover and its parameters
+  // eldr's load-gap guard (PolicyInput::max_load_gap): when the band's least loaded worker carries
+  // more than this many in-flight requests per unit of capacity above the least loaded routable
+  // worker, the request goes to that one (fallback "load_gap"). Finite, >= 0; 0: off.
+  double max_load_gap = 0;
+  LoadOptions load;            // lease TTL, snapshot staleness
+  CentroidIndexOptions index;  // exact vs FAISS crossover and its parameters
   // Live leases at most (>= 1). At the limit a new route first releases the oldest live lease of
   // the pool (counted in RouterState::leases_evicted_total), so a caller that never completes
   // cannot grow the router's memory without bound and routing goes on.
