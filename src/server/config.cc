@@ -398,6 +398,10 @@ const std::vector<OptionDef>& OptionTable() {
                          [](ServerOptions& o) -> int64_t& { return o.admin_max_message_bytes; }),
       IntOption<int64_t>("max_concurrent_streams", "Concurrent RPCs per connection.",
                          [](ServerOptions& o) -> int64_t& { return o.max_concurrent_streams; }),
+      IntOption<int64_t>("max_stream_batch",
+                         "Requests one RouteStream batch message may carry; a larger batch is answered with one "
+                         "INVALID_ARGUMENT error and none of its entries is handled.",
+                         [](ServerOptions& o) -> int64_t& { return o.max_stream_batch; }),
       IntOption<int64_t>("max_report_streams", "Open ReportLoad streams at most (more: RESOURCE_EXHAUSTED).",
                          [](ServerOptions& o) -> int64_t& { return o.max_report_streams; }),
       IntOption<int64_t>("max_report_streams_per_peer", "Open ReportLoad streams per peer address at most.",
@@ -803,6 +807,9 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   }
   if (o.max_concurrent_streams < 1 || o.max_concurrent_streams > std::numeric_limits<int32_t>::max()) {
     return bad("max_concurrent_streams", "must be between 1 and 2147483647");
+  }
+  if (o.max_stream_batch < 1 || o.max_stream_batch > kMaxStreamBatchLimit) {
+    return bad("max_stream_batch", absl::StrCat("must be between 1 and ", kMaxStreamBatchLimit));
   }
   if (o.max_report_streams < 1) return bad("max_report_streams", "must be at least 1");
   if (o.max_report_streams_per_peer < 1) return bad("max_report_streams_per_peer", "must be at least 1");

@@ -31,6 +31,11 @@
 
 namespace eldr::server {
 
+// The largest --max_stream_batch accepted: a batch is handled on one gRPC thread in one go (about
+// 5 us per route), and its answer is one message, so a batch stays well below 100 ms of work and a
+// few hundred kilobytes of answer.
+inline constexpr int64_t kMaxStreamBatchLimit = 4096;
+
 // Who may push load reports for a worker (ReportLoad).
 enum class ReporterAuth {
   kNone,   // any data-plane client, for any worker (the data-plane token still applies)
@@ -175,6 +180,8 @@ struct ServerOptions {
   // Same limit on the admin listener, where ReloadCentroids may carry an artifact inline.
   int64_t admin_max_message_bytes = 64 << 20;
   int64_t max_concurrent_streams = 1024;  // concurrent RPCs per connection
+  // Entries of one RouteStreamBatch at most; a larger batch is refused whole (INVALID_ARGUMENT).
+  int64_t max_stream_batch = 256;
   // Open ReportLoad streams at most, in total and per peer address; beyond, RESOURCE_EXHAUSTED.
   int64_t max_report_streams = 1024;
   int64_t max_report_streams_per_peer = 64;

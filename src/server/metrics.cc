@@ -19,6 +19,7 @@
 #include "prometheus/family.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
+#include "server/config.h"
 
 namespace eldr::server {
 
@@ -133,6 +134,15 @@ absl::string_view RouteOutcomeLabel(RouteOutcome outcome) {
       return "error";
   }
   return "error";
+}
+
+const std::vector<double>& RouteStreamBatchSizeBuckets() {
+  static const auto* buckets = [] {
+    auto* out = new std::vector<double>{0};
+    for (int64_t size = 1; size <= kMaxStreamBatchLimit; size *= 2) out->push_back(static_cast<double>(size));
+    return out;
+  }();
+  return *buckets;
 }
 
 const std::vector<double>& RouteDurationBuckets() {
@@ -294,6 +304,20 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
     stream_messages_[k][0] = &stream_messages.Add({{"kind", kind}, {"outcome", "error"}});
     stream_undelivered_[k] = &undelivered.Add({{"kind", kind}});
   }
+  auto& batches = prometheus::BuildCounter()
+                      .Name("eldr_route_stream_batches_total")
+                      .Help(
+                          "RouteStream batch messages, by outcome: answered (each entry answered and counted in "
+                          "eldr_route_stream_messages_total), or refused (more entries than --max_stream_batch: "
+                          "one error, no entry handled).")
+                      .Register(*registry_);
+  stream_batches_answered_ = &batches.Add({{"outcome", "answered"}});
+  stream_batches_refused_ = &batches.Add({{"outcome", "refused"}});
+  stream_batch_size_ = &prometheus::BuildHistogram()
+                            .Name("eldr_route_stream_batch_size")
+                            .Help("Entries of each answered RouteStream batch message.")
+                            .Register(*registry_)
+                            .Add({}, RouteStreamBatchSizeBuckets());
   auto& tls = prometheus::BuildCounter()
                   .Name("eldr_tls_rotations_total")
                   .Help(
@@ -397,6 +421,13 @@ void ServerMetrics::RecordRouteStreamMessage(StreamMessageKind kind, bool ok) {
 void ServerMetrics::RecordRouteStreamUndelivered(StreamMessageKind kind) {
   stream_undelivered_[static_cast<size_t>(kind)]->Increment();
 }
+
+void ServerMetrics::RecordRouteStreamBatch(int64_t entries) {
+  stream_batches_answered_->Increment();
+  stream_batch_size_->Observe(static_cast<double>(entries));
+}
+
+void ServerMetrics::RecordRouteStreamBatchRefused() { stream_batches_refused_->Increment(); }
 
 void ServerMetrics::RecordTlsRotation(bool installed) { (installed ? tls_installed_ : tls_refused_)->Increment(); }
 

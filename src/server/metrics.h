@@ -54,6 +54,10 @@ const std::vector<double>& RouteDurationBuckets();
 // Complete, or neither (unparsable, or no oneof member set).
 enum class StreamMessageKind { kRoute, kComplete, kNone };
 
+// Bucket upper bounds of eldr_route_stream_batch_size: 0 (empty batches), then powers of two up
+// to kMaxStreamBatchLimit.
+const std::vector<double>& RouteStreamBatchSizeBuckets();
+
 // Which credential check refused a call (eldr_auth_refused_total{plane}).
 enum class AuthPlane { kAdmin, kData, kReporter };
 
@@ -97,6 +101,10 @@ class ServerMetrics {
   void SetRouteStreamsOpen(int64_t open);
   void RecordRouteStreamMessage(StreamMessageKind kind, bool ok);
   void RecordRouteStreamUndelivered(StreamMessageKind kind);
+  // A RouteStreamBatch message answered with its `entries` answers (0 for an empty batch), or
+  // refused whole for holding more than --max_stream_batch entries.
+  void RecordRouteStreamBatch(int64_t entries);
+  void RecordRouteStreamBatchRefused();
   // TLS rotations of the certificate files: installed, or refused (the old pair stays).
   void RecordTlsRotation(bool installed);
 
@@ -134,6 +142,9 @@ class ServerMetrics {
   prometheus::Gauge* route_streams_open_ = nullptr;
   std::array<std::array<prometheus::Counter*, 2>, kNumStreamKinds> stream_messages_{};  // [kind][ok]; null: impossible
   std::array<prometheus::Counter*, kNumStreamKinds> stream_undelivered_{};
+  prometheus::Counter* stream_batches_answered_ = nullptr;
+  prometheus::Counter* stream_batches_refused_ = nullptr;
+  prometheus::Histogram* stream_batch_size_ = nullptr;
   prometheus::Counter* tls_installed_ = nullptr;
   prometheus::Counter* tls_refused_ = nullptr;
 };

@@ -219,6 +219,7 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(ServerOptions
   ctx.mutual_tls = !o.tls_client_ca.empty();
   ctx.route_client_keys = o.refit.interval > absl::ZeroDuration() || !o.refit.state_dir.empty();
   ctx.max_request_bytes = o.max_message_bytes;
+  ctx.max_stream_batch = o.max_stream_batch;
   ctx.max_report_streams = o.max_report_streams;
   ctx.max_report_streams_per_peer = o.max_report_streams_per_peer;
   ctx.report_stream_idle_timeout = o.report_stream_idle_timeout;
@@ -317,7 +318,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> RouterServer::BuildServer(const st
       data_plane ? std::min<int64_t>(max_message_bytes * kTransportMessageHeadroom, std::numeric_limits<int>::max())
                  : max_message_bytes;
   builder.SetMaxReceiveMessageSize(static_cast<int>(receive_limit));
-  builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
+  // The data plane sends only answers the router builds itself, whose size follows from its own
+  // limits (a RouteStream batch answer grows with --max_stream_batch, not with the caller's bytes),
+  // so no send limit applies there: a batch answer over --max_message_bytes would otherwise end the
+  // stream. An admin listener of its own keeps the limit on what it sends.
+  builder.SetMaxSendMessageSize(data_plane ? -1 : static_cast<int>(max_message_bytes));
   // gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would silently
   // share the traffic instead of failing to start.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

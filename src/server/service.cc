@@ -87,6 +87,15 @@ grpc::Status RouteStreamShutdownStatus() {
                       "unanswered ones to another replica");
 }
 
+// A RouteStream request's failure as its answer: the code and message the unary RPC would end
+// with, through the same ToGrpcStatus.
+void SetStreamError(const absl::Status& status, eldr::v1::RouteStreamResponse* response) {
+  const grpc::Status wire = ToGrpcStatus(status);
+  eldr::v1::RouteStreamError* error = response->mutable_error();
+  error->set_code(static_cast<int32_t>(wire.error_code()));
+  SetString(error->mutable_message(), wire.error_message());
+}
+
 template <typename Message>
 void SerializeRaw(const Message& message, grpc::ByteBuffer* out) {
   bool own_buffer = false;
@@ -303,12 +312,12 @@ class DecodeRouterService::RouteStreamReactor final
     }
     // Only the read chain touches frame_, request_ and response_: no lock while the core works.
     Answer answer;
-    answer.lease = service_->AnswerStreamMessage(client_, frame_, &request_, &response_, &answer.buffer, &answer.kind);
+    service_->AnswerStreamMessage(client_, frame_, &request_, &response_, &answer.buffer, &answer.delivered);
     frame_.Clear();
     absl::MutexLock lock(&mu_);
     answering_ = false;
     if (cancelled_) {
-      service_->ReleaseUndelivered(answer.kind, answer.lease);
+      service_->ReleaseUndelivered(answer.delivered);
     } else {
       queue_.push_back(std::move(answer));
       WriteNextLocked();
@@ -353,9 +362,8 @@ class DecodeRouterService::RouteStreamReactor final
 
  private:
   struct Answer {
-    grpc::ByteBuffer buffer;  // a serialized RouteStreamResponse
-    StreamMessageKind kind = StreamMessageKind::kNone;
-    uint64_t lease = 0;  // of a successful Route: released if the answer is never delivered
+    grpc::ByteBuffer buffer;     // a serialized RouteStreamResponse
+    StreamDeliveries delivered;  // its requests; their Route leases are released if it is never delivered
   };
 
   // No more reads; the first reason decides the status the stream ends with.
@@ -381,7 +389,7 @@ class DecodeRouterService::RouteStreamReactor final
   void DropQueuedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const size_t keep = writing_ ? 1 : 0;  // its OnWriteDone(false) drops it
     while (queue_.size() > keep) {
-      service_->ReleaseUndelivered(queue_.back().kind, queue_.back().lease);
+      service_->ReleaseUndelivered(queue_.back().delivered);
       queue_.pop_back();
     }
   }
@@ -547,52 +555,89 @@ grpc::ServerUnaryReactor* DecodeRouterService::Complete(grpc::CallbackServerCont
   return reactor;
 }
 
-uint64_t DecodeRouterService::AnswerStreamMessage(absl::string_view client, const grpc::ByteBuffer& frame,
-                                                  eldr::v1::RouteStreamRequest* request,
-                                                  eldr::v1::RouteStreamResponse* response, grpc::ByteBuffer* answer,
-                                                  StreamMessageKind* kind) {
-  using eldr::v1::RouteStreamRequest;
+void DecodeRouterService::AnswerStreamMessage(absl::string_view client, const grpc::ByteBuffer& frame,
+                                              eldr::v1::RouteStreamRequest* request,
+                                              eldr::v1::RouteStreamResponse* response, grpc::ByteBuffer* answer,
+                                              StreamDeliveries* delivered) {
   request->Clear();
   response->Clear();
-  *kind = StreamMessageKind::kNone;
-  uint64_t lease = 0;
-  absl::Status status = ParseRaw(frame, request);
-  if (!status.ok()) {
+  delivered->clear();
+  const auto frame_bytes = static_cast<int64_t>(frame.Length());
+  if (absl::Status status = ParseRaw(frame, request); !status.ok()) {
     ctx_.metrics->RecordRejected(RejectReason::kMalformed);  // answered with id 0
+    SetStreamError(status, response);
+    ctx_.metrics->RecordRouteStreamMessage(StreamMessageKind::kNone, /*ok=*/false);
+    delivered->push_back(StreamDelivery{});
+  } else if (request->kind_case() == eldr::v1::RouteStreamRequest::kBatch) {
+    AnswerStreamBatch(client, *request, frame_bytes, response, delivered);
   } else {
-    response->set_id(request->id());
-    switch (request->kind_case()) {
-      case RouteStreamRequest::kRoute: {
-        *kind = StreamMessageKind::kRoute;
-        // The frame is the RouteRequest plus a few bytes: the request's own size is computed only
-        // when the frame is over the limit.
-        const auto frame_bytes = static_cast<int64_t>(frame.Length());
-        const int64_t bytes = ctx_.max_request_bytes > 0 && frame_bytes > ctx_.max_request_bytes
-                                  ? static_cast<int64_t>(request->route().ByteSizeLong())
-                                  : frame_bytes;
-        status = RouteMessage(client, absl::OkStatus(), bytes, Parsed(request->route()), response->mutable_route());
-        if (status.ok()) lease = response->route().lease_id();
-        break;
-      }
-      case RouteStreamRequest::kComplete:
-        *kind = StreamMessageKind::kComplete;
-        status = CompleteMessage(absl::OkStatus(), Parsed(request->complete()), response->mutable_complete());
-        break;
-      case RouteStreamRequest::KIND_NOT_SET:
-        status = InvalidInput(RejectReason::kMalformed, "RouteStreamRequest: neither route nor complete is set");
-        ctx_.metrics->RecordRejected(RejectReason::kMalformed);
-        break;
-    }
+    delivered->push_back(AnswerStreamRequest(client, *request, frame_bytes, response));
   }
-  if (!status.ok()) {
-    const grpc::Status wire = ToGrpcStatus(status);  // the code and message the unary RPC ends with
-    eldr::v1::RouteStreamError* error = response->mutable_error();
-    error->set_code(static_cast<int32_t>(wire.error_code()));
-    SetString(error->mutable_message(), wire.error_message());
-  }
-  ctx_.metrics->RecordRouteStreamMessage(*kind, status.ok());
   SerializeRaw(*response, answer);
-  return lease;
+}
+
+StreamDelivery DecodeRouterService::AnswerStreamRequest(absl::string_view client,
+                                                        const eldr::v1::RouteStreamRequest& request,
+                                                        int64_t frame_bytes, eldr::v1::RouteStreamResponse* response) {
+  using eldr::v1::RouteStreamRequest;
+  StreamDelivery delivery;
+  absl::Status status;
+  response->set_id(request.id());
+  switch (request.kind_case()) {
+    case RouteStreamRequest::kRoute: {
+      delivery.kind = StreamMessageKind::kRoute;
+      // The frame holds the RouteRequest plus a few bytes (plus the other entries of a batch): the
+      // request's own size is computed only when the frame is over the limit.
+      const int64_t bytes = ctx_.max_request_bytes > 0 && frame_bytes > ctx_.max_request_bytes
+                                ? static_cast<int64_t>(request.route().ByteSizeLong())
+                                : frame_bytes;
+      status = RouteMessage(client, absl::OkStatus(), bytes, Parsed(request.route()), response->mutable_route());
+      if (status.ok()) delivery.lease = response->route().lease_id();
+      break;
+    }
+    case RouteStreamRequest::kComplete:
+      delivery.kind = StreamMessageKind::kComplete;
+      status = CompleteMessage(absl::OkStatus(), Parsed(request.complete()), response->mutable_complete());
+      break;
+    case RouteStreamRequest::kBatch:  // a batch message goes to AnswerStreamBatch: this is an entry
+      status = InvalidInput(RejectReason::kMalformed,
+                            "RouteStreamBatch: this entry is itself a batch; batches do not nest (send its "
+                            "requests as entries of the outer batch)");
+      ctx_.metrics->RecordRejected(RejectReason::kMalformed);
+      break;
+    case RouteStreamRequest::KIND_NOT_SET:
+      status = InvalidInput(RejectReason::kMalformed, "RouteStreamRequest: neither route nor complete is set");
+      ctx_.metrics->RecordRejected(RejectReason::kMalformed);
+      break;
+  }
+  if (!status.ok()) SetStreamError(status, response);
+  ctx_.metrics->RecordRouteStreamMessage(delivery.kind, status.ok());
+  return delivery;
+}
+
+void DecodeRouterService::AnswerStreamBatch(absl::string_view client, const eldr::v1::RouteStreamRequest& request,
+                                            int64_t frame_bytes, eldr::v1::RouteStreamResponse* response,
+                                            StreamDeliveries* delivered) {
+  response->set_id(request.id());
+  const auto& entries = request.batch().requests();
+  if (entries.size() > ctx_.max_stream_batch) {
+    // Refused before any entry is handled, so the caller knows that none was (no lease taken, none
+    // released): it can split the batch and send it again.
+    SetStreamError(
+        MakeInputError(absl::StatusCode::kInvalidArgument, RejectReason::kOversized,
+                       absl::StrCat("RouteStreamBatch holds ", entries.size(), " requests; the router accepts at most ",
+                                    ctx_.max_stream_batch, " in one batch (--max_stream_batch); none was handled")),
+        response);
+    ctx_.metrics->RecordRejected(RejectReason::kOversized);
+    ctx_.metrics->RecordRouteStreamBatchRefused();
+    return;
+  }
+  eldr::v1::RouteStreamBatchResponse* answers = response->mutable_batch();  // set even when empty
+  delivered->reserve(static_cast<size_t>(entries.size()));
+  for (const eldr::v1::RouteStreamRequest& entry : entries) {
+    delivered->push_back(AnswerStreamRequest(client, entry, frame_bytes, answers->add_responses()));
+  }
+  ctx_.metrics->RecordRouteStreamBatch(entries.size());
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* DecodeRouterService::RouteStream(
@@ -628,9 +673,11 @@ void DecodeRouterService::RouteStreamDone(RouteStreamReactor* reactor) {
   ctx_.metrics->SetRouteStreamsOpen(open);
 }
 
-void DecodeRouterService::ReleaseUndelivered(StreamMessageKind kind, uint64_t lease) {
-  ctx_.metrics->RecordRouteStreamUndelivered(kind);
-  if (lease != 0) (void)ctx_.router->Complete(lease);  // NOT_FOUND: it expired or was evicted meanwhile
+void DecodeRouterService::ReleaseUndelivered(const StreamDeliveries& delivered) {
+  for (const StreamDelivery& d : delivered) {
+    ctx_.metrics->RecordRouteStreamUndelivered(d.kind);
+    if (d.lease != 0) (void)ctx_.router->Complete(d.lease);  // NOT_FOUND: it expired or was evicted meanwhile
+  }
 }
 
 absl::Status DecodeRouterService::ApplyReport(const grpc::CallbackServerContext& context,

@@ -10,14 +10,19 @@
 // RouteStream carries Route and Complete as messages of one bidirectional stream. Each message goes
 // through the same function as its unary RPC (RouteMessage, CompleteMessage: validation, the core
 // call, metrics, the failure log), and its status becomes the message's error through the same
-// ToGrpcStatus. Contract of a stream (docs/api.md, "RouteStream"):
+// ToGrpcStatus. A message may carry a batch (RouteStreamBatch): its entries are handled in order,
+// each exactly as a message of its own (the same functions, metrics and error conversion), and
+// their answers go out in one message, one write; a batch of more than --max_stream_batch entries
+// is refused whole with one INVALID_ARGUMENT before any entry is handled, an entry that is a batch
+// itself is INVALID_ARGUMENT for that entry. Contract of a stream (docs/api.md, "RouteStream"):
 //  - answers are written in the order the requests were read (the core answers synchronously);
 //  - flow control: the next message is read while earlier answers are still being written, up to
 //    kRouteStreamMaxPending answers waiting; then reading pauses until the client reads (HTTP/2 flow
 //    control then holds back its writes), so a client that stops reading stalls only its own stream;
 //  - the client half-closes: every message read is answered, then the stream ends OK;
 //  - cancellation (or a lost connection): answers not yet handed to gRPC are dropped and the leases
-//    of dropped Route answers released (eldr_route_stream_undelivered_total);
+//    of dropped Route answers released (eldr_route_stream_undelivered_total, per request: each
+//    entry of a dropped batch answer counts);
 //  - shutdown (FinishStreamsForShutdown): no further message is read, everything read is answered,
 //    then the stream ends UNAVAILABLE (retry what was not answered on another replica);
 //  - credentials (data-plane token) are checked once when the stream opens, like ReportLoad.
@@ -40,6 +45,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -92,6 +98,7 @@ struct ServiceContext {
   bool mutual_tls = false;                           // client certificates are verified (identities are meaningful)
   bool route_client_keys = false;  // pass each Route's client key to the router (per-client refit admission)
   int64_t max_request_bytes = 0;   // largest serialized RouteRequest accepted (--max_message_bytes)
+  int64_t max_stream_batch = 256;  // entries of one RouteStreamBatch at most (--max_stream_batch)
   int64_t max_report_streams = 1024;
   int64_t max_report_streams_per_peer = 64;
   absl::Duration report_stream_idle_timeout = absl::Minutes(2);
@@ -99,6 +106,17 @@ struct ServiceContext {
   // answer FAILED_PRECONDITION (a change made here would be undone by the next watch event).
   bool pool_discovered = false;
 };
+
+// One request answered on a RouteStream (a message of its own, or an entry of a batch): what it
+// asked for, and the lease of a successful Route (0 otherwise), released if its answer is never
+// delivered.
+struct StreamDelivery {
+  StreamMessageKind kind = StreamMessageKind::kNone;
+  uint64_t lease = 0;
+};
+// The requests one answer message carries: one for a single message, one per entry of a batch
+// (none for an empty or refused batch). Inline for the single message: no allocation per message.
+using StreamDeliveries = absl::InlinedVector<StreamDelivery, 1>;
 
 // eldr.v1.DecodeRouter: Route, Complete, RouteStream, ReportLoad (raw methods, see above).
 class DecodeRouterService final
@@ -148,12 +166,24 @@ class DecodeRouterService final
                                absl::FunctionRef<absl::Status(const eldr::v1::CompleteRequest**)> parse,
                                eldr::v1::CompleteResponse* response);
   // One RouteStream message (`frame`, a serialized RouteStreamRequest) answered into `answer`
-  // (a serialized RouteStreamResponse) through RouteMessage or CompleteMessage; `request` and
-  // `response` are the stream's scratch messages. Returns the lease of a successful Route (0
-  // otherwise) and what the message asked for in *kind.
-  uint64_t AnswerStreamMessage(absl::string_view client, const grpc::ByteBuffer& frame,
-                               eldr::v1::RouteStreamRequest* request, eldr::v1::RouteStreamResponse* response,
-                               grpc::ByteBuffer* answer, StreamMessageKind* kind);
+  // (a serialized RouteStreamResponse): a single request through AnswerStreamRequest, a batch
+  // through AnswerStreamBatch. `request` and `response` are the stream's scratch messages (reused,
+  // so that a stream's steady state allocates little). Fills *delivered with the requests the
+  // answer carries.
+  void AnswerStreamMessage(absl::string_view client, const grpc::ByteBuffer& frame,
+                           eldr::v1::RouteStreamRequest* request, eldr::v1::RouteStreamResponse* response,
+                           grpc::ByteBuffer* answer, StreamDeliveries* delivered);
+  // One request, a message of its own or an entry of a batch, answered into `response` (its id,
+  // then its route, complete or error) through RouteMessage or CompleteMessage, and counted in
+  // eldr_route_stream_messages_total. `frame_bytes` is the size of the whole message the request
+  // came in: when it is within --max_message_bytes, so is the request (its own size is computed
+  // only otherwise). A request that is a batch is INVALID_ARGUMENT: only entries get here with one.
+  StreamDelivery AnswerStreamRequest(absl::string_view client, const eldr::v1::RouteStreamRequest& request,
+                                     int64_t frame_bytes, eldr::v1::RouteStreamResponse* response);
+  // A batch message answered into `response`: refused whole (one INVALID_ARGUMENT error for its
+  // id) beyond max_stream_batch entries, otherwise every entry in order into response->batch().
+  void AnswerStreamBatch(absl::string_view client, const eldr::v1::RouteStreamRequest& request, int64_t frame_bytes,
+                         eldr::v1::RouteStreamResponse* response, StreamDeliveries* delivered);
   // The key Route passes to the router for this caller: empty unless route_client_keys.
   std::string RouteClientKey(const grpc::CallbackServerContext& context) const;
   // The data-plane token check; counts and logs a refusal.
@@ -163,9 +193,9 @@ class DecodeRouterService final
                            const std::string& stream_token);
   void StreamDone(LoadReportReactor* reactor);
   void RouteStreamDone(RouteStreamReactor* reactor);
-  // An answer of `kind` that its stream could not deliver: counted, and its Route lease (when not
-  // 0) released.
-  void ReleaseUndelivered(StreamMessageKind kind, uint64_t lease);
+  // The requests of an answer that its stream could not deliver: each counted, and its Route lease
+  // (when not 0) released.
+  void ReleaseUndelivered(const StreamDeliveries& delivered);
 
   const ServiceContext ctx_;
   absl::Mutex streams_mu_;

@@ -12,7 +12,10 @@
 // --concurrency slots spread over the streams, so a stream has about concurrency/streams messages
 // in flight, pipelined (a slot's next message is written as soon as its previous one was
 // answered, whatever the others do). Latency is counted from the moment a slot hands its message
-// to the stream (queued behind the stream's earlier writes) until its answer is read.
+// to the stream (queued behind the stream's earlier writes) until its answer is read. With
+// --stream_batch=N the slots of a stream go in groups of N that each send their routes as one
+// RouteStreamBatch message and their Completes as another (the same leases in flight, N times
+// fewer messages); every entry of a message gets that message's latency.
 //
 // Also writes fixtures for a benchmark: --write_artifact (random unit centroids of --geometry for
 // --workers workers named w0..wN-1) and --write_workers (their worker file).
@@ -69,6 +72,12 @@ ABSL_FLAG(int, client_threads, 1, "With --api=cq or stream: threads polling comp
 ABSL_FLAG(int, streams, 0,
           "With --api=stream: RouteStream calls, spread over the channels; the --concurrency slots are "
           "spread over them. 0: one per channel.");
+ABSL_FLAG(int, stream_batch, 1,
+          "With --api=stream: requests per message. 1: each message is one Route or Complete. N > 1: a "
+          "stream's slots go in groups of N (the last may be smaller); a group sends its routes as one "
+          "RouteStreamBatch message, then the Completes of the leases they got as one more, then its next "
+          "routes, so --concurrency leases are still in flight. An entry's latency counts from its "
+          "message's write to its answer's read.");
 ABSL_FLAG(std::string, trace, "",
           "Directory of real expert traces (data/esft-routing): signatures are each sequence's "
           "prefill counts. Empty: random counts of --geometry.");
@@ -464,19 +473,92 @@ grpc::ByteBuffer CompleteFrame(uint64_t id, uint64_t lease) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
+// A RouteStreamBatch message: the header of the outer RouteStreamRequest, then per entry a small
+// header slice and the shared, pre-serialized RouteRequest slice (no copy of any request).
+constexpr char kTagBatch = 0x22;       // RouteStreamRequest.batch = 4, length-delimited
+constexpr char kTagBatchEntry = 0x0a;  // RouteStreamBatch.requests = 1, length-delimited
+
+size_t VarintSize(uint64_t value) {
+  size_t n = 1;
+  while (value >= 0x80) {
+    value >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+grpc::ByteBuffer RouteBatchFrame(uint64_t id, const std::vector<std::pair<uint64_t, const grpc::Slice*>>& entries) {
+  std::vector<grpc::Slice> slices;
+  slices.reserve(2 * entries.size() + 1);
+  slices.emplace_back();  // the outer header, once the batch's length is known
+  size_t batch_bytes = 0;
+  for (const auto& [entry_id, route] : entries) {
+    const size_t entry_bytes = 1 + VarintSize(entry_id) + 1 + VarintSize(route->size()) + route->size();
+    std::string header;
+    header.push_back(kTagBatchEntry);
+    AppendVarint(entry_bytes, &header);
+    header.push_back(kTagId);
+    AppendVarint(entry_id, &header);
+    header.push_back(kTagRoute);
+    AppendVarint(route->size(), &header);
+    batch_bytes += 1 + VarintSize(entry_bytes) + entry_bytes;
+    slices.emplace_back(header);
+    slices.push_back(*route);
+  }
+  std::string outer;
+  outer.push_back(kTagId);
+  AppendVarint(id, &outer);
+  outer.push_back(kTagBatch);
+  AppendVarint(batch_bytes, &outer);
+  slices[0] = grpc::Slice(outer);
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::ByteBuffer CompleteBatchFrame(uint64_t id, const std::vector<std::pair<uint64_t, uint64_t>>& entries) {
+  std::string batch;
+  for (const auto& [entry_id, lease] : entries) {
+    const size_t inner_bytes = 1 + VarintSize(lease);
+    const size_t entry_bytes = 1 + VarintSize(entry_id) + 1 + VarintSize(inner_bytes) + inner_bytes;
+    batch.push_back(kTagBatchEntry);
+    AppendVarint(entry_bytes, &batch);
+    batch.push_back(kTagId);
+    AppendVarint(entry_id, &batch);
+    batch.push_back(kTagComplete);
+    AppendVarint(inner_bytes, &batch);
+    batch.push_back(kTagLease);
+    AppendVarint(lease, &batch);
+  }
+  std::string frame;
+  frame.push_back(kTagId);
+  AppendVarint(id, &frame);
+  frame.push_back(kTagBatch);
+  AppendVarint(batch.size(), &frame);
+  frame += batch;
+  grpc::Slice slice(frame);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
 // One RouteStream call driving its share of the slots (--api=stream). Every event of the call
-// arrives on one completion queue polled by one thread, so nothing here is locked. Each slot has
-// one message in flight, whose id is the slot's index + 1; writes go out one at a time, in the
-// order the slots queue them; one read is always outstanding.
+// arrives on one completion queue polled by one thread, so nothing here is locked. The slots go in
+// groups of --stream_batch; a group has one message in flight, whose id is the group's index + 1:
+// with --stream_batch=1 a group is one slot and its message a Route or a Complete; otherwise the
+// message is a RouteStreamBatch of its slots' routes (entry ids: the slots' indices + 1), then one
+// of the Completes of the leases those got. Writes go out one at a time, in the order the groups
+// queue them; one read is always outstanding.
 class StreamCall {
  public:
   StreamCall(Run* run, grpc::GenericStub* stub, grpc::CompletionQueue* cq, const std::vector<grpc::Slice>* routes,
-             const std::vector<size_t>& first_requests)
-      : run_(run), stub_(stub), cq_(cq), routes_(routes) {
-    for (size_t first : first_requests) {
-      slots_.push_back(std::make_unique<StreamSlot>(this, slots_.size() + 1, first));
+             const std::vector<size_t>& first_requests, size_t batch)
+      : run_(run), stub_(stub), cq_(cq), routes_(routes), batched_(batch > 1) {
+    uint64_t slot_id = 0;
+    for (size_t i = 0; i < first_requests.size(); i += batch) {
+      auto group = std::make_unique<StreamGroup>(this, groups_.size() + 1);
+      for (size_t j = i; j < std::min(first_requests.size(), i + batch); ++j) {
+        group->entries.push_back(Entry{++slot_id, first_requests[j]});
+      }
+      groups_.push_back(std::move(group));
     }
-    active_ = slots_.size();
+    active_ = groups_.size();
   }
 
   void Start() {
@@ -493,15 +575,22 @@ class StreamCall {
     StreamCall* call;
     Op op;
   };
-  struct StreamSlot final : CqTag {
-    StreamSlot(StreamCall* c, uint64_t i, size_t first) : call(c), id(i), next(first) {}
+  // One slot of a group: one lease at a time.
+  struct Entry {
+    uint64_t id;  // of its requests: the slot's index + 1
+    size_t next;  // index of its next request
+    uint64_t lease = 0;
+  };
+  struct StreamGroup final : CqTag {
+    StreamGroup(StreamCall* c, uint64_t i) : call(c), id(i) {}
     void OnCqEvent(bool ok) override { call->OnAlarm(this, ok); }  // --rate: its start time came
     StreamCall* call;
-    const uint64_t id;       // of its messages: its index + 1
-    size_t next;             // index of its next request
-    bool in_flight = false;  // a message of this slot awaits its answer
-    bool routing = false;    // that message is a Route (else a Complete)
-    Clock::time_point sent;
+    const uint64_t id;  // of its messages: its index + 1
+    std::vector<Entry> entries;
+    std::vector<size_t> sent;  // indices of the entries in the message in flight, in its order
+    bool in_flight = false;    // a message of this group awaits its answer
+    bool routing = false;      // that message holds Routes (else Completes)
+    Clock::time_point sent_at;
     grpc::Alarm alarm;
   };
 
@@ -513,7 +602,7 @@ class StreamCall {
           return;
         }
         call_->Read(&read_buffer_, &read_tag_);
-        for (auto& slot : slots_) NextRoute(slot.get());
+        for (auto& group : groups_) NextRoutes(group.get());
         return;
       case Op::kRead:
         if (!ok) {  // the server ended the stream
@@ -538,62 +627,113 @@ class StreamCall {
     }
   }
 
-  void OnAlarm(StreamSlot* slot, bool ok) {
-    if (ok && !read_closed_) SendRoute(slot);
+  void OnAlarm(StreamGroup* group, bool ok) {
+    if (ok && !read_closed_) SendRoutes(group);
   }
 
-  // The slot's next Route now, or at its scheduled time with --rate; none once the run is over.
-  void NextRoute(StreamSlot* slot) {
+  // The group's next routes now, or with --rate once the latest of their scheduled times came;
+  // none once the run is over.
+  void NextRoutes(StreamGroup* group) {
     const Clock::time_point now = Clock::now();
-    const std::optional<Clock::time_point> due = run_->NextStart(now);
-    if (!due.has_value()) {
-      SlotDone();
-    } else if (*due > now) {
-      slot->alarm.Set(cq_, std::chrono::system_clock::now() + (*due - now), slot);
+    Clock::time_point latest = now;
+    for (size_t i = 0; i < group->entries.size(); ++i) {
+      const std::optional<Clock::time_point> due = run_->NextStart(now);
+      if (!due.has_value()) {
+        GroupDone();
+        return;
+      }
+      latest = std::max(latest, *due);
+    }
+    if (latest > now) {
+      group->alarm.Set(cq_, std::chrono::system_clock::now() + (latest - now), group);
     } else {
-      SendRoute(slot);
+      SendRoutes(group);
     }
   }
 
-  void SendRoute(StreamSlot* slot) {
-    slot->in_flight = true;
-    slot->routing = true;
-    slot->sent = Clock::now();
-    Send(RouteFrame(slot->id, (*routes_)[slot->next++ % routes_->size()]));
+  void SendRoutes(StreamGroup* group) {
+    group->in_flight = true;
+    group->routing = true;
+    group->sent.clear();
+    group->sent_at = Clock::now();
+    if (!batched_) {
+      Entry& entry = group->entries.front();
+      group->sent.push_back(0);
+      Send(RouteFrame(group->id, (*routes_)[entry.next++ % routes_->size()]));
+      return;
+    }
+    std::vector<std::pair<uint64_t, const grpc::Slice*>> entries;
+    for (size_t i = 0; i < group->entries.size(); ++i) {
+      Entry& entry = group->entries[i];
+      group->sent.push_back(i);
+      entries.emplace_back(entry.id, &(*routes_)[entry.next++ % routes_->size()]);
+    }
+    Send(RouteBatchFrame(group->id, entries));
+  }
+
+  // The Completes of the entries whose routes got a lease (group->sent lists them).
+  void SendCompletes(StreamGroup* group) {
+    group->in_flight = true;
+    group->routing = false;
+    group->sent_at = Clock::now();
+    if (!batched_) {
+      Send(CompleteFrame(group->id, group->entries.front().lease));
+      return;
+    }
+    std::vector<std::pair<uint64_t, uint64_t>> entries;
+    for (size_t i : group->sent) entries.emplace_back(group->entries[i].id, group->entries[i].lease);
+    Send(CompleteBatchFrame(group->id, entries));
   }
 
   void OnAnswer() {
     const Clock::time_point done = Clock::now();
-    eldr::v1::RouteStreamResponse answer;
     grpc::ProtoBufferReader reader(&read_buffer_);
-    const bool parsed = answer.ParseFromZeroCopyStream(&reader);
-    const uint64_t id = answer.id();
-    if (!parsed || id == 0 || id > slots_.size() || !slots_[id - 1]->in_flight) {
+    const bool parsed = answer_.ParseFromZeroCopyStream(&reader);
+    const uint64_t id = answer_.id();
+    if (!parsed || id == 0 || id > groups_.size() || !groups_[id - 1]->in_flight) {
       RecordError(&stats_, -1, absl::StrCat("stream: an answer for no message in flight (id ", id, ")"));
       return;
     }
-    StreamSlot* slot = slots_[id - 1].get();
-    slot->in_flight = false;
+    StreamGroup* group = groups_[id - 1].get();
+    group->in_flight = false;
     const bool measured = run_->measured(done);
-    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(done - slot->sent).count();
-    if (measured) {
-      if (slot->routing) {
-        ++stats_.routes;
-        stats_.route_ns.push_back(ns);
-      } else {
-        ++stats_.completes;
-        stats_.complete_ns.push_back(ns);
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(done - group->sent_at).count();
+    // The answer of each entry of the message: the message's own, or its batch's entries.
+    const bool whole =
+        !batched_ || (answer_.has_batch() && answer_.batch().responses_size() == static_cast<int>(group->sent.size()));
+    std::vector<size_t> leased;  // entries whose route got a lease
+    for (size_t k = 0; k < group->sent.size(); ++k) {
+      Entry& entry = group->entries[group->sent[k]];
+      const eldr::v1::RouteStreamResponse& r = !batched_ ? answer_ : whole ? answer_.batch().responses(k) : answer_;
+      if (measured) {
+        if (group->routing) {
+          ++stats_.routes;
+          stats_.route_ns.push_back(ns);
+        } else {
+          ++stats_.completes;
+          stats_.complete_ns.push_back(ns);
+        }
+        if (!whole) {
+          RecordError(&stats_, r.has_error() ? r.error().code() : -1,
+                      r.has_error() ? r.error().message() : "stream: a batch answered without its entries");
+        } else if (batched_ && r.id() != entry.id) {
+          RecordError(&stats_, -1,
+                      absl::StrCat("stream: batch entry ", k, " answered with id ", r.id(), ", not ", entry.id));
+        } else if (r.has_error()) {
+          RecordError(&stats_, r.error().code(), r.error().message());
+        }
       }
-      if (answer.has_error()) RecordError(&stats_, answer.error().code(), answer.error().message());
+      if (whole && group->routing && r.has_route()) {
+        entry.lease = r.route().lease_id();
+        leased.push_back(group->sent[k]);
+      }
     }
-    if (slot->routing && answer.has_route() && run_->complete()) {
-      slot->in_flight = true;
-      slot->routing = false;
-      slot->sent = Clock::now();
-      Send(CompleteFrame(id, answer.route().lease_id()));
+    if (group->routing && run_->complete() && !leased.empty()) {
+      group->sent = std::move(leased);
+      SendCompletes(group);
       return;
     }
-    NextRoute(slot);
+    NextRoutes(group);
   }
 
   void Send(grpc::ByteBuffer frame) {
@@ -607,12 +747,12 @@ class StreamCall {
       writing_ = true;
       call_->Write(outbox_.front(), &write_tag_);
     } else if (active_ == 0 && !writes_done_) {
-      writes_done_ = true;  // every slot is done: half-close; the server answers the rest and ends OK
+      writes_done_ = true;  // every group is done: half-close; the server answers the rest and ends OK
       call_->WritesDone(&writes_done_tag_);
     }
   }
 
-  void SlotDone() {
+  void GroupDone() {
     --active_;
     WriteNext();
   }
@@ -628,8 +768,9 @@ class StreamCall {
   grpc::GenericStub* const stub_;
   grpc::CompletionQueue* const cq_;
   const std::vector<grpc::Slice>* const routes_;
-  std::vector<std::unique_ptr<StreamSlot>> slots_;
-  size_t active_ = 0;  // slots that will still send routes
+  const bool batched_;  // --stream_batch > 1: every message is a RouteStreamBatch
+  std::vector<std::unique_ptr<StreamGroup>> groups_;
+  size_t active_ = 0;  // groups that will still send routes
   grpc::ClientContext context_;
   std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
   OpTag start_tag_{this, Op::kStart};
@@ -638,7 +779,8 @@ class StreamCall {
   OpTag writes_done_tag_{this, Op::kWritesDone};
   OpTag finish_tag_{this, Op::kFinish};
   grpc::ByteBuffer read_buffer_;
-  std::deque<grpc::ByteBuffer> outbox_;  // front() is being written while writing_
+  eldr::v1::RouteStreamResponse answer_;  // scratch of OnAnswer (its batch's entries are reused)
+  std::deque<grpc::ByteBuffer> outbox_;   // front() is being written while writing_
   bool writing_ = false;
   bool writes_done_ = false;
   bool read_closed_ = false;
@@ -709,6 +851,12 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  const int stream_batch = absl::GetFlag(FLAGS_stream_batch);
+  if (stream_batch < 1 || stream_batch > 4096 || (api != "stream" && stream_batch != 1)) {
+    std::fprintf(stderr, "eldr-bench: --stream_batch must be between 1 and 4096, and above 1 only with --api=stream\n");
+    return 2;
+  }
+
   std::vector<eldr::v1::RouteRequest> requests;
   std::string geometry_label = absl::GetFlag(FLAGS_geometry);
   if (const std::string dir = absl::GetFlag(FLAGS_trace); !dir.empty()) {
@@ -769,7 +917,8 @@ int main(int argc, char** argv) {
       for (int i = c; i < concurrency; i += streams)
         firsts.push_back(static_cast<size_t>(i) * requests.size() / concurrency);
       calls.push_back(std::make_unique<StreamCall>(&run, generic_stubs[c % channels].get(),
-                                                   queues[c % queues.size()].get(), &route_slices, firsts));
+                                                   queues[c % queues.size()].get(), &route_slices, firsts,
+                                                   static_cast<size_t>(stream_batch)));
     }
   } else {
     for (int i = 0; i < concurrency; ++i) {
@@ -826,6 +975,7 @@ int main(int argc, char** argv) {
       {"channels", channels},
       {"api", api},
       {"streams", streams},
+      {"stream_batch", stream_batch},
       {"geometry", geometry_label},
       {"encoding", encoding},
       {"signatures", requests.size()},

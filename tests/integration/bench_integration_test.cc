@@ -111,6 +111,51 @@ TEST(BenchIntegration, StreamModePipelinesRouteAndCompleteOverRouteStreams) {
   EXPECT_EQ(metrics->Value("eldr_route_streams_open"), 0);
 }
 
+TEST(BenchIntegration, StreamBatchSendsEachGroupsRoutesAndCompletesAsOneMessage) {
+  TempDir dir;
+  auto router = RouterProcess::Start(dir, StandardArgs(dir));
+  ASSERT_TRUE(router.ok()) << router.status();
+  // 10 slots on 2 streams, 5 each, in groups of 4: one group of 4 and one of 1 per stream.
+  nlohmann::json out =
+      RunBench({"--target=" + (*router)->target(), "--api=stream", "--streams=2", "--concurrency=10",
+                "--stream_batch=4", "--duration_s=1", "--warmup_s=0.2", "--geometry=26x64", "--complete", "--json"});
+  ASSERT_TRUE(out.is_object());
+  EXPECT_EQ(out["stream_batch"].get<int>(), 4);
+  EXPECT_GT(out["requests"].get<int64_t>(), 50);
+  EXPECT_EQ(out["errors"].get<int64_t>(), 0) << out.dump();
+  EXPECT_GE(out["completes"].get<int64_t>(), out["requests"].get<int64_t>() - 10);
+
+  auto metrics = ScrapeMetrics((*router)->metrics_port());
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(metrics->Value("eldr_live_leases"), 0);
+  const double routes =
+      metrics->Value("eldr_route_stream_messages_total", {{"kind", "route"}, {"outcome", "ok"}}).value_or(0);
+  const double completes =
+      metrics->Value("eldr_route_stream_messages_total", {{"kind", "complete"}, {"outcome", "ok"}}).value_or(0);
+  EXPECT_GE(routes, out["requests"].get<double>());
+  EXPECT_EQ(completes, routes);
+  // Every message was a batch (of 4 or of 1): a route batch and a complete batch per round of a
+  // group, so the batches hold every route and every complete.
+  const double batches = metrics->Value("eldr_route_stream_batches_total", {{"outcome", "answered"}}).value_or(0);
+  EXPECT_EQ(metrics->Value("eldr_route_stream_batch_size_sum"), routes + completes);
+  EXPECT_EQ(metrics->Value("eldr_route_stream_batch_size_count"), batches);
+  EXPECT_EQ(metrics->Value("eldr_route_stream_batch_size_bucket", {{"le", "4"}}), batches) << "a batch of more than 4";
+  EXPECT_GT(batches - metrics->Value("eldr_route_stream_batch_size_bucket", {{"le", "2"}}).value_or(0), 0)
+      << "no batch of 4";
+  EXPECT_LT(batches, routes) << "fewer messages than routes";
+}
+
+TEST(BenchIntegration, StreamBatchIsCheckedAndOnlyForStreams) {
+  for (const std::vector<std::string>& flags : std::vector<std::vector<std::string>>{
+           {"--api=stream", "--stream_batch=0"}, {"--api=stream", "--stream_batch=5000"}, {"--stream_batch=4"}}) {
+    std::vector<std::string> args = {"--target=127.0.0.1:1"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    ProcessResult result = RunProcess(BinaryPath("eldr-bench"), args, absl::Seconds(60));
+    EXPECT_EQ(result.exit_code, 2) << flags.back();
+    EXPECT_THAT(result.stderr_text, ::testing::HasSubstr("--stream_batch")) << flags.back();
+  }
+}
+
 TEST(BenchIntegration, StreamModeFollowsTheRate) {
   TempDir dir;
   auto router = RouterProcess::Start(dir, StandardArgs(dir));

@@ -162,11 +162,18 @@ TEST(Validation, DefaultsAreValidAndRangesAreChecked) {
   check([](ServerOptions& o) { o.tls_client_ca = "ca.pem"; }, "tls_client_ca");
   check([](ServerOptions& o) { o.max_message_bytes = 100; }, "max_message_bytes");
   check([](ServerOptions& o) { o.max_concurrent_streams = 0; }, "max_concurrent_streams");
+  check([](ServerOptions& o) { o.max_stream_batch = 0; }, "max_stream_batch");
+  check([](ServerOptions& o) { o.max_stream_batch = kMaxStreamBatchLimit + 1; }, "max_stream_batch");
   check([](ServerOptions& o) { o.keepalive_time = absl::ZeroDuration(); }, "keepalive_time");
   check([](ServerOptions& o) { o.shutdown_grace = -absl::Seconds(1); }, "shutdown_grace");
   check([](ServerOptions& o) { o.shutdown_drain_delay = absl::InfiniteDuration(); }, "shutdown_drain_delay");
   check([](ServerOptions& o) { o.admin_listen = o.listen; }, "admin_listen");
   check([](ServerOptions& o) { o.workers = {WorkerSpec{"a", "h:1"}, WorkerSpec{"a", "h:2"}}; }, "workers");
+
+  ServerOptions largest_batch;
+  largest_batch.max_stream_batch = kMaxStreamBatchLimit;
+  EXPECT_TRUE(ValidateServerOptions(largest_batch).ok());
+  EXPECT_EQ(ServerOptions().max_stream_batch, 256);
 
   ServerOptions both_ephemeral;
   both_ephemeral.listen = "127.0.0.1:0";

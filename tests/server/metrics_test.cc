@@ -11,6 +11,7 @@
 #include "eldr/metrics/prometheus.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/config.h"
 
 namespace eldr::server {
 
@@ -77,6 +78,29 @@ TEST(ServerMetrics, DurationBucketsSpanOneMicrosecondToTenMilliseconds) {
   EXPECT_DOUBLE_EQ(buckets.front(), 1e-6);
   EXPECT_DOUBLE_EQ(buckets.back(), 1e-2);
   for (size_t i = 1; i < buckets.size(); ++i) EXPECT_LT(buckets[i - 1], buckets[i]);
+}
+
+TEST(ServerMetrics, StreamBatchSizesAreCountedInPowersOfTwoFromEmptyToTheLimit) {
+  const auto& buckets = RouteStreamBatchSizeBuckets();
+  ASSERT_EQ(buckets.size(), 14u);  // 0, 1, 2, 4, ..., 4096
+  EXPECT_EQ(buckets.front(), 0);
+  EXPECT_EQ(buckets.back(), static_cast<double>(kMaxStreamBatchLimit));
+  for (size_t i = 2; i < buckets.size(); ++i) EXPECT_EQ(buckets[i], 2 * buckets[i - 1]);
+
+  ServerMetrics metrics;
+  metrics.RecordRouteStreamBatch(0);
+  metrics.RecordRouteStreamBatch(3);
+  metrics.RecordRouteStreamBatch(256);
+  metrics.RecordRouteStreamBatchRefused();
+  const std::string text = metrics.RenderText();
+  EXPECT_THAT(text, HasSubstr("eldr_route_stream_batches_total{outcome=\"answered\"} 3"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_stream_batches_total{outcome=\"refused\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_stream_batch_size_bucket{le=\"0\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_stream_batch_size_bucket{le=\"2\"} 1"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_stream_batch_size_bucket{le=\"4\"} 2"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_stream_batch_size_bucket{le=\"128\"} 2"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_stream_batch_size_bucket{le=\"256\"} 3"));
+  EXPECT_THAT(text, HasSubstr("eldr_route_stream_batch_size_sum 259"));
 }
 
 TEST(ServerMetrics, WorkerStateIsReadFromTheRouterAtScrapeTime) {
