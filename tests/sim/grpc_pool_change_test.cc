@@ -72,7 +72,9 @@ absl::StatusOr<::eldr::testing::RouterChild> StartDaemon(const ::eldr::testing::
   const std::string path = temp.path() + "/workers.json";
   std::ofstream(path) << workers.dump();
   return ::eldr::testing::StartRouter(
-      temp, {"--workers=" + path, "--policy=eldr", "--tau=0.1", "--tie_break=lowest_index", "--refit_interval=0"});
+      temp, {"--workers=" + path, "--policy=eldr", "--tau=0.1", "--tie_break=lowest_index", "--refit_interval=0",
+             // The library's routers it is compared with use RouterOptions' default: no load-gap guard.
+             "--eldr_max_load_gap=0"});
 }
 
 std::string Target(int port) { return "127.0.0.1:" + std::to_string(port); }
