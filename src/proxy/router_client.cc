@@ -61,6 +61,7 @@ absl::Status StatusOfStreamAnswer(const eldr::v1::RouteStreamResponse& answer,
     case Response::kComplete:
       if (asked == Request::kComplete) return absl::OkStatus();
       break;
+    case Response::kBatch:  // the proxy sends no batches, so a batch answer matches nothing it asked
     case Response::RESULT_NOT_SET:
       break;
   }
@@ -287,49 +288,53 @@ void RouterClient::Send(eldr::v1::RouteStreamRequest message, absl::Time deadlin
   SendUnary(std::move(message), deadline, std::move(done));
 }
 
-void RouterClient::SendUnary(eldr::v1::RouteStreamRequest message, absl::Time deadline, Answer done) {
-  if (message.has_route()) {
-    // The call's state lives until its callback ran.
-    struct Call {
-      std::unique_ptr<grpc::ClientContext> context;
-      eldr::v1::RouteRequest request;
-      eldr::v1::RouteResponse response;
-      Answer done;
-    };
-    auto* call = new Call{NewContext(deadline), std::move(*message.mutable_route()), {}, std::move(done)};
-    CallStarted();
-    stub_->async()->Route(call->context.get(), &call->request, &call->response, [this, call](grpc::Status status) {
-      std::unique_ptr<Call> owned(call);
-      if (status.ok()) {
-        eldr::v1::RouteStreamResponse answer;
-        *answer.mutable_route() = std::move(owned->response);
-        owned->done(std::move(answer));
-      } else {
-        owned->done(FromGrpc(status));
-      }
-      CallEnded();
-    });
-    return;
-  }
+template <typename Request, typename Response, typename Start, typename SetAnswer>
+void RouterClient::CallUnary(Request request, absl::Time deadline, Answer done, Start start, SetAnswer set_answer) {
+  // The call's state lives until its callback ran.
   struct Call {
     std::unique_ptr<grpc::ClientContext> context;
-    eldr::v1::CompleteRequest request;
-    eldr::v1::CompleteResponse response;
+    Request request;
+    Response response;
     Answer done;
   };
-  auto* call = new Call{NewContext(deadline), std::move(*message.mutable_complete()), {}, std::move(done)};
+  auto* call = new Call{NewContext(deadline), std::move(request), {}, std::move(done)};
   CallStarted();
-  stub_->async()->Complete(call->context.get(), &call->request, &call->response, [this, call](grpc::Status status) {
+  start(call->context.get(), &call->request, &call->response, [this, call, set_answer](grpc::Status status) {
     std::unique_ptr<Call> owned(call);
     if (status.ok()) {
       eldr::v1::RouteStreamResponse answer;
-      *answer.mutable_complete() = std::move(owned->response);
+      set_answer(answer, std::move(owned->response));
       owned->done(std::move(answer));
     } else {
       owned->done(FromGrpc(status));
     }
     CallEnded();
   });
+}
+
+void RouterClient::SendUnary(eldr::v1::RouteStreamRequest message, absl::Time deadline, Answer done) {
+  auto* async = stub_->async();
+  if (message.has_route()) {
+    CallUnary<eldr::v1::RouteRequest, eldr::v1::RouteResponse>(
+        std::move(*message.mutable_route()), deadline, std::move(done),
+        [async](grpc::ClientContext* context, const eldr::v1::RouteRequest* request, eldr::v1::RouteResponse* response,
+                std::function<void(grpc::Status)> callback) {
+          async->Route(context, request, response, std::move(callback));
+        },
+        [](eldr::v1::RouteStreamResponse& answer, eldr::v1::RouteResponse response) {
+          *answer.mutable_route() = std::move(response);
+        });
+    return;
+  }
+  CallUnary<eldr::v1::CompleteRequest, eldr::v1::CompleteResponse>(
+      std::move(*message.mutable_complete()), deadline, std::move(done),
+      [async](grpc::ClientContext* context, const eldr::v1::CompleteRequest* request,
+              eldr::v1::CompleteResponse* response, std::function<void(grpc::Status)> callback) {
+        async->Complete(context, request, response, std::move(callback));
+      },
+      [](eldr::v1::RouteStreamResponse& answer, eldr::v1::CompleteResponse response) {
+        *answer.mutable_complete() = std::move(response);
+      });
 }
 
 RouterClient::StreamRefusal RouterClient::SendOnStream(eldr::v1::RouteStreamRequest& message, absl::Time deadline,

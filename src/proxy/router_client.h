@@ -100,6 +100,10 @@ class RouterClient {
   // Sends one message by the configured transport; `done` runs exactly once.
   void Send(eldr::v1::RouteStreamRequest message, absl::Time deadline, Answer done);
   void SendUnary(eldr::v1::RouteStreamRequest message, absl::Time deadline, Answer done);
+  // One unary call of SendUnary: `start(context, request, response, callback)` starts the RPC;
+  // `set_answer(answer, response)` puts its response into the stream-shaped answer for `done`.
+  template <typename Request, typename Response, typename Start, typename SetAnswer>
+  void CallUnary(Request request, absl::Time deadline, Answer done, Start start, SetAnswer set_answer);
   // Puts the message on a stream (opening one when its slot may), or says why not; `message` and
   // `done` are moved from only when it went.
   StreamRefusal SendOnStream(eldr::v1::RouteStreamRequest& message, absl::Time deadline, Answer& done);
