@@ -271,6 +271,7 @@ class RouterImpl final : public Router {
   void ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease, LeaseEndKind kind, absl::Time now,
                           int64_t output_tokens, std::vector<LeaseEnd>* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the pool's oldest live lease (the max_live_leases limit).
+  void RememberRemovedLeaseLocked(uint64_t lease_id, const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EvictOldestLeaseLocked(absl::Time now, std::vector<LeaseEnd>* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells observers of `ended` (no router lock held) and empties it.
   void DeliverLeaseEnds(std::vector<LeaseEnd>* ended) ABSL_LOCKS_EXCLUDED(mu_);
@@ -350,6 +351,11 @@ class RouterImpl final : public Router {
   LeaseIdSource lease_ids_ ABSL_GUARDED_BY(mu_);
   int64_t expired_total_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t evicted_total_ ABSL_GUARDED_BY(mu_) = 0;
+  // Leases RemoveWorker dropped, with their worker, oldest first, at most kRemovedLeasesRemembered:
+  // Complete answers them once (a request in flight when its pod was deleted).
+  absl::flat_hash_map<uint64_t, std::string> removed_leases_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> removed_lease_order_ ABSL_GUARDED_BY(mu_);
+  int64_t completes_after_removal_total_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<int> row_to_worker_ ABSL_GUARDED_BY(mu_);  // for set generation mapped_generation_
   uint64_t mapped_generation_ ABSL_GUARDED_BY(mu_) = 0;
   // Decision buffers, reused under mu_.
@@ -540,6 +546,15 @@ void RouterImpl::DeliverLeaseEnds(std::vector<LeaseEnd>* ended) {
   ended->clear();
 }
 
+void RouterImpl::RememberRemovedLeaseLocked(uint64_t lease_id, const std::string& worker_id) {
+  if (removed_lease_order_.size() >= kRemovedLeasesRemembered) {
+    removed_leases_.erase(removed_lease_order_.front());
+    removed_lease_order_.pop_front();
+  }
+  removed_leases_.insert_or_assign(lease_id, worker_id);
+  removed_lease_order_.push_back(lease_id);
+}
+
 void RouterImpl::EvictOldestLeaseLocked(absl::Time now, std::vector<LeaseEnd>* ended) {
   WorkerEntry* oldest = nullptr;
   for (const auto& worker : workers_) {
@@ -590,7 +605,16 @@ absl::StatusOr<std::string> RouterImpl::Complete(const CompleteInput& input) {
     DataPlaneLock lock(this);
     auto it = leases_.find(input.lease_id);
     if (it == leases_.end()) {
-      return absl::NotFoundError(absl::StrCat("lease ", input.lease_id, " is unknown, already completed or expired"));
+      auto removed = removed_leases_.find(input.lease_id);
+      if (removed == removed_leases_.end()) {
+        return absl::NotFoundError(absl::StrCat("lease ", input.lease_id, " is unknown, already completed or expired"));
+      }
+      // Its worker left the pool while the request was in flight; the lease already ended then.
+      // (The id stays in removed_lease_order_ until it ages out; erasing it there is not needed.)
+      worker = std::move(removed->second);
+      removed_leases_.erase(removed);
+      ++completes_after_removal_total_;
+      return worker;
     }
     worker = it->second.worker->spec.id;
     ReleaseLeaseLocked(it, LeaseEndKind::kCompleted, input.now, input.output_tokens, &ended);
@@ -800,6 +824,7 @@ absl::StatusOr<PoolChange> RouterImpl::RemoveWorker(const std::string& id) {
         while (worker->load.leases() > 0) {
           auto lease = leases_.find(worker->load.Oldest()->second);
           if (lease == leases_.end()) break;  // cannot happen: every account entry has its record
+          RememberRemovedLeaseLocked(lease->first, id);
           ReleaseLeaseLocked(lease, LeaseEndKind::kWorkerRemoved, now, 0, &ended);
         }
         by_id_.erase(id);
@@ -911,6 +936,7 @@ RouterState RouterImpl::GetState(absl::Time now) const {
   state.live_leases = static_cast<int64_t>(leases_.size());
   state.leases_expired_total = expired_total_;
   state.leases_evicted_total = evicted_total_;
+  state.completes_after_removal_total = completes_after_removal_total_;
   return state;
 }
 

@@ -104,11 +104,16 @@ class RouterStateCollector : public prometheus::Collectable {
         MetricFamily("eldr_leases_evicted_total",
                      "Leases released at the --max_live_leases limit (the oldest of the pool).", MetricType::Counter);
     AddSample(&evicted, static_cast<double>(state.leases_evicted_total));
+    auto after_removal = MetricFamily("eldr_completes_after_removal_total",
+                                      "Completes of leases whose worker had left the pool while the request was in "
+                                      "flight (answered OK; the lease had ended at the removal).",
+                                      MetricType::Counter);
+    AddSample(&after_removal, static_cast<double>(state.completes_after_removal_total));
 
     std::vector<prometheus::MetricFamily> out;
-    out.reserve(13);
+    out.reserve(14);
     for (auto* f : {&inflight, &effective, &reported, &kv, &age, &healthy, &draining, &generation, &rows, &workers,
-                    &live, &expired, &evicted}) {
+                    &live, &expired, &evicted, &after_removal}) {
       out.push_back(std::move(*f));
     }
     return out;

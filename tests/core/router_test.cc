@@ -212,7 +212,12 @@ TEST(RouterTest, WorkerTableChangesRemapRows) {
   EXPECT_EQ(router->Route(&input, kT0)->worker_id, "b");
   // Removing b drops its leases and its locality: b's requests fall back.
   ASSERT_TRUE(router->RemoveWorker("b").ok());
+  // A request that was in flight on b completes late: answered with b, once, and counted.
+  absl::StatusOr<std::string> late = router->Complete(first->lease_id);
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(*late, "b");
   EXPECT_EQ(router->Complete(first->lease_id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(router->GetState(kT0).completes_after_removal_total, 1);
   absl::StatusOr<RouteResult> orphan = router->Route(&input, kT0);
   ASSERT_TRUE(orphan.ok());
   EXPECT_EQ(orphan->worker_id, "c");  // the only candidate left with a centroid
@@ -348,6 +353,36 @@ TEST(RouterTest, OverloadGuardSpills) {
   absl::StatusOr<RouteResult> spilled = router->Route(&input, kT0);
   EXPECT_EQ(spilled->worker_id, "b");
   EXPECT_EQ(spilled->fallback, FallbackReason::kOverload);
+}
+
+TEST(RouterTest, TheRouterRemembersABoundedNumberOfRemovedLeases) {
+  auto router = MakeRouter({Worker("a"), Worker("b")}, RouterOptions{.policy = PolicyKind::kRoundRobin});
+  std::vector<uint64_t> on_a;
+  int64_t on_b = 0;
+  for (size_t i = 0; on_a.size() < kRemovedLeasesRemembered + 10; ++i) {
+    // Distinct times: removal drops (and remembers) a worker's leases oldest first.
+    absl::StatusOr<RouteResult> routed = router->Route(nullptr, kT0 + absl::Microseconds(i));
+    ASSERT_TRUE(routed.ok()) << routed.status();
+    if (routed->worker_id == "a") {
+      on_a.push_back(routed->lease_id);
+    } else {
+      ++on_b;
+    }
+  }
+  ASSERT_TRUE(router->RemoveWorker("a").ok());
+  // The oldest ten were forgotten (NOT_FOUND, as for any unknown lease); the rest answer "a" once.
+  for (size_t i = 0; i < on_a.size(); ++i) {
+    absl::StatusOr<std::string> done = router->Complete(on_a[i]);
+    if (i < 10) {
+      EXPECT_EQ(done.status().code(), absl::StatusCode::kNotFound) << i;
+    } else {
+      ASSERT_TRUE(done.ok()) << i << ": " << done.status();
+      EXPECT_EQ(*done, "a");
+    }
+  }
+  EXPECT_EQ(router->GetState(kT0).completes_after_removal_total, static_cast<int64_t>(kRemovedLeasesRemembered));
+  EXPECT_EQ(router->Complete(on_a.back()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(router->GetState(kT0).live_leases, on_b);  // b's leases were never touched
 }
 
 TEST(RouterTest, LeasesExpireAndCompleteOnce) {

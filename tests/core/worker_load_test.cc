@@ -278,7 +278,11 @@ TEST(RouterLeaseTest, RemoveWorkerDropsItsLeasesAndSaysHowMany) {
   EXPECT_EQ(removed->inflight, static_cast<int64_t>(on_a.size()));
   EXPECT_EQ(router->RemoveWorker("a").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(router->GetState(kT0).live_leases, static_cast<int64_t>(on_b.size()));
+  // A's requests complete late: answered with a once (nothing is released twice), then NOT_FOUND.
+  for (uint64_t id : on_a) EXPECT_EQ(router->Complete(id).value_or(""), "a");
   for (uint64_t id : on_a) EXPECT_EQ(router->Complete(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(router->GetState(kT0).live_leases, static_cast<int64_t>(on_b.size()));
+  EXPECT_EQ(router->GetState(kT0).completes_after_removal_total, static_cast<int64_t>(on_a.size()));
   for (uint64_t id : on_b) EXPECT_TRUE(router->Complete(id).ok());
 }
 

@@ -214,7 +214,8 @@ TEST_F(DiscoveryRouterTest, ThePoolFollowsThePodsAndNoRouteFails) {
   // What the operator sees.
   absl::StatusOr<ParsedMetrics> metrics = ScrapeMetrics(router->metrics_port());
   ASSERT_TRUE(metrics.ok()) << metrics.status();
-  for (const char* family : {"eldr_discovery_errors_total", "eldr_discovery_watch_restarts_total"}) {
+  for (const char* family :
+       {"eldr_discovery_errors_total", "eldr_discovery_watch_restarts_total", "eldr_completes_after_removal_total"}) {
     for (const Sample& sample : metrics->samples[family]) {
       std::string labels;
       for (const auto& [key, value] : sample.labels) absl::StrAppend(&labels, key, "=", value, " ");

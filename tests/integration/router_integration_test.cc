@@ -290,7 +290,12 @@ TEST(RouterIntegration, AdminAddsDrainsAndRemovesWorkers) {
     ASSERT_TRUE(admin->RemoveWorker(ctx.get(), remove, &removed).ok());
   }
   EXPECT_EQ(removed.dropped_leases(), 1);
+  // Its request completes late: OK once (counted), NOT_FOUND after.
+  std::string late_worker;
+  EXPECT_TRUE(CompleteLease(stub.get(), on_w3.lease_id(), &late_worker).ok());
+  EXPECT_EQ(late_worker, "w3");
   EXPECT_EQ(CompleteLease(stub.get(), on_w3.lease_id()).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Scraped(*router, "eldr_completes_after_removal_total"), 1);
   {
     auto ctx = Ctx();
     EXPECT_EQ(admin->RemoveWorker(ctx.get(), remove, &removed).error_code(), grpc::StatusCode::NOT_FOUND);

@@ -118,6 +118,9 @@ struct RouteInput {
 
 // Limits on RouteInput::exclude_workers, checked by Route (INVALID_ARGUMENT, reason kOutOfRange).
 inline constexpr size_t kMaxExcludedWorkers = 1024;
+// How many leases dropped by RemoveWorker the router remembers, so that their late Complete is
+// answered (about 64 bytes each: 1 MiB at most).
+inline constexpr size_t kRemovedLeasesRemembered = 16384;
 
 struct RouteResult {
   std::string worker_id;
@@ -148,6 +151,8 @@ struct RouterState {
   int64_t live_leases = 0;
   int64_t leases_expired_total = 0;
   int64_t leases_evicted_total = 0;  // released at the max_live_leases limit
+  // Completes of leases that RemoveWorker had already dropped (answered with their worker).
+  int64_t completes_after_removal_total = 0;
 };
 
 // Other router replicas' live leases on one worker (eldr/cluster's shared load): `live` in total,
@@ -286,7 +291,11 @@ class Router {
   // Releases a lease and returns the id of the worker it was on; observers hear OnLeaseEnded
   // (kCompleted, with input.output_tokens and the hold time to input.now). NOT_FOUND when unknown,
   // already completed, expired or evicted; INVALID_ARGUMENT (kNegativeCount) for negative
-  // output_tokens (the lease stays).
+  // output_tokens (the lease stays). A lease that RemoveWorker dropped while its request was in
+  // flight (a pod deleted under traffic) is not the caller's error: its first Complete, within the
+  // last kRemovedLeasesRemembered such leases, answers the removed worker's id and is counted in
+  // RouterState::completes_after_removal_total (observers already heard kWorkerRemoved); a second
+  // one is NOT_FOUND.
   virtual absl::StatusOr<std::string> Complete(const CompleteInput& input) = 0;
   absl::StatusOr<std::string> Complete(uint64_t lease_id, int64_t output_tokens = 0) {
     CompleteInput input;
