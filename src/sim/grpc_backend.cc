@@ -110,10 +110,7 @@ class GrpcBackend final : public RoutingBackend {
   absl::Status InstallCentroids(const CentroidArtifact& artifact) override {
     eldr::v1::ReloadCentroidsRequest request;
     request.set_artifact_json(SerializeCentroidArtifact(artifact));
-    eldr::v1::ReloadCentroidsResponse response;
-    auto context = ContextWithDeadline(rpc_timeout_s_);
-    return FromGrpc(admin_->ReloadCentroids(context.get(), request, &response), "ReloadCentroids",
-                    daemon_.admin_target);
+    return CallAdmin<eldr::v1::ReloadCentroidsResponse>(&AdminStub::ReloadCentroids, request, "ReloadCentroids");
   }
 
   absl::StatusOr<int> AddWorker(const std::string& id) override {
@@ -121,11 +118,7 @@ class GrpcBackend final : public RoutingBackend {
     // GetState (hence worker_ids()) lists active workers only: a draining worker of that id would be
     // re-activated by UpsertWorker rather than added, so it is refused before the daemon changes.
     eldr::v1::ListWorkersResponse listed;
-    {
-      auto context = ContextWithDeadline(rpc_timeout_s_);
-      ELDR_RETURN_IF_ERROR(FromGrpc(admin_->ListWorkers(context.get(), eldr::v1::ListWorkersRequest(), &listed),
-                                    "ListWorkers", daemon_.admin_target));
-    }
+    ELDR_RETURN_IF_ERROR(CallAdmin(&AdminStub::ListWorkers, eldr::v1::ListWorkersRequest(), "ListWorkers", &listed));
     for (const eldr::v1::WorkerState& worker : listed.workers()) {
       if (worker.worker().id() == id) {
         return absl::AlreadyExistsError(absl::StrCat("worker ", id, " is in the pool of eldr-router at ",
@@ -138,10 +131,7 @@ class GrpcBackend final : public RoutingBackend {
     worker->set_address(absl::StrCat("sim-", id, ":8000"));
     worker->set_capacity(daemon_.capacities.empty() ? 1.0 : daemon_.capacities.front());
     worker->set_max_inflight(daemon_.max_inflight.empty() ? 0 : daemon_.max_inflight.front());
-    eldr::v1::UpsertWorkerResponse response;
-    auto context = ContextWithDeadline(rpc_timeout_s_);
-    ELDR_RETURN_IF_ERROR(
-        FromGrpc(admin_->UpsertWorker(context.get(), request, &response), "UpsertWorker", daemon_.admin_target));
+    ELDR_RETURN_IF_ERROR(CallAdmin<eldr::v1::UpsertWorkerResponse>(&AdminStub::UpsertWorker, request, "UpsertWorker"));
     added_.push_back(id);
     const int index = static_cast<int>(worker_ids_.size());
     worker_ids_.push_back(id);
@@ -152,10 +142,7 @@ class GrpcBackend final : public RoutingBackend {
   absl::Status DrainWorker(const std::string& id) override {
     eldr::v1::DrainWorkerRequest request;
     request.set_worker_id(id);
-    eldr::v1::DrainWorkerResponse response;
-    auto context = ContextWithDeadline(rpc_timeout_s_);
-    ELDR_RETURN_IF_ERROR(
-        FromGrpc(admin_->DrainWorker(context.get(), request, &response), "DrainWorker", daemon_.admin_target));
+    ELDR_RETURN_IF_ERROR(CallAdmin<eldr::v1::DrainWorkerResponse>(&AdminStub::DrainWorker, request, "DrainWorker"));
     NoteOriginalChanged(id);
     return absl::OkStatus();
   }
@@ -163,10 +150,7 @@ class GrpcBackend final : public RoutingBackend {
   absl::Status RemoveWorker(const std::string& id) override {
     eldr::v1::RemoveWorkerRequest request;
     request.set_worker_id(id);
-    eldr::v1::RemoveWorkerResponse response;
-    auto context = ContextWithDeadline(rpc_timeout_s_);
-    ELDR_RETURN_IF_ERROR(
-        FromGrpc(admin_->RemoveWorker(context.get(), request, &response), "RemoveWorker", daemon_.admin_target));
+    ELDR_RETURN_IF_ERROR(CallAdmin<eldr::v1::RemoveWorkerResponse>(&AdminStub::RemoveWorker, request, "RemoveWorker"));
     // The worker keeps its index in worker_ids() (the simulator's workers are indexed by it); the
     // daemon no longer knows it, so it is never routed to again.
     NoteOriginalChanged(id);
@@ -205,11 +189,9 @@ class GrpcBackend final : public RoutingBackend {
       worker->set_address(daemon_.addresses[i]);
       worker->set_capacity(daemon_.capacities[i]);
       worker->set_max_inflight(daemon_.max_inflight[i]);
-      eldr::v1::UpsertWorkerResponse response;
-      auto context = ContextWithDeadline(rpc_timeout_s_);
-      ELDR_RETURN_IF_ERROR(FromGrpc(admin_->UpsertWorker(context.get(), request, &response),
-                                    absl::StrCat("UpsertWorker ", daemon_.worker_ids[i], " (restoring the pool)"),
-                                    daemon_.admin_target));
+      ELDR_RETURN_IF_ERROR(CallAdmin<eldr::v1::UpsertWorkerResponse>(
+          &AdminStub::UpsertWorker, request,
+          absl::StrCat("UpsertWorker ", daemon_.worker_ids[i], " (restoring the pool)")));
     }
     changed_.clear();
     removed_.clear();
@@ -231,6 +213,18 @@ class GrpcBackend final : public RoutingBackend {
   std::vector<std::string> added_;
   absl::flat_hash_set<std::string> changed_;
   absl::flat_hash_set<std::string> removed_;  // those of changed_ that were removed
+
+  using AdminStub = eldr::v1::RouterAdmin::Stub;
+  // One RouterAdmin RPC with the simulator's deadline, its status named by `what`; the answer goes
+  // to `response` when one is given.
+  template <typename Response, typename Request>
+  absl::Status CallAdmin(grpc::Status (AdminStub::*rpc)(grpc::ClientContext*, const Request&, Response*),
+                         const Request& request, absl::string_view what, Response* response = nullptr) {
+    Response local;
+    auto context = ContextWithDeadline(rpc_timeout_s_);
+    return FromGrpc((admin_.get()->*rpc)(context.get(), request, response != nullptr ? response : &local), what,
+                    daemon_.admin_target);
+  }
 
   absl::Status RemoveIfPresent(const std::string& id) {
     eldr::v1::RemoveWorkerRequest request;

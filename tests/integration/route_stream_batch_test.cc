@@ -15,6 +15,7 @@
 #include "eldr/v1/router.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "route_stream_messages.h"
 #include "router_harness.h"
 
 namespace eldr::testing {
@@ -27,22 +28,7 @@ using ::eldr::v1::RouteStreamRequest;
 using ::eldr::v1::RouteStreamResponse;
 using ::testing::HasSubstr;
 
-using Stream = grpc::ClientReaderWriter<RouteStreamRequest, RouteStreamResponse>;
-
-RouteStreamRequest RouteEntry(uint64_t id, const RouteRequest& route) {
-  RouteStreamRequest message;
-  message.set_id(id);
-  *message.mutable_route() = route;
-  return message;
-}
-
-RouteStreamRequest CompleteEntry(uint64_t id, uint64_t lease, int64_t output_tokens = 0) {
-  RouteStreamRequest message;
-  message.set_id(id);
-  message.mutable_complete()->set_lease_id(lease);
-  message.mutable_complete()->set_output_tokens(output_tokens);
-  return message;
-}
+using Stream = RouteStreamCall;
 
 // One RouteStream message of id `id` carrying `entries` as a batch.
 RouteStreamRequest Batch(uint64_t id, std::vector<RouteStreamRequest> entries) {
@@ -51,15 +37,6 @@ RouteStreamRequest Batch(uint64_t id, std::vector<RouteStreamRequest> entries) {
   auto* batch = message.mutable_batch();  // set even when `entries` is empty
   for (RouteStreamRequest& entry : entries) *batch->add_requests() = std::move(entry);
   return message;
-}
-
-// One message written and its one answer read (the stream must still be open).
-RouteStreamResponse Exchange(Stream* stream, const RouteStreamRequest& message) {
-  RouteStreamResponse answer;
-  EXPECT_TRUE(stream->Write(message)) << "the stream closed";
-  EXPECT_TRUE(stream->Read(&answer)) << "the stream closed";
-  EXPECT_EQ(answer.id(), message.id());
-  return answer;
 }
 
 // A batch written and answered: the answer must be a batch of as many entries, each with the id of
@@ -72,11 +49,6 @@ RouteStreamResponse ExchangeBatch(Stream* stream, const RouteStreamRequest& mess
     EXPECT_EQ(answer.batch().responses(i).id(), message.batch().requests(i).id()) << "entry " << i;
   }
   return answer;
-}
-
-template <typename Predicate>
-void WaitUntil(Predicate done, const std::string& what, absl::Duration timeout = absl::Seconds(10)) {
-  if (!PollUntil(std::move(done), timeout, absl::Milliseconds(10))) ADD_FAILURE() << "timed out waiting for " << what;
 }
 
 double StreamMessages(const RouterProcess& router, const std::string& kind, const std::string& outcome) {
@@ -110,8 +82,8 @@ TEST(RouteStreamBatch, RoutesAndCompletesAreAnsweredInOneMessageInOrder) {
   // The vector first (the pool is idle for it, as for the unary call), then block i % 4: band of
   // one, w<i % 4> whatever the load.
   constexpr int kRoutes = 12;
-  std::vector<RouteStreamRequest> entries = {RouteEntry(100, vector)};
-  for (int i = 1; i < kRoutes; ++i) entries.push_back(RouteEntry(100 + i, BlockRequest(i % 4)));
+  std::vector<RouteStreamRequest> entries = {RouteMessage(100, vector)};
+  for (int i = 1; i < kRoutes; ++i) entries.push_back(RouteMessage(100 + i, BlockRequest(i % 4)));
   const RouteStreamResponse routed = ExchangeBatch(stream.get(), Batch(7, entries));
   ASSERT_EQ(routed.batch().responses_size(), kRoutes);
   std::vector<uint64_t> leases;
@@ -136,13 +108,13 @@ TEST(RouteStreamBatch, RoutesAndCompletesAreAnsweredInOneMessageInOrder) {
   EXPECT_EQ(State(*router).live_leases(), kRoutes);
 
   // A single message right after: the batch was answered by exactly one message.
-  const RouteStreamResponse single = Exchange(stream.get(), RouteEntry(50, BlockRequest(3)));
+  const RouteStreamResponse single = Exchange(stream.get(), RouteMessage(50, BlockRequest(3)));
   ASSERT_TRUE(single.has_route()) << single.error().message();
   EXPECT_EQ(single.route().worker_id(), "w3");
 
   // Completes in one batch; then a batch that mixes a Route and the Complete of an older lease.
   std::vector<RouteStreamRequest> completes;
-  for (int i = 0; i < kRoutes; ++i) completes.push_back(CompleteEntry(200 + i, leases[i], 10));
+  for (int i = 0; i < kRoutes; ++i) completes.push_back(CompleteMessage(200 + i, leases[i], 10));
   const RouteStreamResponse released = ExchangeBatch(stream.get(), Batch(8, completes));
   ASSERT_EQ(released.batch().responses_size(), kRoutes);
   for (int i = 0; i < kRoutes; ++i) {
@@ -151,13 +123,14 @@ TEST(RouteStreamBatch, RoutesAndCompletesAreAnsweredInOneMessageInOrder) {
     EXPECT_EQ(r.complete().worker_id(), routed.batch().responses(i).route().worker_id());
   }
   const RouteStreamResponse mixed = ExchangeBatch(
-      stream.get(), Batch(9, {RouteEntry(300, BlockRequest(1)), CompleteEntry(301, single.route().lease_id())}));
+      stream.get(), Batch(9, {RouteMessage(300, BlockRequest(1)), CompleteMessage(301, single.route().lease_id())}));
   ASSERT_EQ(mixed.batch().responses_size(), 2);
   ASSERT_TRUE(mixed.batch().responses(0).has_route());
   EXPECT_EQ(mixed.batch().responses(0).route().worker_id(), "w1");
   ASSERT_TRUE(mixed.batch().responses(1).has_complete());
   EXPECT_EQ(mixed.batch().responses(1).complete().worker_id(), "w3");
-  ASSERT_TRUE(Exchange(stream.get(), CompleteEntry(51, mixed.batch().responses(0).route().lease_id())).has_complete());
+  ASSERT_TRUE(
+      Exchange(stream.get(), CompleteMessage(51, mixed.batch().responses(0).route().lease_id())).has_complete());
 
   // Pipelined batches, written before any answer is read: answers come in order.
   constexpr int kBatches = 40;
@@ -165,7 +138,7 @@ TEST(RouteStreamBatch, RoutesAndCompletesAreAnsweredInOneMessageInOrder) {
   std::thread writer([&] {
     for (int b = 0; b < kBatches; ++b) {
       std::vector<RouteStreamRequest> batch;
-      for (int i = 0; i < kPerBatch; ++i) batch.push_back(RouteEntry(10000 * (b + 1) + i, BlockRequest((b + i) % 4)));
+      for (int i = 0; i < kPerBatch; ++i) batch.push_back(RouteMessage(10000 * (b + 1) + i, BlockRequest((b + i) % 4)));
       ASSERT_TRUE(stream->Write(Batch(1000 + b, std::move(batch))));
     }
     stream->WritesDone();
@@ -268,13 +241,13 @@ TEST(RouteStreamBatch, ABadEntryFailsAloneWithTheUnaryError) {
   std::vector<RouteStreamRequest> entries;
   uint64_t id = 1;
   for (const RouteRequest& bad : bad_routes) {
-    entries.push_back(RouteEntry(id++, BlockRequest(2)));
-    entries.push_back(RouteEntry(id++, bad));
+    entries.push_back(RouteMessage(id++, BlockRequest(2)));
+    entries.push_back(RouteMessage(id++, bad));
   }
-  entries.push_back(CompleteEntry(id++, 12345));
-  entries.push_back(CompleteEntry(id++, 1, -3));
+  entries.push_back(CompleteMessage(id++, 12345));
+  entries.push_back(CompleteMessage(id++, 1, -3));
   entries.push_back(neither);
-  entries.push_back(RouteEntry(id++, BlockRequest(0)));
+  entries.push_back(RouteMessage(id++, BlockRequest(0)));
   const RouteStreamRequest message = Batch(5, entries);
   ASSERT_GT(message.ByteSizeLong(), 12288u * 2);
   ASSERT_LT(message.ByteSizeLong(), 12288u * 4);
@@ -315,7 +288,7 @@ TEST(RouteStreamBatch, ABadEntryFailsAloneWithTheUnaryError) {
 
   // The stream goes on; the good entries' leases are released by a batch.
   std::vector<RouteStreamRequest> completes;
-  for (size_t i = 0; i < leases.size(); ++i) completes.push_back(CompleteEntry(500 + i, leases[i]));
+  for (size_t i = 0; i < leases.size(); ++i) completes.push_back(CompleteMessage(500 + i, leases[i]));
   const RouteStreamResponse released = ExchangeBatch(stream.get(), Batch(6, completes));
   for (const RouteStreamResponse& r : released.batch().responses()) EXPECT_TRUE(r.has_complete());
   stream->WritesDone();
@@ -348,7 +321,7 @@ TEST(RouteStreamBatch, ABatchOverTheLimitIsRefusedWholeAndNothingIsHandled) {
   std::unique_ptr<Stream> stream = stub->RouteStream(ctx.get());
 
   std::vector<RouteStreamRequest> five;
-  for (int i = 0; i < 5; ++i) five.push_back(RouteEntry(10 + i, BlockRequest(i % 4)));
+  for (int i = 0; i < 5; ++i) five.push_back(RouteMessage(10 + i, BlockRequest(i % 4)));
   const RouteStreamResponse refused = Exchange(stream.get(), Batch(3, five));
   ASSERT_TRUE(refused.has_error()) << "a batch over --max_stream_batch was answered";
   EXPECT_FALSE(refused.has_batch());
@@ -369,7 +342,7 @@ TEST(RouteStreamBatch, ABatchOverTheLimitIsRefusedWholeAndNothingIsHandled) {
   std::vector<RouteStreamRequest> completes;
   for (int i = 0; i < 4; ++i) {
     ASSERT_TRUE(answered.batch().responses(i).has_route()) << answered.batch().responses(i).error().message();
-    completes.push_back(CompleteEntry(20 + i, answered.batch().responses(i).route().lease_id()));
+    completes.push_back(CompleteMessage(20 + i, answered.batch().responses(i).route().lease_id()));
   }
   const RouteStreamResponse released = ExchangeBatch(stream.get(), Batch(5, completes));
   for (const RouteStreamResponse& r : released.batch().responses()) EXPECT_TRUE(r.has_complete());
@@ -389,8 +362,8 @@ TEST(RouteStreamBatch, ANestedBatchIsAnErrorForItsEntryOnly) {
   std::unique_ptr<Stream> stream = stub->RouteStream(ctx.get());
 
   const RouteStreamResponse answer = ExchangeBatch(
-      stream.get(), Batch(1, {RouteEntry(10, BlockRequest(0)), Batch(11, {RouteEntry(12, BlockRequest(1))}),
-                              RouteEntry(13, BlockRequest(2))}));
+      stream.get(), Batch(1, {RouteMessage(10, BlockRequest(0)), Batch(11, {RouteMessage(12, BlockRequest(1))}),
+                              RouteMessage(13, BlockRequest(2))}));
   ASSERT_EQ(answer.batch().responses_size(), 3);
   ASSERT_TRUE(answer.batch().responses(0).has_route());
   EXPECT_EQ(answer.batch().responses(0).route().worker_id(), "w0");
@@ -422,9 +395,9 @@ TEST(RouteStreamBatch, AnEmptyBatchIsAnsweredWithAnEmptyBatch) {
   EXPECT_TRUE(answer.has_batch()) << "an empty batch is answered with an empty batch, not an error";
   EXPECT_EQ(answer.batch().responses_size(), 0);
   // The stream goes on.
-  const RouteStreamResponse routed = Exchange(stream.get(), RouteEntry(43, BlockRequest(1)));
+  const RouteStreamResponse routed = Exchange(stream.get(), RouteMessage(43, BlockRequest(1)));
   ASSERT_TRUE(routed.has_route());
-  ASSERT_TRUE(Exchange(stream.get(), CompleteEntry(44, routed.route().lease_id())).has_complete());
+  ASSERT_TRUE(Exchange(stream.get(), CompleteMessage(44, routed.route().lease_id())).has_complete());
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
   EXPECT_EQ(Scraped(*router, "eldr_route_stream_batches_total", {{"outcome", "answered"}}), 1);
@@ -444,19 +417,19 @@ TEST(RouteStreamBatch, UnaryRpcsAndSingleMessagesWorkBesideBatches) {
     // Unary.
     EXPECT_EQ(RouteAndComplete(*router, round), absl::StrCat("w", round));
     // A single message each way.
-    const RouteStreamResponse single = Exchange(stream.get(), RouteEntry(1, BlockRequest(round)));
+    const RouteStreamResponse single = Exchange(stream.get(), RouteMessage(1, BlockRequest(round)));
     ASSERT_TRUE(single.has_route()) << single.error().message();
     EXPECT_EQ(single.route().worker_id(), absl::StrCat("w", round));
-    const RouteStreamResponse released = Exchange(stream.get(), CompleteEntry(2, single.route().lease_id()));
+    const RouteStreamResponse released = Exchange(stream.get(), CompleteMessage(2, single.route().lease_id()));
     ASSERT_TRUE(released.has_complete()) << released.error().message();
     EXPECT_FALSE(released.has_batch());
     // A batch on the same stream.
     const RouteStreamResponse batch =
-        ExchangeBatch(stream.get(), Batch(3, {RouteEntry(4, BlockRequest(3)), RouteEntry(5, BlockRequest(round))}));
+        ExchangeBatch(stream.get(), Batch(3, {RouteMessage(4, BlockRequest(3)), RouteMessage(5, BlockRequest(round))}));
     ASSERT_EQ(batch.batch().responses_size(), 2);
     const RouteStreamResponse done =
-        ExchangeBatch(stream.get(), Batch(6, {CompleteEntry(7, batch.batch().responses(0).route().lease_id()),
-                                              CompleteEntry(8, batch.batch().responses(1).route().lease_id())}));
+        ExchangeBatch(stream.get(), Batch(6, {CompleteMessage(7, batch.batch().responses(0).route().lease_id()),
+                                              CompleteMessage(8, batch.batch().responses(1).route().lease_id())}));
     EXPECT_TRUE(done.batch().responses(0).has_complete());
     EXPECT_TRUE(done.batch().responses(1).has_complete());
   }
@@ -483,7 +456,7 @@ TEST(RouteStreamBatch, CancelReleasesEveryLeaseOfAnUndeliveredBatch) {
   std::thread writer([&] {
     for (int b = 0; b < 20000; ++b) {
       std::vector<RouteStreamRequest> batch;
-      for (int i = 0; i < kPerBatch; ++i) batch.push_back(RouteEntry(i + 1, BlockRequest(i % 4)));
+      for (int i = 0; i < kPerBatch; ++i) batch.push_back(RouteMessage(i + 1, BlockRequest(i % 4)));
       if (!stream->Write(Batch(b + 1, std::move(batch)))) return;
     }
   });

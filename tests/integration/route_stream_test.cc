@@ -18,6 +18,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
+#include "route_stream_messages.h"
 #include "router_harness.h"
 
 namespace eldr::testing {
@@ -30,37 +31,7 @@ using ::eldr::v1::RouteStreamRequest;
 using ::eldr::v1::RouteStreamResponse;
 using ::testing::HasSubstr;
 
-using Stream = grpc::ClientReaderWriter<RouteStreamRequest, RouteStreamResponse>;
-
-RouteStreamRequest RouteMessage(uint64_t id, const RouteRequest& route) {
-  RouteStreamRequest message;
-  message.set_id(id);
-  *message.mutable_route() = route;
-  return message;
-}
-
-RouteStreamRequest CompleteMessage(uint64_t id, uint64_t lease, int64_t output_tokens = 0) {
-  RouteStreamRequest message;
-  message.set_id(id);
-  message.mutable_complete()->set_lease_id(lease);
-  message.mutable_complete()->set_output_tokens(output_tokens);
-  return message;
-}
-
-// One message written and its answer read (the stream must still be open).
-RouteStreamResponse Exchange(Stream* stream, const RouteStreamRequest& message) {
-  RouteStreamResponse answer;
-  EXPECT_TRUE(stream->Write(message)) << "the stream closed";
-  EXPECT_TRUE(stream->Read(&answer)) << "the stream closed";
-  EXPECT_EQ(answer.id(), message.id());
-  return answer;
-}
-
-// Polls until `done` holds (bounded; a test failure otherwise).
-template <typename Predicate>
-void WaitUntil(Predicate done, const std::string& what, absl::Duration timeout = absl::Seconds(10)) {
-  if (!PollUntil(std::move(done), timeout, absl::Milliseconds(10))) ADD_FAILURE() << "timed out waiting for " << what;
-}
+using Stream = RouteStreamCall;
 
 void ExpectSameDecision(const RouteResponse& unary, const RouteResponse& streamed, const std::string& what) {
   EXPECT_EQ(streamed.worker_id(), unary.worker_id()) << what;
