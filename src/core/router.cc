@@ -270,8 +270,9 @@ class RouterImpl final : public Router {
   // OnLeaseEnded will tell them (delivered by the caller once mu_ is released: DeliverLeaseEnds).
   void ReleaseLeaseLocked(absl::flat_hash_map<uint64_t, LeaseRecord>::iterator lease, LeaseEndKind kind, absl::Time now,
                           int64_t output_tokens, std::vector<LeaseEnd>* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Releases the pool's oldest live lease (the max_live_leases limit).
+  // Records a lease RemoveWorker drops, forgetting the oldest beyond kRemovedLeasesRemembered.
   void RememberRemovedLeaseLocked(uint64_t lease_id, const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases the pool's oldest live lease (the max_live_leases limit).
   void EvictOldestLeaseLocked(absl::Time now, std::vector<LeaseEnd>* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells observers of `ended` (no router lock held) and empties it.
   void DeliverLeaseEnds(std::vector<LeaseEnd>* ended) ABSL_LOCKS_EXCLUDED(mu_);
