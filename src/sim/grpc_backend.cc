@@ -229,11 +229,9 @@ class GrpcBackend final : public RoutingBackend {
   absl::Status RemoveIfPresent(const std::string& id) {
     eldr::v1::RemoveWorkerRequest request;
     request.set_worker_id(id);
-    eldr::v1::RemoveWorkerResponse response;
-    auto context = ContextWithDeadline(rpc_timeout_s_);
-    const grpc::Status removed = admin_->RemoveWorker(context.get(), request, &response);
-    if (removed.ok() || removed.error_code() == grpc::StatusCode::NOT_FOUND) return absl::OkStatus();
-    return FromGrpc(removed, absl::StrCat("RemoveWorker ", id, " (restoring the pool)"), daemon_.admin_target);
+    const absl::Status removed = CallAdmin<eldr::v1::RemoveWorkerResponse>(
+        &AdminStub::RemoveWorker, request, absl::StrCat("RemoveWorker ", id, " (restoring the pool)"));
+    return absl::IsNotFound(removed) ? absl::OkStatus() : removed;
   }
 
   void ResetWorkerList() {
