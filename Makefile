@@ -4,6 +4,8 @@ BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
+# `make build TARGETS="a b"` builds only those CMake targets (and what they need); empty: all.
+TARGETS ?=
 # ccache keys on paths relative to the checkout, so clones in other folders share the cache.
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
@@ -22,7 +24,7 @@ configure: deps
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
 
 build: deps $(BUILD_DIR)/build.ninja
-	cmake --build $(BUILD_DIR) -j $(JOBS)
+	cmake --build $(BUILD_DIR) -j $(JOBS) $(if $(strip $(TARGETS)),--target $(TARGETS))
 
 # Every test: unit, integration (real processes on loopback), tool and packaging checks.
 test: build

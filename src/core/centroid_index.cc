@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <new>
@@ -91,6 +92,8 @@ struct Scratch {
   std::vector<float> candidate_scores;
   std::vector<int> ids;
   std::vector<std::pair<float, int>> ranked;
+  int ranked_front = 0;            // ranked[0, ranked_front) are ranked's best (see RankRows)
+  std::vector<float> rank_sample;  // RankRows' sample of the scores
   std::vector<char> seen;
   std::vector<int> refine_ids;
   std::vector<const float*> f32_rows;
@@ -742,9 +745,7 @@ class ReducedIndex final : public CentroidIndex {
     }
     float* y = scratch.projected.data();
     std::fill(y, y + reduced_stride_, 0.f);
-    if (axes_half_) {
-      kernels.dot_rows_bf16(axes_bf16_rows_.data(), reduced, q, store_.cols(), y);
-    } else {
+    if (!ProjectInt8(kernels, prepared, &scratch, y)) {
       kernels.dot_rows_f32(axes_f32_rows_.data(), reduced, q, store_.cols(), y);
     }
 
@@ -760,12 +761,7 @@ class ReducedIndex final : public CentroidIndex {
       scratch.scores.resize(reduced_columns_stride_);
       kernels.accumulate_columns(reduced_columns_.data(), reduced, rows, reduced_columns_stride_, y,
                                  scratch.scores.data());
-      scratch.ranked.resize(rows);
-      for (int r = 0; r < rows; ++r) {
-        const float score = scratch.scores[r];
-        // NaN (a non-finite query) ranks last.
-        scratch.ranked[r] = {std::isnan(score) ? -std::numeric_limits<float>::infinity() : score, r};
-      }
+      RankRows(scratch.scores.data(), rows, std::min({rows, max_candidates_, 2 * candidates_}), &scratch);
     }
     scratch.ids.clear();
     float best = -std::numeric_limits<float>::infinity();
@@ -778,7 +774,7 @@ class ReducedIndex final : public CentroidIndex {
       if (hnsw_) {
         ELDR_RETURN_IF_ERROR(SearchHnsw(y, want, &scratch));
       } else {
-        SelectNext(fetched, want, &scratch.ranked);
+        SelectNext(fetched, want, scratch.ranked_front, &scratch.ranked);
         for (int k = fetched; k < want; ++k) scratch.ids.push_back(scratch.ranked[k].second);
       }
       fetched = static_cast<int>(scratch.ids.size());
@@ -870,22 +866,30 @@ class ReducedIndex final : public CentroidIndex {
           absl::StrFormat("PCA fit returned a %d-value matrix, expected %d x %d", axes.size(), reduced_dims_, cols));
     }
 
-    // Principal axes as rows, in bfloat16 when the centroids have a 16-bit copy: they only choose
-    // candidates, so their precision does not reach any decision.
-    axes_half_ = CandidatesInHalf(options_);
+    // Principal axes as rows: fp32, and 8-bit (per-axis scale) when the centroids have a reduced-
+    // precision copy. The axes only choose candidates, so their precision reaches no decision;
+    // 8 bits read a quarter of the bytes, and the projection was a sixth of a K = 1024 decision.
     axes_f32_.assign(static_cast<size_t>(reduced_dims_) * PaddedStride<float>(cols), 0.f);
     for (int k = 0; k < reduced_dims_; ++k) {
       float* dst = axes_f32_.data() + static_cast<size_t>(k) * PaddedStride<float>(cols);
       std::memcpy(dst, axes.data() + static_cast<size_t>(k) * cols, sizeof(float) * cols);
       axes_f32_rows_.push_back(dst);
     }
-    if (axes_half_) {
-      const int stride = internal::PairedBfloat16Elements(cols);
-      axes_bf16_.assign(static_cast<size_t>(reduced_dims_) * stride, 0);
+    if (CandidatesInHalf(options_) && cols <= RowStore::kMaxInt8Columns) {
+      const int padded = PaddedStride<int8_t>(cols);
+      axes_i8_.assign(static_cast<size_t>(reduced_dims_) * padded, 0);
+      axes_i8_scale_.resize(reduced_dims_);
       for (int k = 0; k < reduced_dims_; ++k) {
-        uint16_t* dst = axes_bf16_.data() + static_cast<size_t>(k) * stride;
-        internal::PackBfloat16Row(axes_f32_rows_[k], cols, dst);
-        axes_bf16_rows_.push_back(dst);
+        const float* axis = axes_f32_rows_[k];
+        int8_t* dst = axes_i8_.data() + static_cast<size_t>(k) * padded;
+        float largest = 0;
+        for (int i = 0; i < cols; ++i) largest = std::max(largest, std::fabs(axis[i]));
+        const float scale = largest > 0 ? largest / 127.f : 1.f;
+        for (int i = 0; i < cols; ++i) {
+          dst[i] = static_cast<int8_t>(std::clamp(static_cast<int>(std::nearbyint(axis[i] / scale)), -127, 127));
+        }
+        axes_i8_scale_[k] = scale;
+        axes_i8_rows_.push_back(dst);
       }
     }
 
@@ -912,14 +916,78 @@ class ReducedIndex final : public CentroidIndex {
     return absl::OkStatus();
   }
 
-  // Rearranges (*ranked)[begin, n) so that [begin, end) holds its best entries, best first.
-  static void SelectNext(int begin, int end, std::vector<std::pair<float, int>>* ranked) {
+  // Fills scratch->ranked with the (score, row) pairs of `scores` (NaN, from a non-finite query,
+  // ranks last), split at a threshold so that ranked[0, ranked_front) holds every pair scoring at
+  // least the threshold and the rest score below it. The threshold is an order statistic of every
+  // eighth score, chosen so that the front holds about 1.5 x `expected` pairs: the rounds that
+  // fetch up to `expected` candidates then select within the front instead of all the rows (the
+  // selection was a fifth of a K = 1024 decision). The split never changes which pairs are the
+  // best: a front too small only sends a round back to the whole range (SelectNext).
+  static void RankRows(const float* scores, int rows, int expected, Scratch* scratch) {
+    std::vector<std::pair<float, int>>& ranked = scratch->ranked;
+    ranked.resize(rows);
+    auto rank_of = [](float score) { return std::isnan(score) ? -std::numeric_limits<float>::infinity() : score; };
+    constexpr int kSampleStride = 8;
+    const int sample_size = rows / kSampleStride;
+    // The sample's order statistic expected to leave 1.5 x `expected` rows above it, plus two
+    // for the sampling noise.
+    const int sample_rank = (3 * expected + 2 * kSampleStride - 1) / (2 * kSampleStride) + 2;
+    if (sample_rank >= sample_size / 2) {  // a small pool: the threshold would not save anything
+      for (int r = 0; r < rows; ++r) ranked[r] = {rank_of(scores[r]), r};
+      scratch->ranked_front = rows;
+      return;
+    }
+    std::vector<float>& sample = scratch->rank_sample;
+    sample.resize(sample_size);
+    for (int i = 0; i < sample_size; ++i) sample[i] = rank_of(scores[i * kSampleStride]);
+    std::nth_element(sample.begin(), sample.begin() + (sample_rank - 1), sample.end(), std::greater<float>());
+    const float threshold = sample[sample_rank - 1];
+    // Branch-free two-ended fill: every pair is written at both ends and only the matching end's
+    // cursor moves, so the later pairs overwrite the unused copies.
+    int front = 0;
+    int back = rows - 1;
+    for (int r = 0; r < rows; ++r) {
+      const std::pair<float, int> pair{rank_of(scores[r]), r};
+      const bool above = pair.first >= threshold;
+      ranked[front] = pair;
+      ranked[back] = pair;
+      front += above;
+      back -= !above;
+    }
+    scratch->ranked_front = front;
+  }
+
+  // y = A q from the 8-bit axes and the query quantised to 8 bits, into y. False when there are no
+  // 8-bit axes or the query cannot be quantised (a negative or non-finite value): the caller
+  // projects in fp32 then.
+  bool ProjectInt8(const ScorerKernels& kernels, const ColumnMap::Prepared& prepared, Scratch* scratch,
+                   float* y) const {
+    if (axes_i8_rows_.empty()) return false;
+    const int cols = store_.cols();
+    const int padded = PaddedStride<int8_t>(cols);
+    if (static_cast<int>(scratch->query8.size()) < padded) scratch->query8.resize(padded);
+    float q_scale = 0, residual2 = 0, quantised2 = 0;
+    if (!kernels.quantise_query(prepared.data, cols, padded, kernels.int8_query_max, prepared.max,
+                                scratch->query8.data(), &q_scale, &residual2, &quantised2)) {
+      return false;
+    }
+    scratch->dots.resize(reduced_dims_);
+    kernels.dot_rows_u8s8(axes_i8_rows_.data(), reduced_dims_, scratch->query8.data(), padded, scratch->dots.data());
+    for (int k = 0; k < reduced_dims_; ++k) y[k] = static_cast<float>(scratch->dots[k]) * (q_scale * axes_i8_scale_[k]);
+    return true;
+  }
+
+  // Rearranges (*ranked)[begin, n) so that [begin, end) holds its best entries, best first, given
+  // that (*ranked)[0, front) scores at least as high as the rest (RankRows).
+  static void SelectNext(int begin, int end, int front, std::vector<std::pair<float, int>>* ranked) {
     const int n = static_cast<int>(ranked->size());
     end = std::min(end, n);
     if (begin >= end) return;
     auto better = [](const std::pair<float, int>& a, const std::pair<float, int>& b) { return a.first > b.first; };
-    if (end < n) {
-      std::nth_element(ranked->begin() + begin, ranked->begin() + (end - 1), ranked->end(), better);
+    // Within the front when it holds [begin, end): its pairs beat every pair after it.
+    const int limit = end <= front ? front : n;
+    if (end < limit) {
+      std::nth_element(ranked->begin() + begin, ranked->begin() + (end - 1), ranked->begin() + limit, better);
     }
     std::sort(ranked->begin() + begin, ranked->begin() + end, better);
   }
@@ -955,11 +1023,11 @@ class ReducedIndex final : public CentroidIndex {
   int reduced_stride_ = 0;
   int candidates_ = 0;
   int max_candidates_ = 0;
-  bool axes_half_ = false;
   AlignedVector<float> axes_f32_;
-  AlignedVector<uint16_t> axes_bf16_;
   std::vector<const float*> axes_f32_rows_;
-  std::vector<const uint16_t*> axes_bf16_rows_;
+  AlignedVector<int8_t> axes_i8_;  // empty: fp32 projection only
+  std::vector<const int8_t*> axes_i8_rows_;
+  std::vector<float> axes_i8_scale_;
   AlignedVector<float> reduced_columns_;
   int reduced_columns_stride_ = 0;
   std::unique_ptr<faiss::IndexHNSWFlat> hnsw_;

@@ -766,10 +766,12 @@ ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uin
   return HorizontalSumAvx512(_mm512_add_ps(sum0, sum1));
 }
 
-// GCC 12 warns that the "undefined" source register inside _mm512_cvtepi16_epi32 and
-// _mm512_cvtepi32_ps may be used uninitialised (a false positive of its intrinsic headers).
+// GCC 12 warns that the "undefined" source register inside _mm512_cvtepi16_epi32,
+// _mm512_cvtepi32_ps and _mm512_reduce_max_ps may be used uninitialised (a false positive of its
+// intrinsic headers).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 // Chunk c (16 values, fewer at the end of the run) of ConvertGatherInt16 as weighted floats.
 ELDR_TARGET_AVX512 inline __m512 LoadInt16ChunkAvx512(const char* src, const float* weights, int n, int c,
                                                       __m256i* or_bits) {

@@ -585,7 +585,7 @@ void RegisterAll() {
         ScoreWithFaissFlat(s, g, k, 1);
       })->Apply(CommonSettings);
       if (k >= 256) {
-        for (int dims : {16, 32, 64}) {
+        for (int dims : {16, 32, 64, 96, 128}) {
           for (int candidates : {16, 32, 48}) {
             CentroidIndexOptions reduced;
             reduced.reduced_dims = dims;

@@ -950,6 +950,69 @@ TEST(ReducedIndexTest, FlatCandidatesContainTheBestAndTheBand) {
   }
 }
 
+// Every row inside the band (tau 2 covers all of [-1, 1]) makes the rounds widen past the rows the
+// first selection set apart (about 1.5 x twice the first round), up to max_candidates: the later
+// rounds must select from all the rows, and no row may be fetched twice or lost.
+TEST(ReducedIndexTest, RoundsPastTheFirstSelectionFetchEveryRowOnce) {
+  std::mt19937_64 rng(81);
+  const Clustered data = LargePool(1024, 256, 8, 0.4, rng);
+  CentroidIndexOptions options;
+  options.band_tau = 2.0;
+  options.candidates = 16;
+  for (int max_candidates : {1024, 300}) {
+    options.max_candidates = max_candidates;
+    auto index =
+        BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, data.rows, data.dim, options);
+    ASSERT_TRUE(index.ok()) << index.status();
+    for (int k = 0; k < 20; ++k) {
+      const std::vector<float> q = QueryNear(data, static_cast<int>(rng() % data.rows), 0.5, rng);
+      std::vector<ScoredRow> got;
+      ASSERT_TRUE((*index)->Search(q, &got).ok());
+      // 16, 32, ..., 512, then the cap.
+      ASSERT_EQ(got.size(), static_cast<size_t>(max_candidates));
+      std::vector<char> seen(data.rows, 0);
+      const std::vector<double> reference = ReferenceScores(data.centroids, data.rows, data.dim, q.data());
+      for (const ScoredRow& s : got) {
+        ASSERT_GE(s.row, 0);
+        ASSERT_LT(s.row, data.rows);
+        EXPECT_EQ(seen[s.row], 0) << "row " << s.row << " fetched twice";
+        seen[s.row] = 1;
+        EXPECT_NEAR(s.score, reference[s.row], 4.5e-3);
+      }
+      if (max_candidates == data.rows) {
+        const int best = static_cast<int>(std::max_element(reference.begin(), reference.end()) - reference.begin());
+        EXPECT_EQ(seen[best], 1);
+      }
+    }
+  }
+}
+
+// The 8-bit projection takes non-negative queries only (signatures are); a query with negative
+// values is projected in fp32 instead and finds its best row and band as well.
+TEST(ReducedIndexTest, QueriesWithNegativeValuesAreProjectedInFp32) {
+  std::mt19937_64 rng(82);
+  const Clustered data = LargePool(512, 1664, 32, 0.5, rng);
+  auto index = BuildCentroidIndexOfKind(CentroidIndexKind::kFaissReduced, data.centroids, data.rows, data.dim,
+                                        CentroidIndexOptions());
+  ASSERT_TRUE(index.ok()) << index.status();
+  int best_found = 0, band_matches = 0;
+  constexpr int kQueries = 100;
+  for (int k = 0; k < kQueries; ++k) {
+    std::vector<float> q = QueryNear(data, static_cast<int>(rng() % data.rows), 0.5, rng);
+    for (int i = 0; i < data.dim; i += 7) q[i] -= 0.01f;  // a few hundred small negative values
+    Normalize(q.data(), data.dim);
+    std::vector<ScoredRow> got;
+    ASSERT_TRUE((*index)->Search(q, &got).ok());
+    const std::vector<double> reference = ReferenceScores(data.centroids, data.rows, data.dim, q.data());
+    const int best = static_cast<int>(std::max_element(reference.begin(), reference.end()) - reference.begin());
+    best_found += std::any_of(got.begin(), got.end(), [best](const ScoredRow& s) { return s.row == best; });
+    bool best_mismatch = false;
+    band_matches += BandMismatches(got, reference, 0.1, 1e-4, &best_mismatch) == 0 && !best_mismatch;
+  }
+  EXPECT_GE(best_found, 0.99 * kQueries);
+  EXPECT_GE(band_matches, 0.97 * kQueries);
+}
+
 TEST(ReducedIndexTest, HnswCandidatesContainTheBest) {
   std::mt19937_64 rng(78);
   const Clustered data = LargePool(512, 1664, 32, 0.5, rng);

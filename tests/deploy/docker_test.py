@@ -73,9 +73,19 @@ class DockerfileTest(unittest.TestCase):
         # and the library check; runtime stage: the package installation.
         build_runs = self.instructions(self.build, "RUN")
         self.assertEqual(build_runs[0], "scripts/install-deps.sh")
-        # The compile keeps ccache's directory in a build cache mount: faster rebuilds, no layer.
-        self.assertEqual(build_runs[1],
-                         "--mount=type=cache,target=/root/.cache/ccache make build BUILD_DIR=/build")
+        # The compile keeps ccache's directory in a build cache mount (faster rebuilds, no layer)
+        # and builds exactly the shipped binaries' targets.
+        prefix = "--mount=type=cache,target=/root/.cache/ccache make build BUILD_DIR=/build TARGETS="
+        self.assertTrue(build_runs[1].startswith(prefix), build_runs[1])
+        self.assertEqual(shlex.split(build_runs[1][len(prefix):]), [" ".join(self.shipped_binaries())])
+        cmake_lists = []
+        for root, _, files in os.walk(os.path.join(lib.SOURCE_DIR, "src")):
+            if "CMakeLists.txt" in files:
+                with open(os.path.join(root, "CMakeLists.txt")) as f:
+                    cmake_lists.append(f.read())
+        for binary in self.shipped_binaries():
+            self.assertTrue(any(f"add_executable({binary} " in text for text in cmake_lists),
+                            f"{binary} is not a CMake executable target")
         self.assertTrue(build_runs[2].startswith("scripts/runtime-libs.sh check docker/runtime-packages.txt "))
         self.assertEqual(len(build_runs), 3)
         (runtime_run,) = self.instructions(self.runtime, "RUN")
