@@ -226,6 +226,10 @@ absl::StatusOr<std::unique_ptr<OnlineRefitter>> OnlineRefitter::Create(RefitOpti
     return absl::InvalidArgumentError(absl::StrCat("refit: max_imbalance_increase = ", options.max_imbalance_increase,
                                                    ", need a finite number >= 0"));
   }
+  if (!(options.max_locality_decrease >= 0 && options.max_locality_decrease <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("refit: max_locality_decrease = ", options.max_locality_decrease,
+                                                   ", need a number in [0, 1] (1: no bound)"));
+  }
   if (!(options.max_churn > 0 && options.max_churn <= 1)) {
     return absl::InvalidArgumentError(
         absl::StrCat("refit: max_churn = ", options.max_churn, ", need a fraction in (0, 1] (1: no bound)"));
@@ -746,19 +750,37 @@ absl::Status OnlineRefitter::RecordSkip(const std::string& why, RefitOutcome out
 
 void OnlineRefitter::NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) {
   outcome->refusal = refusal;
-  outcome->reason =
-      refusal == RefitRefusal::kImbalance
-          ? absl::StrFormat("refit refused: predicted work imbalance %.3f against %.3f now (allowed +%g)",
-                            outcome->candidate.imbalance, outcome->current.imbalance, options_.max_imbalance_increase)
-          : absl::StrFormat(
-                "refit refused: %.1f%% of the window's signatures would change worker (at most %.1f%%), "
-                "and still more with an eighth of the movement",
-                100 * outcome->churn, 100 * options_.max_churn);
+  switch (refusal) {
+    case RefitRefusal::kImbalance:
+      outcome->reason =
+          absl::StrFormat("refit refused: predicted work imbalance %.3f against %.3f now (allowed +%g)",
+                          outcome->candidate.imbalance, outcome->current.imbalance, options_.max_imbalance_increase);
+      break;
+    case RefitRefusal::kLocality:
+      outcome->reason =
+          absl::StrFormat("refit refused: predicted locality %.4f against %.4f now (allowed -%g)",
+                          outcome->candidate.locality, outcome->current.locality, options_.max_locality_decrease);
+      break;
+    case RefitRefusal::kChurn:
+    case RefitRefusal::kNone:
+      outcome->reason = absl::StrFormat(
+          "refit refused: %.1f%% of the window's signatures would change worker (at most %.1f%%), "
+          "and still more with an eighth of the movement",
+          100 * outcome->churn, 100 * options_.max_churn);
+      break;
+  }
   absl::MutexLock lock(&stats_mu_);
-  if (refusal == RefitRefusal::kImbalance) {
-    ++stats_.refits_refused_imbalance;
-  } else {
-    ++stats_.refits_refused_churn;
+  switch (refusal) {
+    case RefitRefusal::kImbalance:
+      ++stats_.refits_refused_imbalance;
+      break;
+    case RefitRefusal::kLocality:
+      ++stats_.refits_refused_locality;
+      break;
+    case RefitRefusal::kChurn:
+    case RefitRefusal::kNone:
+      ++stats_.refits_refused_churn;
+      break;
   }
   stats_.last_error = outcome->reason;
 }
@@ -802,12 +824,30 @@ std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, 
   const auto balanced_enough = [&](const SetPrediction& prediction) {
     return prediction.imbalance <= outcome->current.imbalance + options_.max_imbalance_increase;
   };
-  outcome->churn = evaluate(*rows, &outcome->candidate);
+  // A pool change's reconciliation is exempt from the churn and locality bounds: moving zones is
+  // what it is for, and the set in service covers only the workers that stay. So is a refit after
+  // the workers' capacities changed from those of the last install (or of the refitter's start):
+  // resizing zones to new capacities costs locality by design.
   outcome->churn_exempt = pool_change || plan.added > 0 || plan.dropped > 0;
+  std::vector<std::pair<std::string, double>> capacities;
+  for (size_t t = 0; t < plan.target.size(); ++t) capacities.emplace_back(plan.target[t], plan.capacity[t]);
+  std::sort(capacities.begin(), capacities.end());
+  if (!capacities_known_) {
+    capacities_at_install_ = capacities;
+    capacities_known_ = true;
+  }
+  const bool capacities_changed = capacities != capacities_at_install_;
+  const auto local_enough = [&](const SetPrediction& prediction) {
+    return outcome->churn_exempt || capacities_changed ||
+           prediction.locality >= outcome->current.locality - options_.max_locality_decrease;
+  };
+  outcome->churn = evaluate(*rows, &outcome->candidate);
   outcome->guarded = true;
   std::optional<RefitRefusal> refusal;
   if (!balanced_enough(outcome->candidate)) {
     refusal = RefitRefusal::kImbalance;
+  } else if (!local_enough(outcome->candidate)) {
+    refusal = RefitRefusal::kLocality;
   } else if (!outcome->churn_exempt && outcome->churn > options_.max_churn) {
     // Too many signatures would change worker at once: move every row only part of the way (a
     // half, a quarter, an eighth of its rotation) and take the largest part within both bounds.
@@ -823,7 +863,7 @@ std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, 
       }
       SetPrediction prediction;
       const double churn = evaluate(partial, &prediction);
-      if (churn <= options_.max_churn && balanced_enough(prediction)) {
+      if (churn <= options_.max_churn && balanced_enough(prediction) && local_enough(prediction)) {
         *rows = std::move(partial);
         outcome->candidate = prediction;
         outcome->churn = churn;
@@ -1108,6 +1148,12 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
   }
   outcome.kind = RefitOutcome::Kind::kInstalled;
   outcome.generation = *generation;
+  capacities_at_install_.clear();
+  for (size_t t = 0; t < plan.target.size() && t < static_cast<size_t>(next.k); ++t) {
+    capacities_at_install_.emplace_back(plan.target[t], plan.capacity[t]);
+  }
+  std::sort(capacities_at_install_.begin(), capacities_at_install_.end());
+  capacities_known_ = true;
   outcome.rows = next.k;
   outcome.seconds = SecondsSince(started);
   if (outcome.refusal != RefitRefusal::kNone) {
@@ -1166,6 +1212,8 @@ absl::string_view RefitRefusalLabel(RefitRefusal refusal) {
       return "imbalance";
     case RefitRefusal::kChurn:
       return "churn";
+    case RefitRefusal::kLocality:
+      return "locality";
   }
   return "none";
 }

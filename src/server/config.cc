@@ -321,6 +321,11 @@ const std::vector<OptionDef>& OptionTable() {
                    "Install guard: a refit is installed only when its predicted work imbalance on the window (max "
                    "over mean of the zones' decode work per capacity) exceeds the set in service's by at most this.",
                    [](ServerOptions& o) -> double& { return o.refit.max_imbalance_increase; }),
+      DoubleOption("refit_max_locality_decrease",
+                   "Install guard: a refit is refused when its predicted locality on the window (mean best "
+                   "similarity, weighted by decode work) is lower than the set in service's by more than this "
+                   "(pool-change refits are exempt); 1: no bound.",
+                   [](ServerOptions& o) -> double& { return o.refit.max_locality_decrease; }),
       DoubleOption("refit_max_churn",
                    "Install guard: largest fraction of the window's signatures a refit may move to another worker "
                    "(pool-change refits are exempt); 1: no bound.",
@@ -754,6 +759,9 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   }
   if (!(o.refit.max_imbalance_increase >= 0 && o.refit.max_imbalance_increase <= 1000)) {
     return bad("refit_max_imbalance_increase", "must be in [0, 1000] (an increase of max/mean work share)");
+  }
+  if (!(o.refit.max_locality_decrease >= 0 && o.refit.max_locality_decrease <= 1)) {
+    return bad("refit_max_locality_decrease", "must be in [0, 1] (a decrease of mean cosine similarity; 1: no bound)");
   }
   if (!(o.refit.max_churn > 0 && o.refit.max_churn <= 1)) {
     return bad("refit_max_churn", "must be a fraction in (0, 1] (1: no bound)");

@@ -44,10 +44,12 @@ class RefitStatsCollector : public prometheus::Collectable {
     AddSample(&bounded, static_cast<double>(stats.rows_drift_bounded), {MetricLabel("bound", "drift")});
     auto refused = MetricFamily("eldr_refits_refused_total",
                                 "Fitted refits the install guard refused (the centroids in service stayed), by reason: "
-                                "imbalance (--refit_max_imbalance_increase) or churn (--refit_max_churn).",
+                                "imbalance (--refit_max_imbalance_increase), locality "
+                                "(--refit_max_locality_decrease) or churn (--refit_max_churn).",
                                 MetricType::Counter);
     AddSample(&refused, static_cast<double>(stats.refits_refused_imbalance), {MetricLabel("reason", "imbalance")});
     AddSample(&refused, static_cast<double>(stats.refits_refused_churn), {MetricLabel("reason", "churn")});
+    AddSample(&refused, static_cast<double>(stats.refits_refused_locality), {MetricLabel("reason", "locality")});
     auto weights = MetricFamily("eldr_refit_signature_weights_total",
                                 "Signatures that joined the refit window, by where their decode-work weight came from: "
                                 "output_tokens (Complete reported them), hold_time (lease hold time times the decode "
@@ -221,6 +223,7 @@ class RefitComponent : public BackgroundComponent {
         .With("max_step", options.refit.max_step_distance)
         .With("max_drift", options.refit.max_drift_distance)
         .With("max_imbalance_increase", options.refit.max_imbalance_increase)
+        .With("max_locality_decrease", options.refit.max_locality_decrease)
         .With("max_churn", options.refit.max_churn)
         .With("default_output_tokens", options.refit.default_output_tokens)
         .With("state_dir", options.refit.state_dir);

@@ -219,6 +219,7 @@ TEST(RefitIntegrationTest, CompletedOutputTokensWeighTheWindowAndTheGuardIsExpor
   const double refused = MetricSum(*metrics, "eldr_refits_refused_total");
   EXPECT_TRUE(metrics->Value("eldr_refits_refused_total", {{"reason", "imbalance"}}).has_value());
   EXPECT_TRUE(metrics->Value("eldr_refits_refused_total", {{"reason", "churn"}}).has_value());
+  EXPECT_TRUE(metrics->Value("eldr_refits_refused_total", {{"reason", "locality"}}).has_value());
   EXPECT_GE(metrics->Value("eldr_refits_completed_total").value_or(0) + refused, 1);
   EXPECT_EQ(metrics->Value("eldr_refits_failed_total").value_or(-1), 0);
   // A refusal is logged with its reason and the figures.
@@ -254,8 +255,8 @@ TEST(RefitIntegrationTest, TheGuardsFlagsDecideWhatIsInstalled) {
     EXPECT_GE(metrics->Value("eldr_refits_refused_total", {{"reason", "imbalance"}}).value_or(0), 1);
   }
   // An invalid guard flag stops the daemon with the flag's name.
-  for (const std::string flag :
-       {"--refit_max_churn=2", "--refit_max_imbalance_increase=-1", "--refit_default_output_tokens=-5"}) {
+  for (const std::string flag : {"--refit_max_churn=2", "--refit_max_imbalance_increase=-1",
+                                 "--refit_max_locality_decrease=2", "--refit_default_output_tokens=-5"}) {
     std::vector<std::string> bad = BaseArgs(dir);
     bad.insert(bad.end(), {flag, "--listen=127.0.0.1:0", "--metrics_listen="});
     const ProcessResult result = RunProcess(BinaryPath("eldr-router"), bad, absl::Seconds(30));

@@ -226,16 +226,19 @@ TEST(RefitSettings, DecodeWorkWeightsAndTheInstallGuard) {
   ServerOptions o;
   EXPECT_EQ(o.refit.max_imbalance_increase, 0.05);
   EXPECT_EQ(o.refit.max_churn, 0.5);
+  EXPECT_EQ(o.refit.max_locality_decrease, 0);
   EXPECT_EQ(o.refit.default_output_tokens, 256);
   EXPECT_EQ(o.refit.default_tokens_per_second, 50);
   ASSERT_TRUE(SetServerOption("refit_max_imbalance_increase", "0.2", &o).ok());
   ASSERT_TRUE(SetServerOption("refit_max_churn", "1", &o).ok());
+  ASSERT_TRUE(SetServerOption("refit_max_locality_decrease", "0.01", &o).ok());
   ASSERT_TRUE(SetServerOption("refit_default_output_tokens", "0", &o).ok());
   ASSERT_TRUE(SetServerOption("refit_default_tokens_per_second", "80", &o).ok());
   ASSERT_TRUE(SetServerOption("refit_max_pending_signatures", "100", &o).ok());
   ASSERT_TRUE(SetServerOption("refit_pending_bytes", "65536", &o).ok());
   EXPECT_EQ(o.refit.max_imbalance_increase, 0.2);
   EXPECT_EQ(o.refit.max_churn, 1);
+  EXPECT_EQ(o.refit.max_locality_decrease, 0.01);
   EXPECT_EQ(o.refit.default_output_tokens, 0);
   EXPECT_EQ(o.refit.default_tokens_per_second, 80);
   EXPECT_EQ(o.refit.max_pending_signatures, 100);
@@ -254,6 +257,8 @@ TEST(RefitSettings, DecodeWorkWeightsAndTheInstallGuard) {
   not_a_number.refit.max_imbalance_increase = std::nan("");
   EXPECT_THAT(ValidateServerOptions(not_a_number).message(), HasSubstr("'refit_max_imbalance_increase'"));
   EXPECT_THAT(refused("refit_max_churn", "0"), HasSubstr("'refit_max_churn'"));
+  EXPECT_THAT(refused("refit_max_locality_decrease", "-0.01"), HasSubstr("'refit_max_locality_decrease'"));
+  EXPECT_THAT(refused("refit_max_locality_decrease", "2"), HasSubstr("must be in [0, 1]"));
   EXPECT_THAT(refused("refit_max_churn", "1.5"), HasSubstr("must be a fraction in (0, 1]"));
   EXPECT_THAT(refused("refit_default_output_tokens", "-1"), HasSubstr("'refit_default_output_tokens'"));
   EXPECT_THAT(refused("refit_default_tokens_per_second", "0"), HasSubstr("'refit_default_tokens_per_second'"));

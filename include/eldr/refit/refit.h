@@ -58,6 +58,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -88,8 +89,10 @@ enum class RefitRefusal {
   kNone,
   kImbalance,  // the candidate's predicted work imbalance exceeds the current set's by more than allowed
   kChurn,      // more of the window's signatures would change worker than max_churn allows
+  kLocality,   // the candidate's predicted locality falls below the current set's by more than allowed
 };
-absl::string_view RefitRefusalLabel(RefitRefusal refusal);  // "none", "imbalance", "churn"
+// "none", "imbalance", "churn", "locality"
+absl::string_view RefitRefusalLabel(RefitRefusal refusal);
 
 // The install guard's prediction for one centroid set on the refit window: every window signature
 // carries its weight (the decode work it stood for) to its nearest row, or, with the router's band
@@ -128,7 +131,7 @@ struct RefitOutcome {
   SetPrediction current;
   SetPrediction candidate;
   double churn = 0;
-  bool churn_exempt = false;  // a pool-change refit: churn is reported but not bounded
+  bool churn_exempt = false;  // a pool-change refit: churn and locality are reported but not bounded
   // Beyond max_churn the rows move only this fraction of their fitted rotation (1/2, 1/4, 1/8:
   // the largest within both bounds); 1 when not limited. fitted_churn: the churn of the full fit
   // when it was limited.
@@ -199,6 +202,14 @@ struct RefitOptions {
   // Otherwise the set in service stays (RefitOutcome::Kind::kRefused). max_churn 1: no bound.
   double max_imbalance_increase = 0.05;
   double max_churn = 0.5;
+  // The locality bound: a fitted set whose predicted locality (SetPrediction::locality) is lower
+  // than the current set's by more than this is refused (RefitRefusal::kLocality), unless the
+  // refit reconciles a pool change. A refit that evens the work out by cutting zones through
+  // groups of similar requests costs more experts per decode step than the load-gap guard's
+  // spills do (docs/evaluation.md, "Drift": a skewed synthetic mix lost 2.9 points of median TPOT
+  // to refit without this bound). Also exempt: a refit after the workers' capacity weights changed
+  // from those of the last install (resizing zones costs locality by design). 1: no bound.
+  double max_locality_decrease = 0;
   // After a pool change, how long the refitter waits for more changes before it reconciles once.
   absl::Duration pool_change_settle = absl::Milliseconds(250);
   uint64_t seed = 0;
@@ -251,6 +262,7 @@ struct RefitStats {
   // The install guard: refusals by reason, and the figures of the last guarded refit.
   uint64_t refits_refused_imbalance = 0;
   uint64_t refits_refused_churn = 0;
+  uint64_t refits_refused_locality = 0;
   uint64_t refits_churn_limited = 0;  // installed with the movement limited by max_churn
   bool guarded = false;               // a refit has been guarded yet (the figures below are set)
   SetPrediction current_prediction;
@@ -370,6 +382,11 @@ class OnlineRefitter final : public RouterObserver {
   enum class WeightSource { kOutputTokens, kHoldTime, kDefault, kUnleased };
 
   absl::Status Refit(bool pool_change) ABSL_LOCKS_EXCLUDED(fit_mu_);
+  // The (worker, capacity weight) pairs of the last installed refit's workers, sorted; before the
+  // first install, those of the first guarded refit. The locality bound exempts a refit whose
+  // workers' capacities differ (GuardInstall).
+  std::vector<std::pair<std::string, double>> capacities_at_install_ ABSL_GUARDED_BY(fit_mu_);
+  bool capacities_known_ ABSL_GUARDED_BY(fit_mu_) = false;
   // One refit: reconcile rows with the active workers, fit, align, bound, install, persist.
   absl::Status RefitLocked(bool pool_change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
   absl::StatusOr<RefitPlan> PlanRefit(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
