@@ -77,11 +77,14 @@ stop_all() {
 trap stop_all EXIT
 
 # Waits for a daemon's port file and prints the port under `key`; shows the log if it died first.
+# Only a file written by that very process counts (its "pid"): a port file left by an earlier run
+# in the same folder would name a port nobody listens on any more.
 wait_port() {  # wait_port PID PORT_FILE KEY LOG
   local pid=$1 file=$2 key=$3 log=$4
   for _ in $(seq 1 600); do
     if [[ -s "$file" ]]; then
-      if $PY -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$file" "$key" 2>/dev/null; then
+      if $PY -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["pid"] == int(sys.argv[3]); print(d[sys.argv[2]])' \
+        "$file" "$key" "$pid" 2>/dev/null; then
         return 0
       fi
     fi
