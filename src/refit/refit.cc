@@ -750,16 +750,19 @@ absl::Status OnlineRefitter::RecordSkip(const std::string& why, RefitOutcome out
 
 void OnlineRefitter::NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) {
   outcome->refusal = refusal;
+  uint64_t RefitStats::*counter = &RefitStats::refits_refused_churn;
   switch (refusal) {
     case RefitRefusal::kImbalance:
       outcome->reason =
           absl::StrFormat("refit refused: predicted work imbalance %.3f against %.3f now (allowed +%g)",
                           outcome->candidate.imbalance, outcome->current.imbalance, options_.max_imbalance_increase);
+      counter = &RefitStats::refits_refused_imbalance;
       break;
     case RefitRefusal::kLocality:
       outcome->reason =
           absl::StrFormat("refit refused: predicted locality %.4f against %.4f now (allowed -%g)",
                           outcome->candidate.locality, outcome->current.locality, options_.max_locality_decrease);
+      counter = &RefitStats::refits_refused_locality;
       break;
     case RefitRefusal::kChurn:
     case RefitRefusal::kNone:
@@ -770,18 +773,7 @@ void OnlineRefitter::NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) {
       break;
   }
   absl::MutexLock lock(&stats_mu_);
-  switch (refusal) {
-    case RefitRefusal::kImbalance:
-      ++stats_.refits_refused_imbalance;
-      break;
-    case RefitRefusal::kLocality:
-      ++stats_.refits_refused_locality;
-      break;
-    case RefitRefusal::kChurn:
-    case RefitRefusal::kNone:
-      ++stats_.refits_refused_churn;
-      break;
-  }
+  ++(stats_.*counter);
   stats_.last_error = outcome->reason;
 }
 
@@ -790,6 +782,15 @@ absl::Status OnlineRefitter::RecordRefusal(RefitRefusal refusal, RefitOutcome ou
   NoteRefusal(refusal, &outcome);
   if (options_.on_refit) options_.on_refit(outcome);
   return absl::OkStatus();
+}
+
+std::vector<std::pair<std::string, double>> OnlineRefitter::SortedCapacities(const RefitPlan& plan, size_t count) {
+  std::vector<std::pair<std::string, double>> capacities;
+  for (size_t t = 0; t < std::min(count, plan.target.size()); ++t) {
+    capacities.emplace_back(plan.target[t], plan.capacity[t]);
+  }
+  std::sort(capacities.begin(), capacities.end());
+  return capacities;
 }
 
 std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, std::vector<float>* rows,
@@ -829,13 +830,8 @@ std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, 
   // the workers' capacities changed from those of the last install (or of the refitter's start):
   // resizing zones to new capacities costs locality by design.
   outcome->churn_exempt = pool_change || plan.added > 0 || plan.dropped > 0;
-  std::vector<std::pair<std::string, double>> capacities;
-  for (size_t t = 0; t < plan.target.size(); ++t) capacities.emplace_back(plan.target[t], plan.capacity[t]);
-  std::sort(capacities.begin(), capacities.end());
-  if (!capacities_known_) {
-    capacities_at_install_ = capacities;
-    capacities_known_ = true;
-  }
+  std::vector<std::pair<std::string, double>> capacities = SortedCapacities(plan, plan.target.size());
+  if (capacities_at_install_.empty()) capacities_at_install_ = capacities;
   const bool capacities_changed = capacities != capacities_at_install_;
   const auto local_enough = [&](const SetPrediction& prediction) {
     return outcome->churn_exempt || capacities_changed ||
@@ -1148,12 +1144,7 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
   }
   outcome.kind = RefitOutcome::Kind::kInstalled;
   outcome.generation = *generation;
-  capacities_at_install_.clear();
-  for (size_t t = 0; t < plan.target.size() && t < static_cast<size_t>(next.k); ++t) {
-    capacities_at_install_.emplace_back(plan.target[t], plan.capacity[t]);
-  }
-  std::sort(capacities_at_install_.begin(), capacities_at_install_.end());
-  capacities_known_ = true;
+  capacities_at_install_ = SortedCapacities(plan, static_cast<size_t>(next.k));
   outcome.rows = next.k;
   outcome.seconds = SecondsSince(started);
   if (outcome.refusal != RefitRefusal::kNone) {

@@ -119,6 +119,14 @@ class RefitTest : public ::testing::Test {
     refitter_ = *std::move(refitter);
   }
 
+  // A fresh router with the calibrated centroids and a refitter with `options` (the previous
+  // refitter is stopped first).
+  void Restart(RefitOptions options) {
+    refitter_.reset();
+    router_ = MakeRouter();
+    MakeRefitter(std::move(options));
+  }
+
   // Options with the install guard off, for tests of other parts of the refit: on this fixture's
   // 213 requests at tau = 0 the guard's nearest-centroid prediction moves by about 0.1 between two
   // fits of the same data (a refit on the calibration data predicted 1.39 against 1.26), so it
@@ -1038,11 +1046,9 @@ TEST_F(RefitTest, GuardRefusesAMoreImbalancedCandidateAndInstallsWithinTheTolera
   EXPECT_EQ(RefitRefusalLabel(refused.refusal), "imbalance");
 
   // The same refit with a tolerance just above its increase is installed.
-  refitter_.reset();
-  router_ = MakeRouter();
   options.max_imbalance_increase = refused.candidate.imbalance - refused.current.imbalance + 0.01;
   outcomes.clear();
-  MakeRefitter(options);
+  Restart(options);
   RouteAll();
   ASSERT_TRUE(refitter_->RefitNow().ok());
   ASSERT_EQ(outcomes.size(), 1u);
@@ -1098,11 +1104,9 @@ TEST_F(RefitTest, GuardRefusesACandidateThatLowersLocality) {
   }
 
   // Within a tolerance just above the decrease: installed.
-  refitter_.reset();
-  router_ = MakeRouter();
   options.max_locality_decrease = refused.current.locality - refused.candidate.locality + 0.001;
   outcomes.clear();
-  MakeRefitter(options);
+  Restart(options);
   RouteAll();
   ASSERT_TRUE(refitter_->RefitNow().ok());
   ASSERT_EQ(outcomes.size(), 1u);
@@ -1111,11 +1115,9 @@ TEST_F(RefitTest, GuardRefusesACandidateThatLowersLocality) {
   EXPECT_EQ(router_->GetState(absl::Now()).centroid_generation, 2u);
 
   // A pool change's reconciliation is exempt, at the default bound.
-  refitter_.reset();
-  router_ = MakeRouter();
   options.max_locality_decrease = 0;
   outcomes.clear();
-  MakeRefitter(options);
+  Restart(options);
   RouteAll();
   ASSERT_TRUE(router_->DrainWorker("w3").ok());
   ASSERT_TRUE(refitter_->OnWorkerRemoved("w3").ok());

@@ -383,10 +383,11 @@ class OnlineRefitter final : public RouterObserver {
 
   absl::Status Refit(bool pool_change) ABSL_LOCKS_EXCLUDED(fit_mu_);
   // The (worker, capacity weight) pairs of the last installed refit's workers, sorted; before the
-  // first install, those of the first guarded refit. The locality bound exempts a refit whose
-  // workers' capacities differ (GuardInstall).
+  // first install, those of the first guarded refit (empty until then). The locality bound exempts
+  // a refit whose workers' capacities differ (GuardInstall).
   std::vector<std::pair<std::string, double>> capacities_at_install_ ABSL_GUARDED_BY(fit_mu_);
-  bool capacities_known_ ABSL_GUARDED_BY(fit_mu_) = false;
+  // The plan's first `count` targets with their capacity weights, sorted by worker.
+  static std::vector<std::pair<std::string, double>> SortedCapacities(const RefitPlan& plan, size_t count);
   // One refit: reconcile rows with the active workers, fit, align, bound, install, persist.
   absl::Status RefitLocked(bool pool_change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
   absl::StatusOr<RefitPlan> PlanRefit(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
