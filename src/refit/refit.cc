@@ -14,6 +14,7 @@
 #include <deque>
 #include <filesystem>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -229,6 +230,14 @@ absl::StatusOr<std::unique_ptr<OnlineRefitter>> OnlineRefitter::Create(RefitOpti
   if (!(options.max_locality_decrease >= 0 && options.max_locality_decrease <= 1)) {
     return absl::InvalidArgumentError(absl::StrCat("refit: max_locality_decrease = ", options.max_locality_decrease,
                                                    ", need a number in [0, 1] (1: no bound)"));
+  }
+  if (!(options.min_experts_gain >= -1 && options.min_experts_gain < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("refit: min_experts_gain = ", options.min_experts_gain,
+                                                   ", need a number in [-1, 1) (-1: no bound)"));
+  }
+  if (!(options.expert_picks > 0 && std::isfinite(options.expert_picks))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("refit: expert_picks = ", options.expert_picks, ", need a positive number"));
   }
   if (!(options.max_churn > 0 && options.max_churn <= 1)) {
     return absl::InvalidArgumentError(
@@ -759,9 +768,11 @@ void OnlineRefitter::NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) {
       counter = &RefitStats::refits_refused_imbalance;
       break;
     case RefitRefusal::kLocality:
-      outcome->reason =
-          absl::StrFormat("refit refused: predicted locality %.4f against %.4f now (allowed -%g)",
-                          outcome->candidate.locality, outcome->current.locality, options_.max_locality_decrease);
+      outcome->reason = absl::StrFormat(
+          "refit refused: predicted locality %.4f against %.4f now (allowed -%g) and %.2f experts per layer per "
+          "decode step against %.2f (a refit must save at least %g%%)",
+          outcome->candidate.locality, outcome->current.locality, options_.max_locality_decrease,
+          outcome->candidate.experts_per_step, outcome->current.experts_per_step, 100 * options_.min_experts_gain);
       counter = &RefitStats::refits_refused_locality;
       break;
     case RefitRefusal::kChurn:
@@ -803,10 +814,14 @@ std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, 
   std::vector<int> nearest_current;
   std::vector<double> margin_current;
   // The zones as the router uses them: a signature's work spreads over the rows of its band.
-  const double band = router_->options().tau;
+  PredictionModel model;
+  model.band = router_->options().tau;
+  model.experts_per_layer = plan.current.spec.experts;
+  model.expert_picks = options_.expert_picks;
+  const double band = model.band;
   outcome->current =
       PredictSet(plan.points, plan.weights, plan.kept_rows, plan.kept_k,
-                 absl::MakeConstSpan(plan.capacity).subspan(0, plan.kept_k), &nearest_current, &margin_current, band);
+                 absl::MakeConstSpan(plan.capacity).subspan(0, plan.kept_k), model, &nearest_current, &margin_current);
   // Workers without a row get nothing from the set in service: its balance is over every target
   // worker (the added ones' shares are 0, so the mean is k / kept_k times lower).
   outcome->current.imbalance *= static_cast<double>(k) / plan.kept_k;
@@ -817,7 +832,7 @@ std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, 
   // its first kept_k entries).
   std::vector<int> nearest;
   const auto evaluate = [&](const std::vector<float>& candidate, SetPrediction* prediction) {
-    *prediction = PredictSet(plan.points, plan.weights, candidate, k, plan.capacity, &nearest, nullptr, band);
+    *prediction = PredictSet(plan.points, plan.weights, candidate, k, plan.capacity, model, &nearest);
     int changed = 0;
     for (int i = 0; i < plan.m; ++i) changed += margin_current[i] > band && nearest_current[i] != nearest[i] ? 1 : 0;
     return static_cast<double>(changed) / plan.m;
@@ -835,7 +850,9 @@ std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, 
   const bool capacities_changed = capacities != capacities_at_install_;
   const auto local_enough = [&](const SetPrediction& prediction) {
     return outcome->churn_exempt || capacities_changed ||
-           prediction.locality >= outcome->current.locality - options_.max_locality_decrease;
+           prediction.locality >= outcome->current.locality - options_.max_locality_decrease ||
+           options_.min_experts_gain <= -1 ||
+           prediction.experts_per_step <= outcome->current.experts_per_step * (1 - options_.min_experts_gain);
   };
   outcome->churn = evaluate(*rows, &outcome->candidate);
   outcome->guarded = true;
@@ -880,34 +897,51 @@ std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, 
 
 SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<const double> weights,
                                          absl::Span<const float> rows, int k, absl::Span<const double> capacity,
-                                         std::vector<int>* nearest, std::vector<double>* margin, double band) {
+                                         const PredictionModel& model, std::vector<int>* nearest,
+                                         std::vector<double>* margin) {
   SetPrediction prediction;
   const int m = points.rows();
+  const int dim = points.dim();
   if (nearest != nullptr) nearest->assign(static_cast<size_t>(m), -1);
   if (margin != nullptr) margin->assign(static_cast<size_t>(m), 0.0);
   if (k <= 0 || m == 0) return prediction;
+  const auto capacity_of = [&](int row) { return capacity.empty() ? 1.0 : capacity[row]; };
   std::vector<float> scores(static_cast<size_t>(m) * k);
   std::vector<float> scratch;
   ScorePointRows(points, rows, k, absl::MakeSpan(scores), &scratch);
+  // usage[row * dim + c]: the work-weighted sum of the squared entries of the row's signatures.
+  const bool predict_experts = model.experts_per_layer > 0;
+  std::vector<double> usage(predict_experts ? static_cast<size_t>(k) * dim : 0, 0.0);
   std::vector<double> work(static_cast<size_t>(k), 0.0);
+  std::vector<std::pair<int, double>> band_rows;  // (row, fraction of the signature's work)
   double total = 0;
   double similarity = 0;
   for (int i = 0; i < m; ++i) {
     const float* row = scores.data() + static_cast<size_t>(i) * k;
     const int c = static_cast<int>(std::max_element(row, row + k) - row);
     const double w = weights.empty() ? 1.0 : weights[i];
-    if (band > 0) {
+    band_rows.clear();
+    if (model.band > 0) {
       // The router sends the request to the least loaded (per capacity) row of its band: in
       // expectation its work spreads over the band in proportion to capacity.
       double band_capacity = 0;
       for (int j = 0; j < k; ++j) {
-        if (row[j] >= row[c] - band) band_capacity += capacity.empty() ? 1.0 : capacity[j];
+        if (row[j] >= row[c] - model.band) band_capacity += capacity_of(j);
       }
       for (int j = 0; j < k; ++j) {
-        if (row[j] >= row[c] - band) work[j] += w * (capacity.empty() ? 1.0 : capacity[j]) / band_capacity;
+        if (row[j] >= row[c] - model.band) band_rows.emplace_back(j, capacity_of(j) / band_capacity);
       }
     } else {
-      work[c] += w;
+      band_rows.emplace_back(c, 1.0);
+    }
+    for (const auto& [j, fraction] : band_rows) work[j] += w * fraction;
+    if (predict_experts) {
+      const absl::Span<const float> signature = points.Read(i, 1, &scratch);
+      for (const auto& [j, fraction] : band_rows) {
+        double* sums = usage.data() + static_cast<size_t>(j) * dim;
+        const double share = w * fraction;
+        for (int d = 0; d < dim; ++d) sums[d] += share * signature[d] * signature[d];
+      }
     }
     total += w;
     similarity += w * row[c];
@@ -923,12 +957,35 @@ SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<con
   double max_share = 0;
   double sum_share = 0;
   for (int c = 0; c < k; ++c) {
-    const double share = work[c] / (capacity.empty() ? 1.0 : capacity[c]);
+    const double share = work[c] / capacity_of(c);
     max_share = std::max(max_share, share);
     sum_share += share;
   }
   prediction.imbalance = sum_share > 0 ? max_share / (sum_share / k) : 1.0;
   prediction.locality = total > 0 ? similarity / total : 0.0;
+  if (predict_experts) {
+    // Per zone and layer: the picks follow the layer's normalised usage; a column drawn with
+    // probability p is loaded with probability 1 - exp(-picks * p). Signatures whose columns do not
+    // come in whole layers count as one layer.
+    const int width = dim % model.experts_per_layer == 0 ? model.experts_per_layer : dim;
+    const int layers = dim / width;
+    double weighted = 0;
+    double zone_work = 0;
+    for (int j = 0; j < k; ++j) {
+      if (work[j] <= 0) continue;
+      const double* sums = usage.data() + static_cast<size_t>(j) * dim;
+      double distinct = 0;
+      for (int layer = 0; layer < layers; ++layer) {
+        const double* columns = sums + static_cast<size_t>(layer) * width;
+        const double layer_sum = std::accumulate(columns, columns + width, 0.0);
+        if (layer_sum <= 0) continue;
+        for (int e = 0; e < width; ++e) distinct += 1.0 - std::exp(-model.expert_picks * columns[e] / layer_sum);
+      }
+      weighted += work[j] * distinct / layers;
+      zone_work += work[j];
+    }
+    prediction.experts_per_step = zone_work > 0 ? weighted / zone_work : 0.0;
+  }
   return prediction;
 }
 

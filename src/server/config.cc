@@ -322,10 +322,21 @@ const std::vector<OptionDef>& OptionTable() {
                    "over mean of the zones' decode work per capacity) exceeds the set in service's by at most this.",
                    [](ServerOptions& o) -> double& { return o.refit.max_imbalance_increase; }),
       DoubleOption("refit_max_locality_decrease",
-                   "Install guard: a refit is refused when its predicted locality on the window (mean best "
-                   "similarity, weighted by decode work) is lower than the set in service's by more than this "
-                   "(pool-change refits are exempt); 1: no bound.",
+                   "Install guard, the locality bound: a refit passes it when its predicted locality on the window "
+                   "(mean best similarity, weighted by decode work) is at most this below the set in service's, or "
+                   "when it saves --refit_min_experts_gain of the experts per step (pool-change and capacity-change "
+                   "refits are exempt); 1: no bound.",
                    [](ServerOptions& o) -> double& { return o.refit.max_locality_decrease; }),
+      DoubleOption("refit_min_experts_gain",
+                   "Install guard, the locality bound: a refit passes it when it predicts at least this fraction "
+                   "fewer distinct experts per decode step on the window than the set in service, or no lower "
+                   "locality than --refit_max_locality_decrease allows; negative: that much more is accepted; -1: "
+                   "no bound.",
+                   [](ServerOptions& o) -> double& { return o.refit.min_experts_gain; }),
+      DoubleOption("refit_expert_picks",
+                   "Install guard's step model: expert picks per layer in one decode step of one worker (sequences "
+                   "per step times the model's experts per token).",
+                   [](ServerOptions& o) -> double& { return o.refit.expert_picks; }),
       DoubleOption("refit_max_churn",
                    "Install guard: largest fraction of the window's signatures a refit may move to another worker "
                    "(pool-change refits are exempt); 1: no bound.",
@@ -762,6 +773,13 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   }
   if (!(o.refit.max_locality_decrease >= 0 && o.refit.max_locality_decrease <= 1)) {
     return bad("refit_max_locality_decrease", "must be in [0, 1] (a decrease of mean cosine similarity; 1: no bound)");
+  }
+  if (!(o.refit.min_experts_gain >= -1 && o.refit.min_experts_gain < 1)) {
+    return bad("refit_min_experts_gain",
+               "must be in [-1, 1) (a fraction of the predicted experts per step; -1: no bound)");
+  }
+  if (!(o.refit.expert_picks > 0 && o.refit.expert_picks <= 1e6)) {
+    return bad("refit_expert_picks", "must be in (0, 1e6] (expert picks per layer in one decode step)");
   }
   if (!(o.refit.max_churn > 0 && o.refit.max_churn <= 1)) {
     return bad("refit_max_churn", "must be a fraction in (0, 1] (1: no bound)");

@@ -45,7 +45,8 @@ class RefitStatsCollector : public prometheus::Collectable {
     auto refused = MetricFamily("eldr_refits_refused_total",
                                 "Fitted refits the install guard refused (the centroids in service stayed), by reason: "
                                 "imbalance (--refit_max_imbalance_increase), locality "
-                                "(--refit_max_locality_decrease) or churn (--refit_max_churn).",
+                                "(--refit_max_locality_decrease, --refit_min_experts_gain) or churn "
+                                "(--refit_max_churn).",
                                 MetricType::Counter);
     AddSample(&refused, static_cast<double>(stats.refits_refused_imbalance), {MetricLabel("reason", "imbalance")});
     AddSample(&refused, static_cast<double>(stats.refits_refused_churn), {MetricLabel("reason", "churn")});
@@ -99,8 +100,16 @@ class RefitStatsCollector : public prometheus::Collectable {
                                    MetricType::Gauge);
       AddSample(&locality, stats.current_prediction.locality, {MetricLabel("set", "current")});
       AddSample(&locality, stats.candidate_prediction.locality, {MetricLabel("set", "candidate")});
+      auto experts = MetricFamily("eldr_refit_predicted_experts",
+                                  "Last guarded refit: predicted distinct experts per layer that one decode step "
+                                  "loads, averaged over the zones by work, of the set in service and the candidate "
+                                  "(the locality bound, --refit_min_experts_gain).",
+                                  MetricType::Gauge);
+      AddSample(&experts, stats.current_prediction.experts_per_step, {MetricLabel("set", "current")});
+      AddSample(&experts, stats.candidate_prediction.experts_per_step, {MetricLabel("set", "candidate")});
       families.push_back(std::move(imbalance));
       families.push_back(std::move(locality));
+      families.push_back(std::move(experts));
       families.push_back(SingleSample("eldr_refit_churn_ratio",
                                       "Last guarded refit: fraction of the window's signatures whose nearest worker "
                                       "the candidate changes (bounded by --refit_max_churn except on pool changes).",
@@ -161,6 +170,8 @@ void LogRefit(const RefitOutcome& outcome) {
           .With("imbalance_candidate", outcome.candidate.imbalance)
           .With("locality_current", outcome.current.locality)
           .With("locality_candidate", outcome.candidate.locality)
+          .With("experts_current", outcome.current.experts_per_step)
+          .With("experts_candidate", outcome.candidate.experts_per_step)
           .With("churn", outcome.churn)
           .With("movement_fraction", outcome.movement_fraction)
           .With("note", outcome.reason);
@@ -172,6 +183,8 @@ void LogRefit(const RefitOutcome& outcome) {
           .With("imbalance_candidate", outcome.candidate.imbalance)
           .With("locality_current", outcome.current.locality)
           .With("locality_candidate", outcome.candidate.locality)
+          .With("experts_current", outcome.current.experts_per_step)
+          .With("experts_candidate", outcome.candidate.experts_per_step)
           .With("churn", outcome.churn)
           .With("pool_change", outcome.pool_change)
           .With("reason", outcome.reason);
@@ -224,6 +237,8 @@ class RefitComponent : public BackgroundComponent {
         .With("max_drift", options.refit.max_drift_distance)
         .With("max_imbalance_increase", options.refit.max_imbalance_increase)
         .With("max_locality_decrease", options.refit.max_locality_decrease)
+        .With("min_experts_gain", options.refit.min_experts_gain)
+        .With("expert_picks", options.refit.expert_picks)
         .With("max_churn", options.refit.max_churn)
         .With("default_output_tokens", options.refit.default_output_tokens)
         .With("state_dir", options.refit.state_dir);

@@ -39,6 +39,9 @@ absl::StatusOr<std::unique_ptr<SimRefitDriver>> SimRefitDriver::Create(const Cen
   refit.window = absl::Microseconds(static_cast<int64_t>(options.window_s * 1e6));
   refit.interval = absl::ZeroDuration();  // no background thread: RefitNow at simulated times
   refit.min_signatures_per_centroid = options.min_signatures_per_centroid;
+  refit.max_locality_decrease = options.max_locality_decrease;
+  refit.min_experts_gain = options.min_experts_gain;
+  refit.expert_picks = options.expert_picks;
   refit.max_iterations = options.max_iterations;
   refit.seed = options.seed;
   std::shared_ptr<double> clock_us = driver->clock_us_;

@@ -36,6 +36,11 @@ struct SimRefitOptions {
   int max_iterations = 20;  // k-means iterations per refit (the refitter's default)
   // A refit needs at least this many signatures per centroid in the window (the refitter's default).
   int min_signatures_per_centroid = 16;
+  // The install guard's locality bound (RefitOptions::max_locality_decrease and min_experts_gain;
+  // the refitter's defaults).
+  double max_locality_decrease = RefitOptions().max_locality_decrease;
+  double min_experts_gain = RefitOptions().min_experts_gain;
+  double expert_picks = RefitOptions().expert_picks;  // its step model (RefitOptions::expert_picks)
   uint64_t seed = 1;
 };
 

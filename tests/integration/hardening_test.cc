@@ -313,7 +313,7 @@ TEST(Hardening, AFloodOfCraftedSignaturesCannotDragTheZonesAwayAndEveryRefitIsLo
   // The install guard's churn and locality bounds off: the row bounds are what this test is about.
   args.insert(args.end(),
               {"--refit_interval=500ms", "--refit_window=30s", "--refit_max_step=0.05", "--refit_max_drift=0.1",
-               "--refit_max_churn=1", "--refit_max_locality_decrease=1", "--state_dir=" + state_dir});
+               "--refit_max_churn=1", "--refit_min_experts_gain=-1", "--state_dir=" + state_dir});
   auto router = MustStart(dir, args);
   ASSERT_NE(router, nullptr);
   const std::vector<std::string> before = Placement(*router);

@@ -213,6 +213,13 @@ TEST(RefitIntegrationTest, CompletedOutputTokensWeighTheWindowAndTheGuardIsExpor
   EXPECT_GE(metrics->Value("eldr_refit_predicted_imbalance", {{"set", "candidate"}}).value_or(0), 1.0);
   EXPECT_GT(metrics->Value("eldr_refit_predicted_locality", {{"set", "current"}}).value_or(0), 0.0);
   EXPECT_GT(metrics->Value("eldr_refit_predicted_locality", {{"set", "candidate"}}).value_or(0), 0.0);
+  EXPECT_EQ(metrics->types.at("eldr_refit_predicted_experts"), "gauge");
+  // At least one expert per layer per step, at most the layer's experts (64 in this model).
+  for (const char* set : {"current", "candidate"}) {
+    const double experts = metrics->Value("eldr_refit_predicted_experts", {{"set", set}}).value_or(0);
+    EXPECT_GE(experts, 1.0) << set;
+    EXPECT_LE(experts, 64.0) << set;
+  }
   const double churn = metrics->Value("eldr_refit_churn_ratio").value_or(-1);
   EXPECT_GE(churn, 0.0);
   EXPECT_LE(churn, 1.0);
@@ -255,8 +262,9 @@ TEST(RefitIntegrationTest, TheGuardsFlagsDecideWhatIsInstalled) {
     EXPECT_GE(metrics->Value("eldr_refits_refused_total", {{"reason", "imbalance"}}).value_or(0), 1);
   }
   // An invalid guard flag stops the daemon with the flag's name.
-  for (const std::string flag : {"--refit_max_churn=2", "--refit_max_imbalance_increase=-1",
-                                 "--refit_max_locality_decrease=2", "--refit_default_output_tokens=-5"}) {
+  for (const std::string flag :
+       {"--refit_max_churn=2", "--refit_max_imbalance_increase=-1", "--refit_min_experts_gain=2",
+        "--refit_expert_picks=0", "--refit_default_output_tokens=-5"}) {
     std::vector<std::string> bad = BaseArgs(dir);
     bad.insert(bad.end(), {flag, "--listen=127.0.0.1:0", "--metrics_listen="});
     const ProcessResult result = RunProcess(BinaryPath("eldr-router"), bad, absl::Seconds(30));

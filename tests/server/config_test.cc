@@ -227,11 +227,15 @@ TEST(RefitSettings, DecodeWorkWeightsAndTheInstallGuard) {
   EXPECT_EQ(o.refit.max_imbalance_increase, 0.05);
   EXPECT_EQ(o.refit.max_churn, 0.5);
   EXPECT_EQ(o.refit.max_locality_decrease, 0);
+  EXPECT_EQ(o.refit.min_experts_gain, 0.005);
+  EXPECT_EQ(o.refit.expert_picks, 128);
   EXPECT_EQ(o.refit.default_output_tokens, 256);
   EXPECT_EQ(o.refit.default_tokens_per_second, 50);
   ASSERT_TRUE(SetServerOption("refit_max_imbalance_increase", "0.2", &o).ok());
   ASSERT_TRUE(SetServerOption("refit_max_churn", "1", &o).ok());
   ASSERT_TRUE(SetServerOption("refit_max_locality_decrease", "0.01", &o).ok());
+  ASSERT_TRUE(SetServerOption("refit_min_experts_gain", "-0.01", &o).ok());
+  ASSERT_TRUE(SetServerOption("refit_expert_picks", "48", &o).ok());
   ASSERT_TRUE(SetServerOption("refit_default_output_tokens", "0", &o).ok());
   ASSERT_TRUE(SetServerOption("refit_default_tokens_per_second", "80", &o).ok());
   ASSERT_TRUE(SetServerOption("refit_max_pending_signatures", "100", &o).ok());
@@ -239,6 +243,8 @@ TEST(RefitSettings, DecodeWorkWeightsAndTheInstallGuard) {
   EXPECT_EQ(o.refit.max_imbalance_increase, 0.2);
   EXPECT_EQ(o.refit.max_churn, 1);
   EXPECT_EQ(o.refit.max_locality_decrease, 0.01);
+  EXPECT_EQ(o.refit.min_experts_gain, -0.01);
+  EXPECT_EQ(o.refit.expert_picks, 48);
   EXPECT_EQ(o.refit.default_output_tokens, 0);
   EXPECT_EQ(o.refit.default_tokens_per_second, 80);
   EXPECT_EQ(o.refit.max_pending_signatures, 100);
@@ -259,6 +265,9 @@ TEST(RefitSettings, DecodeWorkWeightsAndTheInstallGuard) {
   EXPECT_THAT(refused("refit_max_churn", "0"), HasSubstr("'refit_max_churn'"));
   EXPECT_THAT(refused("refit_max_locality_decrease", "-0.01"), HasSubstr("'refit_max_locality_decrease'"));
   EXPECT_THAT(refused("refit_max_locality_decrease", "2"), HasSubstr("must be in [0, 1]"));
+  EXPECT_THAT(refused("refit_min_experts_gain", "-1.5"), HasSubstr("'refit_min_experts_gain'"));
+  EXPECT_THAT(refused("refit_min_experts_gain", "1"), HasSubstr("must be in [-1, 1)"));
+  EXPECT_THAT(refused("refit_expert_picks", "0"), HasSubstr("'refit_expert_picks'"));
   EXPECT_THAT(refused("refit_max_churn", "1.5"), HasSubstr("must be a fraction in (0, 1]"));
   EXPECT_THAT(refused("refit_default_output_tokens", "-1"), HasSubstr("'refit_default_output_tokens'"));
   EXPECT_THAT(refused("refit_default_tokens_per_second", "0"), HasSubstr("'refit_default_tokens_per_second'"));

@@ -32,6 +32,7 @@ ExperimentOptions Options() {
   options.refit.interval_s = 2;  // several refits per run
   options.refit.window_s = 10;
   options.refit.min_signatures_per_centroid = 4;
+  options.refit.min_experts_gain = -1;  // stationary traffic: the locality bound would refuse every refit
   return options;
 }
 

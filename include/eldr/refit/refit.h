@@ -89,7 +89,7 @@ enum class RefitRefusal {
   kNone,
   kImbalance,  // the candidate's predicted work imbalance exceeds the current set's by more than allowed
   kChurn,      // more of the window's signatures would change worker than max_churn allows
-  kLocality,   // the candidate's predicted locality falls below the current set's by more than allowed
+  kLocality,   // the candidate predicts neither a locality nor an experts-per-step gain (see RefitOptions)
 };
 // "none", "imbalance", "churn", "locality"
 absl::string_view RefitRefusalLabel(RefitRefusal refusal);
@@ -104,6 +104,27 @@ struct SetPrediction {
   double imbalance = 0;
   // Weighted mean cosine similarity of each signature to its nearest row.
   double locality = 0;
+  // Predicted distinct experts per layer that one decode step of a worker loads, averaged over
+  // the zones by their work (0 when not predicted: PredictionModel::experts_per_layer 0). A zone's
+  // batch draws PredictionModel::expert_picks experts per layer from the mix of its signatures'
+  // squared entries (each signature's share of that layer's picks, weighted by its work and, with
+  // a band, spread as the work is); a column drawn with probability p over the picks is loaded
+  // with probability 1 - exp(-picks * p). The cost that locality is for: a decode step's time
+  // grows with the distinct experts it loads.
+  double experts_per_step = 0;
+};
+
+// How PredictSet models the router and the decode steps.
+struct PredictionModel {
+  // The router's band width tau: a signature's work spreads over the rows within tau of its best,
+  // by capacity, as the least-loaded pick spreads it (0: nearest row only).
+  double band = 0;
+  // Columns per layer of the signatures (the calibrated experts per layer E; rows are
+  // [layer][expert]); 0: experts_per_step is not predicted.
+  int experts_per_layer = 0;
+  // Expert picks per layer in one decode step of one worker: sequences per step times the model's
+  // experts per token (see RefitOptions::expert_picks).
+  double expert_picks = 128;
 };
 
 // What one refit did, for the owner's logs (RefitOptions::on_refit).
@@ -202,14 +223,25 @@ struct RefitOptions {
   // Otherwise the set in service stays (RefitOutcome::Kind::kRefused). max_churn 1: no bound.
   double max_imbalance_increase = 0.05;
   double max_churn = 0.5;
-  // The locality bound: a fitted set whose predicted locality (SetPrediction::locality) is lower
-  // than the current set's by more than this is refused (RefitRefusal::kLocality), unless the
-  // refit reconciles a pool change. A refit that evens the work out by cutting zones through
-  // groups of similar requests costs more experts per decode step than the load-gap guard's
-  // spills do (docs/evaluation.md, "Drift": a skewed synthetic mix lost 2.9 points of median TPOT
-  // to refit without this bound). Also exempt: a refit after the workers' capacity weights changed
-  // from those of the last install (resizing zones costs locality by design). 1: no bound.
+  // The locality bound: a fitted set is installed only when it predicts a gain in locality by
+  // one of two measures, else it is refused (RefitRefusal::kLocality): its predicted mean best
+  // similarity (SetPrediction::locality) is at most max_locality_decrease below the current
+  // set's, or it predicts at least min_experts_gain (a fraction) fewer experts per decode step
+  // (SetPrediction::experts_per_step). A refit that evens the work out by cutting zones through
+  // groups of similar requests, or only moves zones around, costs more experts per step than the
+  // load-gap guard's spills do: on a skewed synthetic mix such refits lost 1-3 points of median
+  // TPOT against the calibrated set, and every one of them failed both tests. A refit that follows
+  // a shift of the traffic away from what the centroids were calibrated on passes one or the other
+  // (docs/evaluation.md, "The locality bound"). Exempt: a refit that reconciles a pool change, and
+  // one after the workers' capacity weights changed from those of the last install (resizing
+  // zones costs locality by design). max_locality_decrease in [0, 1] (1: the bound is off);
+  // min_experts_gain in [-1, 1) (-1: the bound is off; negative values accept that fraction more).
   double max_locality_decrease = 0;
+  double min_experts_gain = 0.005;
+  // PredictionModel::expert_picks of the guard: sequences in one worker's decode step times the
+  // model's experts per token (16 x 8 by default; DeepSeek-V2-Lite routes 6 per token, Mixtral 2).
+  // Only the comparison of two sets uses it; > 0.
+  double expert_picks = 128;
   // After a pool change, how long the refitter waits for more changes before it reconciles once.
   absl::Duration pool_change_settle = absl::Milliseconds(250);
   uint64_t seed = 0;
@@ -327,7 +359,8 @@ class OnlineRefitter final : public RouterObserver {
   // Exposed for tests and tools.
   static SetPrediction PredictSet(const PointRows& points, absl::Span<const double> weights,
                                   absl::Span<const float> rows, int k, absl::Span<const double> capacity,
-                                  std::vector<int>* nearest, std::vector<double>* margin = nullptr, double band = 0);
+                                  const PredictionModel& model, std::vector<int>* nearest = nullptr,
+                                  std::vector<double>* margin = nullptr);
 
   RefitStats stats() const;
 
