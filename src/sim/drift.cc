@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <limits>
 #include <numeric>
 #include <utility>
 
@@ -61,6 +63,9 @@ absl::StatusOr<DriftPlan> PlanDrift(const Workload& workload, const DriftOptions
                                     const ClusterOptions& cluster) {
   DriftPlan plan;
   plan.scenario = options.scenario;
+  if (options.calibrate_before && options.scenario != DriftScenario::kMixShift) {
+    return absl::InvalidArgumentError("--drift_calibration=before needs --drift=mix_shift");
+  }
   if (options.scenario == DriftScenario::kNone) return plan;
   if (!(options.change_fraction > cluster.warmup_fraction && options.change_fraction < 1 - cluster.cooldown_fraction)) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -102,6 +107,7 @@ absl::StatusOr<DriftPlan> PlanDrift(const Workload& workload, const DriftOptions
         after[d] = in_first ? rest / first : dominant / (domains - first);
       }
       plan.phase_domain_shares = {before, after};
+      if (options.calibrate_before) plan.calibration_domain_shares = before;
       break;
     }
     case DriftScenario::kNewDomain: {
@@ -196,6 +202,28 @@ CalibrationData WithoutDomain(const CalibrationData& data, int domain) {
   for (int i = 0; i < data.n; ++i) {
     if (data.labels[i] != domain) kept.push_back(i);
   }
+  return SelectRequests(data, kept);
+}
+
+CalibrationData WithDomainShares(const CalibrationData& data, const std::vector<double>& shares) {
+  if (shares.empty() || data.labels.empty()) return data;
+  std::vector<std::vector<int>> by_domain(shares.size());
+  for (int i = 0; i < data.n; ++i) {
+    const int domain = data.labels[i];
+    if (domain >= 0 && domain < static_cast<int>(shares.size())) by_domain[domain].push_back(i);
+  }
+  // T: the most requests in all whose shares every domain can fill.
+  double total = std::numeric_limits<double>::infinity();
+  for (size_t d = 0; d < shares.size(); ++d) {
+    if (shares[d] > 0) total = std::min(total, static_cast<double>(by_domain[d].size()) / shares[d]);
+  }
+  std::vector<int> kept;
+  for (size_t d = 0; d < shares.size(); ++d) {
+    if (!(shares[d] > 0)) continue;
+    const size_t take = std::min(by_domain[d].size(), static_cast<size_t>(std::floor(total * shares[d] + 1e-9)));
+    kept.insert(kept.end(), by_domain[d].begin(), by_domain[d].begin() + static_cast<std::ptrdiff_t>(take));
+  }
+  std::sort(kept.begin(), kept.end());
   return SelectRequests(data, kept);
 }
 

@@ -44,6 +44,11 @@ struct DriftOptions {
   double dominant_share = 0.9;
   // new_domain: the domain that appears (a name of Workload::domains); empty: the last one.
   std::string new_domain;
+  // mix_shift: calibrate on the mix of the phase before the change (the calibration split
+  // subsampled to its domain shares: an operator who calibrated on the traffic of the day, which
+  // then shifted) instead of the split's natural mix (false, the default: calibrated on a mix that
+  // both phases depart from).
+  bool calibrate_before = false;
 };
 
 // A scenario resolved for one workload and run length.
@@ -55,7 +60,10 @@ struct DriftPlan {
   std::vector<double> phase_rate_scale;
   std::vector<std::string> phase_labels;  // "before", "after"; empty without drift
   int excluded_domain = -1;               // new_domain: kept out of the calibration split
-  std::string add_worker, drain_worker;   // pool_change
+  // mix_shift with calibrate_before: the domain shares the calibration split is subsampled to
+  // (WithDomainShares); empty: the split as it is.
+  std::vector<double> calibration_domain_shares;
+  std::string add_worker, drain_worker;  // pool_change
 };
 
 // Checks `options` against the workload and the cluster (a scenario needs two domains, or for
@@ -76,6 +84,11 @@ RunSchedule ScheduleFor(const DriftPlan& plan);
 
 // `data` without the requests labelled `domain` (unchanged when domain < 0).
 CalibrationData WithoutDomain(const CalibrationData& data, int domain);
+
+// The largest subset of `data` whose domains (labels) come in proportion to `shares` (one per
+// domain, summing to 1): each domain's first floor(T * share) requests, T as large as every domain
+// allows. Unchanged when `shares` is empty or `data` has no labels.
+CalibrationData WithDomainShares(const CalibrationData& data, const std::vector<double>& shares);
 
 }  // namespace eldr::sim
 

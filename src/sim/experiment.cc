@@ -235,7 +235,8 @@ absl::StatusOr<CentroidArtifact> CalibrateCentroids(const Workload& workload, co
   calibration.balanced = options.balanced;
   calibration.model = workload.description;
   const auto start = std::chrono::steady_clock::now();
-  const CalibrationData data = WithoutDomain(workload.calibration, result->drift.excluded_domain);
+  const CalibrationData data = WithDomainShares(WithoutDomain(workload.calibration, result->drift.excluded_domain),
+                                                result->drift.calibration_domain_shares);
   absl::StatusOr<CalibrationResult> calibrated = Calibrate(data, calibration);
   if (!calibrated.ok()) {
     return absl::Status(calibrated.status().code(), absl::StrCat("calibrating eldr's centroids on ", data.n,

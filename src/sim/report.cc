@@ -257,6 +257,9 @@ nlohmann::json ToJson(const ExperimentResult& result, bool with_samples) {
         {"excluded_domain", result.drift.excluded_domain < 0
                                 ? nlohmann::json(nullptr)
                                 : nlohmann::json(result.domains[result.drift.excluded_domain])},
+        {"calibration_domain_shares", result.drift.calibration_domain_shares.empty()
+                                          ? nlohmann::json(nullptr)
+                                          : nlohmann::json(result.drift.calibration_domain_shares)},
         {"add_worker", result.drift.add_worker},
         {"drain_worker", result.drift.drain_worker},
         {"domains", result.domains},

@@ -120,6 +120,12 @@ ABSL_FLAG(double, pace, 0,
           "as the daemon answers (~35x simulated time on the real traces here)");
 ABSL_FLAG(double, refit_interval_s, kRefit.interval_s, "eldr_refit: simulated seconds between refits");
 ABSL_FLAG(double, refit_window_s, kRefit.window_s, "eldr_refit: rolling window of signatures, seconds");
+ABSL_FLAG(double, refit_max_locality_decrease, kRefit.max_locality_decrease,
+          "eldr_refit: the install guard's locality bound, as eldr-router --refit_max_locality_decrease");
+ABSL_FLAG(double, refit_min_experts_gain, kRefit.min_experts_gain,
+          "eldr_refit: the install guard's locality bound, as eldr-router --refit_min_experts_gain");
+ABSL_FLAG(double, refit_expert_picks, kRefit.expert_picks,
+          "eldr_refit: the locality bound's step model, as eldr-router --refit_expert_picks");
 
 // ---- Drift ----
 ABSL_FLAG(std::string, drift, "none",
@@ -139,6 +145,10 @@ ABSL_FLAG(double, drift_at, eldr::sim::DriftOptions().change_fraction,
 ABSL_FLAG(double, drift_dominant_share, eldr::sim::DriftOptions().dominant_share,
           "Drift mix_shift: the dominant domains' share of the arrivals, in (0, 1)");
 ABSL_FLAG(std::string, drift_new_domain, "", "Drift new_domain: the domain that appears; empty: the last one");
+ABSL_FLAG(std::string, drift_calibration, "pool",
+          "Drift mix_shift: what eldr's centroids are calibrated on: pool (the calibration split in its natural "
+          "mix) or before (the split subsampled to the mix before the change: calibrated on the traffic of the "
+          "day, which then shifts)");
 
 // ---- Router replicas ----
 ABSL_FLAG(std::string, replicas, "1",
@@ -324,6 +334,9 @@ int main(int argc, char** argv) {
   options.mask_rule = *mask_rule;
   options.refit.interval_s = absl::GetFlag(FLAGS_refit_interval_s);
   options.refit.window_s = absl::GetFlag(FLAGS_refit_window_s);
+  options.refit.max_locality_decrease = absl::GetFlag(FLAGS_refit_max_locality_decrease);
+  options.refit.min_experts_gain = absl::GetFlag(FLAGS_refit_min_experts_gain);
+  options.refit.expert_picks = absl::GetFlag(FLAGS_refit_expert_picks);
   if (!(options.refit.interval_s > 0) || !(options.refit.window_s > 0)) {
     return Fail("--refit_interval_s and --refit_window_s must be > 0");
   }
@@ -385,6 +398,12 @@ int main(int argc, char** argv) {
   options.drift.change_fraction = absl::GetFlag(FLAGS_drift_at);
   options.drift.dominant_share = absl::GetFlag(FLAGS_drift_dominant_share);
   options.drift.new_domain = absl::GetFlag(FLAGS_drift_new_domain);
+  const std::string drift_calibration = absl::GetFlag(FLAGS_drift_calibration);
+  if (drift_calibration != "pool" && drift_calibration != "before") {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--drift_calibration must be pool or before, got '", drift_calibration, "'")));
+  }
+  options.drift.calibrate_before = drift_calibration == "before";
   std::vector<uint64_t> seeds = {absl::GetFlag(FLAGS_seed)};
   if (const std::string list = absl::GetFlag(FLAGS_seeds); !list.empty()) {
     if (absl::GetFlag(FLAGS_seed) != 1) return Fail("give --seed or --seeds, not both");

@@ -5,6 +5,7 @@
 #include "sim/drift.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 #include <string>
@@ -212,6 +213,51 @@ TEST(DriftTest, MixShiftSwapsTheDominantDomainsAtTheChange) {
     EXPECT_EQ(plain[i].request, reference[i].request);
     EXPECT_EQ(plain[i].time_us, reference[i].time_us);
   }
+}
+
+// --drift_calibration=before: eldr is calibrated on the split subsampled to the mix before the
+// change (the operator calibrated on the traffic of the day, which then shifted).
+TEST(DriftTest, MixShiftCanCalibrateOnTheMixBeforeTheChange) {
+  absl::StatusOr<Workload> workload = Small();
+  ASSERT_TRUE(workload.ok());
+  const std::vector<int>& labels = workload->calibration.labels;
+  const int first = static_cast<int>(std::count(labels.begin(), labels.end(), 0));
+  const int second = static_cast<int>(std::count(labels.begin(), labels.end(), 1));
+  ASSERT_GT(first, 20);
+  ASSERT_GT(second, 20);
+
+  // The largest subset in proportion 9 : 1: every request of the first domain, a ninth as many of
+  // the second (its first ones, in order).
+  const CalibrationData subset = WithDomainShares(workload->calibration, {0.9, 0.1});
+  const int kept_second = static_cast<int>(std::floor(first / 0.9 * 0.1 + 1e-9));
+  EXPECT_EQ(subset.n, first + kept_second);
+  EXPECT_EQ(std::count(subset.labels.begin(), subset.labels.end(), 0), first);
+  EXPECT_EQ(std::count(subset.labels.begin(), subset.labels.end(), 1), kept_second);
+  // The other way round the second domain limits it.
+  const CalibrationData reversed = WithDomainShares(workload->calibration, {0.1, 0.9});
+  EXPECT_EQ(std::count(reversed.labels.begin(), reversed.labels.end(), 1), second);
+  // No shares: the data as it is.
+  EXPECT_EQ(WithDomainShares(workload->calibration, {}).n, workload->calibration.n);
+
+  ExperimentOptions options = Options("jsq,eldr", DriftScenario::kMixShift);
+  options.drift.calibrate_before = true;
+  absl::StatusOr<ExperimentResult> result = RunExperiment(*workload, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->drift.calibration_domain_shares.size(), 2u);
+  EXPECT_NEAR(result->drift.calibration_domain_shares[0], 0.9, 1e-12);  // the phase before's mix
+  EXPECT_EQ(result->calibration_requests, first + kept_second);
+  // Without it, the whole split.
+  options.drift.calibrate_before = false;
+  result = RunExperiment(*workload, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->drift.calibration_domain_shares.empty());
+  EXPECT_EQ(result->calibration_requests, workload->calibration.n);
+  // Only a mix shift has a mix before the change.
+  DriftOptions other;
+  other.scenario = DriftScenario::kNewDomain;
+  other.calibrate_before = true;
+  EXPECT_EQ(PlanDrift(*workload, other, 400, kDecoders, ClusterOptions()).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(DriftTest, NewDomainIsUnseenByTheCalibrationAndArrivesAtTheChange) {
