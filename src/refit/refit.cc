@@ -911,7 +911,8 @@ SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<con
   ScorePointRows(points, rows, k, absl::MakeSpan(scores), &scratch);
   // usage[row * dim + c]: the work-weighted sum of the squared entries of the row's signatures.
   const bool predict_experts = model.experts_per_layer > 0;
-  std::vector<double> usage(predict_experts ? static_cast<size_t>(k) * dim : 0, 0.0);
+  // Single precision: a predictor's sums, and the accumulation is most of this function's time.
+  std::vector<float> usage(predict_experts ? static_cast<size_t>(k) * dim : 0, 0.f);
   std::vector<double> work(static_cast<size_t>(k), 0.0);
   std::vector<std::pair<int, double>> band_rows;  // (row, fraction of the signature's work)
   double total = 0;
@@ -938,8 +939,8 @@ SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<con
     if (predict_experts) {
       const absl::Span<const float> signature = points.Read(i, 1, &scratch);
       for (const auto& [j, fraction] : band_rows) {
-        double* sums = usage.data() + static_cast<size_t>(j) * dim;
-        const double share = w * fraction;
+        float* sums = usage.data() + static_cast<size_t>(j) * dim;
+        const float share = static_cast<float>(w * fraction);
         for (int d = 0; d < dim; ++d) sums[d] += share * signature[d] * signature[d];
       }
     }
@@ -973,10 +974,10 @@ SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<con
     double zone_work = 0;
     for (int j = 0; j < k; ++j) {
       if (work[j] <= 0) continue;
-      const double* sums = usage.data() + static_cast<size_t>(j) * dim;
+      const float* sums = usage.data() + static_cast<size_t>(j) * dim;
       double distinct = 0;
       for (int layer = 0; layer < layers; ++layer) {
-        const double* columns = sums + static_cast<size_t>(layer) * width;
+        const float* columns = sums + static_cast<size_t>(layer) * width;
         const double layer_sum = std::accumulate(columns, columns + width, 0.0);
         if (layer_sum <= 0) continue;
         for (int e = 0; e < width; ++e) distinct += 1.0 - std::exp(-model.expert_picks * columns[e] / layer_sum);
