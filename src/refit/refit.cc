@@ -906,9 +906,6 @@ SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<con
   if (margin != nullptr) margin->assign(static_cast<size_t>(m), 0.0);
   if (k <= 0 || m == 0) return prediction;
   const auto capacity_of = [&](int row) { return capacity.empty() ? 1.0 : capacity[row]; };
-  std::vector<float> scores(static_cast<size_t>(m) * k);
-  std::vector<float> scratch;
-  ScorePointRows(points, rows, k, absl::MakeSpan(scores), &scratch);
   // usage[row * dim + c]: the work-weighted sum of the squared entries of the row's signatures.
   const bool predict_experts = model.experts_per_layer > 0;
   // Single precision: a predictor's sums, and the accumulation is most of this function's time.
@@ -917,42 +914,54 @@ SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<con
   std::vector<std::pair<int, double>> band_rows;  // (row, fraction of the signature's work)
   double total = 0;
   double similarity = 0;
-  for (int i = 0; i < m; ++i) {
-    const float* row = scores.data() + static_cast<size_t>(i) * k;
-    const int c = static_cast<int>(std::max_element(row, row + k) - row);
-    const double w = weights.empty() ? 1.0 : weights[i];
-    band_rows.clear();
-    if (model.band > 0) {
-      // The router sends the request to the least loaded (per capacity) row of its band: in
-      // expectation its work spreads over the band in proportion to capacity.
-      double band_capacity = 0;
-      for (int j = 0; j < k; ++j) {
-        if (row[j] >= row[c] - model.band) band_capacity += capacity_of(j);
+  // One pass over the points, a block (PointRows::block_rows) at a time: the decoded block is
+  // scored and then read for the usage, so a compact window is decoded once.
+  std::vector<float> block_scores;
+  std::vector<float> scratch;
+  std::vector<float> unused_scratch;  // a dense block needs none
+  const int block = points.block_rows();
+  for (int begin = 0; begin < m; begin += block) {
+    const int count = std::min(block, m - begin);
+    const absl::Span<const float> decoded = points.Read(begin, count, &scratch);
+    block_scores.resize(static_cast<size_t>(count) * k);
+    ScorePointRows(DensePointRows(decoded, count, dim), rows, k, absl::MakeSpan(block_scores), &unused_scratch);
+    for (int i = begin; i < begin + count; ++i) {
+      const float* row = block_scores.data() + static_cast<size_t>(i - begin) * k;
+      const int c = static_cast<int>(std::max_element(row, row + k) - row);
+      const double w = weights.empty() ? 1.0 : weights[i];
+      band_rows.clear();
+      if (model.band > 0) {
+        // The router sends the request to the least loaded (per capacity) row of its band: in
+        // expectation its work spreads over the band in proportion to capacity.
+        double band_capacity = 0;
+        for (int j = 0; j < k; ++j) {
+          if (row[j] >= row[c] - model.band) band_capacity += capacity_of(j);
+        }
+        for (int j = 0; j < k; ++j) {
+          if (row[j] >= row[c] - model.band) band_rows.emplace_back(j, capacity_of(j) / band_capacity);
+        }
+      } else {
+        band_rows.emplace_back(c, 1.0);
       }
-      for (int j = 0; j < k; ++j) {
-        if (row[j] >= row[c] - model.band) band_rows.emplace_back(j, capacity_of(j) / band_capacity);
+      for (const auto& [j, fraction] : band_rows) work[j] += w * fraction;
+      if (predict_experts) {
+        const absl::Span<const float> signature = decoded.subspan(static_cast<size_t>(i - begin) * dim, dim);
+        for (const auto& [j, fraction] : band_rows) {
+          float* sums = usage.data() + static_cast<size_t>(j) * dim;
+          const float share = static_cast<float>(w * fraction);
+          for (int d = 0; d < dim; ++d) sums[d] += share * signature[d] * signature[d];
+        }
       }
-    } else {
-      band_rows.emplace_back(c, 1.0);
-    }
-    for (const auto& [j, fraction] : band_rows) work[j] += w * fraction;
-    if (predict_experts) {
-      const absl::Span<const float> signature = points.Read(i, 1, &scratch);
-      for (const auto& [j, fraction] : band_rows) {
-        float* sums = usage.data() + static_cast<size_t>(j) * dim;
-        const float share = static_cast<float>(w * fraction);
-        for (int d = 0; d < dim; ++d) sums[d] += share * signature[d] * signature[d];
+      total += w;
+      similarity += w * row[c];
+      if (nearest != nullptr) (*nearest)[i] = c;
+      if (margin != nullptr) {
+        float second = -2;
+        for (int j = 0; j < k; ++j) {
+          if (j != c) second = std::max(second, row[j]);
+        }
+        (*margin)[i] = k > 1 ? static_cast<double>(row[c]) - second : 2.0;
       }
-    }
-    total += w;
-    similarity += w * row[c];
-    if (nearest != nullptr) (*nearest)[i] = c;
-    if (margin != nullptr) {
-      float second = -2;
-      for (int j = 0; j < k; ++j) {
-        if (j != c) second = std::max(second, row[j]);
-      }
-      (*margin)[i] = k > 1 ? static_cast<double>(row[c]) - second : 2.0;
     }
   }
   double max_share = 0;
