@@ -92,8 +92,9 @@ struct Scratch {
   std::vector<float> candidate_scores;
   std::vector<int> ids;
   std::vector<std::pair<float, int>> ranked;
-  int ranked_front = 0;            // ranked[0, ranked_front) are ranked's best (see RankRows)
-  std::vector<float> rank_sample;  // RankRows' sample of the scores
+  int ranked_front = 0;                              // ranked[0, ranked_front) are ranked's best (see RankRows)
+  std::vector<std::pair<float, int>> rank_sample;    // RankRows' sample of the scores
+  std::vector<std::pair<float, int>> select_buffer;  // internal::SelectBest's
   std::vector<char> seen;
   std::vector<int> refine_ids;
   std::vector<const float*> f32_rows;
@@ -749,7 +750,7 @@ class ReducedIndex final : public CentroidIndex {
       kernels.dot_rows_f32(axes_f32_rows_.data(), reduced, q, store_.cols(), y);
     }
 
-    // Candidates in the reduced space, best first, in rounds: `candidates_` first; then, as long
+    // Candidates in the reduced space, the best first, in rounds: `candidates_` first; then, as long
     // as the lower half (by reduced score) of what was fetched still reaches into the band, twice
     // as many, up to max_candidates_. A large band thus costs proportionally more instead of
     // being cut at a fixed count.
@@ -758,9 +759,8 @@ class ReducedIndex final : public CentroidIndex {
     int scored = 0;
     scratch.candidate_scores.clear();
     if (!hnsw_) {
-      scratch.scores.resize(reduced_columns_stride_);
-      kernels.accumulate_columns(reduced_columns_.data(), reduced, rows, reduced_columns_stride_, y,
-                                 scratch.scores.data());
+      scratch.scores.resize(rows);
+      kernels.accumulate_panels(reduced_panels_.data(), reduced, rows, y, scratch.scores.data());
       RankRows(scratch.scores.data(), rows, std::min({rows, max_candidates_, 2 * candidates_}), &scratch);
     }
     scratch.ids.clear();
@@ -774,7 +774,7 @@ class ReducedIndex final : public CentroidIndex {
       if (hnsw_) {
         ELDR_RETURN_IF_ERROR(SearchHnsw(y, want, &scratch));
       } else {
-        SelectNext(fetched, want, scratch.ranked_front, &scratch.ranked);
+        SelectNext(fetched, want, scratch.ranked_front, &scratch);
         for (int k = fetched; k < want; ++k) scratch.ids.push_back(scratch.ranked[k].second);
       }
       fetched = static_cast<int>(scratch.ids.size());
@@ -893,12 +893,12 @@ class ReducedIndex final : public CentroidIndex {
       }
     }
 
-    // Reduced centroids transposed ([axis][row]): one broadcast per axis scores 16 rows at once.
-    reduced_columns_stride_ = PaddedStride<float>(rows);
-    reduced_columns_.assign(static_cast<size_t>(reduced_dims_) * reduced_columns_stride_, 0.f);
+    // Reduced centroids transposed in panels of 64 rows (internal::AccumulatePanelsFn): one
+    // broadcast per axis scores 16 rows at once, and the scan reads the panels in order.
+    reduced_panels_.assign(internal::PanelFloats(rows, reduced_dims_), 0.f);
     for (int r = 0; r < rows; ++r) {
       for (int k = 0; k < reduced_dims_; ++k) {
-        reduced_columns_[static_cast<size_t>(k) * reduced_columns_stride_ + r] =
+        reduced_panels_[internal::PanelIndex(r, k, reduced_dims_)] =
             projected[static_cast<size_t>(r) * reduced_dims_ + k];
       }
     }
@@ -937,11 +937,12 @@ class ReducedIndex final : public CentroidIndex {
       scratch->ranked_front = rows;
       return;
     }
-    std::vector<float>& sample = scratch->rank_sample;
+    std::vector<std::pair<float, int>>& sample = scratch->rank_sample;
     sample.resize(sample_size);
-    for (int i = 0; i < sample_size; ++i) sample[i] = rank_of(scores[i * kSampleStride]);
-    std::nth_element(sample.begin(), sample.begin() + (sample_rank - 1), sample.end(), std::greater<float>());
-    const float threshold = sample[sample_rank - 1];
+    for (int i = 0; i < sample_size; ++i) sample[i] = {rank_of(scores[i * kSampleStride]), i};
+    internal::SelectBest(sample.data(), sample_size, sample_rank, &scratch->select_buffer);
+    float threshold = sample[0].first;  // the lowest of the sample's best sample_rank
+    for (int i = 1; i < sample_rank; ++i) threshold = std::min(threshold, sample[i].first);
     // Branch-free two-ended fill: every pair is written at both ends and only the matching end's
     // cursor moves, so the later pairs overwrite the unused copies.
     int front = 0;
@@ -977,19 +978,20 @@ class ReducedIndex final : public CentroidIndex {
     return true;
   }
 
-  // Rearranges (*ranked)[begin, n) so that [begin, end) holds its best entries, best first, given
-  // that (*ranked)[0, front) scores at least as high as the rest (RankRows).
-  static void SelectNext(int begin, int end, int front, std::vector<std::pair<float, int>>* ranked) {
-    const int n = static_cast<int>(ranked->size());
+  // Rearranges (*ranked)[begin, n) so that [begin, end) holds its best entries, given that
+  // (*ranked)[0, front) scores at least as high as the rest (RankRows), and that [end / 2, end)
+  // holds the lower half of [0, end): the rounds only ever ask which half a candidate is in (the
+  // band check reads the lower half), so a round costs two partitions and no sort.
+  static void SelectNext(int begin, int end, int front, Scratch* scratch) {
+    std::vector<std::pair<float, int>>& ranked = scratch->ranked;
+    const int n = static_cast<int>(ranked.size());
     end = std::min(end, n);
     if (begin >= end) return;
-    auto better = [](const std::pair<float, int>& a, const std::pair<float, int>& b) { return a.first > b.first; };
     // Within the front when it holds [begin, end): its pairs beat every pair after it.
     const int limit = end <= front ? front : n;
-    if (end < limit) {
-      std::nth_element(ranked->begin() + begin, ranked->begin() + (end - 1), ranked->begin() + limit, better);
-    }
-    std::sort(ranked->begin() + begin, ranked->begin() + end, better);
+    internal::SelectBest(ranked.data() + begin, limit - begin, end - begin, &scratch->select_buffer);
+    const int half = end / 2;
+    if (begin < half) internal::SelectBest(ranked.data() + begin, end - begin, half - begin, &scratch->select_buffer);
   }
 
   // The `k` nearest rows of the HNSW graph, best first, into scratch->ids.
@@ -1028,8 +1030,7 @@ class ReducedIndex final : public CentroidIndex {
   AlignedVector<int8_t> axes_i8_;  // empty: fp32 projection only
   std::vector<const int8_t*> axes_i8_rows_;
   std::vector<float> axes_i8_scale_;
-  AlignedVector<float> reduced_columns_;
-  int reduced_columns_stride_ = 0;
+  AlignedVector<float> reduced_panels_;
   std::unique_ptr<faiss::IndexHNSWFlat> hnsw_;
 };
 
@@ -1089,6 +1090,60 @@ absl::Status ValidateBuildInput(absl::Span<const float> centroids, int rows, int
 }  // namespace
 
 int64_t internal::RefinedRowsOnThisThread() { return ThreadScratch().refined_rows; }
+
+void internal::SelectBest(std::pair<float, int>* pairs, int n, int k, std::vector<std::pair<float, int>>* buffer) {
+  using Pair = std::pair<float, int>;
+  auto better = [](const Pair& a, const Pair& b) { return a.first > b.first; };
+  if (static_cast<int>(buffer->size()) < n) buffer->resize(n);
+  Pair* tmp = buffer->data();
+  // Moves the pairs of [lo, hi) that `keep` accepts to its front, in one branch-free pass: every
+  // pair is written at both ends of `tmp` and only the matching end's cursor moves. Returns how
+  // many were kept.
+  auto split = [&](int lo, int hi, auto keep) {
+    int front = 0;
+    int back = hi - lo - 1;
+    for (int i = lo; i < hi; ++i) {
+      const Pair pair = pairs[i];
+      const bool kept = keep(pair.first);
+      tmp[front] = pair;
+      tmp[back] = pair;
+      front += kept;
+      back -= !kept;
+    }
+    std::copy(tmp, tmp + (hi - lo), pairs + lo);
+    return front;
+  };
+  int lo = 0;
+  int hi = n;
+  int rounds_left = 4;
+  for (int m = n; m > 1; m /= 2) rounds_left += 2;
+  // Invariant: pairs[0, lo) beat or tie every pair from lo on, pairs[hi, n) are beaten or tied by
+  // every pair before hi, and lo <= k <= hi.
+  while (hi - lo > 16 && lo < k && k < hi) {
+    if (--rounds_left < 0) {
+      std::nth_element(pairs + lo, pairs + k, pairs + hi, better);
+      return;
+    }
+    float a = pairs[lo].first, b = pairs[lo + (hi - lo) / 2].first, c = pairs[hi - 1].first;
+    if (a > b) std::swap(a, b);
+    const float pivot = std::max(a, std::min(b, c));  // the median of the three
+    const int above = lo + split(lo, hi, [pivot](float score) { return score > pivot; });
+    if (above >= k) {
+      hi = above;
+      continue;
+    }
+    if (above > lo) {
+      lo = above;
+      continue;
+    }
+    // No pair beats the pivot, so it is the highest left: its ties come next, and they are
+    // interchangeable (this pass also keeps a range of equal scores from looping).
+    const int ties_end = above + split(above, hi, [pivot](float score) { return score >= pivot; });
+    if (ties_end >= k) return;
+    lo = ties_end;
+  }
+  if (lo < k && k < hi) std::sort(pairs + lo, pairs + hi, better);
+}
 
 absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(CentroidIndexKind kind,
                                                                         absl::Span<const float> centroids, int rows,

@@ -121,12 +121,16 @@ bool QuantiseQueryScalar(const float* q, int dim, int padded, int max_level, flo
   return true;
 }
 
-void AccumulateColumnsScalar(const float* columns, int k, int n, int stride, const float* weights, float* out) {
-  for (int j = 0; j < n; ++j) out[j] = 0.f;
-  for (int c = 0; c < k; ++c) {
-    const float w = weights[c];
-    const float* column = columns + static_cast<size_t>(c) * stride;
-    for (int j = 0; j < n; ++j) out[j] += w * column[j];
+void AccumulatePanelsScalar(const float* panels, int k, int n, const float* weights, float* out) {
+  for (int j0 = 0; j0 < n; j0 += kPanelRows) {
+    const float* panel = panels + static_cast<size_t>(j0) * k;
+    const int count = std::min(kPanelRows, n - j0);
+    for (int j = 0; j < count; ++j) out[j0 + j] = 0.f;
+    for (int c = 0; c < k; ++c) {
+      const float w = weights[c];
+      const float* column = panel + static_cast<size_t>(c) * kPanelRows;
+      for (int j = 0; j < count; ++j) out[j0 + j] += w * column[j];
+    }
   }
 }
 
@@ -514,34 +518,24 @@ ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* q, int dim, int padded, int
   return true;
 }
 
-ELDR_TARGET_AVX2 void AccumulateColumnsAvx2(const float* columns, int k, int n, int stride, const float* weights,
-                                            float* out) {
-  int j = 0;
-  // 32 outputs (4 registers) per pass over the k weights.
-  for (; j + 32 <= n; j += 32) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+ELDR_TARGET_AVX2 void AccumulatePanelsAvx2(const float* panels, int k, int n, const float* weights, float* out) {
+  // One panel (64 outputs, 8 registers) per pass over the k weights.
+  for (int j0 = 0; j0 < n; j0 += kPanelRows) {
+    const float* panel = panels + static_cast<size_t>(j0) * k;
+    __m256 a[8];
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
     for (int c = 0; c < k; ++c) {
       const __m256 w = _mm256_broadcast_ss(weights + c);
-      const float* column = columns + static_cast<size_t>(c) * stride + j;
-      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(column), a0);
-      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(column + 8), a1);
-      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(column + 16), a2);
-      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(column + 24), a3);
+      const float* column = panel + static_cast<size_t>(c) * kPanelRows;
+      for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(w, _mm256_load_ps(column + 8 * t), a[t]);
     }
-    _mm256_storeu_ps(out + j, a0);
-    _mm256_storeu_ps(out + j + 8, a1);
-    _mm256_storeu_ps(out + j + 16, a2);
-    _mm256_storeu_ps(out + j + 24, a3);
-  }
-  for (; j < n; j += 8) {
-    __m256 a = _mm256_setzero_ps();
-    for (int c = 0; c < k; ++c) {
-      a = _mm256_fmadd_ps(_mm256_broadcast_ss(weights + c),
-                          _mm256_loadu_ps(columns + static_cast<size_t>(c) * stride + j), a);
+    if (n - j0 >= kPanelRows) {
+      for (int t = 0; t < 8; ++t) _mm256_storeu_ps(out + j0 + 8 * t, a[t]);
+    } else {
+      alignas(32) float lanes[kPanelRows];
+      for (int t = 0; t < 8; ++t) _mm256_store_ps(lanes + 8 * t, a[t]);
+      for (int t = 0; j0 + t < n; ++t) out[j0 + t] = lanes[t];
     }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, a);
-    for (int t = 0; t < 8 && j + t < n; ++t) out[j + t] = lanes[t];
   }
 }
 
@@ -919,32 +913,28 @@ ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* q, int dim, int padded,
 }
 #pragma GCC diagnostic pop
 
-ELDR_TARGET_AVX512 void AccumulateColumnsAvx512(const float* columns, int k, int n, int stride, const float* weights,
-                                                float* out) {
-  int j = 0;
-  for (; j + 64 <= n; j += 64) {
+ELDR_TARGET_AVX512 void AccumulatePanelsAvx512(const float* panels, int k, int n, const float* weights, float* out) {
+  // One panel (64 outputs, 4 registers) per pass over the k weights.
+  for (int j0 = 0; j0 < n; j0 += kPanelRows) {
+    const float* panel = panels + static_cast<size_t>(j0) * k;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int c = 0; c < k; ++c) {
       const __m512 w = _mm512_set1_ps(weights[c]);
-      const float* column = columns + static_cast<size_t>(c) * stride + j;
-      a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(column), a0);
-      a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(column + 16), a1);
-      a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(column + 32), a2);
-      a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(column + 48), a3);
+      const float* column = panel + static_cast<size_t>(c) * kPanelRows;
+      a0 = _mm512_fmadd_ps(w, _mm512_load_ps(column), a0);
+      a1 = _mm512_fmadd_ps(w, _mm512_load_ps(column + 16), a1);
+      a2 = _mm512_fmadd_ps(w, _mm512_load_ps(column + 32), a2);
+      a3 = _mm512_fmadd_ps(w, _mm512_load_ps(column + 48), a3);
     }
-    _mm512_storeu_ps(out + j, a0);
-    _mm512_storeu_ps(out + j + 16, a1);
-    _mm512_storeu_ps(out + j + 32, a2);
-    _mm512_storeu_ps(out + j + 48, a3);
-  }
-  for (; j < n; j += 16) {
-    const __mmask16 mask = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
-    __m512 a = _mm512_setzero_ps();
-    for (int c = 0; c < k; ++c) {
-      a = _mm512_fmadd_ps(_mm512_set1_ps(weights[c]), _mm512_loadu_ps(columns + static_cast<size_t>(c) * stride + j),
-                          a);
-    }
-    _mm512_mask_storeu_ps(out + j, mask, a);
+    const int left = std::min(kPanelRows, n - j0);
+    auto lanes = [left](int first) {
+      const int count = std::clamp(left - first, 0, 16);
+      return count == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1);
+    };
+    _mm512_mask_storeu_ps(out + j0, lanes(0), a0);
+    _mm512_mask_storeu_ps(out + j0 + 16, lanes(16), a1);
+    _mm512_mask_storeu_ps(out + j0 + 32, lanes(32), a2);
+    _mm512_mask_storeu_ps(out + j0 + 48, lanes(48), a3);
   }
 }
 
@@ -1142,7 +1132,7 @@ const ScorerKernels& KernelsFor(SimdLevel level) {
                                      DotRowsF16Scalar,
                                      DotRowsBf16Scalar,
                                      GatherColumnsScalar,
-                                     AccumulateColumnsScalar,
+                                     AccumulatePanelsScalar,
                                      ExpandBitmapScalar,
                                      MaxMagnitudeBitsScalar,
                                      EncodeHalvesScalar,
@@ -1155,7 +1145,7 @@ const ScorerKernels& KernelsFor(SimdLevel level) {
                                    DotRowsF16Avx2,
                                    DotRowsBf16Avx2,
                                    GatherColumnsAvx2,
-                                   AccumulateColumnsAvx2,
+                                   AccumulatePanelsAvx2,
                                    ExpandBitmapAvx2,
                                    MaxMagnitudeBitsAvx2,
                                    EncodeHalvesAvx2,
@@ -1168,7 +1158,7 @@ const ScorerKernels& KernelsFor(SimdLevel level) {
                                      DotRowsF16Avx512,
                                      DotRowsBf16Avx512,
                                      GatherColumnsAvx512,
-                                     AccumulateColumnsAvx512,
+                                     AccumulatePanelsAvx512,
                                      ExpandBitmapAvx512,
                                      MaxMagnitudeBitsAvx512,
                                      EncodeHalvesAvx512,

@@ -520,25 +520,80 @@ TEST(ScorerKernelsTest, QueryQuantisationMatchesTheDefinitionAtEveryLevel) {
   }
 }
 
-TEST(ScorerKernelsTest, AccumulateColumnsIsATransposedMatrixTimesVector) {
+TEST(SelectBestTest, PutsTheKHighestScoresFirstLikeASort) {
+  std::mt19937_64 rng(5);
+  std::vector<std::pair<float, int>> buffer;
+  auto check = [&](std::vector<std::pair<float, int>> pairs, int k, const std::string& what) {
+    const int n = static_cast<int>(pairs.size());
+    std::vector<std::pair<float, int>> expected = pairs;
+    std::sort(expected.begin(), expected.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::vector<std::pair<float, int>> before = pairs;
+    internal::SelectBest(pairs.data(), n, k, &buffer);
+    // The same pairs, rearranged.
+    std::vector<std::pair<float, int>> sorted_before = before, sorted_after = pairs;
+    std::sort(sorted_before.begin(), sorted_before.end());
+    std::sort(sorted_after.begin(), sorted_after.end());
+    ASSERT_EQ(sorted_after, sorted_before) << what;
+    // The front's scores are the k highest (as a multiset), and none behind beats one in front.
+    std::vector<float> front_scores, expected_scores;
+    for (int i = 0; i < k; ++i) front_scores.push_back(pairs[i].first);
+    for (int i = 0; i < k; ++i) expected_scores.push_back(expected[i].first);
+    std::sort(front_scores.begin(), front_scores.end());
+    std::sort(expected_scores.begin(), expected_scores.end());
+    ASSERT_EQ(front_scores, expected_scores) << what << " k " << k;
+    if (k > 0 && k < n) {
+      float lowest_front = pairs[0].first;
+      for (int i = 0; i < k; ++i) lowest_front = std::min(lowest_front, pairs[i].first);
+      for (int i = k; i < n; ++i) ASSERT_LE(pairs[i].first, lowest_front) << what << " k " << k << " at " << i;
+    }
+  };
+  for (int n : {0, 1, 2, 16, 17, 33, 176, 1024}) {
+    for (int trial = 0; trial < 4; ++trial) {
+      std::vector<std::pair<float, int>> random(n), few_values(n), equal(n), ascending(n);
+      std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+      for (int i = 0; i < n; ++i) {
+        random[i] = {uniform(rng), i};
+        few_values[i] = {static_cast<float>(rng() % 3), i};  // many ties
+        equal[i] = {0.5f, i};
+        ascending[i] = {static_cast<float>(i), i};
+      }
+      if (n > 0) random[rng() % n].first = -std::numeric_limits<float>::infinity();
+      for (int k : {0, 1, n / 3, n / 2, n - 1, n}) {
+        if (k < 0 || k > n) continue;
+        check(random, k, "random n " + std::to_string(n));
+        check(few_values, k, "few values n " + std::to_string(n));
+        check(equal, k, "equal n " + std::to_string(n));
+        check(ascending, k, "ascending n " + std::to_string(n));
+      }
+    }
+  }
+}
+
+TEST(ScorerKernelsTest, AccumulatePanelsIsATransposedMatrixTimesVector) {
+  using internal::PanelFloats;
+  using internal::PanelIndex;
   std::mt19937_64 rng(21);
   std::normal_distribution<float> normal(0.f, 1.f);
   for (SimdLevel level : AvailableLevels()) {
     for (int k : {1, 5, 32}) {
-      for (int n : {1, 15, 16, 17, 64, 100, 257}) {
-        const int stride = (n + 15) / 16 * 16;
-        std::vector<float> columns(static_cast<size_t>(k) * stride, 0.f);
-        for (int c = 0; c < k; ++c) {
-          for (int j = 0; j < n; ++j) columns[static_cast<size_t>(c) * stride + j] = normal(rng);
+      for (int n : {1, 15, 16, 17, 63, 64, 65, 100, 257}) {
+        std::vector<float> matrix(static_cast<size_t>(n) * k);  // row-major n x k
+        for (float& v : matrix) v = normal(rng);
+        // The kernels load panels with aligned loads: place them on a 64-byte boundary.
+        std::vector<float> storage(PanelFloats(n, k) + 16, 0.f);
+        float* panels = storage.data();
+        while (reinterpret_cast<uintptr_t>(panels) % 64 != 0) ++panels;
+        for (int j = 0; j < n; ++j) {
+          for (int c = 0; c < k; ++c) panels[PanelIndex(j, c, k)] = matrix[static_cast<size_t>(j) * k + c];
         }
         std::vector<float> weights(k);
         for (float& w : weights) w = normal(rng);
         std::vector<float> out(n + 1, -5.f);
-        KernelsFor(level).accumulate_columns(columns.data(), k, n, stride, weights.data(), out.data());
+        KernelsFor(level).accumulate_panels(panels, k, n, weights.data(), out.data());
         for (int j = 0; j < n; ++j) {
           double expected = 0;
-          for (int c = 0; c < k; ++c) expected += weights[c] * columns[static_cast<size_t>(c) * stride + j];
-          ASSERT_NEAR(out[j], expected, 1e-4) << SimdLevelName(level) << " k " << k << " n " << n;
+          for (int c = 0; c < k; ++c) expected += weights[c] * matrix[static_cast<size_t>(j) * k + c];
+          ASSERT_NEAR(out[j], expected, 1e-4) << SimdLevelName(level) << " k " << k << " n " << n << " row " << j;
         }
         EXPECT_EQ(out[n], -5.f) << "wrote past n";
       }
