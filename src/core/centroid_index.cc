@@ -580,17 +580,18 @@ class ExactIndex final : public CentroidIndex {
         store_(centroids, rows, dim, columns_, ScanInHalf(options, columns_.kept()),
                ScanFormat(options, rows, columns_.kept())) {}
 
-  // kAuto: the 8-bit first stage from Int8MinRows() rows on, where the CPU has vector integer dot
+  // kAuto: the 8-bit first stage from kInt8MinRows rows on, where the CPU has vector integer dot
   // products (AVX2 or AVX-512), else bfloat16 (see kShortRowColumns for when no reduced copy is
   // scanned at all). kInt8 rows too long for the int32 sums fall back to bfloat16. Measured with
-  // eldr-microbench on 48 x 128 (docs/benchmarks.md): with AVX-512 VNNI the two tie at 16 rows and
-  // 8 bits is 20% faster at 24; with AVX2 it is 13% faster at 16 and 11% slower at 8.
-  static int Int8MinRows() { return BestKernels().level == internal::SimdLevel::kAvx512 ? 20 : 16; }
+  // eldr-microbench on 48 x 128 (docs/benchmarks.md): with AVX-512 VNNI 8 bits is 7-8% faster at
+  // 16 rows (2.13-2.19 against 2.32-2.40 us, 2026-12-06; the two tied on 2026-12-01) and 17-19%
+  // slower at 8; with AVX2 it is 13% faster at 16 and 11% slower at 8.
+  static constexpr int kInt8MinRows = 16;
   static HalfFormat ScanFormat(const CentroidIndexOptions& options, int rows, int kept_columns) {
     if (options.half_format == HalfFormat::kAuto) {
       const bool vector_int8 = static_cast<int>(BestKernels().level) >= static_cast<int>(internal::SimdLevel::kAvx2);
-      return vector_int8 && rows >= Int8MinRows() && kept_columns <= RowStore::kMaxInt8Columns ? HalfFormat::kInt8
-                                                                                               : HalfFormat::kBfloat16;
+      return vector_int8 && rows >= kInt8MinRows && kept_columns <= RowStore::kMaxInt8Columns ? HalfFormat::kInt8
+                                                                                              : HalfFormat::kBfloat16;
     }
     if (options.half_format == HalfFormat::kInt8 && kept_columns > RowStore::kMaxInt8Columns) {
       return HalfFormat::kBfloat16;

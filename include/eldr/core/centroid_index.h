@@ -66,7 +66,7 @@ struct CentroidIndexOptions {
   // per instruction with AVX-512 VNNI (32 with AVX2), but its bound is ~10x bfloat16's, so it is a
   // first stage: rows it cannot rule out of the band are scored again from a bfloat16 copy, then
   // refined as usual. kAuto: for the exact scorer fp32 when rows have fewer than 2,048 non-zero
-  // columns (short rows scan fastest in fp32), else kInt8 from 20 rows on with AVX-512 (16 with AVX2),
+  // columns (short rows scan fastest in fp32), else kInt8 from 16 rows on (AVX-512 or AVX2),
   // else bfloat16; binary16 for the large-pool candidates, whose rows are gathered from memory
   // anyway (docs/benchmarks.md).
   HalfFormat half_format = HalfFormat::kAuto;
