@@ -818,7 +818,6 @@ std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, 
   model.band = router_->options().tau;
   model.experts_per_layer = plan.current.spec.experts;
   model.expert_picks = options_.expert_picks;
-  const double band = model.band;
   outcome->current =
       PredictSet(plan.points, plan.weights, plan.kept_rows, plan.kept_k,
                  absl::MakeConstSpan(plan.capacity).subspan(0, plan.kept_k), model, &nearest_current, &margin_current);
@@ -834,7 +833,8 @@ std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, 
   const auto evaluate = [&](const std::vector<float>& candidate, SetPrediction* prediction) {
     *prediction = PredictSet(plan.points, plan.weights, candidate, k, plan.capacity, model, &nearest);
     int changed = 0;
-    for (int i = 0; i < plan.m; ++i) changed += margin_current[i] > band && nearest_current[i] != nearest[i] ? 1 : 0;
+    for (int i = 0; i < plan.m; ++i)
+      changed += margin_current[i] > model.band && nearest_current[i] != nearest[i] ? 1 : 0;
     return static_cast<double>(changed) / plan.m;
   };
   const auto balanced_enough = [&](const SetPrediction& prediction) {
@@ -935,11 +935,12 @@ SetPrediction OnlineRefitter::PredictSet(const PointRows& points, absl::Span<con
         // expectation its work spreads over the band in proportion to capacity.
         double band_capacity = 0;
         for (int j = 0; j < k; ++j) {
-          if (row[j] >= row[c] - model.band) band_capacity += capacity_of(j);
+          if (row[j] >= row[c] - model.band) {
+            band_rows.emplace_back(j, capacity_of(j));
+            band_capacity += capacity_of(j);
+          }
         }
-        for (int j = 0; j < k; ++j) {
-          if (row[j] >= row[c] - model.band) band_rows.emplace_back(j, capacity_of(j) / band_capacity);
-        }
+        for (auto& [j, fraction] : band_rows) fraction /= band_capacity;
       } else {
         band_rows.emplace_back(c, 1.0);
       }

@@ -356,7 +356,8 @@ class OnlineRefitter final : public RouterObserver {
   // `weights` (empty: 1 each), with `capacity` (k weights; empty: 1 each); `nearest`, when not
   // null, receives each point's nearest row, and `margin` how far its nearest row's similarity
   // leads the next one's (2 with one row). `model`: the router's band and the decode step's
-  // geometry (PredictionModel). Reads every point once more when it predicts experts per step.
+  // geometry (PredictionModel). Decodes each block of points once, for the scores and for the
+  // experts per step.
   // Exposed for tests and tools.
   static SetPrediction PredictSet(const PointRows& points, absl::Span<const double> weights,
                                   absl::Span<const float> rows, int k, absl::Span<const double> capacity,
