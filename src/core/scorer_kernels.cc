@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 namespace eldr::internal {
 namespace {
@@ -201,6 +202,23 @@ void InGroupsOf4(const Blocks& blocks, const Row* const* rows, int n, Out* out) 
   for (int k = 0; whole + k < n; ++k) out[whole + k] = tail_out[k];
 }
 
+// Runs `block` on n rows in blocks of 4, then one of 2 and one of 1 for the rest: block(rows_per_block,
+// rows, out) scores rows_per_block (a std::integral_constant: 4, 2 or 1) rows. For kernels whose
+// per-row sums are chains of dependent FMAs or dot instructions: each block size unrolls its loop
+// so that it keeps as many independent sums as a block of 4, where a tail padded to 4 rows (as
+// InGroupsOf4 does) did up to four times the work at the same speed. The 8-bit stage leaves 1-3
+// rows to score again in bfloat16 on most decisions, so that tail is the common case there.
+template <typename Row, typename Out, typename Block>
+void InBlocksOf4Then2Then1(const Block& block, const Row* const* rows, int n, Out* out) {
+  int r = 0;
+  for (; r + 4 <= n; r += 4) block(std::integral_constant<int, 4>{}, rows + r, out + r);
+  if (n - r >= 2) {
+    block(std::integral_constant<int, 2>{}, rows + r, out + r);
+    r += 2;
+  }
+  if (r < n) block(std::integral_constant<int, 1>{}, rows + r, out + r);
+}
+
 #define ELDR_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 ELDR_TARGET_AVX2 inline float HorizontalSumAvx2(__m256 v) {
@@ -282,40 +300,63 @@ ELDR_TARGET_AVX2 inline __m256 HighBf16Avx2(__m256i words) {
   return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-ELDR_TARGET_AVX2 void DotRowsBf16Avx2Groups(const uint16_t* const* rows, int n, const float* query, int dim,
-                                            float* out) {
+// Rows rows (1, 2 or 4) at once, `unroll` blocks of 32 values per step: rows * unroll * 2
+// independent sums, 8 for every block size (each takes two dependent FMAs per block).
+template <int Rows, int Unroll>
+ELDR_TARGET_AVX2 void DotRowsBf16Avx2Block(const uint16_t* const* rows, const float* query, int dim, float* out) {
   const int full = dim & ~31;
-  int r = 0;
-  for (; r + 4 <= n; r += 4) {
-    __m256 lo[4], hi[4];
-    for (int k = 0; k < 4; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
-    for (int i = 0; i < full; i += 32) {
-      const __m256 q0 = _mm256_loadu_ps(query + i);
-      const __m256 q1 = _mm256_loadu_ps(query + i + 8);
-      const __m256 q2 = _mm256_loadu_ps(query + i + 16);
-      const __m256 q3 = _mm256_loadu_ps(query + i + 24);
-      for (int k = 0; k < 4; ++k) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r + k] + i));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r + k] + i + 16));
-        lo[k] = _mm256_fmadd_ps(LowBf16Avx2(w0), q0, lo[k]);
-        hi[k] = _mm256_fmadd_ps(HighBf16Avx2(w0), q2, hi[k]);
-        lo[k] = _mm256_fmadd_ps(LowBf16Avx2(w1), q1, lo[k]);
-        hi[k] = _mm256_fmadd_ps(HighBf16Avx2(w1), q3, hi[k]);
+  __m256 lo[Rows][Unroll], hi[Rows][Unroll];
+  for (int k = 0; k < Rows; ++k) {
+    for (int u = 0; u < Unroll; ++u) lo[k][u] = hi[k][u] = _mm256_setzero_ps();
+  }
+  int i = 0;
+  for (; i + 32 * Unroll <= full; i += 32 * Unroll) {
+    for (int u = 0; u < Unroll; ++u) {
+      const int at = i + 32 * u;
+      const __m256 q0 = _mm256_loadu_ps(query + at);
+      const __m256 q1 = _mm256_loadu_ps(query + at + 8);
+      const __m256 q2 = _mm256_loadu_ps(query + at + 16);
+      const __m256 q3 = _mm256_loadu_ps(query + at + 24);
+      for (int k = 0; k < Rows; ++k) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[k] + at));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[k] + at + 16));
+        lo[k][u] = _mm256_fmadd_ps(LowBf16Avx2(w0), q0, lo[k][u]);
+        hi[k][u] = _mm256_fmadd_ps(HighBf16Avx2(w0), q2, hi[k][u]);
+        lo[k][u] = _mm256_fmadd_ps(LowBf16Avx2(w1), q1, lo[k][u]);
+        hi[k][u] = _mm256_fmadd_ps(HighBf16Avx2(w1), q3, hi[k][u]);
       }
     }
-    for (int k = 0; k < 4; ++k) {
-      float tail = 0;
-      for (int i = full; i < dim; ++i) tail += PairedBfloat16At(rows[r + k], i) * query[i];
-      out[r + k] = HorizontalSumAvx2(_mm256_add_ps(lo[k], hi[k])) + tail;
+  }
+  for (; i < full; i += 32) {
+    const __m256 q0 = _mm256_loadu_ps(query + i);
+    const __m256 q1 = _mm256_loadu_ps(query + i + 8);
+    const __m256 q2 = _mm256_loadu_ps(query + i + 16);
+    const __m256 q3 = _mm256_loadu_ps(query + i + 24);
+    for (int k = 0; k < Rows; ++k) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[k] + i));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[k] + i + 16));
+      lo[k][0] = _mm256_fmadd_ps(LowBf16Avx2(w0), q0, lo[k][0]);
+      hi[k][0] = _mm256_fmadd_ps(HighBf16Avx2(w0), q2, hi[k][0]);
+      lo[k][0] = _mm256_fmadd_ps(LowBf16Avx2(w1), q1, lo[k][0]);
+      hi[k][0] = _mm256_fmadd_ps(HighBf16Avx2(w1), q3, hi[k][0]);
     }
   }
-  if (r < n) DotRowsBf16Scalar(rows + r, n - r, query, dim, out + r);
+  for (int k = 0; k < Rows; ++k) {
+    __m256 sum = _mm256_add_ps(lo[k][0], hi[k][0]);
+    for (int u = 1; u < Unroll; ++u) sum = _mm256_add_ps(sum, _mm256_add_ps(lo[k][u], hi[k][u]));
+    float tail = 0;
+    for (int j = full; j < dim; ++j) tail += PairedBfloat16At(rows[k], j) * query[j];
+    out[k] = HorizontalSumAvx2(sum) + tail;
+  }
 }
 
 ELDR_TARGET_AVX2 void DotRowsBf16Avx2(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
-  InGroupsOf4([&](const uint16_t* const* group, int count,
-                  float* group_out) { DotRowsBf16Avx2Groups(group, count, query, dim, group_out); },
-              rows, n, out);
+  InBlocksOf4Then2Then1(
+      [&](auto block_rows, const uint16_t* const* block, float* block_out) {
+        constexpr int kRows = decltype(block_rows)::value;
+        DotRowsBf16Avx2Block<kRows, 4 / kRows>(block, query, dim, block_out);
+      },
+      rows, n, out);
 }
 
 // Lane permutations that move the selected lanes of an 8-lane register to the front.
@@ -692,45 +733,59 @@ ELDR_TARGET_AVX512 void DotRowsF16Avx512(const uint16_t* const* rows, int n, con
   DotRowsAvx512<uint16_t>(rows, n, query, dim, out);
 }
 
-ELDR_TARGET_AVX512 void DotRowsBf16Avx512Groups(const uint16_t* const* rows, int n, const float* query, int dim,
-                                                float* out) {
+// Rows rows (1, 2 or 4) at once, `unroll` blocks of 32 values per step: rows * unroll * 2
+// independent sums, 8 for every block size.
+template <int Rows, int Unroll>
+ELDR_TARGET_AVX512 void DotRowsBf16Avx512Block(const uint16_t* const* rows, const float* query, int dim, float* out) {
   const int full = dim & ~31;
-  const int rest = dim - full;
-  const __mmask16 mask_lo = rest >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << rest) - 1);
-  const __mmask16 mask_hi = rest > 16 ? static_cast<__mmask16>((1u << (rest - 16)) - 1) : static_cast<__mmask16>(0);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  int r = 0;
-  for (; r + 4 <= n; r += 4) {
-    __m512 lo[4], hi[4];
-    for (int k = 0; k < 4; ++k) lo[k] = hi[k] = _mm512_setzero_ps();
-    for (int i = 0; i < full; i += 32) {
-      const __m512 q0 = _mm512_loadu_ps(query + i);
-      const __m512 q1 = _mm512_loadu_ps(query + i + 16);
-      for (int k = 0; k < 4; ++k) {
-        const __m512i w = _mm512_loadu_si512(rows[r + k] + i);
-        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0, lo[k]);
-        hi[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high_half)), q1, hi[k]);
-      }
-    }
-    if (rest > 0) {
-      // The row's padding is zero; the query is read only up to dim.
-      const __m512 q0 = _mm512_maskz_loadu_ps(mask_lo, query + full);
-      const __m512 q1 = _mm512_maskz_loadu_ps(mask_hi, query + full + 16);
-      for (int k = 0; k < 4; ++k) {
-        const __m512i w = _mm512_loadu_si512(rows[r + k] + full);
-        lo[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0, lo[k]);
-        hi[k] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high_half)), q1, hi[k]);
-      }
-    }
-    for (int k = 0; k < 4; ++k) out[r + k] = HorizontalSumAvx512(_mm512_add_ps(lo[k], hi[k]));
+  __m512 lo[Rows][Unroll], hi[Rows][Unroll];
+  for (int k = 0; k < Rows; ++k) {
+    for (int u = 0; u < Unroll; ++u) lo[k][u] = hi[k][u] = _mm512_setzero_ps();
   }
-  if (r < n) DotRowsBf16Scalar(rows + r, n - r, query, dim, out + r);
+  int i = 0;
+  for (; i + 32 * Unroll <= full; i += 32 * Unroll) {
+    for (int u = 0; u < Unroll; ++u) {
+      const int at = i + 32 * u;
+      const __m512 q0 = _mm512_loadu_ps(query + at);
+      const __m512 q1 = _mm512_loadu_ps(query + at + 16);
+      for (int k = 0; k < Rows; ++k) {
+        const __m512i w = _mm512_loadu_si512(rows[k] + at);
+        lo[k][u] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0, lo[k][u]);
+        hi[k][u] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high_half)), q1, hi[k][u]);
+      }
+    }
+  }
+  // The blocks past the last whole step, then the masked end (the row's padding is zero; the
+  // query is read only up to dim).
+  for (; i < dim; i += 32) {
+    const int left = dim - i;
+    const __mmask16 mask_lo = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 mask_hi = left >= 32  ? static_cast<__mmask16>(0xffff)
+                              : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1)
+                                          : static_cast<__mmask16>(0);
+    const __m512 q0 = _mm512_maskz_loadu_ps(mask_lo, query + i);
+    const __m512 q1 = _mm512_maskz_loadu_ps(mask_hi, query + i + 16);
+    for (int k = 0; k < Rows; ++k) {
+      const __m512i w = _mm512_loadu_si512(rows[k] + i);
+      lo[k][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16)), q0, lo[k][0]);
+      hi[k][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high_half)), q1, hi[k][0]);
+    }
+  }
+  for (int k = 0; k < Rows; ++k) {
+    __m512 sum = _mm512_add_ps(lo[k][0], hi[k][0]);
+    for (int u = 1; u < Unroll; ++u) sum = _mm512_add_ps(sum, _mm512_add_ps(lo[k][u], hi[k][u]));
+    out[k] = HorizontalSumAvx512(sum);
+  }
 }
 
 ELDR_TARGET_AVX512 void DotRowsBf16Avx512(const uint16_t* const* rows, int n, const float* query, int dim, float* out) {
-  InGroupsOf4([&](const uint16_t* const* group, int count,
-                  float* group_out) { DotRowsBf16Avx512Groups(group, count, query, dim, group_out); },
-              rows, n, out);
+  InBlocksOf4Then2Then1(
+      [&](auto block_rows, const uint16_t* const* block, float* block_out) {
+        constexpr int kRows = decltype(block_rows)::value;
+        DotRowsBf16Avx512Block<kRows, 4 / kRows>(block, query, dim, block_out);
+      },
+      rows, n, out);
 }
 
 ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uint16_t* masks, const int* offsets,
@@ -850,25 +905,44 @@ ELDR_TARGET_AVX512 void DotRowsU8S8Avx512(const int8_t* const* rows, int n, cons
 
 #define ELDR_TARGET_AVX512_VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx2,fma,f16c")))
 
-ELDR_TARGET_AVX512_VNNI void DotRowsU8S8Avx512VnniGroups(const int8_t* const* rows, int n, const uint8_t* query,
-                                                         int padded, int32_t* out) {
-  int r = 0;
-  for (; r + 4 <= n; r += 4) {
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (int i = 0; i < padded; i += 64) {
-      const __m512i q = _mm512_loadu_si512(query + i);
-      for (int k = 0; k < 4; ++k) acc[k] = _mm512_dpbusd_epi32(acc[k], q, _mm512_loadu_si512(rows[r + k] + i));
-    }
-    for (int k = 0; k < 4; ++k) out[r + k] = _mm512_reduce_add_epi32(acc[k]);
+// Rows rows (1, 2 or 4) at once, `unroll` blocks of 64 values per step: rows * unroll
+// independent sums, 8 for every block size (one sum per row left each row a chain of dependent
+// vpdpbusd, bound by its latency).
+template <int Rows, int Unroll>
+ELDR_TARGET_AVX512_VNNI void DotRowsU8S8Avx512VnniBlock(const int8_t* const* rows, const uint8_t* query, int padded,
+                                                        int32_t* out) {
+  __m512i acc[Rows][Unroll];
+  for (int k = 0; k < Rows; ++k) {
+    for (int u = 0; u < Unroll; ++u) acc[k][u] = _mm512_setzero_si512();
   }
-  if (r < n) DotRowsU8S8Scalar(rows + r, n - r, query, padded, out + r);
+  int i = 0;
+  for (; i + 64 * Unroll <= padded; i += 64 * Unroll) {
+    for (int u = 0; u < Unroll; ++u) {
+      const __m512i q = _mm512_loadu_si512(query + i + 64 * u);
+      for (int k = 0; k < Rows; ++k) {
+        acc[k][u] = _mm512_dpbusd_epi32(acc[k][u], q, _mm512_loadu_si512(rows[k] + i + 64 * u));
+      }
+    }
+  }
+  for (; i < padded; i += 64) {
+    const __m512i q = _mm512_loadu_si512(query + i);
+    for (int k = 0; k < Rows; ++k) acc[k][0] = _mm512_dpbusd_epi32(acc[k][0], q, _mm512_loadu_si512(rows[k] + i));
+  }
+  for (int k = 0; k < Rows; ++k) {
+    __m512i sum = acc[k][0];
+    for (int u = 1; u < Unroll; ++u) sum = _mm512_add_epi32(sum, acc[k][u]);
+    out[k] = _mm512_reduce_add_epi32(sum);
+  }
 }
 
 ELDR_TARGET_AVX512_VNNI void DotRowsU8S8Avx512Vnni(const int8_t* const* rows, int n, const uint8_t* query, int padded,
                                                    int32_t* out) {
-  InGroupsOf4([&](const int8_t* const* group, int count,
-                  int32_t* group_out) { DotRowsU8S8Avx512VnniGroups(group, count, query, padded, group_out); },
-              rows, n, out);
+  InBlocksOf4Then2Then1(
+      [&](auto block_rows, const int8_t* const* block, int32_t* block_out) {
+        constexpr int kRows = decltype(block_rows)::value;
+        DotRowsU8S8Avx512VnniBlock<kRows, 8 / kRows>(block, query, padded, block_out);
+      },
+      rows, n, out);
 }
 
 ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* q, int dim, int padded, int max_level, float known_max,

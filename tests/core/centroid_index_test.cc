@@ -308,7 +308,7 @@ TEST(ScorerKernelsTest, EveryLevelMatchesDoubleReference) {
     const internal::ScorerKernels& kernels = KernelsFor(level);
     ASSERT_EQ(kernels.level, level);
     for (int dim : {0, 1, 7, 15, 16, 17, 31, 32, 33, 47, 100, 1664, 6144}) {
-      for (int n : {0, 1, 3, 4, 5, 9}) {
+      for (int n : {0, 1, 2, 3, 4, 5, 6, 7, 9}) {
         // One spare element so that rows start unaligned (offset 1).
         std::vector<float> data(static_cast<size_t>(n) * dim + 1);
         for (float& v : data) v = normal(rng);
@@ -449,8 +449,8 @@ TEST(ScorerKernelsTest, ConvertGatherInt16MatchesTheDefinitionAtEveryLevel) {
 TEST(ScorerKernelsTest, Int8DotsAreExactAtEveryLevel) {
   std::mt19937_64 rng(41);
   for (const internal::Int8DotKernel& kernel : internal::AvailableInt8DotKernels()) {
-    for (int padded : {64, 128, 4544 / 64 * 64 + 64, 6144}) {
-      for (int n : {1, 3, 4, 5, 16, 17}) {
+    for (int padded : {64, 128, 192, 4544, 4544 / 64 * 64 + 64, 6144}) {
+      for (int n : {1, 2, 3, 4, 5, 6, 7, 16, 17}) {
         std::vector<std::vector<int8_t>> rows(n, std::vector<int8_t>(padded));
         std::vector<const int8_t*> pointers;
         for (auto& row : rows) {
