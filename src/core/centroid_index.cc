@@ -40,6 +40,7 @@
 #include "common/status_macros.h"
 #include "core/centroid_index_internal.h"
 #include "core/scorer_kernels.h"
+#include "core/signature_kernels.h"
 #include "eldr/core/errors.h"
 #include "faiss/IndexHNSW.h"
 #include "faiss/VectorTransform.h"
@@ -85,7 +86,7 @@ int PaddedStride(int cols) {
 
 // Per-thread scratch: Search is const and runs on many threads at once.
 struct Scratch {
-  AlignedVector<float> query;      // compacted query
+  AlignedVector<float> query;      // compacted query (Search), or the scaled kept query (SearchKept)
   AlignedVector<float> projected;  // reduced-space query
   std::vector<float> scores;
   std::vector<float> refined;
@@ -169,6 +170,10 @@ class ColumnMap {
     const float* data;
     float norm;
     float max = -1;  // >= 0: every value lies in [0, max] (see SearchKept); else unknown
+    // The query is data[i] * factor, each product rounded to float (SearchKept's unnormalised
+    // values); 1: data is the query. norm and max are the scaled query's. ScaleQuery (or the 8-bit
+    // scan, which scales on the way) writes the scaled query to scratch and sets 1.
+    float factor = 1.f;
   };
   Prepared Prepare(const float* query, const ScorerKernels& kernels, AlignedVector<float>* buffer) const {
     if (!compact_) {
@@ -289,13 +294,15 @@ class RowStore {
   // 8-bit scan of rows `ids` (null: 0..n-1) against `q` (cols() floats, norm q_norm): scores and
   // their error bounds (see BuildInt8) into `scores` and scratch->bounds. Returns false when the
   // query cannot be quantised (a negative or non-finite value): nothing is written then.
-  bool ScanInt8(const ScorerKernels& kernels, const float* q, float q_norm, float q_max, const int* ids, int n,
-                Scratch* scratch, float* scores) const {
+  // A query with a factor other than 1 is scaled on the way into `scaled` (cols() floats), which
+  // then holds the query.
+  bool ScanInt8(const ScorerKernels& kernels, const float* q, float factor, float* scaled, float q_norm, float q_max,
+                const int* ids, int n, Scratch* scratch, float* scores) const {
     const int padded = PaddedStride<int8_t>(cols_);
     if (static_cast<int>(scratch->query8.size()) < padded) scratch->query8.resize(padded);
     float q_scale = 0, residual2 = 0, quantised2 = 0;
-    if (!kernels.quantise_query(q, cols_, padded, kernels.int8_query_max, q_max, scratch->query8.data(), &q_scale,
-                                &residual2, &quantised2)) {
+    if (!kernels.quantise_query(q, factor, cols_, padded, kernels.int8_query_max, q_max, scratch->query8.data(),
+                                factor == 1.f ? nullptr : scaled, &q_scale, &residual2, &quantised2)) {
       return false;
     }
     scratch->i8_rows.resize(n);
@@ -381,48 +388,70 @@ class RowStore {
   std::vector<const uint16_t*> h16_rows_;
 };
 
-// Scans rows `ids` (n of them; null means rows 0..n-1) of `store` against the prepared query `q`
+// Writes a prepared query with a factor other than 1 (SearchKept's unnormalised values) scaled
+// into scratch->query, and makes `query` point there with factor 1.
+void ScaleQuery(int cols, ColumnMap::Prepared* query, Scratch* scratch) {
+  if (query->factor == 1.f) return;
+  if (static_cast<int>(scratch->query.size()) < cols + 16) scratch->query.resize(cols + 16);
+  internal::BestSignatureKernels().scale(query->data, static_cast<size_t>(cols), query->factor, scratch->query.data());
+  query->data = scratch->query.data();
+  query->factor = 1.f;
+}
+
+// Scans rows `ids` (n of them; null means rows 0..n-1) of `store` against the prepared query
 // (norm q_norm): reduced-precision scores with their error bounds in scratch->bounds when the
-// store has a 16- or 8-bit copy, fp32 scores otherwise (and scratch->scan_exact).
+// store has a 16- or 8-bit copy, fp32 scores otherwise (and scratch->scan_exact). A query with a
+// factor is scaled first (ScaleQuery; the 8-bit stage does it on the way): on return `query` has
+// factor 1.
 //
 // With an 8-bit copy the scan has two stages. The 8-bit scores s8_j come with bounds b8_j; m8 =
 // max_j (s8_j - b8_j) is at most the exact best score. A row with s8_j + b8_j < m8 - band_tau - B16
 // (B16: the largest bfloat16 bound) lies below the band edge by more than any later score of the
 // best row can err, so it keeps its 8-bit score and is marked decided (scratch->decided; RefineRows
 // skips it); the others, the best among them, are scored again in bfloat16 with their bounds.
-void ScanRows(const RowStore& store, const ScorerKernels& kernels, const ColumnMap::Prepared& query, const int* ids,
-              int n, float band_tau, Scratch* scratch, float* scores) {
-  const float* q = query.data;
-  const float q_norm = query.norm;
+void ScanRows(const RowStore& store, const ScorerKernels& kernels, ColumnMap::Prepared* query, const int* ids, int n,
+              float band_tau, Scratch* scratch, float* scores) {
   const int cols = store.cols();
+  const float q_norm = query->norm;
   scratch->scan_exact = false;
   scratch->has_decided = false;
-  if (store.int8() && store.ScanInt8(kernels, q, q_norm, query.max, ids, n, scratch, scores)) {
-    float floor = -std::numeric_limits<float>::infinity();
-    for (int i = 0; i < n; ++i) floor = std::max(floor, scores[i] - scratch->bounds[i]);
-    const float out_below = floor - band_tau - q_norm * store.max_error_factor();
-    scratch->decided.assign(n, 0);
-    scratch->h16_rows.clear();
-    scratch->undecided.clear();
-    for (int i = 0; i < n; ++i) {
-      if (scores[i] + scratch->bounds[i] < out_below) {
-        scratch->decided[i] = 1;
-      } else {
-        scratch->undecided.push_back(i);
-        scratch->h16_rows.push_back(store.h16_row(ids == nullptr ? i : ids[i]));
+  if (store.int8()) {
+    if (query->factor != 1.f && static_cast<int>(scratch->query.size()) < cols + 16) scratch->query.resize(cols + 16);
+    if (store.ScanInt8(kernels, query->data, query->factor, scratch->query.data(), q_norm, query->max, ids, n, scratch,
+                       scores)) {
+      if (query->factor != 1.f) {
+        query->data = scratch->query.data();
+        query->factor = 1.f;
       }
+      const float* q = query->data;
+      float floor = -std::numeric_limits<float>::infinity();
+      for (int i = 0; i < n; ++i) floor = std::max(floor, scores[i] - scratch->bounds[i]);
+      const float out_below = floor - band_tau - q_norm * store.max_error_factor();
+      scratch->decided.assign(n, 0);
+      scratch->h16_rows.clear();
+      scratch->undecided.clear();
+      for (int i = 0; i < n; ++i) {
+        if (scores[i] + scratch->bounds[i] < out_below) {
+          scratch->decided[i] = 1;
+        } else {
+          scratch->undecided.push_back(i);
+          scratch->h16_rows.push_back(store.h16_row(ids == nullptr ? i : ids[i]));
+        }
+      }
+      scratch->has_decided = true;
+      const int m = static_cast<int>(scratch->undecided.size());
+      scratch->rescored.resize(m);
+      store.ScanHalf(kernels, scratch->h16_rows.data(), m, q, scratch->rescored.data());
+      for (int k = 0; k < m; ++k) {
+        const int i = scratch->undecided[k];
+        scores[i] = scratch->rescored[k];
+        scratch->bounds[i] = q_norm * store.error_factor(ids == nullptr ? i : ids[i]);
+      }
+      return;
     }
-    scratch->has_decided = true;
-    const int m = static_cast<int>(scratch->undecided.size());
-    scratch->rescored.resize(m);
-    store.ScanHalf(kernels, scratch->h16_rows.data(), m, q, scratch->rescored.data());
-    for (int k = 0; k < m; ++k) {
-      const int i = scratch->undecided[k];
-      scores[i] = scratch->rescored[k];
-      scratch->bounds[i] = q_norm * store.error_factor(ids == nullptr ? i : ids[i]);
-    }
-    return;
   }
+  ScaleQuery(cols, query, scratch);
+  const float* q = query->data;
   if (!store.half() || store.int8()) {  // fp32 rows, or a query the 8-bit scan cannot take
     scratch->scan_exact = true;
     scratch->bounds.assign(n, 0.f);
@@ -633,10 +662,10 @@ class ExactIndex final : public CentroidIndex {
 
   const ColumnSelection* kept_columns() const override { return columns_.selection(); }
 
-  absl::Status SearchKept(absl::Span<const float> kept_query, float kept_norm, float kept_max,
+  absl::Status SearchKept(absl::Span<const float> kept_query, float value_scale, float kept_norm, float kept_max,
                           std::vector<ScoredRow>* out) const override {
     ELDR_RETURN_IF_ERROR(CheckKeptQuery(columns_, kept_query));
-    SearchPrepared(ColumnMap::Prepared{kept_query.data(), kept_norm, kept_max}, &ThreadScratch(), out);
+    SearchPrepared(ColumnMap::Prepared{kept_query.data(), kept_norm, kept_max, value_scale}, &ThreadScratch(), out);
     return absl::OkStatus();
   }
 
@@ -646,11 +675,11 @@ class ExactIndex final : public CentroidIndex {
 
  private:
   // Scores the prepared (kept-column) query against every row.
-  void SearchPrepared(const ColumnMap::Prepared& q, Scratch* scratch, std::vector<ScoredRow>* out) const {
+  void SearchPrepared(ColumnMap::Prepared q, Scratch* scratch, std::vector<ScoredRow>* out) const {
     const ScorerKernels& kernels = BestKernels();
     const int n = store_.rows();
     scratch->scores.resize(n);
-    ScanRows(store_, kernels, q, nullptr, n, band_tau_, scratch, scratch->scores.data());
+    ScanRows(store_, kernels, &q, nullptr, n, band_tau_, scratch, scratch->scores.data());
     RefineRows(store_, kernels, q.data, nullptr, n, band_tau_, scratch, scratch->scores.data());
     out->resize(n);
     for (int r = 0; r < n; ++r) (*out)[r] = ScoredRow{r, scratch->scores[r]};
@@ -721,10 +750,14 @@ class ReducedIndex final : public CentroidIndex {
 
   const ColumnSelection* kept_columns() const override { return columns_.selection(); }
 
-  absl::Status SearchKept(absl::Span<const float> kept_query, float kept_norm, float kept_max,
+  absl::Status SearchKept(absl::Span<const float> kept_query, float value_scale, float kept_norm, float kept_max,
                           std::vector<ScoredRow>* out) const override {
     ELDR_RETURN_IF_ERROR(CheckKeptQuery(columns_, kept_query));
-    return SearchPrepared(ColumnMap::Prepared{kept_query.data(), kept_norm, kept_max}, &ThreadScratch(), out);
+    Scratch& scratch = ThreadScratch();
+    // Every stage reads the query: scaled once, first.
+    ColumnMap::Prepared prepared{kept_query.data(), kept_norm, kept_max, value_scale};
+    ScaleQuery(store_.cols(), &prepared, &scratch);
+    return SearchPrepared(prepared, &scratch, out);
   }
 
   absl::Status ScoreBatch(absl::Span<const float> queries, int n, absl::Span<float> scores) const override {
@@ -781,7 +814,8 @@ class ReducedIndex final : public CentroidIndex {
       fetched = static_cast<int>(scratch.ids.size());
       // Score the new candidates (HNSW with a larger k returns the earlier ones first).
       scratch.candidate_scores.resize(fetched);
-      ScanRows(store_, kernels, prepared, scratch.ids.data() + scored, fetched - scored, band_tau_, &scratch,
+      ColumnMap::Prepared scanned = prepared;  // factor 1 (SearchKept scaled it): ScanRows keeps it
+      ScanRows(store_, kernels, &scanned, scratch.ids.data() + scored, fetched - scored, band_tau_, &scratch,
                scratch.candidate_scores.data() + scored);
       // Bounds and 8-bit decisions accumulate over the rounds, in candidate order (RefineRows
       // reads them all).
@@ -969,8 +1003,8 @@ class ReducedIndex final : public CentroidIndex {
     const int padded = PaddedStride<int8_t>(cols);
     if (static_cast<int>(scratch->query8.size()) < padded) scratch->query8.resize(padded);
     float q_scale = 0, residual2 = 0, quantised2 = 0;
-    if (!kernels.quantise_query(prepared.data, cols, padded, kernels.int8_query_max, prepared.max,
-                                scratch->query8.data(), &q_scale, &residual2, &quantised2)) {
+    if (!kernels.quantise_query(prepared.data, prepared.factor, cols, padded, kernels.int8_query_max, prepared.max,
+                                scratch->query8.data(), nullptr, &q_scale, &residual2, &quantised2)) {
       return false;
     }
     scratch->dots.resize(reduced_dims_);

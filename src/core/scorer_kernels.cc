@@ -95,24 +95,27 @@ void DotRowsU8S8Scalar(const int8_t* const* rows, int n, const uint8_t* query, i
   }
 }
 
-bool QuantiseQueryScalar(const float* q, int dim, int padded, int max_level, float known_max, uint8_t* out,
-                         float* scale, float* residual_norm2, float* quantised_norm2) {
+bool QuantiseQueryScalar(const float* in, float factor, int dim, int padded, int max_level, float known_max,
+                         uint8_t* out, float* scaled, float* scale, float* residual_norm2, float* quantised_norm2) {
   float largest = known_max;
   if (!(known_max >= 0.f)) {
     largest = 0;
     for (int i = 0; i < dim; ++i) {
-      if (!(q[i] >= 0.f) || !std::isfinite(q[i])) return false;
-      largest = std::max(largest, q[i]);
+      const float v = in[i] * factor;
+      if (!(v >= 0.f) || !std::isfinite(v)) return false;
+      largest = std::max(largest, v);
     }
   }
   const float step = largest > 0 ? largest / static_cast<float>(max_level) : 1.f;
   const float inverse = 1.f / step;
   float residual = 0, quantised = 0;
   for (int i = 0; i < dim; ++i) {
-    const int level = std::min(max_level, static_cast<int>(std::nearbyint(q[i] * inverse)));
+    const float v = in[i] * factor;
+    if (scaled != nullptr) scaled[i] = v;
+    const int level = std::min(max_level, static_cast<int>(std::nearbyint(v * inverse)));
     out[i] = static_cast<uint8_t>(level);
     const float value = static_cast<float>(level) * step;
-    residual += (value - q[i]) * (value - q[i]);
+    residual += (value - v) * (value - v);
     quantised += value * value;
   }
   std::memset(out + dim, 0, static_cast<size_t>(padded - dim));
@@ -502,8 +505,10 @@ ELDR_TARGET_AVX2 void DotRowsU8S8Avx2(const int8_t* const* rows, int n, const ui
               rows, n, out);
 }
 
-ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* q, int dim, int padded, int max_level, float known_max,
-                                        uint8_t* out, float* scale, float* residual_norm2, float* quantised_norm2) {
+ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* in, float factor, int dim, int padded, int max_level,
+                                        float known_max, uint8_t* out, float* scaled, float* scale,
+                                        float* residual_norm2, float* quantised_norm2) {
+  const __m256 f = _mm256_set1_ps(factor);
   // Pass 1: the largest value; a negative value or a NaN fails the ordered >= 0 test, +Inf the
   // finiteness test of the maximum.
   __m256 largest = _mm256_setzero_ps();
@@ -511,7 +516,7 @@ ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* q, int dim, int padded, int
   const __m256 zero = _mm256_setzero_ps();
   int i = known_max >= 0.f ? dim : 0;  // a known maximum skips the pass
   for (; i + 8 <= dim; i += 8) {
-    const __m256 v = _mm256_loadu_ps(q + i);
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(in + i), f);
     bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, zero, _CMP_NGE_UQ));
     largest = _mm256_max_ps(largest, v);
   }
@@ -521,8 +526,9 @@ ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* q, int dim, int padded, int
   float top = 0;
   for (float lane : lanes) top = std::max(top, lane);
   for (int j = i; j < dim; ++j) {
-    if (!(q[j] >= 0.f)) return false;
-    top = std::max(top, q[j]);
+    const float v = in[j] * factor;
+    if (!(v >= 0.f)) return false;
+    top = std::max(top, v);
   }
   if (known_max >= 0.f) top = known_max;
   if (!std::isfinite(top)) return false;
@@ -533,7 +539,8 @@ ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* q, int dim, int padded, int
   __m256 residual = _mm256_setzero_ps(), quantised = _mm256_setzero_ps();
   i = 0;
   for (; i + 8 <= dim; i += 8) {
-    const __m256 v = _mm256_loadu_ps(q + i);
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(in + i), f);
+    if (scaled != nullptr) _mm256_storeu_ps(scaled + i, v);
     // Round to nearest (the default MXCSR mode, as std::nearbyint in the scalar version).
     const __m256i level = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, inverse)), cap);
     const __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(level), step_v);
@@ -546,10 +553,12 @@ ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* q, int dim, int padded, int
   }
   float residual_sum = HorizontalSumAvx2(residual), quantised_sum = HorizontalSumAvx2(quantised);
   for (; i < dim; ++i) {
-    const int level = std::min(max_level, static_cast<int>(std::nearbyint(q[i] * (1.f / step))));
+    const float v = in[i] * factor;
+    if (scaled != nullptr) scaled[i] = v;
+    const int level = std::min(max_level, static_cast<int>(std::nearbyint(v * (1.f / step))));
     out[i] = static_cast<uint8_t>(level);
     const float value = static_cast<float>(level) * step;
-    residual_sum += (value - q[i]) * (value - q[i]);
+    residual_sum += (value - v) * (value - v);
     quantised_sum += value * value;
   }
   std::memset(out + dim, 0, static_cast<size_t>(padded - dim));
@@ -945,8 +954,10 @@ ELDR_TARGET_AVX512_VNNI void DotRowsU8S8Avx512Vnni(const int8_t* const* rows, in
       rows, n, out);
 }
 
-ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* q, int dim, int padded, int max_level, float known_max,
-                                            uint8_t* out, float* scale, float* residual_norm2, float* quantised_norm2) {
+ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* in, float factor, int dim, int padded, int max_level,
+                                            float known_max, uint8_t* out, float* scaled, float* scale,
+                                            float* residual_norm2, float* quantised_norm2) {
+  const __m512 f = _mm512_set1_ps(factor);
   // Pass 1: the largest value; a negative value or a NaN fails the ordered >= 0 test.
   const __m512 zero = _mm512_setzero_ps();
   __m512 largest = zero;
@@ -955,7 +966,7 @@ ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* q, int dim, int padded,
   for (; i < dim; i += 16) {
     const __mmask16 valid =
         dim - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (dim - i)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(valid, q + i);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, in + i), f);
     bad |= _mm512_mask_cmp_ps_mask(valid, v, zero, _CMP_NGE_UQ);
     largest = _mm512_max_ps(largest, v);
   }
@@ -970,7 +981,8 @@ ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* q, int dim, int padded,
   for (i = 0; i < dim; i += 16) {
     const __mmask16 valid =
         dim - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (dim - i)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(valid, q + i);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, in + i), f);
+    if (scaled != nullptr) _mm512_mask_storeu_ps(scaled + i, valid, v);
     // Round to nearest even (the default MXCSR mode, as std::nearbyint in the scalar version).
     const __m512i level = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inverse)), cap);
     const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(level), step_v);

@@ -91,15 +91,19 @@ using ConvertGatherInt16Fn = float (*)(const char* src, const float* weights, in
 // query are zero past their length. padded * 255 * 127 must fit in int32 (padded <= 65,536).
 using DotRowsU8S8Fn = void (*)(const int8_t* const* rows, int n, const uint8_t* query, int padded, int32_t* out);
 
-// Quantises a non-negative query of dim floats to out[i] = round(q[i] / scale) in [0, max_level],
-// scale = max(q) / max_level (1 for an all-zero query), zero-padding out to `padded` (a multiple
-// of 64, >= dim). Sets *scale, *residual_norm2 = sum (out[i] * scale - q[i])^2 and
-// *quantised_norm2 = sum (out[i] * scale)^2, both accumulated in float lanes. Returns false,
-// writing nothing useful, when a value is negative or not finite (the caller scans in fp32).
-// known_max >= 0: the caller guarantees every value lies in [0, known_max] (the fused transform
-// knows it), so the checking pass over q is skipped and max(q) is taken as known_max.
-using QuantiseQueryFn = bool (*)(const float* q, int dim, int padded, int max_level, float known_max, uint8_t* out,
-                                 float* scale, float* residual_norm2, float* quantised_norm2);
+// Quantises a non-negative query of dim floats, q[i] = in[i] * factor (each product rounded to
+// float, as an in-place scaling would store it; factor 1: `in` itself), to out[i] = round(q[i] /
+// scale) in [0, max_level], scale = max(q) / max_level (1 for an all-zero query), zero-padding
+// out to `padded` (a multiple of 64, >= dim). Sets *scale, *residual_norm2 = sum (out[i] * scale -
+// q[i])^2 and *quantised_norm2 = sum (out[i] * scale)^2, both accumulated in float lanes. When
+// `scaled` is not null, also writes q into scaled[0, dim) (the later stages score it: one pass
+// instead of scaling first; it must not overlap `in`). Returns false, writing nothing useful,
+// when a value of q is negative or not finite (the caller scans in fp32). known_max >= 0: the
+// caller guarantees every value of q lies in [0, known_max] (the fused transform knows it), so the
+// checking pass is skipped and max(q) is taken as known_max.
+using QuantiseQueryFn = bool (*)(const float* in, float factor, int dim, int padded, int max_level, float known_max,
+                                 uint8_t* out, float* scaled, float* scale, float* residual_norm2,
+                                 float* quantised_norm2);
 
 // The largest magnitude bits (bits & 0x7fffffff) of n floats: their integer order is the order of
 // |x|, with Inf and NaN above every finite value. 0 for n = 0.

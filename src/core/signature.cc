@@ -416,7 +416,7 @@ absl::Status SignatureTransform::Apply(const SignatureInput& input, absl::Span<f
     }
   }
   const float factor = static_cast<float>(1.0 / std::sqrt(sum_of_squares));
-  internal::BestSignatureKernels().scale(out.data(), out.size(), factor);
+  internal::BestSignatureKernels().scale(out.data(), out.size(), factor, out.data());
   return absl::OkStatus();
 }
 
@@ -517,13 +517,13 @@ absl::StatusOr<SignatureTransform::KeptValues> SignatureTransform::ApplyKept(con
         }
       }
     }
-    return KeptValues{static_cast<float>(std::sqrt(kept_norm2)), largest};
+    return KeptValues{1.f, static_cast<float>(std::sqrt(kept_norm2)), largest};
   }
+  // The scaling is left to the scorer (see the header). Rounding is monotonic: the largest scaled
+  // value is the scaled largest value.
   const double inverse_norm = 1.0 / std::sqrt(sum);
   const float factor = static_cast<float>(inverse_norm);
-  layout.kernels.scale(out.data(), static_cast<size_t>(selection.kept), factor);
-  // Rounding is monotonic: the largest scaled value is the scaled largest value.
-  return KeptValues{static_cast<float>(std::sqrt(std::max(0.0, static_cast<double>(kept_sum))) * inverse_norm),
+  return KeptValues{factor, static_cast<float>(std::sqrt(std::max(0.0, static_cast<double>(kept_sum))) * inverse_norm),
                     kept_max * factor};
 }
 

@@ -56,8 +56,8 @@ double ConvertFloatScalar(const float* src, float* dst, size_t n, int32_t* negat
   return sum;
 }
 
-void ScaleScalar(float* data, size_t n, float factor) {
-  for (size_t i = 0; i < n; ++i) data[i] *= factor;
+void ScaleScalar(const float* in, size_t n, float factor, float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = in[i] * factor;
 }
 
 int32_t OrInt16Scalar(const char* src, size_t n) {
@@ -193,11 +193,11 @@ ELDR_AVX2 double ConvertFloatAvx2(const float* src, float* dst, size_t n, int32_
   return sum;
 }
 
-ELDR_AVX2 void ScaleAvx2(float* data, size_t n, float factor) {
+ELDR_AVX2 void ScaleAvx2(const float* in, size_t n, float factor, float* out) {
   const __m256 f = _mm256_set1_ps(factor);
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(data + i, _mm256_mul_ps(_mm256_loadu_ps(data + i), f));
-  for (; i < n; ++i) data[i] *= factor;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(in + i), f));
+  for (; i < n; ++i) out[i] = in[i] * factor;
 }
 
 ELDR_AVX2 int32_t OrInt16Avx2(const char* src, size_t n) {

@@ -21,8 +21,9 @@ struct SignatureKernels {
   // Floats (no weights); adds the number of negative values to *negatives. A NaN or Inf makes the
   // returned sum non-finite.
   double (*convert_float)(const float* src, float* dst, size_t n, int32_t* negatives);
-  // data[i] *= factor.
-  void (*scale)(float* data, size_t n, float factor);
+  // out[i] = in[i] * factor for i in [0, n); `out` may be `in` (in place), else they must not
+  // overlap.
+  void (*scale)(const float* in, size_t n, float factor, float* out);
   // OR of n int16 counts (layers outside the mask are still checked for negatives).
   int32_t (*or_int16)(const char* src, size_t n);
   const char* name;  // "avx2" or "scalar"

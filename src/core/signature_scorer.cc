@@ -32,7 +32,7 @@ absl::Status SignatureScorer::Score(const SignatureInput& input, Buffers* buffer
     buffers->kept_query.resize(static_cast<size_t>(kept_columns_->kept) + 16);
     ELDR_ASSIGN_OR_RETURN(const SignatureTransform::KeptValues kept,
                           transform_.ApplyKept(*counts, *kept_columns_, absl::MakeSpan(buffers->kept_query)));
-    searched = index_.SearchKept(buffers->kept_query, kept.norm, kept.max, out);
+    searched = index_.SearchKept(buffers->kept_query, kept.scale, kept.norm, kept.max, out);
   } else {
     ELDR_RETURN_IF_ERROR(Transform(input, buffers));
     searched = index_.Search(buffers->signature, out);

@@ -485,16 +485,40 @@ TEST(ScorerKernelsTest, QueryQuantisationMatchesTheDefinitionAtEveryLevel) {
       for (float& v : q) v = uniform(rng) * uniform(rng);
       std::vector<uint8_t> out(padded, 0xee);
       float scale = 0, residual2 = 0, quantised2 = 0;
-      ASSERT_TRUE(kernels.quantise_query(q.data(), dim, padded, kernels.int8_query_max, /*known_max=*/-1.f, out.data(),
-                                         &scale, &residual2, &quantised2));
+      ASSERT_TRUE(kernels.quantise_query(q.data(), /*factor=*/1.f, dim, padded, kernels.int8_query_max,
+                                         /*known_max=*/-1.f, out.data(), /*scaled=*/nullptr, &scale, &residual2,
+                                         &quantised2));
       // A known maximum gives the same result without the checking pass.
       std::vector<uint8_t> hinted(padded, 0xee);
       float hinted_scale = 0, hinted_residual2 = 0, hinted_quantised2 = 0;
-      ASSERT_TRUE(kernels.quantise_query(q.data(), dim, padded, kernels.int8_query_max,
-                                         *std::max_element(q.begin(), q.end()), hinted.data(), &hinted_scale,
+      ASSERT_TRUE(kernels.quantise_query(q.data(), 1.f, dim, padded, kernels.int8_query_max,
+                                         *std::max_element(q.begin(), q.end()), hinted.data(), nullptr, &hinted_scale,
                                          &hinted_residual2, &hinted_quantised2));
       EXPECT_EQ(hinted, out);
       EXPECT_EQ(hinted_scale, scale);
+      // Scaling on the way (the fused route decision's unnormalised values, with and without the
+      // known maximum) is scaling first: the same levels, step, sums and scaled values.
+      const float factor = 0.37f;
+      std::vector<float> raw(dim), scaled_first(dim);
+      for (int i = 0; i < dim; ++i) {
+        raw[i] = q[i] / 0.37f;
+        scaled_first[i] = raw[i] * factor;
+      }
+      for (bool known : {false, true}) {
+        std::vector<uint8_t> first(padded, 0xee), fused(padded, 0xee);
+        std::vector<float> written(dim, -1.f);
+        float s1 = 0, r1 = 0, q1 = 0, s2 = 0, r2 = 0, q2 = 0;
+        const float top_scaled = *std::max_element(scaled_first.begin(), scaled_first.end());
+        ASSERT_TRUE(kernels.quantise_query(scaled_first.data(), 1.f, dim, padded, kernels.int8_query_max,
+                                           known ? top_scaled : -1.f, first.data(), nullptr, &s1, &r1, &q1));
+        ASSERT_TRUE(kernels.quantise_query(raw.data(), factor, dim, padded, kernels.int8_query_max,
+                                           known ? top_scaled : -1.f, fused.data(), written.data(), &s2, &r2, &q2));
+        EXPECT_EQ(fused, first) << SimdLevelName(level) << " dim " << dim;
+        EXPECT_EQ(written, scaled_first) << SimdLevelName(level) << " dim " << dim;
+        EXPECT_EQ(s2, s1);
+        EXPECT_EQ(r2, r1);
+        EXPECT_EQ(q2, q1);
+      }
       const float top = *std::max_element(q.begin(), q.end());
       EXPECT_FLOAT_EQ(scale, top / kernels.int8_query_max);
       double want_residual = 0, want_quantised = 0;
@@ -512,8 +536,8 @@ TEST(ScorerKernelsTest, QueryQuantisationMatchesTheDefinitionAtEveryLevel) {
       for (float bad : {-1e-3f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
         std::vector<float> spoiled = q;
         spoiled[dim / 2] = bad;
-        EXPECT_FALSE(kernels.quantise_query(spoiled.data(), dim, padded, kernels.int8_query_max, -1.f, out.data(),
-                                            &scale, &residual2, &quantised2))
+        EXPECT_FALSE(kernels.quantise_query(spoiled.data(), 1.f, dim, padded, kernels.int8_query_max, -1.f,
+                                            out.data(), nullptr, &scale, &residual2, &quantised2))
             << SimdLevelName(level) << " " << bad;
       }
     }

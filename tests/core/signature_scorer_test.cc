@@ -155,6 +155,48 @@ TEST(SignatureScorerTest, FusedPathDecidesAsApplyThenSearch) {
   }
 }
 
+// ApplyKept leaves the normalisation to SearchKept, which scales as part of its 8-bit scan or in a
+// pass of its own: the results are bit for bit those of scaling the values first, for every scan
+// format and both index kinds.
+TEST(SignatureScorerTest, SearchKeptScalesAsScalingFirstWould) {
+  std::mt19937_64 rng(9);
+  const Workload w = MakeWorkload(/*layers=*/16, /*experts=*/128, /*domains=*/6, /*n=*/300, rng);
+  absl::StatusOr<SignatureTransform> transform = SignatureTransform::Create(w.spec);
+  ASSERT_TRUE(transform.ok()) << transform.status();
+  int compared = 0;
+  for (HalfFormat format : {HalfFormat::kAuto, HalfFormat::kInt8, HalfFormat::kBfloat16, HalfFormat::kBinary16}) {
+    for (int workers : {16, 200}) {
+      CentroidIndexOptions options;
+      options.band_tau = 0.05f;
+      options.half_format = format;
+      const std::vector<float> centroids = Centroids(w, *transform, workers, 6);
+      auto index = BuildCentroidIndex(centroids, workers, transform->dim(), options);
+      ASSERT_TRUE(index.ok()) << index.status();
+      const ColumnSelection* kept = (*index)->kept_columns();
+      ASSERT_NE(kept, nullptr);
+      std::vector<float> values(kept->kept + 16), scaled(kept->kept + 16, 0.f);
+      std::vector<ScoredRow> by_index, by_caller;
+      for (size_t i = 200; i < w.prompts.size(); ++i) {
+        const std::string bytes = Int16Bytes(w.prompts[i]);
+        const absl::StatusOr<SignatureTransform::KeptValues> applied =
+            transform->ApplyKept(CountsInt16Le{0, 0, bytes}, *kept, absl::MakeSpan(values));
+        ASSERT_TRUE(applied.ok()) << applied.status();
+        ASSERT_NE(applied->scale, 1.f);
+        for (int k = 0; k < kept->kept; ++k) scaled[k] = values[k] * applied->scale;
+        ASSERT_TRUE((*index)->SearchKept(values, applied->scale, applied->norm, applied->max, &by_index).ok());
+        ASSERT_TRUE((*index)->SearchKept(scaled, 1.f, applied->norm, applied->max, &by_caller).ok());
+        ASSERT_EQ(by_index.size(), by_caller.size()) << (*index)->kind();
+        for (size_t j = 0; j < by_index.size(); ++j) {
+          ASSERT_EQ(by_index[j].row, by_caller[j].row) << (*index)->kind() << " query " << i;
+          ASSERT_EQ(by_index[j].score, by_caller[j].score) << (*index)->kind() << " query " << i;
+        }
+        ++compared;
+      }
+    }
+  }
+  EXPECT_EQ(compared, 4 * 2 * 100);
+}
+
 TEST(SignatureScorerTest, FusedPathWithALayerMaskAndRejections) {
   std::mt19937_64 rng(8);
   Workload w = MakeWorkload(10, 32, 4, 500, rng);
@@ -210,7 +252,7 @@ TEST(SignatureScorerTest, NotFusedWhereTheTransformOrIndexCannot) {
   EXPECT_EQ((*dense_index)->kept_columns(), nullptr);
   std::vector<ScoredRow> out;
   std::vector<float> query(40, 0.f);
-  EXPECT_EQ((*dense_index)->SearchKept(query, 1.f, -1.f, &out).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*dense_index)->SearchKept(query, 1.f, 1.f, -1.f, &out).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

@@ -463,8 +463,12 @@ TEST(SignatureKernelsTest, VectorKernelsAgreeWithScalarOnes) {
     EXPECT_EQ(a, b);
     EXPECT_EQ(neg_a, neg_b);
     EXPECT_NEAR(fa, fb, 1e-5 * std::max(1.0, fa));
-    scalar.scale(a.data(), n, 0.5f);
-    fast.scale(b.data(), n, 0.5f);
+    // In place, and into another buffer (the centroid index scales a kept query that way).
+    std::vector<float> c(n, -1.f);
+    fast.scale(b.data(), n, 0.3f, c.data());
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(c[i], b[i] * 0.3f) << n;
+    scalar.scale(a.data(), n, 0.5f, a.data());
+    fast.scale(b.data(), n, 0.5f, b.data());
     EXPECT_EQ(a, b);
   }
 }
@@ -551,11 +555,13 @@ TEST(SignatureApplyKeptTest, WritesTheKeptColumnsOfApplyAndTheirNorm) {
         const float* norm = &applied->norm;
         float expected_max = 0;
         double expected_norm2 = 0;
+        // The values come before normalisation: times the returned scale they are Apply's.
         for (size_t k = 0; k < selection.kept.size(); ++k) {
           const float want = whole[selection.kept[k]];
-          ASSERT_NEAR(kept[k], want, 1e-6f * std::fabs(want) + 1e-9f) << c.layers << "x" << c.experts << " #" << k;
+          const float scaled = kept[k] * applied->scale;
+          ASSERT_NEAR(scaled, want, 1e-6f * std::fabs(want) + 1e-9f) << c.layers << "x" << c.experts << " #" << k;
           expected_norm2 += static_cast<double>(want) * want;
-          expected_max = std::max(expected_max, kept[k]);
+          expected_max = std::max(expected_max, scaled);
         }
         EXPECT_EQ(applied->max, expected_max);
         EXPECT_NEAR(*norm, std::sqrt(expected_norm2), 1e-5) << c.layers << "x" << c.experts << " keep " << keep;

@@ -106,13 +106,17 @@ class CentroidIndex {
   virtual const ColumnSelection* kept_columns() const { return nullptr; }
 
   // Search for a unit query given by its kept columns only (SignatureTransform::ApplyKept writes
-  // them in one pass, without the full-dimension vector): `kept_query` holds kept_columns()->kept
-  // values followed by at least 16 floats of room, `kept_norm` is their norm. `kept_max` >= 0
-  // promises that every value lies in [0, kept_max] (the 8-bit scan then skips its checking pass);
-  // negative: unknown. The results are those of Search on the full query. FAILED_PRECONDITION when
-  // kept_columns() is null; INVALID_ARGUMENT (kGeometry) when the span is too short.
-  virtual absl::Status SearchKept(absl::Span<const float> /*kept_query*/, float /*kept_norm*/, float /*kept_max*/,
-                                  std::vector<ScoredRow>* /*out*/) const {
+  // them in one pass, without the full-dimension vector), before normalisation: the query is
+  // kept_values[i] * value_scale, each product rounded to float (exactly what scaling the values in
+  // place would store). The index scales as part of a pass it makes anyway where it can (the 8-bit
+  // scan), so a route decision reads the query once less. `kept_values` holds
+  // kept_columns()->kept values followed by at least 16 floats of room, `kept_norm` is the norm of
+  // the scaled query. `kept_max` >= 0 promises that every scaled value lies in [0, kept_max] (the
+  // 8-bit scan then skips its checking pass); negative: unknown. The results are those of Search
+  // on the full scaled query. FAILED_PRECONDITION when kept_columns() is null; INVALID_ARGUMENT
+  // (kGeometry) when the span is too short.
+  virtual absl::Status SearchKept(absl::Span<const float> /*kept_values*/, float /*value_scale*/,
+                                  float /*kept_norm*/, float /*kept_max*/, std::vector<ScoredRow>* /*out*/) const {
     return absl::FailedPreconditionError("this centroid index has no kept-column search");
   }
 

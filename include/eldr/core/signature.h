@@ -114,15 +114,18 @@ class SignatureTransform {
   bool SupportsApplyKept(const ColumnSelection& selection) const;
 
   // The fused form of Apply for int16 counts and a scorer that reads only some columns
-  // (CentroidIndex::SearchKept): writes the columns of `selection` of the unit-norm signature,
-  // in order, into `out` (at least selection.kept + 16 floats: the vector kernels store whole
-  // registers) and returns their norm (<= 1) and largest value (>= 0). One pass over the counts:
-  // the full-dimension vector is never written. Validation and rejections are Apply's; the values
-  // are Apply's up to float rounding (the norm is summed in another order). Requires
-  // SupportsApplyKept(selection) (FAILED_PRECONDITION otherwise).
+  // (CentroidIndex::SearchKept): writes the columns of `selection` of the signature before
+  // normalisation, in order, into `out` (at least selection.kept + 16 floats: the vector kernels
+  // store whole registers), and returns the factor that normalises them: the unit-norm signature's
+  // kept values are out[i] * scale, each product rounded to float (SearchKept scales them on its
+  // way through them, instead of a pass of its own here), with their norm (<= 1) and largest value
+  // (>= 0). One pass over the counts: the full-dimension vector is never written. Validation and
+  // rejections are Apply's; the scaled values are Apply's up to float rounding (the norm is summed
+  // in another order). Requires SupportsApplyKept(selection) (FAILED_PRECONDITION otherwise).
   struct KeptValues {
-    float norm = 0;
-    float max = 0;
+    float scale = 1;  // the unit signature's values are out[i] * scale
+    float norm = 0;   // of the scaled values
+    float max = 0;    // the largest scaled value
   };
   absl::StatusOr<KeptValues> ApplyKept(const CountsInt16Le& counts, const ColumnSelection& selection,
                                        absl::Span<float> out) const;
