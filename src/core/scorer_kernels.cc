@@ -830,31 +830,40 @@ ELDR_TARGET_AVX512 float GatherColumnsAvx512(const float* in, int dim, const uin
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-// Chunk c (16 values, fewer at the end of the run) of ConvertGatherInt16 as weighted floats.
+// Chunk c of ConvertGatherInt16 as weighted floats: a whole chunk (16 values) with plain loads,
+// the last one of a run (fewer values) masked. Templates keep the checks out of the loop.
+template <bool kWeighted, bool kWhole>
 ELDR_TARGET_AVX512 inline __m512 LoadInt16ChunkAvx512(const char* src, const float* weights, int n, int c,
                                                       __m256i* or_bits) {
-  const int left = n - 16 * c;
-  const __mmask16 valid = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-  const __m256i raw = _mm256_maskz_loadu_epi16(valid, src + 32 * c);
+  __m256i raw;
+  __mmask16 valid = static_cast<__mmask16>(0xffff);
+  if constexpr (kWhole) {
+    raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * c));
+  } else {
+    valid = static_cast<__mmask16>((1u << (n - 16 * c)) - 1);
+    raw = _mm256_maskz_loadu_epi16(valid, src + 32 * c);
+  }
   *or_bits = _mm256_or_si256(*or_bits, raw);
   const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(raw));
-  return weights != nullptr ? _mm512_mul_ps(v, _mm512_maskz_loadu_ps(valid, weights + 16 * c)) : v;
+  if constexpr (!kWeighted) return v;
+  return _mm512_mul_ps(v, kWhole ? _mm512_loadu_ps(weights + 16 * c) : _mm512_maskz_loadu_ps(valid, weights + 16 * c));
 }
 
-ELDR_TARGET_AVX512 float ConvertGatherInt16Avx512(const char* src, const float* weights, int n, const uint16_t* masks,
-                                                  const int* offsets, float* out, float* kept_sum, float* kept_max,
-                                                  int32_t* bits) {
+template <bool kWeighted>
+ELDR_TARGET_AVX512 float ConvertGatherInt16Avx512Run(const char* src, const float* weights, int n,
+                                                     const uint16_t* masks, const int* offsets, float* out,
+                                                     float* kept_sum, float* kept_max, int32_t* bits) {
   // Two chunks per step, two sums of each kind (as GatherColumnsAvx512); chunks store in order,
   // so each store's spill-over lanes are overwritten by the next one's.
   __m512 full0 = _mm512_setzero_ps(), full1 = full0, kept0 = full0, kept1 = full0;
   // Compressed-out lanes are +0: see ConvertGatherInt16Avx2.
   __m512 largest = _mm512_set1_ps(*kept_max);
   __m256i or_bits = _mm256_setzero_si256();
-  const int chunks = (n + 15) / 16;
+  const int whole = n / 16;
   int c = 0;
-  for (; c + 2 <= chunks; c += 2) {
-    const __m512 v0 = LoadInt16ChunkAvx512(src, weights, n, c, &or_bits);
-    const __m512 v1 = LoadInt16ChunkAvx512(src, weights, n, c + 1, &or_bits);
+  for (; c + 2 <= whole; c += 2) {
+    const __m512 v0 = LoadInt16ChunkAvx512<kWeighted, true>(src, weights, n, c, &or_bits);
+    const __m512 v1 = LoadInt16ChunkAvx512<kWeighted, true>(src, weights, n, c + 1, &or_bits);
     full0 = _mm512_fmadd_ps(v0, v0, full0);
     full1 = _mm512_fmadd_ps(v1, v1, full1);
     const __m512 k0 = _mm512_maskz_compress_ps(masks[c], v0);
@@ -865,8 +874,10 @@ ELDR_TARGET_AVX512 float ConvertGatherInt16Avx512(const char* src, const float* 
     _mm512_storeu_ps(out + offsets[c], k0);
     _mm512_storeu_ps(out + offsets[c + 1], k1);
   }
-  if (c < chunks) {
-    const __m512 v = LoadInt16ChunkAvx512(src, weights, n, c, &or_bits);
+  // At most one whole chunk and one partial one left.
+  for (; c * 16 < n; ++c) {
+    const __m512 v = c < whole ? LoadInt16ChunkAvx512<kWeighted, true>(src, weights, n, c, &or_bits)
+                               : LoadInt16ChunkAvx512<kWeighted, false>(src, weights, n, c, &or_bits);
     full0 = _mm512_fmadd_ps(v, v, full0);
     const __m512 k = _mm512_maskz_compress_ps(masks[c], v);
     kept0 = _mm512_fmadd_ps(k, k, kept0);
@@ -881,6 +892,14 @@ ELDR_TARGET_AVX512 float ConvertGatherInt16Avx512(const char* src, const float* 
   *kept_max = _mm512_reduce_max_ps(largest);
   *kept_sum += HorizontalSumAvx512(_mm512_add_ps(kept0, kept1));
   return HorizontalSumAvx512(_mm512_add_ps(full0, full1));
+}
+
+ELDR_TARGET_AVX512 float ConvertGatherInt16Avx512(const char* src, const float* weights, int n, const uint16_t* masks,
+                                                  const int* offsets, float* out, float* kept_sum, float* kept_max,
+                                                  int32_t* bits) {
+  return weights != nullptr
+             ? ConvertGatherInt16Avx512Run<true>(src, weights, n, masks, offsets, out, kept_sum, kept_max, bits)
+             : ConvertGatherInt16Avx512Run<false>(src, weights, n, masks, offsets, out, kept_sum, kept_max, bits);
 }
 #pragma GCC diagnostic pop
 
@@ -978,12 +997,23 @@ ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* in, float factor, int d
   const __m512 step_v = _mm512_set1_ps(step);
   const __m512i cap = _mm512_set1_epi32(max_level);
   __m512 residual = zero, quantised = zero;
-  for (i = 0; i < dim; i += 16) {
-    const __mmask16 valid =
-        dim - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (dim - i)) - 1);
+  // Whole vectors with plain loads and stores, then the masked end.
+  const int whole = dim & ~15;
+  for (i = 0; i < whole; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(in + i), f);
+    if (scaled != nullptr) _mm512_storeu_ps(scaled + i, v);
+    // Round to nearest even (the default MXCSR mode, as std::nearbyint in the scalar version).
+    const __m512i level = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inverse)), cap);
+    const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(level), step_v);
+    const __m512 d = _mm512_sub_ps(value, v);
+    residual = _mm512_fmadd_ps(d, d, residual);
+    quantised = _mm512_fmadd_ps(value, value, quantised);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtusepi32_epi8(level));
+  }
+  if (i < dim) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << (dim - i)) - 1);
     const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, in + i), f);
     if (scaled != nullptr) _mm512_mask_storeu_ps(scaled + i, valid, v);
-    // Round to nearest even (the default MXCSR mode, as std::nearbyint in the scalar version).
     const __m512i level = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inverse)), cap);
     const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(level), step_v);
     const __m512 d = _mm512_sub_ps(value, v);

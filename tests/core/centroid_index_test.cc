@@ -398,7 +398,7 @@ TEST(ScorerKernelsTest, ConvertGatherInt16MatchesTheDefinitionAtEveryLevel) {
   std::mt19937_64 rng(33);
   std::uniform_real_distribution<float> uniform(0.f, 1.f);
   for (SimdLevel level : AvailableLevels()) {
-    for (int n : {1, 7, 8, 15, 16, 17, 31, 64, 100, 6144}) {
+    for (int n : {1, 7, 8, 15, 16, 17, 31, 48, 50, 64, 100, 6144}) {
       for (double keep : {0.0, 0.3, 0.9, 1.0}) {
         for (bool weighted : {false, true}) {
           std::vector<int16_t> counts(n);
@@ -536,8 +536,8 @@ TEST(ScorerKernelsTest, QueryQuantisationMatchesTheDefinitionAtEveryLevel) {
       for (float bad : {-1e-3f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
         std::vector<float> spoiled = q;
         spoiled[dim / 2] = bad;
-        EXPECT_FALSE(kernels.quantise_query(spoiled.data(), 1.f, dim, padded, kernels.int8_query_max, -1.f,
-                                            out.data(), nullptr, &scale, &residual2, &quantised2))
+        EXPECT_FALSE(kernels.quantise_query(spoiled.data(), 1.f, dim, padded, kernels.int8_query_max, -1.f, out.data(),
+                                            nullptr, &scale, &residual2, &quantised2))
             << SimdLevelName(level) << " " << bad;
       }
     }

@@ -115,8 +115,8 @@ class CentroidIndex {
   // 8-bit scan then skips its checking pass); negative: unknown. The results are those of Search
   // on the full scaled query. FAILED_PRECONDITION when kept_columns() is null; INVALID_ARGUMENT
   // (kGeometry) when the span is too short.
-  virtual absl::Status SearchKept(absl::Span<const float> /*kept_values*/, float /*value_scale*/,
-                                  float /*kept_norm*/, float /*kept_max*/, std::vector<ScoredRow>* /*out*/) const {
+  virtual absl::Status SearchKept(absl::Span<const float> /*kept_values*/, float /*value_scale*/, float /*kept_norm*/,
+                                  float /*kept_max*/, std::vector<ScoredRow>* /*out*/) const {
     return absl::FailedPreconditionError("this centroid index has no kept-column search");
   }
 
