@@ -537,16 +537,35 @@ ELDR_TARGET_AVX2 bool QuantiseQueryAvx2(const float* in, float factor, int dim, 
   const __m256 step_v = _mm256_set1_ps(step);
   const __m256i cap = _mm256_set1_epi32(max_level);
   __m256 residual = _mm256_setzero_ps(), quantised = _mm256_setzero_ps();
-  i = 0;
-  for (; i + 8 <= dim; i += 8) {
-    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(in + i), f);
-    if (scaled != nullptr) _mm256_storeu_ps(scaled + i, v);
+  // The levels of 8 values at `at`, their squares and residuals summed.
+  const auto levels = [&](int at, __m256* residual_sum, __m256* quantised_sum) ELDR_TARGET_AVX2 {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(in + at), f);
+    if (scaled != nullptr) _mm256_storeu_ps(scaled + at, v);
     // Round to nearest (the default MXCSR mode, as std::nearbyint in the scalar version).
     const __m256i level = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, inverse)), cap);
     const __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(level), step_v);
     const __m256 d = _mm256_sub_ps(value, v);
-    residual = _mm256_fmadd_ps(d, d, residual);
-    quantised = _mm256_fmadd_ps(value, value, quantised);
+    *residual_sum = _mm256_fmadd_ps(d, d, *residual_sum);
+    *quantised_sum = _mm256_fmadd_ps(value, value, *quantised_sum);
+    return level;
+  };
+  i = 0;
+  // 32 values per step, packed to bytes together: two in-lane packs, then one permutation puts
+  // the four groups' 64-bit pieces in order (the packs interleave the 128-bit lanes).
+  __m256 residual1 = _mm256_setzero_ps(), quantised1 = _mm256_setzero_ps();
+  for (; i + 32 <= dim; i += 32) {
+    const __m256i l0 = levels(i, &residual, &quantised);
+    const __m256i l1 = levels(i + 8, &residual1, &quantised1);
+    const __m256i l2 = levels(i + 16, &residual, &quantised);
+    const __m256i l3 = levels(i + 24, &residual1, &quantised1);
+    const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(l0, l1), _mm256_packus_epi32(l2, l3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  residual = _mm256_add_ps(residual, residual1);
+  quantised = _mm256_add_ps(quantised, quantised1);
+  for (; i + 8 <= dim; i += 8) {
+    const __m256i level = levels(i, &residual, &quantised);
     const __m128i packed16 = _mm_packus_epi32(_mm256_castsi256_si128(level), _mm256_extracti128_si256(level, 1));
     const __m128i packed8 = _mm_packus_epi16(packed16, packed16);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), packed8);
