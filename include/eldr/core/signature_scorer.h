@@ -5,8 +5,9 @@
 // CentroidIndexOptions::band_tau):
 //  - fused, for int16 counts of a count or count_idf transform against an index that drops columns
 //    (CentroidIndex::kept_columns; with count_idf every expert all calibration requests used has
-//    IDF 0 and is dropped): SignatureTransform::ApplyKept writes only the kept columns of the unit
-//    signature, in one pass over the counts, and CentroidIndex::SearchKept scores them. The
+//    IDF 0 and is dropped): SignatureTransform::ApplyKept writes only the kept columns of the
+//    signature, in one pass over the counts, with the factor that normalises them, and
+//    CentroidIndex::SearchKept scales and scores them (the 8-bit scan scales on its way). The
 //    full-dimension signature is built only if someone asks for it (Signature), which the online
 //    refit window does for the few signatures it samples.
 //  - otherwise SignatureTransform::Apply, then CentroidIndex::Search.
@@ -34,7 +35,7 @@ class SignatureScorer {
 
   // Per-call buffers (one per thread, reused: no allocation in steady state).
   struct Buffers {
-    std::vector<float> kept_query;  // fused path: the kept columns
+    std::vector<float> kept_query;  // fused path: the kept columns, before normalisation
     std::vector<float> signature;   // the unit signature, once built
     bool signature_ready = false;   // `signature` holds the input last scored
   };
