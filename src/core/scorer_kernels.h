@@ -25,6 +25,10 @@ enum class SimdLevel { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 // ELDR_SIMD=scalar|avx2|avx512 (generic: scalar) lowers it (never raises it above what the CPU
 // supports), so a machine can run and benchmark every path a smaller one would: the scorer's, the
 // signature transform's and the refit window's kernels all follow it. Other values are ignored.
+// The 8-bit dot products use VNNI where the CPU has it at the chosen level (AVX-512 VNNI; at the
+// AVX2 level AVX-VNNI, as Intel's Xeon 6 E-core servers have without AVX-512): 255 query levels
+// instead of 127. ELDR_VNNI=0 turns both off, so a VNNI machine also runs the path of one without
+// (AMD Zen 2/3 at avx2, Skylake-SP at avx512).
 SimdLevel DetectSimdLevel();
 // What the CPU supports, ignoring ELDR_SIMD.
 SimdLevel CpuSimdLevel();
@@ -130,13 +134,14 @@ struct ScorerKernels {
   DotRowsU8S8Fn dot_rows_u8s8 = nullptr;
   QuantiseQueryFn quantise_query = nullptr;
   // The largest query level dot_rows_u8s8 takes: 255 where the product pairs are summed in 32 bits
-  // (scalar, AVX-512 VNNI), 127 where they are first summed in 16 bits (AVX2 and AVX-512 without
-  // VNNI: vpmaddubsw, 2 * 127 * 127 < 2^15, no saturation).
+  // (scalar, AVX-512 VNNI, AVX-VNNI), 127 where they are first summed in 16 bits (AVX2 and AVX-512
+  // without VNNI: vpmaddubsw, 2 * 127 * 127 < 2^15, no saturation).
   int int8_query_max = 255;
 };
 
 // Every 8-bit dot kernel this CPU can run, with its query_max and a name (tests and benchmarks:
-// AVX-512 has a VNNI and a non-VNNI version; KernelsFor picks VNNI where the CPU has it).
+// AVX2 and AVX-512 each have a VNNI and a non-VNNI version; KernelsFor picks VNNI where the CPU
+// has it, unless ELDR_VNNI=0).
 struct Int8DotKernel {
   const char* name;
   DotRowsU8S8Fn dot;
