@@ -1197,6 +1197,8 @@ absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(Centroid
   return index;
 }
 
+absl::string_view ScoringKernelsName() { return BestKernels().name; }
+
 absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndex(absl::Span<const float> centroids, int rows, int dim,
                                                                   const CentroidIndexOptions& options) {
   const CentroidIndexKind kind =

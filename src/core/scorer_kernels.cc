@@ -1350,7 +1350,8 @@ const ScorerKernels& KernelsFor(SimdLevel level) {
                                      ConvertGatherInt16Scalar,
                                      DotRowsU8S8Scalar,
                                      QuantiseQueryScalar,
-                                     255};
+                                     255,
+                                     "scalar"};
   static const ScorerKernels kAvx2{SimdLevel::kAvx2,
                                    DotRowsF32Avx2,
                                    DotRowsF16Avx2,
@@ -1363,7 +1364,8 @@ const ScorerKernels& KernelsFor(SimdLevel level) {
                                    ConvertGatherInt16Avx2,
                                    UseAvxVnni() ? DotRowsU8S8Avx2Vnni : DotRowsU8S8Avx2,
                                    QuantiseQueryAvx2,
-                                   UseAvxVnni() ? 255 : 127};
+                                   UseAvxVnni() ? 255 : 127,
+                                   UseAvxVnni() ? "avx2+avx_vnni" : "avx2"};
   static const ScorerKernels kAvx512{SimdLevel::kAvx512,
                                      DotRowsF32Avx512,
                                      DotRowsF16Avx512,
@@ -1376,7 +1378,8 @@ const ScorerKernels& KernelsFor(SimdLevel level) {
                                      ConvertGatherInt16Avx512,
                                      UseVnni() ? DotRowsU8S8Avx512Vnni : DotRowsU8S8Avx512,
                                      QuantiseQueryAvx512,
-                                     UseVnni() ? 255 : 127};
+                                     UseVnni() ? 255 : 127,
+                                     UseVnni() ? "avx512+vnni" : "avx512"};
   if (static_cast<int>(level) > static_cast<int>(CpuSimdLevel())) level = CpuSimdLevel();
   switch (level) {
     case SimdLevel::kAvx512:

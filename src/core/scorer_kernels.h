@@ -137,6 +137,8 @@ struct ScorerKernels {
   // (scalar, AVX-512 VNNI, AVX-VNNI), 127 where they are first summed in 16 bits (AVX2 and AVX-512
   // without VNNI: vpmaddubsw, 2 * 127 * 127 < 2^15, no saturation).
   int int8_query_max = 255;
+  // The level and its VNNI use: "scalar", "avx2", "avx2+avx_vnni", "avx512", "avx512+vnni".
+  const char* name = "scalar";
 };
 
 // Every 8-bit dot kernel this CPU can run, with its query_max and a name (tests and benchmarks:

@@ -427,6 +427,7 @@ absl::Status RouterServer::Start() {
       .With("centroid_generation", state.centroid_generation)
       .With("centroid_rows", state.centroid_rows)
       .With("index", state.index_kind)
+      .With("simd", ScoringKernelsName())
       .With("serving", serving());
   // The port file is written last: whoever waits for it (tests, wrappers) then also finds the
   // router_started log line.

@@ -306,7 +306,7 @@ void RouteDecision(benchmark::State& state, Geometry g, int k, SignatureVariant 
     benchmark::DoNotOptimize(decision);
     band_total += decision.band_size;
   }
-  state.SetLabel(absl::StrCat(index->kind(), fused && scorer.fused() ? " fused" : ""));
+  state.SetLabel(absl::StrCat(index->kind(), fused && scorer.fused() ? " fused " : " ", ScoringKernelsName()));
   SetCommonCounters(state, w);
   const double n = std::max<double>(1, static_cast<double>(state.iterations()));
   state.counters["band"] = static_cast<double>(band_total) / n;

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "eldr/core/centroid_index.h"
 #include "eldr/v1/router.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -890,6 +891,8 @@ TEST(RouterIntegration, ConfigFileSettingsAreOverriddenByFlags) {
   // JSON logs: every line is one object.
   EXPECT_THAT(router->Log(), HasSubstr("{\"ts\":"));
   EXPECT_THAT(router->Log(), HasSubstr("\"event\":\"router_started\""));
+  // The scan's instruction-set path, as this machine runs it.
+  EXPECT_THAT(router->Log(), HasSubstr(absl::StrCat("\"simd\":\"", ScoringKernelsName(), "\"")));
 }
 
 TEST(RouterIntegration, AcceptsEveryLimitAndKeepaliveFlag) {

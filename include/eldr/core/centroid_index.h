@@ -132,6 +132,11 @@ class CentroidIndex {
 absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndex(absl::Span<const float> centroids, int rows, int dim,
                                                                   const CentroidIndexOptions& options);
 
+// The instruction-set path every index of this process scans with, chosen at the first use from
+// the CPU and the ELDR_SIMD / ELDR_VNNI environment variables: "scalar", "avx2", "avx2+avx_vnni",
+// "avx512" or "avx512+vnni". For logs and benchmark labels.
+absl::string_view ScoringKernelsName();
+
 // Forces one implementation regardless of pool size (benchmarks and tests).
 enum class CentroidIndexKind { kExact, kFaissReduced };
 absl::StatusOr<std::unique_ptr<CentroidIndex>> BuildCentroidIndexOfKind(CentroidIndexKind kind,
