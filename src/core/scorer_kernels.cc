@@ -1066,29 +1066,29 @@ ELDR_TARGET_AVX512 bool QuantiseQueryAvx512(const float* in, float factor, int d
   const __m512 step_v = _mm512_set1_ps(step);
   const __m512i cap = _mm512_set1_epi32(max_level);
   __m512 residual = zero, quantised = zero;
-  // Whole vectors with plain loads and stores, then the masked end.
-  const int whole = dim & ~15;
-  for (i = 0; i < whole; i += 16) {
-    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(in + i), f);
-    if (scaled != nullptr) _mm512_storeu_ps(scaled + i, v);
+  // The levels of 16 scaled values (zero lanes past dim add nothing), their squares and residuals
+  // summed.
+  const auto levels = [&](__m512 v) ELDR_TARGET_AVX512 {
     // Round to nearest even (the default MXCSR mode, as std::nearbyint in the scalar version).
     const __m512i level = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inverse)), cap);
     const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(level), step_v);
     const __m512 d = _mm512_sub_ps(value, v);
     residual = _mm512_fmadd_ps(d, d, residual);
     quantised = _mm512_fmadd_ps(value, value, quantised);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtusepi32_epi8(level));
+    return _mm512_cvtusepi32_epi8(level);
+  };
+  // Whole vectors with plain loads and stores, then the masked end.
+  const int whole = dim & ~15;
+  for (i = 0; i < whole; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(in + i), f);
+    if (scaled != nullptr) _mm512_storeu_ps(scaled + i, v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), levels(v));
   }
   if (i < dim) {
     const __mmask16 valid = static_cast<__mmask16>((1u << (dim - i)) - 1);
     const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, in + i), f);
     if (scaled != nullptr) _mm512_mask_storeu_ps(scaled + i, valid, v);
-    const __m512i level = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inverse)), cap);
-    const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(level), step_v);
-    const __m512 d = _mm512_sub_ps(value, v);
-    residual = _mm512_fmadd_ps(d, d, residual);
-    quantised = _mm512_fmadd_ps(value, value, quantised);
-    _mm_mask_storeu_epi8(out + i, valid, _mm512_cvtusepi32_epi8(level));
+    _mm_mask_storeu_epi8(out + i, valid, levels(v));
   }
   std::memset(out + dim, 0, static_cast<size_t>(padded - dim));
   *scale = step;
