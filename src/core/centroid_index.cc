@@ -662,10 +662,10 @@ class ExactIndex final : public CentroidIndex {
 
   const ColumnSelection* kept_columns() const override { return columns_.selection(); }
 
-  absl::Status SearchKept(absl::Span<const float> kept_query, float value_scale, float kept_norm, float kept_max,
+  absl::Status SearchKept(absl::Span<const float> kept_values, float value_scale, float kept_norm, float kept_max,
                           std::vector<ScoredRow>* out) const override {
-    ELDR_RETURN_IF_ERROR(CheckKeptQuery(columns_, kept_query));
-    SearchPrepared(ColumnMap::Prepared{kept_query.data(), kept_norm, kept_max, value_scale}, &ThreadScratch(), out);
+    ELDR_RETURN_IF_ERROR(CheckKeptQuery(columns_, kept_values));
+    SearchPrepared(ColumnMap::Prepared{kept_values.data(), kept_norm, kept_max, value_scale}, &ThreadScratch(), out);
     return absl::OkStatus();
   }
 
@@ -750,12 +750,12 @@ class ReducedIndex final : public CentroidIndex {
 
   const ColumnSelection* kept_columns() const override { return columns_.selection(); }
 
-  absl::Status SearchKept(absl::Span<const float> kept_query, float value_scale, float kept_norm, float kept_max,
+  absl::Status SearchKept(absl::Span<const float> kept_values, float value_scale, float kept_norm, float kept_max,
                           std::vector<ScoredRow>* out) const override {
-    ELDR_RETURN_IF_ERROR(CheckKeptQuery(columns_, kept_query));
+    ELDR_RETURN_IF_ERROR(CheckKeptQuery(columns_, kept_values));
     Scratch& scratch = ThreadScratch();
     // Every stage reads the query: scaled once, first.
-    ColumnMap::Prepared prepared{kept_query.data(), kept_norm, kept_max, value_scale};
+    ColumnMap::Prepared prepared{kept_values.data(), kept_norm, kept_max, value_scale};
     ScaleQuery(store_.cols(), &prepared, &scratch);
     return SearchPrepared(prepared, &scratch, out);
   }

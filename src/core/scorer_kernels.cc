@@ -1411,9 +1411,12 @@ const ScorerKernels& BestKernels() {
 }
 
 int AccumulationDepth(int dim) {
-  // Scalar: 8 interleaved partial sums of ceil(dim / 8) terms, then a 3-level tree (the vector
-  // kernels have more lanes, hence shorter chains, plus at most 1 + 4 reduction levels).
-  return (dim + 7) / 8 + 8;
+  // Scalar: 8 interleaved partial sums of ceil(dim / 8) terms, then a 3-level tree. The vector
+  // kernels have shorter chains (at most ceil(dim / 16) products per accumulator) but may end with
+  // a scalar run of up to 31 values (AVX2 bfloat16; 15 for AVX2 fp32 and binary16) and up to 7
+  // reduction levels (accumulators, lanes, the run's sum), which for short rows is more than the
+  // scalar tree: 40 covers both.
+  return (dim + 7) / 8 + 40;
 }
 
 uint16_t FloatToHalf(float value) {
