@@ -294,15 +294,15 @@ class RowStore {
   // 8-bit scan of rows `ids` (null: 0..n-1) against `q` (cols() floats, norm q_norm): scores and
   // their error bounds (see BuildInt8) into `scores` and scratch->bounds. Returns false when the
   // query cannot be quantised (a negative or non-finite value): nothing is written then.
-  // A query with a factor other than 1 is scaled on the way into `scaled` (cols() floats), which
-  // then holds the query.
+  // The query is q[i] * factor; `scaled` (cols() floats) receives those products when not null
+  // (the later stages read them).
   bool ScanInt8(const ScorerKernels& kernels, const float* q, float factor, float* scaled, float q_norm, float q_max,
                 const int* ids, int n, Scratch* scratch, float* scores) const {
     const int padded = PaddedStride<int8_t>(cols_);
     if (static_cast<int>(scratch->query8.size()) < padded) scratch->query8.resize(padded);
     float q_scale = 0, residual2 = 0, quantised2 = 0;
-    if (!kernels.quantise_query(q, factor, cols_, padded, kernels.int8_query_max, q_max, scratch->query8.data(),
-                                factor == 1.f ? nullptr : scaled, &q_scale, &residual2, &quantised2)) {
+    if (!kernels.quantise_query(q, factor, cols_, padded, kernels.int8_query_max, q_max, scratch->query8.data(), scaled,
+                                &q_scale, &residual2, &quantised2)) {
       return false;
     }
     scratch->i8_rows.resize(n);
@@ -388,13 +388,20 @@ class RowStore {
   std::vector<const uint16_t*> h16_rows_;
 };
 
+// Where a kept query of `cols` values is scaled to: scratch->query (Search uses it for its
+// compacted query, SearchKept for the scaled one).
+float* ScaledQueryBuffer(int cols, Scratch* scratch) {
+  if (static_cast<int>(scratch->query.size()) < cols + 16) scratch->query.resize(cols + 16);
+  return scratch->query.data();
+}
+
 // Writes a prepared query with a factor other than 1 (SearchKept's unnormalised values) scaled
-// into scratch->query, and makes `query` point there with factor 1.
+// into ScaledQueryBuffer, and makes `query` point there with factor 1.
 void ScaleQuery(int cols, ColumnMap::Prepared* query, Scratch* scratch) {
   if (query->factor == 1.f) return;
-  if (static_cast<int>(scratch->query.size()) < cols + 16) scratch->query.resize(cols + 16);
-  internal::BestSignatureKernels().scale(query->data, static_cast<size_t>(cols), query->factor, scratch->query.data());
-  query->data = scratch->query.data();
+  float* scaled = ScaledQueryBuffer(cols, scratch);
+  internal::BestSignatureKernels().scale(query->data, static_cast<size_t>(cols), query->factor, scaled);
+  query->data = scaled;
   query->factor = 1.f;
 }
 
@@ -416,11 +423,10 @@ void ScanRows(const RowStore& store, const ScorerKernels& kernels, ColumnMap::Pr
   scratch->scan_exact = false;
   scratch->has_decided = false;
   if (store.int8()) {
-    if (query->factor != 1.f && static_cast<int>(scratch->query.size()) < cols + 16) scratch->query.resize(cols + 16);
-    if (store.ScanInt8(kernels, query->data, query->factor, scratch->query.data(), q_norm, query->max, ids, n, scratch,
-                       scores)) {
-      if (query->factor != 1.f) {
-        query->data = scratch->query.data();
+    float* scaled = query->factor != 1.f ? ScaledQueryBuffer(cols, scratch) : nullptr;
+    if (store.ScanInt8(kernels, query->data, query->factor, scaled, q_norm, query->max, ids, n, scratch, scores)) {
+      if (scaled != nullptr) {
+        query->data = scaled;
         query->factor = 1.f;
       }
       const float* q = query->data;
