@@ -150,8 +150,9 @@ class ColumnMap {
   ColumnMap(const ColumnMap&) = delete;
   ColumnMap& operator=(const ColumnMap&) = delete;
 
-  // The kept columns as a ColumnSelection (views into this map), or null when nothing is dropped.
-  const ColumnSelection* selection() const { return compact_ ? &selection_ : nullptr; }
+  // The kept columns as a ColumnSelection (views into this map): every column when none is dropped,
+  // so that a route decision can take the kept-column path (SearchKept) whatever the centroids.
+  const ColumnSelection* selection() const { return &selection_; }
 
   int dim() const { return dim_; }
   int kept() const { return static_cast<int>(kept_.size()); }
@@ -537,12 +538,9 @@ void RefineRows(const RowStore& store, const ScorerKernels& kernels, const float
   for (int k = 0; k < m; ++k) scores[scratch->refine_ids[k]] = scratch->refined[k];
 }
 
-// SearchKept's argument checks: the index drops columns and the query holds its kept ones.
+// SearchKept's argument check: the query holds the index's kept columns.
 absl::Status CheckKeptQuery(const ColumnMap& columns, absl::Span<const float> kept_query) {
   const ColumnSelection* selection = columns.selection();
-  if (selection == nullptr) {
-    return absl::FailedPreconditionError("SearchKept on a centroid index that keeps every column: call Search");
-  }
   if (static_cast<int64_t>(kept_query.size()) < int64_t{selection->kept} + 16) {
     return InvalidInput(RejectReason::kGeometry,
                         absl::StrFormat("kept query has %d values, the centroid index keeps %d columns (plus 16 of "

@@ -245,14 +245,34 @@ TEST(SignatureScorerTest, NotFusedWhereTheTransformOrIndexCannot) {
   ASSERT_TRUE(index.ok());
   ASSERT_NE((*index)->kept_columns(), nullptr);
   EXPECT_FALSE(SignatureScorer(*transform, **index).fused());
-  // An index that keeps every column.
-  std::vector<float> dense(4 * 32, 0.25f);
-  auto dense_index = BuildCentroidIndex(dense, 4, 32, CentroidIndexOptions{});
-  ASSERT_TRUE(dense_index.ok());
-  EXPECT_EQ((*dense_index)->kept_columns(), nullptr);
+  // A kept query without its 16 floats of room.
   std::vector<ScoredRow> out;
-  std::vector<float> query(40, 0.f);
-  EXPECT_EQ((*dense_index)->SearchKept(query, 1.f, 1.f, -1.f, &out).code(), absl::StatusCode::kFailedPrecondition);
+  std::vector<float> query((*index)->kept_columns()->kept + 15, 0.f);
+  EXPECT_EQ(RejectReasonOf((*index)->SearchKept(query, 1.f, 1.f, -1.f, &out)), RejectReason::kGeometry);
+}
+
+// Centroids that use every column (the count variant has no IDF to zero any): the index keeps
+// them all, and the route decision still takes the fused path, with Apply + Search's decisions.
+TEST(SignatureScorerTest, FusedPathWhereTheIndexKeepsEveryColumn) {
+  std::mt19937_64 rng(10);
+  Workload w = MakeWorkload(/*layers=*/8, /*experts=*/64, /*domains=*/6, /*n=*/600, rng);
+  w.spec.variant = SignatureVariant::kCount;
+  w.spec.idf.clear();
+  absl::StatusOr<SignatureTransform> transform = SignatureTransform::Create(w.spec);
+  ASSERT_TRUE(transform.ok()) << transform.status();
+  for (HalfFormat format : {HalfFormat::kAuto, HalfFormat::kInt8, HalfFormat::kBfloat16}) {
+    for (int workers : {16, 200}) {
+      CentroidIndexOptions options;
+      options.band_tau = 0.05f;
+      options.half_format = format;
+      const std::vector<float> centroids = Centroids(w, *transform, workers, 6);
+      auto index = BuildCentroidIndex(centroids, workers, transform->dim(), options);
+      ASSERT_TRUE(index.ok()) << index.status();
+      ASSERT_NE((*index)->kept_columns(), nullptr) << (*index)->kind();
+      EXPECT_EQ((*index)->kept_columns()->kept, transform->dim()) << (*index)->kind();
+      ExpectSameDecisions(**index, *transform, w, options.band_tau, 400);
+    }
+  }
 }
 
 }  // namespace

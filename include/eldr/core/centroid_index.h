@@ -101,8 +101,9 @@ class CentroidIndex {
   // buffers: no allocation in steady state except inside FAISS HNSW.
   virtual absl::Status Search(absl::Span<const float> query, std::vector<ScoredRow>* out) const = 0;
 
-  // The columns Search restricts every query to, when the index drops some (columns that are zero
-  // in every centroid); null when it keeps them all. A view, valid as long as the index.
+  // The columns Search restricts every query to: those non-zero in some centroid where the index
+  // drops the others, else every column (kept == dim). Null where the index has no kept-column
+  // search (SearchKept). A view, valid as long as the index.
   virtual const ColumnSelection* kept_columns() const { return nullptr; }
 
   // Search for a unit query given by its kept columns only (SignatureTransform::ApplyKept writes

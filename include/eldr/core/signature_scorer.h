@@ -3,9 +3,11 @@
 //
 // Two paths, with the same results (the same rejections, and decisions those of fp32 scoring; see
 // CentroidIndexOptions::band_tau):
-//  - fused, for int16 counts of a count or count_idf transform against an index that drops columns
-//    (CentroidIndex::kept_columns; with count_idf every expert all calibration requests used has
-//    IDF 0 and is dropped): SignatureTransform::ApplyKept writes only the kept columns of the
+//  - fused, for int16 counts of a count or count_idf transform against an index with a kept-column
+//    search (CentroidIndex::kept_columns: the exact and reduced indexes, whether they drop columns
+//    or not; with count_idf every expert all calibration requests used has IDF 0 and is dropped,
+//    and where none is, the fused path still saves Apply's normalising pass and Search's norm
+//    pass): SignatureTransform::ApplyKept writes only the kept columns of the
 //    signature, in one pass over the counts, with the factor that normalises them, and
 //    CentroidIndex::SearchKept scales and scores them (the 8-bit scan scales on its way). The
 //    full-dimension signature is built only if someone asks for it (Signature), which the online
