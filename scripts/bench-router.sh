@@ -30,8 +30,12 @@
 # `stream_batch`. Other APIs run once, whatever STREAM_BATCH says.
 #
 # Usage: scripts/bench-router.sh [BUILD_DIR]
+# Transport: TRANSPORT=unix serves the data plane on a Unix socket in the run's scratch folder
+# (--listen=unix:PATH) and points eldr-bench at it, as a caller in the same pod could; every line
+# names its `transport`.
+#
 #   env: RUNS (1), APIS (cq), STREAM_BATCH (1), DURATION_S (10), CONCURRENCY (16), GEOMETRY (48x128),
-#        WORKERS (16), PIN (auto), ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra
+#        WORKERS (16), PIN (auto), TRANSPORT (tcp), ROUTER_ARGS (extra eldr-router flags), BENCH_ARGS (extra
 #        eldr-bench flags), PERF_DIR (when set: `perf record --call-graph dwarf` of the daemon
 #        during each load at 499 Hz, written there as perf-<api>-<batch>-run<run>.data; about 15 MB
 #        a second), PERF_STAT (1: `perf stat` of the
@@ -49,6 +53,8 @@ DURATION_S="${DURATION_S:-10}"
 CONCURRENCY="${CONCURRENCY:-16}"
 GEOMETRY="${GEOMETRY:-48x128}"
 WORKERS="${WORKERS:-16}"
+TRANSPORT="${TRANSPORT:-tcp}"
+[[ "$TRANSPORT" == tcp || "$TRANSPORT" == unix ]] || { echo "bench-router.sh: TRANSPORT is tcp or unix" >&2; exit 2; }
 if [[ -z "${PIN:-}" ]]; then
   if [[ "$(nproc)" -ge 2 ]]; then PIN=1; else PIN=0; fi
 fi
@@ -134,7 +140,9 @@ for case in "${CASES[@]}"; do
   batch="${case##*:}"
   rm -f "$WORK_DIR/ports.json"
   # shellcheck disable=SC2086  # word splitting of the optional extra flags is intended
-  "${ROUTER_CPU[@]}" "$BIN/eldr-router" --listen=127.0.0.1:0 --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
+  listen=127.0.0.1:0
+  if [[ "$TRANSPORT" == unix ]]; then listen="unix:$WORK_DIR/router.sock"; fi
+  "${ROUTER_CPU[@]}" "$BIN/eldr-router" --listen="$listen" --admin_listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
     --port_file="$WORK_DIR/ports.json" --centroids="$WORK_DIR/centroids.eldr" \
     --workers="$WORK_DIR/workers.json" --policy=eldr --log_level=warning ${ROUTER_ARGS:-} \
     2>"$WORK_DIR/router.log" &
@@ -145,6 +153,8 @@ for case in "${CASES[@]}"; do
     sleep 0.05
   done
   grpc_port="$(grep -o '"grpc_port":[0-9]*' "$WORK_DIR/ports.json" | cut -d: -f2)"
+  target="127.0.0.1:$grpc_port"
+  if [[ "$TRANSPORT" == unix ]]; then target="$listen"; fi
   metrics_port="$(grep -o '"metrics_port":[0-9]*' "$WORK_DIR/ports.json" | cut -d: -f2)"
   # The two scrapes bracket the whole eldr-bench run, its warm-up included: the histogram delta
   # holds about warmup_s / duration_s more decisions than the client's `requests`.
@@ -166,7 +176,7 @@ for case in "${CASES[@]}"; do
     PERF_PID=$!
   fi
   # shellcheck disable=SC2086
-  client_json="$("${BENCH_CPU[@]}" "$BIN/eldr-bench" --target="127.0.0.1:$grpc_port" \
+  client_json="$("${BENCH_CPU[@]}" "$BIN/eldr-bench" --target="$target" \
     --duration_s="$DURATION_S" --concurrency="$CONCURRENCY" --geometry="$GEOMETRY" \
     --encoding=int16 --complete --json --api="$api" --stream_batch="$batch" ${BENCH_ARGS:-})"
   for pid in $PERF_PID $STAT_PID; do
@@ -182,7 +192,7 @@ for case in "${CASES[@]}"; do
   wait "$ROUTER_PID" || { echo "bench-router.sh: eldr-router exited with $?" >&2; exit 1; }
   ROUTER_PID=""
   "$PYTHON" - "$client_json" "$server_json" "$rss_kib" "$peak_rss_kib" "$PIN" "$WORK_DIR/after.txt" "$run" \
-    "$(( cpu_after - cpu_before ))" "$(getconf CLK_TCK)" "$WORK_DIR/perf-stat.csv" <<'EOF'
+    "$(( cpu_after - cpu_before ))" "$(getconf CLK_TCK)" "$WORK_DIR/perf-stat.csv" "$TRANSPORT" <<'EOF'
 import json, re, sys
 
 c = json.loads(sys.argv[1])
@@ -191,6 +201,7 @@ c["router_rss_kib"] = int(sys.argv[3])
 c["router_peak_rss_kib"] = int(sys.argv[4])
 c["pinned"] = sys.argv[5] == "1"
 c["run"] = int(sys.argv[7])
+c["transport"] = sys.argv[11]
 c["router_cpu_s"] = int(sys.argv[8]) / int(sys.argv[9])
 decisions = c.get("server_decisions") or 0
 c["router_cpu_us_per_route"] = round(c["router_cpu_s"] * 1e6 / decisions, 2) if decisions else None

@@ -28,7 +28,8 @@ ABSL_FLAG(std::string, prefill, "", "Prefill instances, host:port,... (required 
 ABSL_FLAG(std::string, decode, "",
           "Decode workers, host:port,...: where requests go when eldr-router cannot be reached (round robin), "
           "or always when --router is empty.");
-ABSL_FLAG(std::string, router, "", "eldr-router's data plane, host:port. Empty: route by the --decode list only.");
+ABSL_FLAG(std::string, router, "",
+          "eldr-router's data plane, host:port (or unix:/path). Empty: route by the --decode list only.");
 ABSL_FLAG(std::string, router_tls_ca, "", "PEM CA bundle: TLS to the router.");
 ABSL_FLAG(std::string, router_tls_cert, "", "PEM client certificate: mutual TLS to the router.");
 ABSL_FLAG(std::string, router_tls_key, "", "PEM key of --router_tls_cert.");

@@ -206,7 +206,7 @@ OptionDef SeedOption() {
 const std::vector<OptionDef>& OptionTable() {
   static const auto* table = new std::vector<OptionDef>{
       // ---- Network ----
-      StringOption("listen", "host:port of the gRPC data plane (port 0: any free port).",
+      StringOption("listen", "host:port of the gRPC data plane (port 0: any free port), or unix:/path for a Unix socket.",
                    [](ServerOptions& o) -> std::string& { return o.listen; }),
       StringOption("admin_listen", "host:port of the RouterAdmin listener (loopback by default); empty: on --listen.",
                    [](ServerOptions& o) -> std::string& { return o.admin_listen; }),
@@ -705,8 +705,12 @@ std::string UsageText() {
   return text;
 }
 
+bool IsUnixSocketAddress(absl::string_view address) {
+  return absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:");
+}
+
 bool IsLoopbackAddress(absl::string_view address) {
-  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) return true;
+  if (IsUnixSocketAddress(address)) return true;
   const size_t colon = address.rfind(':');
   absl::string_view host = colon == absl::string_view::npos ? address : address.substr(0, colon);
   if (absl::ConsumePrefix(&host, "[")) absl::ConsumeSuffix(&host, "]");

@@ -121,6 +121,7 @@ struct ServerOptions {
   http::HttpServerOptions metrics_http;
   // When set, the bound ports are written here as JSON ({"grpc_port":..,"admin_port":..,
   // "metrics_port":..,"pid":..}) once the daemon listens: how tools find ports chosen with port 0.
+  // A listener on a Unix socket has port 0 there.
   std::string port_file;
 
   // ---- Routing ----
@@ -243,6 +244,9 @@ absl::Status ValidateServerOptions(const ServerOptions& options);
 absl::StatusOr<std::vector<WorkerSpec>> ParseWorkerList(absl::string_view spec);
 // The JSON text form of the above (no file access).
 absl::StatusOr<std::vector<WorkerSpec>> ParseWorkerJson(absl::string_view json_text);
+
+// Whether a listen address is a Unix domain socket ("unix:/path", "unix-abstract:name").
+bool IsUnixSocketAddress(absl::string_view address);
 
 // Whether a listen address is on the loopback interface only (127.0.0.0/8, [::1], localhost,
 // unix sockets).

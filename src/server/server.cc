@@ -339,8 +339,10 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> RouterServer::BuildServer(const st
   if (server == nullptr || *port == 0) {
     if (server != nullptr) server->Shutdown();
     return absl::UnavailableError(
-        absl::StrCat("cannot listen on '", address, "' (address in use, or not a valid host:port)"));
+        absl::StrCat("cannot listen on '", address, "' (address in use, or not a valid host:port or unix:path)"));
   }
+  // gRPC reports 1 for a bound Unix socket, which has no port.
+  if (IsUnixSocketAddress(address)) *port = 0;
   // The default health service starts out SERVING for ""; nothing can have connected yet (the
   // port is not announced), and it flips to the real state before Start returns.
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();

@@ -95,7 +95,8 @@ class RouterServer {
   absl::Status Start();
 
   // Bound ports (after Start): the data plane, the admin listener (== grpc_port() when admin is
-  // served on the data plane) and the HTTP endpoint (0 when disabled).
+  // served on the data plane) and the HTTP endpoint (0 when disabled). 0 for a listener on a Unix
+  // socket.
   int grpc_port() const { return grpc_port_; }
   int admin_port() const { return admin_port_; }
   int metrics_port() const { return metrics_port_; }

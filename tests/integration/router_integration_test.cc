@@ -1,5 +1,6 @@
 // Integration tests of eldr-router: the real daemon process on loopback, real gRPC clients.
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <cmath>
@@ -109,6 +110,37 @@ TEST(RouterIntegration, RoutesByLocalityAndCompletesOnce) {
     EXPECT_EQ(again.error_code(), grpc::StatusCode::NOT_FOUND) << again.error_message();
   }
   EXPECT_EQ(State(*router).live_leases(), 0);
+}
+
+// A data plane on a Unix socket (a caller in the same pod): the port file says port 0, Route and
+// Complete work over it, and a daemon killed without cleaning up leaves its socket file behind,
+// which the next one at the same path replaces.
+TEST(RouterIntegration, ServesOnAUnixSocketAndRestartsOverTheFileLeftBehind) {
+  TempDir dir;
+  const std::string socket_path = dir.File("router.sock");
+  std::vector<std::string> args = StandardArgs(dir);
+  args.push_back("--listen=unix:" + socket_path);
+  for (int life = 0; life < 2; ++life) {
+    auto router = MustStart(dir, args);
+    ASSERT_NE(router, nullptr) << "life " << life;
+    EXPECT_EQ(router->grpc_port(), 0);
+    EXPECT_GT(router->admin_port(), 0);
+    struct stat info {};
+    ASSERT_EQ(stat(socket_path.c_str(), &info), 0);
+    EXPECT_TRUE(S_ISSOCK(info.st_mode));
+    auto stub =
+        eldr::v1::DecodeRouter::NewStub(grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials()));
+    for (int block = 0; block < 4; ++block) {
+      eldr::v1::RouteResponse response;
+      const grpc::Status routed = RouteOnce(stub.get(), BlockRequest(block), &response);
+      ASSERT_TRUE(routed.ok()) << "life " << life << ": " << routed.error_message();
+      EXPECT_EQ(response.worker_id(), absl::StrCat("w", block));
+      EXPECT_TRUE(CompleteLease(stub.get(), response.lease_id()).ok());
+    }
+    EXPECT_EQ(State(*router).live_leases(), 0);
+    router->Signal(SIGKILL);
+    ASSERT_TRUE(router->WaitForExit(absl::Seconds(10)).has_value());
+  }
 }
 
 // What a proxy needs of Route: counts without their geometry (the reference's bare `eldr_sig`),

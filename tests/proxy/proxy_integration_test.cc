@@ -92,6 +92,7 @@ struct StackOptions {
   int decode = 2;
   std::string signature_key = "eldr_expert_counts";
   bool router = true;
+  bool router_on_unix_socket = false;  // the router's data plane on a Unix socket in the stack's folder
   std::string router_policy = "eldr";
   bool dead_prefill_first = false;  // a dead instance listed before the live one(s)
   bool dead_decode_worker = false;  // the router's pool holds a worker nobody listens on
@@ -120,6 +121,7 @@ class Stack {
       router_args_ = {"--workers=" + absl::StrJoin(workers, ","),
                       "--centroids=" + (options_.centroids.empty() ? CentroidsFile() : options_.centroids),
                       "--policy=" + options_.router_policy, "--refit_interval=0", "--log_level=warning"};
+      if (options_.router_on_unix_socket) router_args_.push_back("--listen=unix:" + dir_.File("router.sock"));
       absl::StatusOr<eldr::testing::RouterChild> router = eldr::testing::StartRouter(dir_, router_args_);
       ASSERT_TRUE(router.ok()) << router.status();
       router_ = std::move(router->process);
@@ -142,7 +144,10 @@ class Stack {
       args.insert(args.end(), {"--discovery=kubernetes", "--kubeconfig=" + options_.prefill_kubeconfig,
                                "--prefill_selector=app=prefill", "--prefill_port=http", "--discovery_settle=100ms"});
     }
-    if (options_.router) args.push_back(absl::StrCat("--router=127.0.0.1:", router_ports_.grpc));
+    if (options_.router) {
+      args.push_back(options_.router_on_unix_socket ? "--router=unix:" + dir_.File("router.sock")
+                                                    : absl::StrCat("--router=127.0.0.1:", router_ports_.grpc));
+    }
     args.insert(args.end(), options_.proxy_args.begin(), options_.proxy_args.end());
     absl::StatusOr<std::unique_ptr<ChildProcess>> proxy = ChildProcess::Spawn(args, dir_.File("proxy.log"));
     ASSERT_TRUE(proxy.ok()) << proxy.status();
@@ -797,6 +802,22 @@ TEST(ProxyIntegration, RouteAndCompleteGoAsMessagesOfTheRouteStreams) {
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 2);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_streams_open"), 2);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_unary_fallbacks_total{reason=\"reconnecting\"}"), 0);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 0);
+}
+
+// A proxy beside the router in one pod can reach it over a Unix socket: the same streams.
+TEST(ProxyIntegration, TheRouterIsReachedOverAUnixSocket) {
+  StackOptions options;
+  options.router_on_unix_socket = true;
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 3; ++trace) {
+    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
+  }
+  EXPECT_TRUE(stack.LeasesBackToZero());
+  EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"route\",outcome=\"ok\"}"), 3);
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 3);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 0);
 }
 
