@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -87,6 +88,17 @@ std::vector<float> Centroids(const Workload& w, const SignatureTransform& t, int
   return rows;
 }
 
+// The index of `workers` Centroids at band tau `tau`, scanning in `format`.
+std::unique_ptr<CentroidIndex> WorkerIndex(const Workload& w, const SignatureTransform& t, int workers, float tau,
+                                           HalfFormat format = HalfFormat::kAuto) {
+  CentroidIndexOptions options;
+  options.band_tau = tau;
+  options.half_format = format;
+  auto index = BuildCentroidIndex(Centroids(w, t, workers, 6), workers, t.dim(), options);
+  EXPECT_TRUE(index.ok()) << index.status();
+  return index.ok() ? *std::move(index) : nullptr;
+}
+
 // Band membership at tau from a set of scores: rows with score >= best - tau.
 std::vector<int> Band(const std::vector<ScoredRow>& scored, float tau, float margin, std::vector<int>* near_edge) {
   float best = -1e30f;
@@ -143,14 +155,11 @@ TEST(SignatureScorerTest, FusedPathDecidesAsApplyThenSearch) {
   ASSERT_TRUE(transform.ok()) << transform.status();
   for (float tau : {0.02f, 0.1f}) {
     for (int workers : {8, 16, 200}) {
-      CentroidIndexOptions options;
-      options.band_tau = tau;
-      const std::vector<float> centroids = Centroids(w, *transform, workers, 6);
-      auto index = BuildCentroidIndex(centroids, workers, transform->dim(), options);
-      ASSERT_TRUE(index.ok()) << index.status();
-      ASSERT_NE((*index)->kept_columns(), nullptr);
-      EXPECT_LT((*index)->kept_columns()->kept, transform->dim());
-      ExpectSameDecisions(**index, *transform, w, tau, 400);
+      const std::unique_ptr<CentroidIndex> index = WorkerIndex(w, *transform, workers, tau);
+      ASSERT_NE(index, nullptr);
+      ASSERT_NE(index->kept_columns(), nullptr);
+      EXPECT_LT(index->kept_columns()->kept, transform->dim());
+      ExpectSameDecisions(*index, *transform, w, tau, 400);
     }
   }
 }
@@ -166,13 +175,9 @@ TEST(SignatureScorerTest, SearchKeptScalesAsScalingFirstWould) {
   int compared = 0;
   for (HalfFormat format : {HalfFormat::kAuto, HalfFormat::kInt8, HalfFormat::kBfloat16, HalfFormat::kBinary16}) {
     for (int workers : {16, 200}) {
-      CentroidIndexOptions options;
-      options.band_tau = 0.05f;
-      options.half_format = format;
-      const std::vector<float> centroids = Centroids(w, *transform, workers, 6);
-      auto index = BuildCentroidIndex(centroids, workers, transform->dim(), options);
-      ASSERT_TRUE(index.ok()) << index.status();
-      const ColumnSelection* kept = (*index)->kept_columns();
+      const std::unique_ptr<CentroidIndex> index = WorkerIndex(w, *transform, workers, 0.05f, format);
+      ASSERT_NE(index, nullptr);
+      const ColumnSelection* kept = index->kept_columns();
       ASSERT_NE(kept, nullptr);
       std::vector<float> values(kept->kept + 16), scaled(kept->kept + 16, 0.f);
       std::vector<ScoredRow> by_index, by_caller;
@@ -183,12 +188,12 @@ TEST(SignatureScorerTest, SearchKeptScalesAsScalingFirstWould) {
         ASSERT_TRUE(applied.ok()) << applied.status();
         ASSERT_NE(applied->scale, 1.f);
         for (int k = 0; k < kept->kept; ++k) scaled[k] = values[k] * applied->scale;
-        ASSERT_TRUE((*index)->SearchKept(values, applied->scale, applied->norm, applied->max, &by_index).ok());
-        ASSERT_TRUE((*index)->SearchKept(scaled, 1.f, applied->norm, applied->max, &by_caller).ok());
-        ASSERT_EQ(by_index.size(), by_caller.size()) << (*index)->kind();
+        ASSERT_TRUE(index->SearchKept(values, applied->scale, applied->norm, applied->max, &by_index).ok());
+        ASSERT_TRUE(index->SearchKept(scaled, 1.f, applied->norm, applied->max, &by_caller).ok());
+        ASSERT_EQ(by_index.size(), by_caller.size()) << index->kind();
         for (size_t j = 0; j < by_index.size(); ++j) {
-          ASSERT_EQ(by_index[j].row, by_caller[j].row) << (*index)->kind() << " query " << i;
-          ASSERT_EQ(by_index[j].score, by_caller[j].score) << (*index)->kind() << " query " << i;
+          ASSERT_EQ(by_index[j].row, by_caller[j].row) << index->kind() << " query " << i;
+          ASSERT_EQ(by_index[j].score, by_caller[j].score) << index->kind() << " query " << i;
         }
         ++compared;
       }
@@ -262,15 +267,11 @@ TEST(SignatureScorerTest, FusedPathWhereTheIndexKeepsEveryColumn) {
   ASSERT_TRUE(transform.ok()) << transform.status();
   for (HalfFormat format : {HalfFormat::kAuto, HalfFormat::kInt8, HalfFormat::kBfloat16}) {
     for (int workers : {16, 200}) {
-      CentroidIndexOptions options;
-      options.band_tau = 0.05f;
-      options.half_format = format;
-      const std::vector<float> centroids = Centroids(w, *transform, workers, 6);
-      auto index = BuildCentroidIndex(centroids, workers, transform->dim(), options);
-      ASSERT_TRUE(index.ok()) << index.status();
-      ASSERT_NE((*index)->kept_columns(), nullptr) << (*index)->kind();
-      EXPECT_EQ((*index)->kept_columns()->kept, transform->dim()) << (*index)->kind();
-      ExpectSameDecisions(**index, *transform, w, options.band_tau, 400);
+      const std::unique_ptr<CentroidIndex> index = WorkerIndex(w, *transform, workers, 0.05f, format);
+      ASSERT_NE(index, nullptr);
+      ASSERT_NE(index->kept_columns(), nullptr) << index->kind();
+      EXPECT_EQ(index->kept_columns()->kept, transform->dim()) << index->kind();
+      ExpectSameDecisions(*index, *transform, w, 0.05f, 400);
     }
   }
 }
