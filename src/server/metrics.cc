@@ -318,6 +318,14 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                       .Register(*registry_);
   stream_batches_answered_ = &batches.Add({{"outcome", "answered"}});
   stream_batches_refused_ = &batches.Add({{"outcome", "refused"}});
+  stream_unanswered_ = &prometheus::BuildCounter()
+                            .Name("eldr_route_stream_unanswered_total")
+                            .Help(
+                                "RouteStream messages with errors_only (a Complete or a batch of Completes) "
+                                "that succeeded and so were not answered; their requests are counted in "
+                                "eldr_route_stream_messages_total as ok.")
+                            .Register(*registry_)
+                            .Add({});
   stream_batch_size_ = &prometheus::BuildHistogram()
                             .Name("eldr_route_stream_batch_size")
                             .Help("Entries of each answered RouteStream batch message.")
@@ -433,6 +441,8 @@ void ServerMetrics::RecordRouteStreamBatch(int64_t entries) {
 }
 
 void ServerMetrics::RecordRouteStreamBatchRefused() { stream_batches_refused_->Increment(); }
+
+void ServerMetrics::RecordRouteStreamUnanswered() { stream_unanswered_->Increment(); }
 
 void ServerMetrics::RecordTlsRotation(bool installed) { (installed ? tls_installed_ : tls_refused_)->Increment(); }
 

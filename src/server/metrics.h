@@ -105,6 +105,8 @@ class ServerMetrics {
   // refused whole for holding more than --max_stream_batch entries.
   void RecordRouteStreamBatch(int64_t entries);
   void RecordRouteStreamBatchRefused();
+  // An errors_only message (a Complete or a batch of them) that succeeded, hence was not answered.
+  void RecordRouteStreamUnanswered();
   // TLS rotations of the certificate files: installed, or refused (the old pair stays).
   void RecordTlsRotation(bool installed);
 
@@ -144,6 +146,7 @@ class ServerMetrics {
   std::array<prometheus::Counter*, kNumStreamKinds> stream_undelivered_{};
   prometheus::Counter* stream_batches_answered_ = nullptr;
   prometheus::Counter* stream_batches_refused_ = nullptr;
+  prometheus::Counter* stream_unanswered_ = nullptr;
   prometheus::Histogram* stream_batch_size_ = nullptr;
   prometheus::Counter* tls_installed_ = nullptr;
   prometheus::Counter* tls_refused_ = nullptr;

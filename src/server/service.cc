@@ -312,12 +312,15 @@ class DecodeRouterService::RouteStreamReactor final
     }
     // Only the read chain touches frame_, request_ and response_: no lock while the core works.
     Answer answer;
-    service_->AnswerStreamMessage(client_, frame_, &request_, &response_, &answer.buffer, &answer.delivered);
+    const bool send =
+        service_->AnswerStreamMessage(client_, frame_, &request_, &response_, &answer.buffer, &answer.delivered);
     frame_.Clear();
     absl::MutexLock lock(&mu_);
     answering_ = false;
     if (cancelled_) {
       service_->ReleaseUndelivered(answer.delivered);
+    } else if (!send) {  // an errors_only message that succeeded: nothing to write, nothing to release
+      ReadNextLocked();
     } else {
       queue_.push_back(std::move(answer));
       WriteNextLocked();
@@ -555,7 +558,31 @@ grpc::ServerUnaryReactor* DecodeRouterService::Complete(grpc::CallbackServerCont
   return reactor;
 }
 
-void DecodeRouterService::AnswerStreamMessage(absl::string_view client, const grpc::ByteBuffer& frame,
+namespace {
+
+// Whether an errors_only message may go unanswered: a Complete, or a batch of Completes only.
+bool CompletesOnly(const eldr::v1::RouteStreamRequest& request) {
+  using eldr::v1::RouteStreamRequest;
+  if (request.kind_case() == RouteStreamRequest::kComplete) return true;
+  if (request.kind_case() != RouteStreamRequest::kBatch) return false;
+  for (const RouteStreamRequest& entry : request.batch().requests()) {
+    if (entry.kind_case() != RouteStreamRequest::kComplete) return false;
+  }
+  return true;
+}
+
+// Whether an answer reports a failure, of the message or of an entry of its batch.
+bool AnswersAFailure(const eldr::v1::RouteStreamResponse& response) {
+  if (response.has_error()) return true;
+  for (const eldr::v1::RouteStreamResponse& entry : response.batch().responses()) {
+    if (entry.has_error()) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool DecodeRouterService::AnswerStreamMessage(absl::string_view client, const grpc::ByteBuffer& frame,
                                               eldr::v1::RouteStreamRequest* request,
                                               eldr::v1::RouteStreamResponse* response, grpc::ByteBuffer* answer,
                                               StreamDeliveries* delivered) {
@@ -568,12 +595,26 @@ void DecodeRouterService::AnswerStreamMessage(absl::string_view client, const gr
     SetStreamError(status, response);
     ctx_.metrics->RecordRouteStreamMessage(StreamMessageKind::kNone, /*ok=*/false);
     delivered->push_back(StreamDelivery{});
+  } else if (request->errors_only() && !CompletesOnly(*request)) {
+    response->set_id(request->id());
+    SetStreamError(InvalidInput(RejectReason::kMalformed,
+                                "RouteStreamRequest: errors_only is for a Complete or a batch of Completes only (a "
+                                "Route's answer is its decision); nothing in this message was handled"),
+                   response);
+    ctx_.metrics->RecordRejected(RejectReason::kMalformed);
+    ctx_.metrics->RecordRouteStreamMessage(StreamMessageKind::kNone, /*ok=*/false);
+    delivered->push_back(StreamDelivery{});
   } else if (request->kind_case() == eldr::v1::RouteStreamRequest::kBatch) {
     AnswerStreamBatch(client, *request, frame_bytes, response, delivered);
   } else {
     delivered->push_back(AnswerStreamRequest(client, *request, frame_bytes, response));
   }
+  if (request->errors_only() && !AnswersAFailure(*response)) {
+    ctx_.metrics->RecordRouteStreamUnanswered();
+    return false;
+  }
   SerializeRaw(*response, answer);
+  return true;
 }
 
 StreamDelivery DecodeRouterService::AnswerStreamRequest(absl::string_view client,

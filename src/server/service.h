@@ -169,8 +169,9 @@ class DecodeRouterService final
   // (a serialized RouteStreamResponse): a single request through AnswerStreamRequest, a batch
   // through AnswerStreamBatch. `request` and `response` are the stream's scratch messages (reused,
   // so that a stream's steady state allocates little). Fills *delivered with the requests the
-  // answer carries.
-  void AnswerStreamMessage(absl::string_view client, const grpc::ByteBuffer& frame,
+  // answer carries. Returns whether to send the answer: false only for an errors_only message all of
+  // whose requests succeeded (then `answer` is not written).
+  bool AnswerStreamMessage(absl::string_view client, const grpc::ByteBuffer& frame,
                            eldr::v1::RouteStreamRequest* request, eldr::v1::RouteStreamResponse* response,
                            grpc::ByteBuffer* answer, StreamDeliveries* delivered);
   // One request, a message of its own or an entry of a batch, answered into `response` (its id,

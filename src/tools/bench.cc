@@ -15,7 +15,9 @@
 // to the stream (queued behind the stream's earlier writes) until its answer is read. With
 // --stream_batch=N the slots of a stream go in groups of N that each send their routes as one
 // RouteStreamBatch message and their Completes as another (the same leases in flight, N times
-// fewer messages); every entry of a message gets that message's latency.
+// fewer messages); every entry of a message gets that message's latency. --stream_errors_only
+// sends the Completes with errors_only: the router answers them only when they fail, so a slot
+// sends its next Route right behind its Complete, and Completes have no latency to report.
 //
 // Also writes fixtures for a benchmark: --write_artifact (random unit centroids of --geometry for
 // --workers workers named w0..wN-1) and --write_workers (their worker file).
@@ -78,6 +80,10 @@ ABSL_FLAG(int, stream_batch, 1,
           "RouteStreamBatch message, then the Completes of the leases they got as one more, then its next "
           "routes, so --concurrency leases are still in flight. An entry's latency counts from its "
           "message's write to its answer's read.");
+ABSL_FLAG(bool, stream_errors_only, false,
+          "With --api=stream and --complete: Completes (or batches of them) go with errors_only, answered "
+          "only when they fail; a slot sends its next Route right after its Complete. Completes are "
+          "counted as sent and have no latency.");
 ABSL_FLAG(std::string, trace, "",
           "Directory of real expert traces (data/esft-routing): signatures are each sequence's "
           "prefill counts. Empty: random counts of --geometry.");
@@ -444,10 +450,15 @@ void AppendVarint(uint64_t value, std::string* out) {
 }
 
 // Field numbers of eldr.v1.RouteStreamRequest / CompleteRequest (proto/eldr/v1/router.proto).
-constexpr char kTagId = 0x08;        // id = 1, varint
-constexpr char kTagRoute = 0x12;     // route = 2, length-delimited
-constexpr char kTagComplete = 0x1a;  // complete = 3, length-delimited
-constexpr char kTagLease = 0x08;     // CompleteRequest.lease_id = 1, varint
+constexpr char kTagId = 0x08;          // id = 1, varint
+constexpr char kTagRoute = 0x12;       // route = 2, length-delimited
+constexpr char kTagComplete = 0x1a;    // complete = 3, length-delimited
+constexpr char kTagLease = 0x08;       // CompleteRequest.lease_id = 1, varint
+constexpr char kTagErrorsOnly = 0x28;  // RouteStreamRequest.errors_only = 5, varint
+
+// Marks the ids of errors_only messages, so that an error answer to one is never taken for the
+// answer of the group's next message (which has the group's plain id).
+constexpr uint64_t kErrorsOnlyIdBit = uint64_t{1} << 62;
 
 grpc::ByteBuffer RouteFrame(uint64_t id, const grpc::Slice& route) {
   std::string header;
@@ -459,7 +470,7 @@ grpc::ByteBuffer RouteFrame(uint64_t id, const grpc::Slice& route) {
   return grpc::ByteBuffer(slices, 2);
 }
 
-grpc::ByteBuffer CompleteFrame(uint64_t id, uint64_t lease) {
+grpc::ByteBuffer CompleteFrame(uint64_t id, uint64_t lease, bool errors_only) {
   std::string inner;
   inner.push_back(kTagLease);
   AppendVarint(lease, &inner);
@@ -469,6 +480,7 @@ grpc::ByteBuffer CompleteFrame(uint64_t id, uint64_t lease) {
   frame.push_back(kTagComplete);
   AppendVarint(inner.size(), &frame);
   frame += inner;
+  if (errors_only) frame += {kTagErrorsOnly, 1};
   grpc::Slice slice(frame);
   return grpc::ByteBuffer(&slice, 1);
 }
@@ -514,7 +526,8 @@ grpc::ByteBuffer RouteBatchFrame(uint64_t id, const std::vector<std::pair<uint64
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-grpc::ByteBuffer CompleteBatchFrame(uint64_t id, const std::vector<std::pair<uint64_t, uint64_t>>& entries) {
+grpc::ByteBuffer CompleteBatchFrame(uint64_t id, const std::vector<std::pair<uint64_t, uint64_t>>& entries,
+                                    bool errors_only) {
   std::string batch;
   for (const auto& [entry_id, lease] : entries) {
     const size_t inner_bytes = 1 + VarintSize(lease);
@@ -534,6 +547,7 @@ grpc::ByteBuffer CompleteBatchFrame(uint64_t id, const std::vector<std::pair<uin
   frame.push_back(kTagBatch);
   AppendVarint(batch.size(), &frame);
   frame += batch;
+  if (errors_only) frame += {kTagErrorsOnly, 1};
   grpc::Slice slice(frame);
   return grpc::ByteBuffer(&slice, 1);
 }
@@ -544,12 +558,14 @@ grpc::ByteBuffer CompleteBatchFrame(uint64_t id, const std::vector<std::pair<uin
 // with --stream_batch=1 a group is one slot and its message a Route or a Complete; otherwise the
 // message is a RouteStreamBatch of its slots' routes (entry ids: the slots' indices + 1), then one
 // of the Completes of the leases those got. Writes go out one at a time, in the order the groups
-// queue them; one read is always outstanding.
+// queue them; one read is always outstanding. With errors_only the Completes go with an id of
+// their own (kErrorsOnlyIdBit set) and the group goes straight on to its next routes: an answer
+// with such an id reports failed Completes.
 class StreamCall {
  public:
   StreamCall(Run* run, grpc::GenericStub* stub, grpc::CompletionQueue* cq, const std::vector<grpc::Slice>* routes,
-             const std::vector<size_t>& first_requests, size_t batch)
-      : run_(run), stub_(stub), cq_(cq), routes_(routes), batched_(batch > 1) {
+             const std::vector<size_t>& first_requests, size_t batch, bool errors_only)
+      : run_(run), stub_(stub), cq_(cq), routes_(routes), batched_(batch > 1), errors_only_(errors_only) {
     uint64_t slot_id = 0;
     for (size_t i = 0; i < first_requests.size(); i += batch) {
       auto group = std::make_unique<StreamGroup>(this, groups_.size() + 1);
@@ -671,18 +687,37 @@ class StreamCall {
     Send(RouteBatchFrame(group->id, entries));
   }
 
-  // The Completes of the entries whose routes got a lease (group->sent lists them).
+  // The Completes of the entries whose routes got a lease (group->sent lists them). With
+  // errors_only no answer is awaited: they count as sent, and the group goes on.
   void SendCompletes(StreamGroup* group) {
+    const uint64_t id = errors_only_ ? group->id | kErrorsOnlyIdBit : group->id;
+    if (!batched_) {
+      Send(CompleteFrame(id, group->entries.front().lease, errors_only_));
+    } else {
+      std::vector<std::pair<uint64_t, uint64_t>> entries;
+      for (size_t i : group->sent) entries.emplace_back(group->entries[i].id, group->entries[i].lease);
+      Send(CompleteBatchFrame(id, entries, errors_only_));
+    }
+    if (errors_only_) {
+      if (run_->measured(Clock::now())) stats_.completes += static_cast<int64_t>(group->sent.size());
+      NextRoutes(group);
+      return;
+    }
     group->in_flight = true;
     group->routing = false;
     group->sent_at = Clock::now();
-    if (!batched_) {
-      Send(CompleteFrame(group->id, group->entries.front().lease));
-      return;
+  }
+
+  // An answer to errors_only Completes: some failed. Each error is recorded.
+  void OnErrorsOnlyAnswer() {
+    if (answer_.has_error()) {
+      RecordError(&stats_, answer_.error().code(), "Complete (errors_only): " + answer_.error().message());
     }
-    std::vector<std::pair<uint64_t, uint64_t>> entries;
-    for (size_t i : group->sent) entries.emplace_back(group->entries[i].id, group->entries[i].lease);
-    Send(CompleteBatchFrame(group->id, entries));
+    for (const eldr::v1::RouteStreamResponse& entry : answer_.batch().responses()) {
+      if (entry.has_error()) {
+        RecordError(&stats_, entry.error().code(), "Complete (errors_only): " + entry.error().message());
+      }
+    }
   }
 
   void OnAnswer() {
@@ -690,6 +725,10 @@ class StreamCall {
     grpc::ProtoBufferReader reader(&read_buffer_);
     const bool parsed = answer_.ParseFromZeroCopyStream(&reader);
     const uint64_t id = answer_.id();
+    if (parsed && errors_only_ && (id & kErrorsOnlyIdBit) != 0) {
+      OnErrorsOnlyAnswer();
+      return;
+    }
     if (!parsed || id == 0 || id > groups_.size() || !groups_[id - 1]->in_flight) {
       RecordError(&stats_, -1, absl::StrCat("stream: an answer for no message in flight (id ", id, ")"));
       return;
@@ -768,7 +807,8 @@ class StreamCall {
   grpc::GenericStub* const stub_;
   grpc::CompletionQueue* const cq_;
   const std::vector<grpc::Slice>* const routes_;
-  const bool batched_;  // --stream_batch > 1: every message is a RouteStreamBatch
+  const bool batched_;      // --stream_batch > 1: every message is a RouteStreamBatch
+  const bool errors_only_;  // --stream_errors_only
   std::vector<std::unique_ptr<StreamGroup>> groups_;
   size_t active_ = 0;  // groups that will still send routes
   grpc::ClientContext context_;
@@ -857,6 +897,12 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  const bool stream_errors_only = absl::GetFlag(FLAGS_stream_errors_only);
+  if (stream_errors_only && (api != "stream" || !absl::GetFlag(FLAGS_complete))) {
+    std::fprintf(stderr, "eldr-bench: --stream_errors_only needs --api=stream and --complete\n");
+    return 2;
+  }
+
   std::vector<eldr::v1::RouteRequest> requests;
   std::string geometry_label = absl::GetFlag(FLAGS_geometry);
   if (const std::string dir = absl::GetFlag(FLAGS_trace); !dir.empty()) {
@@ -918,7 +964,7 @@ int main(int argc, char** argv) {
         firsts.push_back(static_cast<size_t>(i) * requests.size() / concurrency);
       calls.push_back(std::make_unique<StreamCall>(&run, generic_stubs[c % channels].get(),
                                                    queues[c % queues.size()].get(), &route_slices, firsts,
-                                                   static_cast<size_t>(stream_batch)));
+                                                   static_cast<size_t>(stream_batch), stream_errors_only));
     }
   } else {
     for (int i = 0; i < concurrency; ++i) {
@@ -976,6 +1022,7 @@ int main(int argc, char** argv) {
       {"api", api},
       {"streams", streams},
       {"stream_batch", stream_batch},
+      {"stream_errors_only", stream_errors_only},
       {"geometry", geometry_label},
       {"encoding", encoding},
       {"signatures", requests.size()},

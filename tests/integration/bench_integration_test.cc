@@ -145,6 +145,57 @@ TEST(BenchIntegration, StreamBatchSendsEachGroupsRoutesAndCompletesAsOneMessage)
   EXPECT_LT(batches, routes) << "fewer messages than routes";
 }
 
+// --stream_errors_only: Completes go unanswered when they succeed, singly and in batches; every
+// lease is still released, and a Complete the router refuses is counted as an error.
+TEST(BenchIntegration, StreamErrorsOnlyCompletesGoUnansweredAndStillRelease) {
+  TempDir dir;
+  auto router = RouterProcess::Start(dir, StandardArgs(dir));
+  ASSERT_TRUE(router.ok()) << router.status();
+  double unanswered_before = 0;
+  for (const char* batch : {"1", "4"}) {
+    nlohmann::json out = RunBench({"--target=" + (*router)->target(), "--api=stream", "--streams=2", "--concurrency=8",
+                                   std::string("--stream_batch=") + batch, "--stream_errors_only", "--duration_s=1",
+                                   "--warmup_s=0.2", "--geometry=26x64", "--complete", "--json"});
+    ASSERT_TRUE(out.is_object());
+    EXPECT_TRUE(out["stream_errors_only"].get<bool>());
+    EXPECT_GT(out["requests"].get<int64_t>(), 50) << batch;
+    EXPECT_EQ(out["errors"].get<int64_t>(), 0) << out.dump();
+    EXPECT_GE(out["completes"].get<int64_t>(), out["requests"].get<int64_t>() - 8) << batch;
+
+    auto metrics = ScrapeMetrics((*router)->metrics_port());
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    EXPECT_EQ(metrics->Value("eldr_live_leases"), 0) << batch;
+    const double unanswered = metrics->Value("eldr_route_stream_unanswered_total").value_or(0);
+    EXPECT_GE(unanswered - unanswered_before, out["completes"].get<double>() / (batch[0] == '1' ? 1 : 4)) << batch;
+    unanswered_before = unanswered;
+  }
+  EXPECT_EQ(ScrapeMetrics((*router)->metrics_port())
+                ->Value("eldr_route_stream_messages_total", {{"kind", "complete"}, {"outcome", "error"}})
+                .value_or(0),
+            0);
+  // Leases that expire before their Complete: the router answers those Completes NOT_FOUND.
+  TempDir expiring_dir;
+  std::vector<std::string> args = StandardArgs(expiring_dir);
+  args.insert(args.end(), {"--lease_ttl=1us", "--lease_expiry_interval=1ms"});
+  auto expiring = RouterProcess::Start(expiring_dir, args);
+  ASSERT_TRUE(expiring.ok()) << expiring.status();
+  nlohmann::json out =
+      RunBench({"--target=" + (*expiring)->target(), "--api=stream", "--concurrency=4", "--stream_errors_only",
+                "--duration_s=1", "--warmup_s=0.2", "--geometry=26x64", "--complete", "--json"});
+  ASSERT_TRUE(out.is_object());
+  EXPECT_GT(out["errors"].get<int64_t>(), 0) << out.dump();
+  EXPECT_GT(out["error_codes"].value("5", int64_t{0}), 0) << out.dump();
+  // Checked: only for streams with Complete.
+  for (const std::vector<std::string>& flags : std::vector<std::vector<std::string>>{
+           {"--api=stream", "--stream_errors_only"}, {"--api=cq", "--complete", "--stream_errors_only"}}) {
+    std::vector<std::string> args = {"--target=127.0.0.1:1"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    ProcessResult result = RunProcess(BinaryPath("eldr-bench"), args, absl::Seconds(60));
+    EXPECT_EQ(result.exit_code, 2) << flags[0];
+    EXPECT_THAT(result.stderr_text, ::testing::HasSubstr("--stream_errors_only")) << flags[0];
+  }
+}
+
 TEST(BenchIntegration, StreamBatchIsCheckedAndOnlyForStreams) {
   for (const std::vector<std::string>& flags : std::vector<std::vector<std::string>>{
            {"--api=stream", "--stream_batch=0"}, {"--api=stream", "--stream_batch=5000"}, {"--stream_batch=4"}}) {

@@ -485,5 +485,84 @@ TEST(RouteStreamBatch, CancelReleasesEveryLeaseOfAnUndeliveredBatch) {
   EXPECT_EQ(State(*router).live_leases(), routed - undelivered);
 }
 
+// errors_only: a Complete (or a batch of Completes) that succeeds gets no answer, one that fails is
+// answered in its place with the unary error; a Route (or a batch holding one) with the flag is
+// refused whole, nothing in it handled.
+TEST(RouteStreamErrorsOnly, CompletesAreAnsweredOnlyWhenTheyFail) {
+  TempDir dir;
+  auto router = MustStart(dir, StandardArgs(dir));
+  ASSERT_NE(router, nullptr);
+  auto stub = router->RouterStub();
+  auto ctx = Ctx();
+  std::unique_ptr<Stream> stream = stub->RouteStream(ctx.get());
+  auto errors_only = [](RouteStreamRequest message) {
+    message.set_errors_only(true);
+    return message;
+  };
+
+  const RouteStreamResponse first = Exchange(stream.get(), RouteMessage(1, BlockRequest(0)));
+  ASSERT_TRUE(first.has_route()) << first.error().message();
+  // Released without an answer: the next answer read is the next Route's.
+  ASSERT_TRUE(stream->Write(errors_only(CompleteMessage(100, first.route().lease_id()))));
+  const RouteStreamResponse second = Exchange(stream.get(), RouteMessage(2, BlockRequest(1)));
+  ASSERT_TRUE(second.has_route()) << second.error().message();
+  EXPECT_EQ(second.route().worker_id(), "w1");
+  EXPECT_EQ(State(*router).live_leases(), 1) << "the errors_only Complete did not release its lease";
+
+  // A failing one is answered, with the unary error.
+  const RouteStreamResponse unknown = Exchange(stream.get(), errors_only(CompleteMessage(101, 987654321)));
+  ASSERT_TRUE(unknown.has_error());
+  EXPECT_EQ(unknown.error().code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+
+  // A Route cannot go unanswered: refused, not routed.
+  const double routes_before = Scraped(*router, "eldr_route_duration_seconds_count");
+  const RouteStreamResponse route_refused = Exchange(stream.get(), errors_only(RouteMessage(102, BlockRequest(2))));
+  ASSERT_TRUE(route_refused.has_error());
+  EXPECT_EQ(route_refused.error().code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_THAT(route_refused.error().message(), HasSubstr("errors_only is for a Complete or a batch of Completes"));
+  std::vector<RouteStreamRequest> mixed;
+  mixed.push_back(CompleteMessage(31, second.route().lease_id()));
+  mixed.push_back(RouteMessage(32, BlockRequest(3)));
+  const RouteStreamResponse mixed_refused = Exchange(stream.get(), errors_only(Batch(103, mixed)));
+  ASSERT_TRUE(mixed_refused.has_error());
+  EXPECT_EQ(mixed_refused.error().code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_EQ(State(*router).live_leases(), 1) << "an entry of a refused errors_only batch was handled";
+  EXPECT_EQ(Scraped(*router, "eldr_route_duration_seconds_count"), routes_before);
+
+  // Batches of Completes: no answer when all succeed, the whole batch answered when one fails.
+  std::vector<RouteStreamRequest> routes;
+  for (int block = 0; block < 3; ++block) routes.push_back(RouteMessage(40 + block, BlockRequest(block)));
+  const RouteStreamResponse routed = ExchangeBatch(stream.get(), Batch(104, routes));
+  std::vector<uint64_t> leases;
+  for (const RouteStreamResponse& r : routed.batch().responses()) {
+    ASSERT_TRUE(r.has_route()) << r.error().message();
+    leases.push_back(r.route().lease_id());
+  }
+  std::vector<RouteStreamRequest> good;
+  good.push_back(CompleteMessage(51, second.route().lease_id()));
+  good.push_back(CompleteMessage(52, leases[0]));
+  ASSERT_TRUE(stream->Write(errors_only(Batch(105, good))));
+  std::vector<RouteStreamRequest> one_bad;
+  one_bad.push_back(CompleteMessage(61, leases[1]));
+  one_bad.push_back(CompleteMessage(62, leases[1]));  // released by the entry before it
+  one_bad.push_back(CompleteMessage(63, leases[2]));
+  const RouteStreamResponse partly = ExchangeBatch(stream.get(), errors_only(Batch(106, one_bad)));
+  ASSERT_EQ(partly.batch().responses_size(), 3);
+  EXPECT_TRUE(partly.batch().responses(0).has_complete());
+  EXPECT_EQ(partly.batch().responses(1).error().code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+  EXPECT_TRUE(partly.batch().responses(2).has_complete());
+
+  stream->WritesDone();
+  RouteStreamResponse extra;
+  EXPECT_FALSE(stream->Read(&extra)) << "an answer came for message " << extra.id();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(State(*router).live_leases(), 0);
+  EXPECT_EQ(Scraped(*router, "eldr_route_stream_unanswered_total"), 2);
+  EXPECT_EQ(StreamMessages(*router, "complete", "ok"), 5);
+  EXPECT_EQ(StreamMessages(*router, "complete", "error"), 2);
+  EXPECT_EQ(StreamMessages(*router, "none", "error"), 2);
+  EXPECT_EQ(Scraped(*router, "eldr_rejected_total", {{"reason", "malformed"}}), 2);
+}
+
 }  // namespace
 }  // namespace eldr::testing
