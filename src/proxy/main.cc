@@ -39,6 +39,9 @@ ABSL_FLAG(absl::Duration, route_timeout, absl::Seconds(1), "Deadline of one Rout
 ABSL_FLAG(std::string, router_api, "stream",
           "stream (Route and Complete as messages of long-lived RouteStream calls; unary RPCs against a router "
           "without RouteStream) or unary (one Route and one Complete RPC per request).");
+ABSL_FLAG(bool, router_complete_errors_only, false,
+          "router_api=stream: Completes go with errors_only, answered by the router only when they fail "
+          "(one answer and one send less per request on the router's side).");
 ABSL_FLAG(int32_t, router_streams, 4,
           "router_api=stream: RouteStream calls kept open to the router, [1, 64]; messages go round robin.");
 ABSL_FLAG(std::string, prefill_policy, "prefix_hash", "prefix_hash, least_loaded or round_robin.");
@@ -148,6 +151,7 @@ int main(int argc, char** argv) {
   }
   options.router.api = *router_api;
   options.router.streams = absl::GetFlag(FLAGS_router_streams);
+  options.router.complete_errors_only = absl::GetFlag(FLAGS_router_complete_errors_only);
   absl::StatusOr<eldr::proxy::PrefillPolicy> policy =
       eldr::proxy::ParsePrefillPolicy(absl::GetFlag(FLAGS_prefill_policy));
   if (!policy.ok()) {

@@ -33,6 +33,13 @@ constexpr absl::Duration kStreamInitialBackoff = absl::Milliseconds(50);
 constexpr absl::Duration kStreamMaxBackoff = absl::Seconds(2);
 constexpr absl::Duration kUnimplementedRetry = absl::Seconds(60);
 
+// What an errors_only Complete that did not fail stands for: the unary Complete's OK.
+eldr::v1::RouteStreamResponse CompletedWithoutAnswer() {
+  eldr::v1::RouteStreamResponse answer;
+  answer.mutable_complete();
+  return answer;
+}
+
 }  // namespace
 
 absl::StatusOr<RouterApi> ParseRouterApi(absl::string_view name) {
@@ -110,6 +117,8 @@ class RouterClient::StreamCall final
 
   // Whether the call can no longer carry messages (a write or the read failed).
   bool ended() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(client_->mu_) { return ended_; }
+  // The id of the last message whose write completed (ids grow in write order); 0 before any.
+  uint64_t written_through() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(client_->mu_) { return written_through_; }
   void Cancel() { context_.TryCancel(); }
 
   void OnWriteDone(bool ok) override {
@@ -118,6 +127,7 @@ class RouterClient::StreamCall final
     {
       absl::MutexLock lock(&client_->mu_);
       if (!ok) ended_ = true;
+      if (ok) written_through_ = writing_id_;
       if (!ended_) {
         more = TakeNextWriteLocked();
       } else {
@@ -163,6 +173,7 @@ class RouterClient::StreamCall final
       auto it = client_->pending_.find(id);
       if (it == client_->pending_.end()) continue;
       write_buf_ = it->second.message;
+      writing_id_ = id;
       writing_ = true;
       return true;
     }
@@ -184,6 +195,8 @@ class RouterClient::StreamCall final
   eldr::v1::RouteStreamRequest write_buf_;
   std::deque<uint64_t> unwritten_ ABSL_GUARDED_BY(client_->mu_);
   bool writing_ ABSL_GUARDED_BY(client_->mu_) = false;
+  uint64_t writing_id_ ABSL_GUARDED_BY(client_->mu_) = 0;       // of write_buf_ while writing_
+  uint64_t written_through_ ABSL_GUARDED_BY(client_->mu_) = 0;  // see written_through()
   bool ended_ ABSL_GUARDED_BY(client_->mu_) = false;
   bool hold_released_ ABSL_GUARDED_BY(client_->mu_) = false;
 };
@@ -264,6 +277,8 @@ void RouterClient::CompleteAttempt(uint64_t lease_id, int64_t output_tokens, int
   eldr::v1::RouteStreamRequest message;
   message.mutable_complete()->set_lease_id(lease_id);
   message.mutable_complete()->set_output_tokens(output_tokens);
+  // Read on streams only: a unary Complete is always answered.
+  message.set_errors_only(options_.complete_errors_only);
   Send(std::move(message), absl::Now() + options_.complete_timeout,
        [this, lease_id, output_tokens, attempt,
         done = std::move(done)](absl::StatusOr<eldr::v1::RouteStreamResponse> answer) mutable {
@@ -368,6 +383,7 @@ RouterClient::StreamRefusal RouterClient::SendOnStream(eldr::v1::RouteStreamRequ
     if (call == nullptr) return StreamRefusal::kReconnecting;
     const uint64_t id = next_id_++;
     message.set_id(id);
+    if (message.errors_only()) unconfirmed_[call.get()].push_back(id);
     pending_.emplace(id, PendingMessage{std::move(message), deadline, std::move(done), call.get()});
     deadlines_.emplace(deadline, id);
     if (deadline < expiry_wake_at_) expiry_kick_ = true;
@@ -385,11 +401,32 @@ RouterClient::StreamRefusal RouterClient::SendOnStream(eldr::v1::RouteStreamRequ
   return StreamRefusal::kNone;
 }
 
+std::vector<RouterClient::Answer> RouterClient::ConfirmErrorsOnlyLocked(const StreamCall* call, uint64_t id) {
+  std::vector<Answer> confirmed;
+  auto queued = unconfirmed_.find(call);
+  if (queued == unconfirmed_.end()) return confirmed;
+  std::deque<uint64_t>& ids = queued->second;
+  while (!ids.empty() && ids.front() <= id) {
+    const uint64_t earlier = ids.front();
+    ids.pop_front();
+    if (earlier == id) continue;  // answered itself: an error, the caller's to deliver
+    auto it = pending_.find(earlier);
+    if (it == pending_.end() || it->second.call != call) continue;  // expired meanwhile
+    confirmed.push_back(std::move(it->second.done));
+    deadlines_.erase({it->second.deadline, it->first});
+    pending_.erase(it);
+  }
+  if (ids.empty()) unconfirmed_.erase(queued);
+  return confirmed;
+}
+
 void RouterClient::OnStreamAnswer(StreamCall* call, eldr::v1::RouteStreamResponse answer) {
   Answer done;
   eldr::v1::RouteStreamRequest::KindCase asked = eldr::v1::RouteStreamRequest::KIND_NOT_SET;
+  std::vector<Answer> confirmed;
   {
     absl::MutexLock lock(&mu_);
+    confirmed = ConfirmErrorsOnlyLocked(call, answer.id());
     auto it = pending_.find(answer.id());
     if (it != pending_.end() && it->second.call == call) {
       done = std::move(it->second.done);
@@ -402,6 +439,7 @@ void RouterClient::OnStreamAnswer(StreamCall* call, eldr::v1::RouteStreamRespons
       }
     }
   }
+  for (Answer& earlier : confirmed) earlier(CompletedWithoutAnswer());
   if (done == nullptr) {
     // Late (its caller already got DEADLINE_EXCEEDED and routed elsewhere): a lease it took would
     // count on the worker until it expires, so release it.
@@ -431,6 +469,7 @@ void RouterClient::OnStreamEnded(StreamCall* call, size_t slot_index, const grpc
       orphans.push_back(std::move(it->second));
       pending_.erase(it++);
     }
+    unconfirmed_.erase(call);
     StreamSlot& slot = slots_[slot_index];
     if (slot.call.get() == call) slot.call.reset();
     streams_open = --streams_open_;
@@ -463,18 +502,27 @@ void RouterClient::ExpireMessages() {
   mu_.Lock();
   while (!(shutting_down_ && pending_.empty())) {
     const absl::Time now = absl::Now();
-    std::vector<Answer> expired;
+    // With whether it did not fail: an errors_only message written to its stream, for which no
+    // error came in its time (its stream is still up: else it would have failed UNAVAILABLE).
+    std::vector<std::pair<Answer, bool>> expired;
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
       const uint64_t id = deadlines_.begin()->second;
       deadlines_.erase(deadlines_.begin());
       auto it = pending_.find(id);
-      expired.push_back(std::move(it->second.done));
+      const PendingMessage& message = it->second;
+      const bool did_not_fail =
+          message.message.errors_only() && message.call != nullptr && message.call->written_through() >= id;
+      expired.emplace_back(std::move(it->second.done), did_not_fail);
       pending_.erase(it);
     }
     if (!expired.empty()) {
       mu_.Unlock();
-      for (Answer& done : expired) {
-        done(absl::DeadlineExceededError("Deadline Exceeded: no answer on eldr-router's RouteStream in time"));
+      for (auto& [done, did_not_fail] : expired) {
+        if (did_not_fail) {
+          done(CompletedWithoutAnswer());
+        } else {
+          done(absl::DeadlineExceededError("Deadline Exceeded: no answer on eldr-router's RouteStream in time"));
+        }
       }
       mu_.Lock();
       continue;

@@ -15,6 +15,10 @@
 //     answered fails UNAVAILABLE, exactly once; the stream is re-opened on the next message after
 //     a backoff (50 ms doubling to 2 s, back to 50 ms once a stream answered). While it waits,
 //     messages go as unary RPCs (which fail fast as well while the router is away);
+//   * with complete_errors_only a Complete goes with errors_only: its success is known when the
+//     router answers a later message of the same stream (answers come in order), or assumed when
+//     its deadline passes after it was written and no error answer came (not written by then:
+//     DEADLINE_EXCEEDED, as any message);
 //   * a router without RouteStream (it ends the stream UNIMPLEMENTED before reading anything)
 //     gets the stream's messages again as unary RPCs (none of them was processed), and unary RPCs
 //     from then on; the stream is tried again every 60 s (a router that was upgraded).
@@ -26,6 +30,7 @@
 #define ELDR_PROXY_ROUTER_CLIENT_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <set>
@@ -117,6 +122,9 @@ class RouterClient {
 
   // From StreamCall's reactions (they take mu_ themselves).
   void OnStreamAnswer(StreamCall* call, eldr::v1::RouteStreamResponse answer);
+  // Takes out of pending_ the errors_only messages of `call` queued before message `id` (the
+  // router answered `id`, so it read them and they did not fail) and returns their callbacks.
+  std::vector<Answer> ConfirmErrorsOnlyLocked(const StreamCall* call, uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnStreamEnded(StreamCall* call, size_t slot, const grpc::Status& status);
 
   const RouterClientOptions options_;
@@ -136,6 +144,9 @@ class RouterClient {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;  // 0 is what the router answers an unparsable message with
   absl::flat_hash_map<uint64_t, PendingMessage> pending_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);  // of pending_
+  // Per stream call, the ids of its errors_only messages not yet known to have succeeded, in the
+  // order they were queued (which is the order of their ids and of the router's answers).
+  absl::flat_hash_map<const StreamCall*, std::deque<uint64_t>> unconfirmed_ ABSL_GUARDED_BY(mu_);
   // The deadline thread sleeps until expiry_wake_at_; a message due earlier sets expiry_kick_.
   absl::Time expiry_wake_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool expiry_kick_ ABSL_GUARDED_BY(mu_) = false;

@@ -821,6 +821,27 @@ TEST(ProxyIntegration, TheRouterIsReachedOverAUnixSocket) {
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 0);
 }
 
+// --router_complete_errors_only: the router answers none of the Completes (all succeed), every
+// lease is released, and the proxy still counts each Complete as OK (confirmed by a later answer
+// on its stream, or at its deadline).
+TEST(ProxyIntegration, ErrorsOnlyCompletesGoUnansweredAndAreCountedOk) {
+  StackOptions options;
+  options.proxy_args = {"--router_streams=1", "--router_complete_errors_only"};
+  Stack stack(options);
+  ASSERT_NO_FATAL_FAILURE(stack.Start());
+  auto client = NewClient();
+  for (int trace = 0; trace < 4; ++trace) {
+    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
+  }
+  EXPECT_TRUE(stack.LeasesBackToZero());
+  EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"complete\",outcome=\"ok\"}"), 4);
+  EXPECT_EQ(stack.RouterMetric("eldr_route_stream_unanswered_total"), 4);
+  EXPECT_TRUE(eldr::testing::PollUntil(
+      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 4; },
+      absl::Seconds(10)));
+  EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"DEADLINE_EXCEEDED\",method=\"complete\"}"), 0);
+}
+
 TEST(ProxyIntegration, RouterApiUnaryCallsTheUnaryRpcs) {
   StackOptions options;
   options.proxy_args = {"--router_api=unary"};

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,6 +98,8 @@ class FakeRouter final : public eldr::v1::DecodeRouter::Service {
       if (!status.ok()) {
         answer.mutable_error()->set_code(status.error_code());
         answer.mutable_error()->set_message(status.error_message());
+      } else if (message.errors_only()) {
+        continue;  // as eldr-router: an errors_only message that succeeded is not answered
       }
       stream->Write(answer);
     }
@@ -159,12 +162,16 @@ class Server {
 };
 
 std::unique_ptr<RouterClient> NewClient(const std::string& target, RouterApi api, int streams = 1,
-                                        absl::Duration route_timeout = absl::Seconds(5)) {
+                                        absl::Duration route_timeout = absl::Seconds(5),
+                                        bool complete_errors_only = false,
+                                        absl::Duration complete_timeout = absl::Seconds(2)) {
   RouterClientOptions options;
   options.target = target;
   options.api = api;
   options.streams = streams;
   options.route_timeout = route_timeout;
+  options.complete_errors_only = complete_errors_only;
+  options.complete_timeout = complete_timeout;
   absl::StatusOr<std::unique_ptr<RouterClient>> client = RouterClient::Create(options);
   EXPECT_TRUE(client.ok()) << client.status();
   return *std::move(client);
@@ -337,6 +344,45 @@ TEST(RouterClient, AnUnansweredMessageFailsAtItsDeadline) {
   EXPECT_GE(took, absl::Milliseconds(190));
   EXPECT_LT(took, absl::Seconds(2));
   EXPECT_TRUE(RouteAndWait(*client, "after").ok());  // the stream goes on
+  EXPECT_EQ(fake.streams(), 1);
+}
+
+// complete_errors_only: a Complete is known done when a later message of its stream is answered,
+// fails with the router's error when it fails, and is taken as done at its deadline when no error
+// came for it; every lease is released.
+TEST(RouterClient, ErrorsOnlyCompletesAreConfirmedByLaterAnswersOrTheirDeadline) {
+  FakeRouter fake;
+  Server server(&fake);
+  std::unique_ptr<RouterClient> client = NewClient(server.target(), RouterApi::kStream, 1, absl::Seconds(5),
+                                                   /*complete_errors_only=*/true, absl::Milliseconds(300));
+  absl::StatusOr<eldr::v1::RouteResponse> first = RouteAndWait(*client, "first");
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::Mutex mu;
+  std::optional<absl::Status> completed;
+  const absl::Time sent = absl::Now();
+  client->Complete(first->lease_id(), 4, [&](absl::Status status) {
+    absl::MutexLock lock(&mu);
+    completed = status;
+  });
+  // The next Route's answer confirms the Complete before its own callback runs.
+  absl::StatusOr<eldr::v1::RouteResponse> second = RouteAndWait(*client, "second");
+  ASSERT_TRUE(second.ok()) << second.status();
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(completed.has_value()) << "not confirmed by the later answer";
+    EXPECT_TRUE(completed->ok()) << *completed;
+  }
+  EXPECT_LT(absl::Now() - sent, absl::Milliseconds(300));
+  EXPECT_EQ(fake.live_leases(), 1);
+
+  // A failing one comes back with the router's error.
+  EXPECT_EQ(CompleteAndWait(*client, 987654321).code(), absl::StatusCode::kNotFound);
+
+  // The last one, with nothing after it: done OK at its deadline, not DEADLINE_EXCEEDED.
+  const absl::Time last = absl::Now();
+  EXPECT_TRUE(CompleteAndWait(*client, second->lease_id()).ok());
+  EXPECT_GE(absl::Now() - last, absl::Milliseconds(250));
+  EXPECT_EQ(fake.live_leases(), 0);
   EXPECT_EQ(fake.streams(), 1);
 }
 

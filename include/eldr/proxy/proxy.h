@@ -70,6 +70,12 @@ struct RouterClientOptions {
   absl::Duration route_timeout = absl::Seconds(1);
   // Deadline of one Complete call (they are retried once). > 0.
   absl::Duration complete_timeout = absl::Seconds(2);
+  // kStream: Completes go with errors_only (docs/api.md, "RouteStream"): the router answers only a
+  // failed one, which saves it one answer and one send per lease. A Complete counts as done OK
+  // once the router answered a later message of its stream (answers come in order), or when its
+  // deadline passes after it was written without an error coming; when its stream ends first, or it
+  // was never written, it fails (UNAVAILABLE, DEADLINE_EXCEEDED) and is sent again, as any Complete.
+  bool complete_errors_only = false;
   // How Route and Complete travel to the router. kStream: as messages of long-lived RouteStream
   // calls (docs/api.md, "RouteStream"): no call set-up per request; against a router without
   // RouteStream (UNIMPLEMENTED) the client falls back to the unary RPCs by itself. kUnary: one
