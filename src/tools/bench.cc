@@ -690,6 +690,11 @@ class StreamCall {
   // The Completes of the entries whose routes got a lease (group->sent lists them). With
   // errors_only no answer is awaited: they count as sent, and the group goes on.
   void SendCompletes(StreamGroup* group) {
+    if (!errors_only_) {
+      group->in_flight = true;
+      group->routing = false;
+      group->sent_at = Clock::now();
+    }
     const uint64_t id = errors_only_ ? group->id | kErrorsOnlyIdBit : group->id;
     if (!batched_) {
       Send(CompleteFrame(id, group->entries.front().lease, errors_only_));
@@ -701,11 +706,7 @@ class StreamCall {
     if (errors_only_) {
       if (run_->measured(Clock::now())) stats_.completes += static_cast<int64_t>(group->sent.size());
       NextRoutes(group);
-      return;
     }
-    group->in_flight = true;
-    group->routing = false;
-    group->sent_at = Clock::now();
   }
 
   // An answer to errors_only Completes: some failed. Each error is recorded.
