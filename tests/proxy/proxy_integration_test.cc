@@ -332,6 +332,26 @@ void ExpectStreamedTokens(http::HttpClient& client, const Stack& stack, int trac
   EXPECT_EQ(StreamedTokens(answer->body, false), ExpectedTokens(trace, max_tokens));
 }
 
+// Streams traces 0..n-1 (3 tokens each) through the stack's proxy; every lease must come back.
+void StreamTracesAndReleaseTheLeases(Stack& stack, int n) {
+  auto client = NewClient();
+  for (int trace = 0; trace < n; ++trace) {
+    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
+  }
+  EXPECT_TRUE(stack.LeasesBackToZero());
+}
+
+// Whether the proxy comes to count n OK router calls of `method` (it counts a call when its answer
+// is back, which may be after the router's own count).
+bool ProxyCountsOkCalls(const Stack& stack, const std::string& method, int n) {
+  return eldr::testing::PollUntil(
+      [&] {
+        return stack.ProxyMetric(absl::StrCat("eldr_proxy_router_calls_total{code=\"OK\",method=\"", method, "\"}")) ==
+               n;
+      },
+      absl::Seconds(10));
+}
+
 // A streamed completions request in flight: what arrived so far, and how it ended. The destructor
 // cancels the call and waits for its end, so the callbacks never outlive the object.
 class StreamingCall {
@@ -784,11 +804,7 @@ TEST(ProxyIntegration, RouteAndCompleteGoAsMessagesOfTheRouteStreams) {
   options.proxy_args = {"--router_streams=2"};
   Stack stack(options);
   ASSERT_NO_FATAL_FAILURE(stack.Start());
-  auto client = NewClient();
-  for (int trace = 0; trace < 6; ++trace) {
-    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
-  }
-  EXPECT_TRUE(stack.LeasesBackToZero());
+  ASSERT_NO_FATAL_FAILURE(StreamTracesAndReleaseTheLeases(stack, 6));
   EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"route\",outcome=\"ok\"}"), 6);
   EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"complete\",outcome=\"ok\"}"), 6);
   // Every Route the router handled came on a stream: none was a unary RPC.
@@ -796,9 +812,7 @@ TEST(ProxyIntegration, RouteAndCompleteGoAsMessagesOfTheRouteStreams) {
   EXPECT_EQ(stack.RouterMetric("eldr_complete_requests_total{outcome=\"released\"}"), 6);
   EXPECT_EQ(stack.RouterMetric("eldr_route_streams_open"), 2);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 6);
-  EXPECT_TRUE(eldr::testing::PollUntil(  // counted when the answer is back, after the router's count
-      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 6; },
-      absl::Seconds(10)));
+  EXPECT_TRUE(ProxyCountsOkCalls(stack, "complete", 6));
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 2);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_streams_open"), 2);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_unary_fallbacks_total{reason=\"reconnecting\"}"), 0);
@@ -811,11 +825,7 @@ TEST(ProxyIntegration, TheRouterIsReachedOverAUnixSocket) {
   options.router_on_unix_socket = true;
   Stack stack(options);
   ASSERT_NO_FATAL_FAILURE(stack.Start());
-  auto client = NewClient();
-  for (int trace = 0; trace < 3; ++trace) {
-    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
-  }
-  EXPECT_TRUE(stack.LeasesBackToZero());
+  ASSERT_NO_FATAL_FAILURE(StreamTracesAndReleaseTheLeases(stack, 3));
   EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"route\",outcome=\"ok\"}"), 3);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 3);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 0);
@@ -829,16 +839,10 @@ TEST(ProxyIntegration, ErrorsOnlyCompletesGoUnansweredAndAreCountedOk) {
   options.proxy_args = {"--router_streams=1", "--router_complete_errors_only"};
   Stack stack(options);
   ASSERT_NO_FATAL_FAILURE(stack.Start());
-  auto client = NewClient();
-  for (int trace = 0; trace < 4; ++trace) {
-    ASSERT_NO_FATAL_FAILURE(ExpectStreamedTokens(*client, stack, trace, /*max_tokens=*/3));
-  }
-  EXPECT_TRUE(stack.LeasesBackToZero());
+  ASSERT_NO_FATAL_FAILURE(StreamTracesAndReleaseTheLeases(stack, 4));
   EXPECT_EQ(stack.RouterMetric("eldr_route_stream_messages_total{kind=\"complete\",outcome=\"ok\"}"), 4);
   EXPECT_EQ(stack.RouterMetric("eldr_route_stream_unanswered_total"), 4);
-  EXPECT_TRUE(eldr::testing::PollUntil(
-      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 4; },
-      absl::Seconds(10)));
+  EXPECT_TRUE(ProxyCountsOkCalls(stack, "complete", 4));
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"DEADLINE_EXCEEDED\",method=\"complete\"}"), 0);
 }
 
