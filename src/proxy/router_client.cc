@@ -510,8 +510,7 @@ void RouterClient::ExpireMessages() {
       deadlines_.erase(deadlines_.begin());
       auto it = pending_.find(id);
       const PendingMessage& message = it->second;
-      const bool did_not_fail =
-          message.message.errors_only() && message.call != nullptr && message.call->written_through() >= id;
+      const bool did_not_fail = message.message.errors_only() && message.call->written_through() >= id;
       expired.emplace_back(std::move(it->second.done), did_not_fail);
       pending_.erase(it);
     }

@@ -590,20 +590,20 @@ bool DecodeRouterService::AnswerStreamMessage(absl::string_view client, const gr
   response->Clear();
   delivered->clear();
   const auto frame_bytes = static_cast<int64_t>(frame.Length());
-  if (absl::Status status = ParseRaw(frame, request); !status.ok()) {
-    ctx_.metrics->RecordRejected(RejectReason::kMalformed);  // answered with id 0
+  // A malformed message, refused whole: nothing in it is handled.
+  const auto refuse = [&](const absl::Status& status) {
+    ctx_.metrics->RecordRejected(RejectReason::kMalformed);
     SetStreamError(status, response);
     ctx_.metrics->RecordRouteStreamMessage(StreamMessageKind::kNone, /*ok=*/false);
     delivered->push_back(StreamDelivery{});
+  };
+  if (absl::Status status = ParseRaw(frame, request); !status.ok()) {
+    refuse(status);  // answered with id 0
   } else if (request->errors_only() && !CompletesOnly(*request)) {
     response->set_id(request->id());
-    SetStreamError(InvalidInput(RejectReason::kMalformed,
-                                "RouteStreamRequest: errors_only is for a Complete or a batch of Completes only (a "
-                                "Route's answer is its decision); nothing in this message was handled"),
-                   response);
-    ctx_.metrics->RecordRejected(RejectReason::kMalformed);
-    ctx_.metrics->RecordRouteStreamMessage(StreamMessageKind::kNone, /*ok=*/false);
-    delivered->push_back(StreamDelivery{});
+    refuse(InvalidInput(RejectReason::kMalformed,
+                        "RouteStreamRequest: errors_only is for a Complete or a batch of Completes only (a Route's "
+                        "answer is its decision); nothing in this message was handled"));
   } else if (request->kind_case() == eldr::v1::RouteStreamRequest::kBatch) {
     AnswerStreamBatch(client, *request, frame_bytes, response, delivered);
   } else {
