@@ -740,6 +740,7 @@ absl::Status OnlineRefitter::RecordFailure(const absl::Status& status, RefitOutc
     absl::MutexLock lock(&stats_mu_);
     ++stats_.refits_failed;
     stats_.last_error = outcome.reason;
+    PublishGuardFiguresLocked(outcome);
   }
   if (options_.on_refit) options_.on_refit(outcome);
   return status;
@@ -752,6 +753,7 @@ absl::Status OnlineRefitter::RecordSkip(const std::string& why, RefitOutcome out
     absl::MutexLock lock(&stats_mu_);
     ++stats_.refits_skipped;
     stats_.last_error = why;
+    PublishGuardFiguresLocked(outcome);
   }
   if (options_.on_refit) options_.on_refit(outcome);
   return absl::OkStatus();
@@ -786,6 +788,15 @@ void OnlineRefitter::NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) {
   absl::MutexLock lock(&stats_mu_);
   ++(stats_.*counter);
   stats_.last_error = outcome->reason;
+  PublishGuardFiguresLocked(*outcome);
+}
+
+void OnlineRefitter::PublishGuardFiguresLocked(const RefitOutcome& outcome) {
+  if (!outcome.guarded) return;
+  stats_.guarded = true;
+  stats_.current_prediction = outcome.current;
+  stats_.candidate_prediction = outcome.candidate;
+  stats_.last_churn = outcome.churn;
 }
 
 absl::Status OnlineRefitter::RecordRefusal(RefitRefusal refusal, RefitOutcome outcome) {
@@ -886,12 +897,6 @@ std::optional<RefitRefusal> OnlineRefitter::GuardInstall(const RefitPlan& plan, 
       }
     }
   }
-  absl::MutexLock lock(&stats_mu_);
-  stats_.guarded = true;
-  stats_.current_prediction = outcome->current;
-  stats_.candidate_prediction = outcome->candidate;
-  stats_.last_churn = outcome->churn;
-  if (!refusal.has_value() && outcome->movement_fraction < 1) ++stats_.refits_churn_limited;
   return refusal;
 }
 
@@ -1224,6 +1229,8 @@ absl::Status OnlineRefitter::RefitLocked(bool pool_change) {
   {
     absl::MutexLock lock(&stats_mu_);
     ++stats_.refits_completed;
+    PublishGuardFiguresLocked(outcome);
+    if (outcome.refusal == RefitRefusal::kNone && outcome.movement_fraction < 1) ++stats_.refits_churn_limited;
     stats_.last_fit_seconds = outcome.seconds;
     stats_.centroid_generation = *generation;
     stats_.last_refit_time = now;

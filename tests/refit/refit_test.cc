@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -276,6 +277,39 @@ TEST_F(RefitTest, AClosedGateSkipsRefits) {
   stats = refitter_->stats();
   EXPECT_EQ(stats.refits_completed, 1u) << stats.last_error;
   EXPECT_GT(router_->GetState(absl::Now()).centroid_generation, generation);
+}
+
+// The guard's figures are published with the refit's outcome, never before it is counted: the
+// gate asked after the fit (before installing) sees no figures yet; the discarded refit's figures
+// then appear with its skip.
+TEST_F(RefitTest, TheGuardsFiguresAppearWithTheOutcome) {
+  int gate_calls = 0;
+  std::optional<RefitStats> during_refit;
+  std::vector<RefitOutcome> outcomes;
+  RefitOptions options = Unguarded();
+  options.interval = absl::ZeroDuration();
+  options.may_refit = [&] {
+    if (++gate_calls == 1) return true;  // before planning
+    during_refit = refitter_->stats();   // after the fit and its guard, before the install
+    return false;
+  };
+  options.on_refit = [&](const RefitOutcome& outcome) { outcomes.push_back(outcome); };
+  MakeRefitter(options);
+  RouteAll();
+  ASSERT_TRUE(refitter_->RefitNow().ok());
+  ASSERT_EQ(gate_calls, 2);
+  ASSERT_TRUE(during_refit.has_value());
+  EXPECT_FALSE(during_refit->guarded);
+  EXPECT_EQ(during_refit->refits_skipped + during_refit->refits_completed, 0u);
+  ASSERT_EQ(outcomes.size(), 1u);
+  ASSERT_EQ(outcomes[0].kind, RefitOutcome::Kind::kSkipped);
+  ASSERT_TRUE(outcomes[0].guarded);
+  const RefitStats after = refitter_->stats();
+  EXPECT_EQ(after.refits_skipped, 1u);
+  EXPECT_TRUE(after.guarded);
+  EXPECT_DOUBLE_EQ(after.current_prediction.imbalance, outcomes[0].current.imbalance);
+  EXPECT_DOUBLE_EQ(after.candidate_prediction.imbalance, outcomes[0].candidate.imbalance);
+  EXPECT_DOUBLE_EQ(after.last_churn, outcomes[0].churn);
 }
 
 TEST_F(RefitTest, PersistedStateSurvivesARestart) {

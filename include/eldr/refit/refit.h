@@ -296,7 +296,9 @@ struct RefitStats {
   uint64_t refits_refused_churn = 0;
   uint64_t refits_refused_locality = 0;
   uint64_t refits_churn_limited = 0;  // installed with the movement limited by max_churn
-  bool guarded = false;               // a refit has been guarded yet (the figures below are set)
+  // A refit has been guarded yet (the figures below are set). The figures are those of the last
+  // guarded refit whose outcome (installed, refused, skipped, failed) is counted.
+  bool guarded = false;
   SetPrediction current_prediction;
   SetPrediction candidate_prediction;
   double last_churn = 0;
@@ -464,12 +466,16 @@ class OnlineRefitter final : public RouterObserver {
   absl::Status RecordRefusal(RefitRefusal refusal, RefitOutcome outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
   // Counts a refusal and sets the outcome's refusal and reason.
   void NoteRefusal(RefitRefusal refusal, RefitOutcome* outcome) ABSL_LOCKS_EXCLUDED(stats_mu_);
+  // Publishes a guarded outcome's figures into the stats. Called under the same lock as the
+  // outcome's counter, so a reader never sees a refit's figures before its installation, refusal,
+  // skip or failure is counted.
+  void PublishGuardFiguresLocked(const RefitOutcome& outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(stats_mu_);
   // The install guard: fills the outcome's predictions and churn for `rows` (the plan's targets,
-  // in order) against the kept rows in service; the reason to refuse them, if any.
+  // in order) against the kept rows in service; the reason to refuse them, if any. It publishes
+  // nothing: the Record* functions publish the figures with the outcome.
   // Beyond the churn bound it first limits the movement (`rows` then holds the limited rows).
   std::optional<RefitRefusal> GuardInstall(const RefitPlan& plan, std::vector<float>* rows, bool pool_change,
-                                           RefitOutcome* outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_)
-      ABSL_LOCKS_EXCLUDED(stats_mu_);
+                                           RefitOutcome* outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(fit_mu_);
   absl::Time Now() const { return options_.clock ? options_.clock() : absl::Now(); }
   void RunBackground() ABSL_LOCKS_EXCLUDED(thread_mu_);
 
