@@ -526,9 +526,9 @@ void ProxyCall::OnPrefillAnswer(absl::StatusOr<http::FetchedResponse> answer, co
     }
     response.headers.emplace_back("X-Request-Id", request_id_);
     ended_ = true;
-    stream_->Respond(std::move(response));
     proxy_->metrics().RecordRequest(EndpointLabel(endpoint_), RequestOutcome::kClientError);
     proxy_->Count(&ProxyStats::client_errors);
+    stream_->Respond(std::move(response));  // counted first: a client that got it finds it counted
     return;
   }
   absl::StatusOr<PrefillResult> parsed = ParsePrefillResponse(answer->body);
@@ -732,13 +732,15 @@ void ProxyCall::OnDecodeDone(const http::ClientResult& result) {
   if (ended_) return;
   const ProxyOptions& options = proxy_->options();
   if (result.status.ok()) {
+    // Every ending counts the call before the client can see its end: a client that got its
+    // answer and scrapes finds it counted.
     if (decode_status_ == 200) {
       ended_ = true;
-      stream_->Finish();
       RecordLatencies();
-      CompleteLease();
       proxy_->metrics().RecordRequest(EndpointLabel(endpoint_), RequestOutcome::kOk);
       proxy_->Count(&ProxyStats::completed);
+      stream_->Finish();
+      CompleteLease();
       return;
     }
     // The worker refused (e.g. 503: the KV could not be pulled; 429): its answer is the client's.
@@ -749,11 +751,11 @@ void ProxyCall::OnDecodeDone(const http::ClientResult& result) {
     response.body = std::move(error_body_);
     response.headers.emplace_back("X-Request-Id", request_id_);
     ended_ = true;
-    stream_->Respond(std::move(response));
-    CompleteLease();
     proxy_->metrics().RecordRequest(EndpointLabel(endpoint_),
                                     decode_status_ >= 500 ? RequestOutcome::kUpstreamError : RequestOutcome::kOk);
     proxy_->Count(decode_status_ >= 500 ? &ProxyStats::upstream_errors : &ProxyStats::completed);
+    stream_->Respond(std::move(response));
+    CompleteLease();
     return;
   }
   if (absl::IsCancelled(result.status)) return;  // we cancelled it: the client left
@@ -787,6 +789,9 @@ void ProxyCall::OnDecodeDone(const http::ClientResult& result) {
   // The answer broke after its head: say so in the stream, or cut a non-streamed answer.
   proxy_->metrics().RecordUpstreamError("decode", absl::IsDeadlineExceeded(result.status) ? "timeout" : "mid_stream");
   ended_ = true;
+  RecordLatencies();
+  proxy_->metrics().RecordRequest(EndpointLabel(endpoint_), RequestOutcome::kUpstreamError);
+  proxy_->Count(&ProxyStats::upstream_errors);
   if (began_ && client_.stream) {
     stream_->Write(
         openai::SseErrorEvent(absl::StrCat("the decode worker's answer broke off: ", result.status.message()),
@@ -797,10 +802,7 @@ void ProxyCall::OnDecodeDone(const http::ClientResult& result) {
   } else {
     stream_->Respond(JsonError(502, absl::StrCat("decode worker ", worker_id_, ": ", result.status.message())));
   }
-  RecordLatencies();
   CompleteLease();
-  proxy_->metrics().RecordRequest(EndpointLabel(endpoint_), RequestOutcome::kUpstreamError);
-  proxy_->Count(&ProxyStats::upstream_errors);
 }
 
 void ProxyCall::OnClientGone() {
@@ -821,10 +823,10 @@ void ProxyCall::FailBeforeAnswer(int status, absl::string_view message, RequestO
   ended_ = true;
   http::HttpResponse response = JsonError(status, message);
   if (!request_id_.empty()) response.headers.emplace_back("X-Request-Id", request_id_);
+  proxy_->metrics().RecordRequest(EndpointLabel(endpoint_), outcome);  // counted first, as in OnDecodeDone
+  proxy_->Count(outcome == RequestOutcome::kUpstreamError ? &ProxyStats::upstream_errors : &ProxyStats::client_errors);
   stream_->Respond(std::move(response));
   CompleteLease();
-  proxy_->metrics().RecordRequest(EndpointLabel(endpoint_), outcome);
-  proxy_->Count(outcome == RequestOutcome::kUpstreamError ? &ProxyStats::upstream_errors : &ProxyStats::client_errors);
 }
 
 void ProxyCall::CompleteLease() {
@@ -1027,17 +1029,18 @@ absl::Status ProxyImpl::Start() {
 void ProxyImpl::HandleCompletions(Endpoint endpoint, http::HttpRequest request,
                                   std::shared_ptr<http::ResponseStream> stream) {
   if (draining_.load()) {
-    stream->Respond(JsonError(503, "the proxy is shutting down"));
+    // Counted before the answer, as every call is.
     metrics_.RecordRequest(EndpointLabel(endpoint), RequestOutcome::kOverloaded);
     Count(&ProxyStats::client_errors);
+    stream->Respond(JsonError(503, "the proxy is shutting down"));
     return;
   }
   {
     absl::MutexLock lock(&calls_mu_);
     if (calls_ >= options_.max_in_flight) {
-      stream->Respond(JsonError(503, absl::StrCat("the proxy holds ", calls_, " requests, its limit")));
       metrics_.RecordRequest(EndpointLabel(endpoint), RequestOutcome::kOverloaded);
       Count(&ProxyStats::client_errors);
+      stream->Respond(JsonError(503, absl::StrCat("the proxy holds ", calls_, " requests, its limit")));
       return;
     }
   }

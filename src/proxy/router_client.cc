@@ -357,7 +357,6 @@ RouterClient::StreamRefusal RouterClient::SendOnStream(eldr::v1::RouteStreamRequ
   std::shared_ptr<StreamCall> call;
   bool opened = false;
   bool start_write = false;
-  int64_t streams_open = 0;
   {
     absl::MutexLock lock(&mu_);
     if (shutting_down_) return StreamRefusal::kShuttingDown;
@@ -376,7 +375,9 @@ RouterClient::StreamRefusal RouterClient::SendOnStream(eldr::v1::RouteStreamRequ
         call = slot.call;
         opened = true;
         ++calls_in_flight_;
-        streams_open = ++streams_open_;
+        // The gauge is set under mu_: a stream opening while another ends could otherwise set it
+        // out of order and leave it at a stale count.
+        if (metrics_ != nullptr) metrics_->SetRouterStreamsOpen(++streams_open_);
       }
       if (call != nullptr) next_slot_ = index + 1;
     }
@@ -390,10 +391,7 @@ RouterClient::StreamRefusal RouterClient::SendOnStream(eldr::v1::RouteStreamRequ
     start_write = call->EnqueueLocked(id);
   }
   if (opened) {
-    if (metrics_ != nullptr) {
-      metrics_->RecordRouterStreamOpen();
-      metrics_->SetRouterStreamsOpen(streams_open);
-    }
+    if (metrics_ != nullptr) metrics_->RecordRouterStreamOpen();
     call->Start(start_write);
   } else if (start_write) {
     call->StartQueuedWrite();
@@ -457,7 +455,6 @@ void RouterClient::OnStreamAnswer(StreamCall* call, eldr::v1::RouteStreamRespons
 void RouterClient::OnStreamEnded(StreamCall* call, size_t slot_index, const grpc::Status& status) {
   const bool unimplemented = status.error_code() == grpc::StatusCode::UNIMPLEMENTED;
   std::vector<PendingMessage> orphans;  // sent on the call and not answered
-  int64_t streams_open;
   {
     absl::MutexLock lock(&mu_);
     for (auto it = pending_.begin(); it != pending_.end();) {
@@ -472,7 +469,7 @@ void RouterClient::OnStreamEnded(StreamCall* call, size_t slot_index, const grpc
     unconfirmed_.erase(call);
     StreamSlot& slot = slots_[slot_index];
     if (slot.call.get() == call) slot.call.reset();
-    streams_open = --streams_open_;
+    if (metrics_ != nullptr) metrics_->SetRouterStreamsOpen(--streams_open_);  // under mu_, as in Send
     const absl::Time now = absl::Now();
     if (unimplemented) {
       unary_until_ = now + kUnimplementedRetry;
@@ -481,7 +478,6 @@ void RouterClient::OnStreamEnded(StreamCall* call, size_t slot_index, const grpc
       slot.backoff = std::min(slot.backoff * 2, kStreamMaxBackoff);
     }
   }
-  if (metrics_ != nullptr) metrics_->SetRouterStreamsOpen(streams_open);
   if (unimplemented) {
     // A router without RouteStream read none of them: they go again, unary, with their deadlines.
     for (PendingMessage& orphan : orphans) {

@@ -243,13 +243,15 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
   }
 
   // Ends the stream when it received nothing since `cutoff`; returns whether it did.
-  bool FinishIfIdleSince(absl::Time cutoff, absl::Duration timeout) {
+  // Ends the stream when it has been idle since `cutoff`, counted before the client can see the
+  // status (a client that got it and scrapes finds it counted).
+  void FinishIfIdleSince(absl::Time cutoff, absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
-    if (finished_ || last_activity_ >= cutoff) return false;
+    if (finished_ || last_activity_ >= cutoff) return;
+    service_->ctx_.metrics->RecordReportStreamIdleEnded();
     FinishLocked(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                               absl::StrCat("no load report for ", absl::FormatDuration(timeout),
                                            " (--report_stream_idle_timeout); reconnect to report again")));
-    return true;
   }
 
   void OnDone() override {
@@ -686,14 +688,14 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* DecodeRouterService
   auto* reactor = new RouteStreamReactor(this, RouteClientKey(*context));
   const absl::Status refuse = CheckDataToken(*context, "RouteStream");
   bool shutting_down = false;
-  int64_t open = 0;
   {
+    // The gauge is set under the lock: two streams opening or closing at once could otherwise
+    // set it out of order and leave it at a stale count.
     absl::MutexLock lock(&streams_mu_);
     shutting_down = shutting_down_;
     route_streams_.insert(reactor);
-    open = static_cast<int64_t>(route_streams_.size());
+    ctx_.metrics->SetRouteStreamsOpen(static_cast<int64_t>(route_streams_.size()));
   }
-  ctx_.metrics->SetRouteStreamsOpen(open);
   std::optional<grpc::Status> finish_now;
   if (shutting_down) {
     finish_now = RouteStreamShutdownStatus();
@@ -705,13 +707,9 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* DecodeRouterService
 }
 
 void DecodeRouterService::RouteStreamDone(RouteStreamReactor* reactor) {
-  int64_t open = 0;
-  {
-    absl::MutexLock lock(&streams_mu_);
-    route_streams_.erase(reactor);
-    open = static_cast<int64_t>(route_streams_.size());
-  }
-  ctx_.metrics->SetRouteStreamsOpen(open);
+  absl::MutexLock lock(&streams_mu_);
+  route_streams_.erase(reactor);
+  ctx_.metrics->SetRouteStreamsOpen(static_cast<int64_t>(route_streams_.size()));  // under the lock, as above
 }
 
 void DecodeRouterService::ReleaseUndelivered(const StreamDeliveries& delivered) {
@@ -818,10 +816,7 @@ void DecodeRouterService::FinishStreamsForShutdown() {
 void DecodeRouterService::EndIdleStreams(absl::Time now) {
   const absl::Time cutoff = now - ctx_.report_stream_idle_timeout;
   absl::MutexLock lock(&streams_mu_);
-  for (LoadReportReactor* reactor : streams_) {
-    if (reactor->FinishIfIdleSince(cutoff, ctx_.report_stream_idle_timeout))
-      ctx_.metrics->RecordReportStreamIdleEnded();
-  }
+  for (LoadReportReactor* reactor : streams_) reactor->FinishIfIdleSince(cutoff, ctx_.report_stream_idle_timeout);
 }
 
 // ---------------------------------------------------------------------------------------------
