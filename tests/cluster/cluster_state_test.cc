@@ -127,6 +127,25 @@ class ClusterStateTest : public ::testing::Test {
     EXPECT_TRUE(WaitFor([&] { return leader->installed_generation() > after; }, absl::Seconds(2)));
     return leader->installed_generation();
   }
+  // How many connections Redis has subscribed to the centroid announcements (PUBSUB NUMSUB); -1
+  // when it cannot say. A replica subscribes on a thread of its own and signals nothing when done
+  // (ClusterState's RunSubscriber), so this is the only way to know that an announcement
+  // published now reaches it.
+  int64_t AnnouncementSubscribers() {
+    if (admin_ == nullptr) {
+      RedisConnectionOptions options;
+      options.address = server_->address();
+      absl::StatusOr<std::unique_ptr<RedisConnection>> admin = RedisConnection::Create(options);
+      if (!admin.ok()) return -1;
+      admin_ = *std::move(admin);
+    }
+    absl::StatusOr<RedisReply> reply = admin_->Command({"PUBSUB", "NUMSUB", ClusterKeys("test").centroids_announce()});
+    if (!reply.ok() || reply->type != RedisReply::Type::kArray || reply->elements.size() != 2 ||
+        reply->elements[1].type != RedisReply::Type::kInteger) {
+      return -1;
+    }
+    return reply->elements[1].integer;
+  }
   bool AllInstalled(uint64_t generation) const {
     for (const auto& replica : replicas_) {
       if (replica->installed_generation() != generation) return false;
@@ -135,6 +154,7 @@ class ClusterStateTest : public ::testing::Test {
   }
 
   std::unique_ptr<RedisServer> server_;
+  std::unique_ptr<RedisConnection> admin_;  // AnnouncementSubscribers' own
   std::vector<std::unique_ptr<Replica>> replicas_;
 };
 
@@ -183,6 +203,10 @@ TEST_F(ClusterStateTest, ThreeReplicasOneLeaderOneGeneration) {
   EXPECT_EQ(follower->state->Publish(TestArtifact(), fence).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(leader->state->Publish(TestArtifact(), fence + 1).code(), absl::StatusCode::kFailedPrecondition);
 
+  // Every replica subscribed before the publication: a follower subscribed after it would install
+  // the set through its on-subscribe check and never count an announcement.
+  ASSERT_TRUE(WaitFor([&] { return AnnouncementSubscribers() == 3; }, absl::Seconds(2)))
+      << AnnouncementSubscribers() << " subscribed";
   const absl::Time start = absl::Now();
   ASSERT_TRUE(leader->state->Publish(TestArtifact(3, 1), fence).ok());
   ASSERT_TRUE(WaitFor([&] { return AllInstalled(1); }, absl::Seconds(1)));
@@ -191,7 +215,10 @@ TEST_F(ClusterStateTest, ThreeReplicasOneLeaderOneGeneration) {
     if (r == leader) continue;
     EXPECT_EQ(r->Last().centroids, TestArtifact(3, 1).centroids);
     EXPECT_EQ(r->Last().workers, TestArtifact(3, 1).workers);
-    EXPECT_GE(r->state->status().announcements, 1u);
+    // Counted by the subscriber thread, which may read the message after the control thread
+    // installed the set by another way (a periodic check, a peer's generation).
+    EXPECT_TRUE(WaitFor([&] { return r->state->status().announcements >= 1u; }, absl::Seconds(1)))
+        << r->state->options().replica_id;
   }
   // A second publication moves everyone on again.
   const absl::Time second = absl::Now();
@@ -331,8 +358,9 @@ TEST_F(ClusterStateTest, RedisRestartedEmptyIsFailStaticThenRecovers) {
         return true;
       },
       absl::Seconds(2)));
-  absl::SleepFor(absl::Milliseconds(1200));  // past the lease: the leader steps down by itself
-  EXPECT_EQ(Leaders(), 0);
+  // The leader steps down by itself at its lease's end (the last renewal before the kill + 1 s),
+  // at its control thread's next round: wait for that rather than for a fixed time.
+  EXPECT_TRUE(WaitFor([&] { return Leaders() == 0; }, absl::Seconds(3)));
   for (const auto& r : replicas_) {
     EXPECT_EQ(r->installed_generation(), first);  // last state kept
     EXPECT_FALSE(r->state->status().last_error.empty());

@@ -107,7 +107,9 @@ TEST(RedisConnectionTest, AuthAndSelect) {
 }
 
 TEST(RedisConnectionTest, UnreachableBacksOffWithoutIo) {
-  RedisConnectionOptions options = Fast(absl::StrCat("127.0.0.1:", eldr::testing::UnusedLoopbackPort()));
+  absl::StatusOr<eldr::testing::ReservedLoopbackPort> dead = eldr::testing::ReservedLoopbackPort::Create();
+  ASSERT_TRUE(dead.ok()) << dead.status();
+  RedisConnectionOptions options = Fast(dead->address());
   options.min_backoff = absl::Milliseconds(500);
   options.max_backoff = absl::Seconds(1);
   auto conn = *RedisConnection::Create(options);

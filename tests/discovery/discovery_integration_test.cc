@@ -295,6 +295,15 @@ TEST_F(DiscoveryIntegrationTest, PodLifecycle) {
       [&](const auto& pool) { return Routable(pool, "decode-1") && pool.at("decode-1").spec.address != old_address; }));
   Report("replaced -> remove", *sink_.FirstCall("remove", "decode-1", t0) - t0);
   Report("replaced -> upsert new IP (settle 100 ms)", *sink_.FirstCall("upsert", "decode-1", t0) - t0);
+  // The sink hears of the upsert first: the reconciler counts it after the sink call
+  // (PoolReconciler::Call runs on_change after it), and the discovery publishes its applied set
+  // after the reconciler's round (ReconcileLoop). Wait for both before reading them.
+  ASSERT_TRUE(WaitUntil([&] {
+    return discovery_->Status().applied == 2u &&
+           Metric("eldr_discovery_pool_changes_total", {{"action", "upsert"}}) >= 4;
+  })) << "applied "
+      << discovery_->Status().applied << ", upserts counted "
+      << Metric("eldr_discovery_pool_changes_total", {{"action", "upsert"}});
 
   const DiscoveryStatus status = discovery_->Status();
   EXPECT_TRUE(status.started);

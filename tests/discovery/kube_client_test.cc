@@ -223,7 +223,9 @@ TEST(KubeClientTest, GetLimitsAndFailures) {
   EXPECT_LT(took, absl::Milliseconds(200 + 150));
 
   KubeApiConfig refused;
-  refused.server = absl::StrCat("http://127.0.0.1:", eldr::testing::UnusedLoopbackPort());
+  absl::StatusOr<eldr::testing::ReservedLoopbackPort> dead = eldr::testing::ReservedLoopbackPort::Create();
+  ASSERT_TRUE(dead.ok()) << dead.status();
+  refused.server = absl::StrCat("http://", dead->address());
   auto client = *KubeClient::Create(refused);
   auto unreachable = client->Get("/", absl::Seconds(2));
   EXPECT_EQ(unreachable.status().code(), absl::StatusCode::kUnavailable);
@@ -367,7 +369,9 @@ TEST(KubeClientTest, WatchLineLimit) {
 
 TEST(KubeClientTest, ConnectionFailures) {
   KubeApiConfig refused;
-  refused.server = absl::StrCat("https://127.0.0.1:", eldr::testing::UnusedLoopbackPort());
+  absl::StatusOr<eldr::testing::ReservedLoopbackPort> dead = eldr::testing::ReservedLoopbackPort::Create();
+  ASSERT_TRUE(dead.ok()) << dead.status();
+  refused.server = absl::StrCat("https://", dead->address());
   auto client = *KubeClient::Create(refused);
   Lines lines;
   std::atomic<bool> stop{false};

@@ -44,7 +44,6 @@ namespace {
 using ::eldr::testing::RawHttpServer;
 using ::eldr::testing::RawRequestReader;
 using ::eldr::testing::SendAll;
-using ::eldr::testing::UnusedLoopbackPort;
 using ::eldr::testing::WaitForPeerClose;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -773,8 +772,9 @@ TEST(HttpClientTest, ConnectTimeout) {
 }
 
 TEST(HttpClientTest, RefusedPortIsUnavailable) {
-  const int port = UnusedLoopbackPort();
-  ASSERT_NE(port, 0);
+  absl::StatusOr<eldr::testing::ReservedLoopbackPort> dead = eldr::testing::ReservedLoopbackPort::Create();
+  ASSERT_TRUE(dead.ok()) << dead.status();
+  const int port = dead->port();
   std::unique_ptr<HttpClient> client = MakeClient();
   const ClientResult result = RunCall(*client, Get(port))->WaitDone();
   EXPECT_EQ(result.status.code(), absl::StatusCode::kUnavailable) << result.status;

@@ -148,15 +148,31 @@ TEST_F(ClusterRouterTest, OneLeaderSharedCentroidsAndTakeover) {
   EXPECT_EQ(RouteAndComplete(*routers[leader], 1), "w0");
   for (int i = 0; i < 3; ++i) {
     if (i == leader) continue;
-    EXPECT_TRUE(PollUntil([&] { return RouteAndComplete(*routers[i], 1) == "w0"; }, absl::Seconds(3)))
-        << "replica " << i << " did not install the leader's set\n"
-        << routers[i]->Log();
-    absl::StatusOr<ParsedMetrics> metrics = ScrapeMetrics(routers[i]->metrics_port());
-    ASSERT_TRUE(metrics.ok()) << metrics.status();
-    EXPECT_GE(metrics->Value("eldr_centroid_reloads_total", {{"source", "cluster"}, {"outcome", "ok"}}).value_or(0), 1);
-    EXPECT_EQ(metrics->Value("eldr_cluster_centroid_generation", {{"kind", "installed"}}),
-              metrics->Value("eldr_cluster_centroid_generation", {{"kind", "published"}}));
-    EXPECT_EQ(metrics->Value("eldr_cluster_peers").value_or(0), 2);
+    // A follower notes the published generation before it installs the set, and the installed
+    // one after the install returned (cluster_state.cc, CheckCentroids and Install): its routes
+    // change in between. So wait (bounded) for all of it: the route, the install counted by
+    // source and both generations equal.
+    std::optional<ParsedMetrics> last;
+    const bool installed = PollUntil(
+        [&] {
+          if (RouteAndComplete(*routers[i], 1) != "w0") return false;
+          absl::StatusOr<ParsedMetrics> metrics = ScrapeMetrics(routers[i]->metrics_port());
+          if (!metrics.ok()) return false;
+          last = *std::move(metrics);
+          return last->Value("eldr_centroid_reloads_total", {{"source", "cluster"}, {"outcome", "ok"}}).value_or(0) >=
+                     1 &&
+                 last->Value("eldr_cluster_centroid_generation", {{"kind", "installed"}}) ==
+                     last->Value("eldr_cluster_centroid_generation", {{"kind", "published"}}) &&
+                 last->Value("eldr_cluster_peers").value_or(0) == 2;
+        },
+        absl::Seconds(3));
+    EXPECT_TRUE(installed) << "replica " << i << " did not install the leader's set\n" << routers[i]->Log();
+    ASSERT_TRUE(last.has_value()) << "replica " << i << " was never scraped after it routed to w0";
+    // What the last scrape said, each on its own (so a failure says which one lagged).
+    EXPECT_GE(last->Value("eldr_centroid_reloads_total", {{"source", "cluster"}, {"outcome", "ok"}}).value_or(0), 1);
+    EXPECT_EQ(last->Value("eldr_cluster_centroid_generation", {{"kind", "installed"}}),
+              last->Value("eldr_cluster_centroid_generation", {{"kind", "published"}}));
+    EXPECT_EQ(last->Value("eldr_cluster_peers").value_or(0), 2);
   }
 
   // Kill the leader (no release): another one leads within two lease periods.
@@ -318,14 +334,28 @@ TEST_F(ClusterRouterTest, AFrozenLeaderThawedNeverPublishesOverTheNewOne) {
   EXPECT_GT(MetricOr(*routers[new_leader], "eldr_cluster_fencing_generation"), old_fence);
 
   // The new leader's set: block 1 -> w0. Every live replica installs it.
+  const double taken_over_at =
+      MetricOr(*routers[new_leader], "eldr_cluster_centroid_generation", {{"kind", "installed"}});
   const std::string shifted = ArtifactJson({1, 2, 3, 0}, {"w0", "w1", "w2", "w3"});
   {
     grpc::Status status = ReloadJson(*routers[new_leader], shifted);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
   const int bystander = 3 - old_leader - new_leader;
-  ASSERT_TRUE(PollUntil([&] { return RouteAndComplete(*routers[bystander], 1) == "w0"; }, absl::Seconds(3)));
-  const double generation = MetricOr(*routers[new_leader], "eldr_cluster_centroid_generation", {{"kind", "installed"}});
+  // The new leader notes its generation once Redis acknowledged the publication, which the
+  // bystander may already have fetched and installed (cluster_state.cc, StoreCentroids): wait
+  // (bounded) until both report the same one, newer than the one the new leader served before.
+  double generation = -1;
+  ASSERT_TRUE(PollUntil(
+      [&] {
+        if (RouteAndComplete(*routers[bystander], 1) != "w0") return false;
+        generation = MetricOr(*routers[new_leader], "eldr_cluster_centroid_generation", {{"kind", "installed"}});
+        return generation > taken_over_at &&
+               MetricOr(*routers[bystander], "eldr_cluster_centroid_generation", {{"kind", "installed"}}) == generation;
+      },
+      absl::Seconds(3)))
+      << "the new leader's generation " << generation << "\n"
+      << routers[bystander]->Log();
 
   // Still frozen well past its lease. An admin reload (block 1 -> w3) is queued to it before it
   // thaws, so it reaches the old leader in its first moments awake, racing its own lease check.

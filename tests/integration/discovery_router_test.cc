@@ -268,7 +268,9 @@ TEST_F(DiscoveryRouterTest, AThousandPodsJoinThePool) {
 
 TEST_F(DiscoveryRouterTest, AnUnreachableApiServerLeavesTheRouterUpAndNotReady) {
   discovery::KubeApiConfig api = kube_->ApiConfig();
-  const std::string unused = absl::StrCat("https://127.0.0.1:", UnusedLoopbackPort());
+  absl::StatusOr<eldr::testing::ReservedLoopbackPort> dead = eldr::testing::ReservedLoopbackPort::Create();
+  ASSERT_TRUE(dead.ok()) << dead.status();
+  const std::string unused = absl::StrCat("https://", dead->address());
   const std::string path = dir_.path() + "/kubeconfig-unreachable";
   WriteTextFile(path, absl::StrCat("apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: x\n"
                                    "  cluster:\n    server: ",

@@ -13,18 +13,23 @@
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "eldr/core/centroid_artifact.h"
 #include "gmock/gmock.h"
@@ -64,13 +69,39 @@ int Connect(int port) {
   return fd;
 }
 
-grpc::Status Reload(const RouterProcess& router, const std::string& path) {
+grpc::Status Reload(eldr::v1::RouterAdmin::Stub& admin, const std::string& path) {
   eldr::v1::ReloadCentroidsRequest request;
   request.set_path(path);
   eldr::v1::ReloadCentroidsResponse response;
   auto ctx = Ctx(absl::Seconds(30));
-  return router.AdminStub()->ReloadCentroids(ctx.get(), request, &response);
+  return admin.ReloadCentroids(ctx.get(), request, &response);
 }
+
+grpc::Status Reload(const RouterProcess& router, const std::string& path) { return Reload(*router.AdminStub(), path); }
+
+// Sets the environment variable `name` to `value` for the object's lifetime, then restores what
+// was there. A daemon started meanwhile inherits it (ChildProcess::Spawn execs with this process's
+// environment). Not thread-safe: only while no other thread of the test reads the environment.
+class ScopedEnvironmentVariable {
+ public:
+  ScopedEnvironmentVariable(std::string name, const std::string& value) : name_(std::move(name)) {
+    if (const char* old = std::getenv(name_.c_str())) old_ = old;
+    ::setenv(name_.c_str(), value.c_str(), /*overwrite=*/1);
+  }
+  ~ScopedEnvironmentVariable() {
+    if (old_.has_value()) {
+      ::setenv(name_.c_str(), old_->c_str(), /*overwrite=*/1);
+    } else {
+      ::unsetenv(name_.c_str());
+    }
+  }
+  ScopedEnvironmentVariable(const ScopedEnvironmentVariable&) = delete;
+  ScopedEnvironmentVariable& operator=(const ScopedEnvironmentVariable&) = delete;
+
+ private:
+  const std::string name_;
+  std::optional<std::string> old_;
+};
 
 // ---- 1. Any HTTP request to the metrics port crashed the daemon --------------------------------
 
@@ -161,8 +192,10 @@ TEST(Hardening, IdleAndSlowConnectionsDoNotDelayAScrape) {
   for (int fd : idle) {
     if (fd >= 0) close(fd);
   }
-  absl::SleepFor(absl::Milliseconds(200));
-  EXPECT_TRUE(HttpGet(router->metrics_port(), "/metrics").ok());
+  // Their slots are free once the server has read each one's end (it answers 503 until then):
+  // scrapes work again within a bounded wait.
+  EXPECT_TRUE(PollUntil([&] { return HttpGet(router->metrics_port(), "/metrics").ok(); }, absl::Seconds(5),
+                        absl::Milliseconds(50)));
 }
 
 // ---- 2. Every network client was an administrator --------------------------------------------
@@ -509,8 +542,16 @@ TEST(Hardening, ReloadsCheckCheaplyFirstQueueBoundedlyAndShutdownGraceHolds) {
   WriteTextFile(dir.File("workers.json"), workers.dump());
   WriteTextFile(dir.File("big.json"), LargeArtifactJson(kRows, "big-"));
   WriteTextFile(dir.File("strangers.json"), LargeArtifactJson(kRows, "stranger-"));
-  auto router = MustStart(dir, {"--workers=" + dir.File("workers.json"), "--centroids_dir=" + dir.path(),
-                                "--policy=jsq", "--shutdown_grace=1s", "--refit_interval=0"});
+  std::unique_ptr<RouterProcess> router;
+  {
+    // The index build (FAISS's PCA fit: OpenBLAS and OpenMP threads) runs on one thread, as the
+    // parse does, so the two keep the ratio the comparison below relies on whatever the number
+    // of cores (on many cores a parallel build would shrink next to the parse).
+    const ScopedEnvironmentVariable blas_threads("OPENBLAS_NUM_THREADS", "1");
+    const ScopedEnvironmentVariable omp_threads("OMP_NUM_THREADS", "1");
+    router = MustStart(dir, {"--workers=" + dir.File("workers.json"), "--centroids_dir=" + dir.path(), "--policy=jsq",
+                             "--shutdown_grace=1s", "--refit_interval=0"});
+  }
   ASSERT_NE(router, nullptr);
 
   // Rows naming workers the pool does not have are refused before any index is built: in clearly
@@ -528,29 +569,57 @@ TEST(Hardening, ReloadsCheckCheaplyFirstQueueBoundedlyAndShutdownGraceHolds) {
   ASSERT_TRUE(installed.ok()) << installed.error_message();
   EXPECT_LT(refuse_time, install_time * 0.85) << "refused in " << refuse_time << ", installed in " << install_time;
 
-  // Six reloads at once: one runs, one waits, the others are refused at once.
+  // Six reloads at once: one runs, one waits, the other four are refused at once. The loader holds
+  // one request while its thread has not taken it, and one more once it has (CentroidLoader::
+  // Enqueue and Run), so that is what six callers see when the first one's request was taken
+  // before the others came, and they all came before its load (about the install just timed)
+  // ended. So caller 0 goes first, alone, and the other five go together an eighth of an install
+  // later: far more than the loader's thread takes to wake, far less than a load on any machine
+  // (each caller's channel is connected beforehand, so a released caller's request leaves at once).
+  constexpr int kCallers = 6;
+  std::vector<std::unique_ptr<eldr::v1::RouterAdmin::Stub>> stubs;
+  for (int i = 0; i < kCallers; ++i) {
+    std::shared_ptr<grpc::Channel> channel =
+        grpc::CreateChannel(router->admin_target(), grpc::InsecureChannelCredentials());
+    ASSERT_TRUE(channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Seconds(10))));
+    stubs.push_back(eldr::v1::RouterAdmin::NewStub(channel));
+  }
+  absl::Notification first_go, others_go;
   std::atomic<int> refused{0}, answered{0};
+  std::vector<grpc::Status> statuses(kCallers);
   std::vector<std::thread> callers;
-  for (int i = 0; i < 6; ++i) {
-    callers.emplace_back([&] {
-      const grpc::Status status = Reload(*router, "big.json");
-      if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++refused;
+  for (int i = 0; i < kCallers; ++i) {
+    callers.emplace_back([&, i] {
+      (i == 0 ? first_go : others_go).WaitForNotification();
+      statuses[i] = Reload(*stubs[i], "big.json");
+      if (statuses[i].error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++refused;
       ++answered;
     });
-    absl::SleepFor(absl::Milliseconds(50));
   }
-  const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  while (refused.load() < 4 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
-  EXPECT_EQ(refused.load(), 4);
-  // SIGTERM while an index is being built: the process is gone within grace + about a second
-  // (bounded at grace + 3 s: on a 2-core machine under parallel builds exit measured 3.03 s).
+  first_go.Notify();
+  absl::SleepFor(std::max(install_time / 8, absl::Milliseconds(20)));
+  others_go.Notify();
+  EXPECT_TRUE(PollUntil([&] { return refused.load() >= 4; }, absl::Seconds(5), absl::Milliseconds(20)))
+      << refused.load() << " of " << kCallers << " reloads refused (install took " << install_time << ")";
+  // SIGTERM while a load runs and another waits: the process is gone within grace + about a
+  // second (bounded at grace + 3 s: on a 2-core machine under parallel builds exit measured
+  // 3.03 s), and every caller is answered.
   start = absl::Now();
   router->Signal(SIGTERM);
   const std::optional<int> code = router->WaitForExit(absl::Seconds(6));
   EXPECT_EQ(code, 0) << router->Log();
   EXPECT_LT(absl::Now() - start, absl::Seconds(4)) << router->Log();
   for (std::thread& caller : callers) caller.join();
-  EXPECT_EQ(answered.load(), 6);
+  EXPECT_EQ(answered.load(), kCallers);
+  // Exactly four refused, all of the five that came second: caller 0's reload ran and one of the
+  // others waited (they ended with the daemon, or before).
+  EXPECT_EQ(refused.load(), 4);
+  EXPECT_NE(statuses[0].error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << statuses[0].error_message();
+  for (int i = 0; i < kCallers; ++i) {
+    if (statuses[i].error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      EXPECT_THAT(statuses[i].error_message(), HasSubstr("another is waiting")) << "caller " << i;
+    }
+  }
 }
 
 // ---- 8. Lease ids were 1, 2, 3... and unique only per process ----------------------------------
@@ -630,12 +699,17 @@ TEST(Hardening, MismatchedTlsPairsAreAStartupErrorAndARefusedRotation) {
   ASSERT_TRUE(route().ok());
   // Rotate to a broken pair (a's certificate, b's key): refused, logged, counted; the good pair stays.
   WriteTextFile(key, ReadTextFile(b->server_key));
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (Scraped(*router, "eldr_tls_rotations_total", {{"outcome", "refused"}}) < 1 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(200));
-  }
-  EXPECT_GE(Scraped(*router, "eldr_tls_rotations_total", {{"outcome", "refused"}}), 1);
-  EXPECT_THAT(router->Log(), HasSubstr("event=tls_rotation_refused"));
+  EXPECT_TRUE(PollUntil(
+      [&] {
+        return Scraped(*router, "eldr_tls_rotations_total", {{"outcome", "refused"}}) >= 1;
+      },
+      absl::Seconds(10), absl::Milliseconds(200)))
+      << router->Log();
+  // The rotation is counted before its log line is written (server.cc, the tls_rotation
+  // component): wait (bounded) for the line.
+  EXPECT_TRUE(PollUntil([&] { return absl::StrContains(router->Log(), "event=tls_rotation_refused"); },
+                        absl::Seconds(5), absl::Milliseconds(20)))
+      << router->Log();
   absl::SleepFor(absl::Seconds(2));  // past gRPC's own reload of the (unchanged) copies
   const grpc::Status after = route();
   EXPECT_TRUE(after.ok()) << after.error_message();
@@ -724,6 +798,10 @@ TEST(Hardening, ReportStreamsAreLimitedAndIdleOnesEnd) {
   EXPECT_EQ(exhausted, 2);
   EXPECT_EQ(idle_ended, 4);
   EXPECT_EQ(Scraped(*router, "eldr_report_streams_refused_total", {{"limit", "per_peer"}}), 2);
+  // Wait (bounded) for the count as well: a daemon that counts an idle stream only after ending it
+  // can be scraped in between.
+  EXPECT_TRUE(
+      PollUntil([&] { return Scraped(*router, "eldr_report_streams_idle_ended_total") >= 4; }, absl::Seconds(5)));
   EXPECT_EQ(Scraped(*router, "eldr_report_streams_idle_ended_total"), 4);
   // The client has its status before the router's reactor is done with the call, which is when
   // the gauge drops: wait (bounded) for the router to release all of them.

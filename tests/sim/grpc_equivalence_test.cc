@@ -66,8 +66,12 @@ void ExpectSameAsTheDaemon(const Workload& workload, const ExperimentResult& loc
                                   {"max_inflight", kMaxInflight}});
   }
   std::ofstream(dir + "/workers.json") << workers.dump();
+  // The in-process routers' settings: no refit of the daemon's own (its default, every 10 s, could
+  // install new centroids in the middle of a cell; eldr_refit's refits are the simulator's, sent
+  // over RouterAdmin), and RouterOptions' default of no load-gap guard (eldr-router's is 4).
   absl::StatusOr<::eldr::testing::RouterChild> daemon =
-      ::eldr::testing::StartRouter(temp, {"--workers=" + dir + "/workers.json", "--policy=eldr", "--tau=0.1"});
+      ::eldr::testing::StartRouter(temp, {"--workers=" + dir + "/workers.json", "--policy=eldr", "--tau=0.1",
+                                          "--refit_interval=0", "--eldr_max_load_gap=0"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
 
   ExperimentOptions remote_options = Options();

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -246,6 +247,42 @@ int UnusedLoopbackPort() {
   close(fd);
   return bound ? ntohs(address.sin_port) : 0;
 }
+
+absl::StatusOr<ReservedLoopbackPort> ReservedLoopbackPort::Create() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  // Bound, never listen()ed: the port is held and refuses every connection.
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    const int error = errno;
+    close(fd);
+    return absl::InternalError(absl::StrCat("bind 127.0.0.1:0: ", std::strerror(error)));
+  }
+  return ReservedLoopbackPort(fd, ntohs(address.sin_port));
+}
+
+ReservedLoopbackPort::ReservedLoopbackPort(ReservedLoopbackPort&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)), port_(std::exchange(other.port_, 0)) {}
+
+ReservedLoopbackPort& ReservedLoopbackPort::operator=(ReservedLoopbackPort&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+    port_ = std::exchange(other.port_, 0);
+  }
+  return *this;
+}
+
+ReservedLoopbackPort::~ReservedLoopbackPort() {
+  if (fd_ >= 0) close(fd_);
+}
+
+std::string ReservedLoopbackPort::address() const { return absl::StrCat("127.0.0.1:", port_); }
 
 int HttpStatusOf(const std::string& response) {
   if (response.size() < 12 || response.compare(0, 5, "HTTP/") != 0) return -1;

@@ -124,8 +124,36 @@ absl::StatusOr<std::string> HttpExchange(int port, const std::string& request,
 int HttpStatusOf(const std::string& response);
 
 // A loopback port that was just free (bound to 127.0.0.1:0, noted, closed): nobody listens there,
-// so a connection to it is refused. 0 when no socket could be bound.
+// so a connection to it is refused. 0 when no socket could be bound. The port is free for anyone
+// once this returns: a test running beside this one may start a server there at any moment, so it
+// is "dead" for an instant only. For an address that must stay dead, use ReservedLoopbackPort.
 int UnusedLoopbackPort();
+
+// A loopback TCP port that stays dead for the object's lifetime: a socket bound to 127.0.0.1:0
+// that never listens. A connection to the port is refused (ECONNREFUSED on Linux: no listener, so
+// the SYN is answered with RST), and no other socket can bind the port meanwhile (this one sets
+// neither SO_REUSEADDR nor SO_REUSEPORT; the kernel skips a bound port for ephemeral ports too), so
+// no test running beside this one can ever serve there. For the "dead" engine, router or worker
+// addresses a test relies on for longer than an instant. Move-only; the destructor closes it.
+class ReservedLoopbackPort {
+ public:
+  // INTERNAL when no socket could be made or bound.
+  static absl::StatusOr<ReservedLoopbackPort> Create();
+  ReservedLoopbackPort(ReservedLoopbackPort&& other) noexcept;
+  ReservedLoopbackPort& operator=(ReservedLoopbackPort&& other) noexcept;
+  ReservedLoopbackPort(const ReservedLoopbackPort&) = delete;
+  ReservedLoopbackPort& operator=(const ReservedLoopbackPort&) = delete;
+  ~ReservedLoopbackPort();
+
+  int port() const { return port_; }
+  // "127.0.0.1:<port>".
+  std::string address() const;
+
+ private:
+  ReservedLoopbackPort(int fd, int port) : fd_(fd), port_(port) {}
+  int fd_ = -1;
+  int port_ = 0;
+};
 
 // Calls `condition` every `period` until it holds or `timeout` passes; returns whether it held
 // (it is called once more at the deadline).

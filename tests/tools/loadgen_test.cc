@@ -392,8 +392,9 @@ TEST(LoadgenTest, StreamErrorsByKind) {
 }
 
 TEST(LoadgenTest, UnreachableTargetExitsOne) {
-  const int port = eldr::testing::UnusedLoopbackPort();
-  ASSERT_NE(port, 0);
+  absl::StatusOr<eldr::testing::ReservedLoopbackPort> dead = eldr::testing::ReservedLoopbackPort::Create();
+  ASSERT_TRUE(dead.ok()) << dead.status();
+  const int port = dead->port();
   const LoadgenRun run = RunLoadgen({absl::StrCat("--target=127.0.0.1:", port), "--rate=100", "--requests=3"});
   EXPECT_EQ(run.process.exit_code, 1) << run.process.stderr_text;
   ASSERT_TRUE(run.report.is_object());
