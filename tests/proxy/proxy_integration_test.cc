@@ -732,8 +732,8 @@ TEST(ProxyIntegration, TheAbSplitRoutesItsBaselineArmByTheBaselinePolicy) {
   }
   const std::string baseline_series = "eldr_proxy_e2e_seconds_count{decision=\"baseline\",policy=\"rr\"}";
   const std::string locality_series = "eldr_proxy_e2e_seconds_count{decision=\"locality\",policy=\"eldr\"}";
-  // A request's latencies are counted as its call ends, which need not be before its client has
-  // the answer: wait until all 24 are in before reading the split.
+  // The proxy counts a request's latencies before its client has the answer (ProxyCall::
+  // OnDecodeDone); waiting until all 24 are in keeps the split's reading right even if not.
   EXPECT_TRUE(Reaches("baseline + locality e2e counts", 24,
                       [&] { return stack.ProxyMetric(baseline_series) + stack.ProxyMetric(locality_series); }));
   const double baseline = stack.ProxyMetric(baseline_series);
