@@ -242,8 +242,7 @@ class DecodeRouterService::LoadReportReactor final : public grpc::ServerReadReac
     FinishLocked(grpc::Status::OK);
   }
 
-  // Ends the stream when it received nothing since `cutoff`; returns whether it did.
-  // Ends the stream when it has been idle since `cutoff`, counted before the client can see the
+  // Ends the stream when it received nothing since `cutoff`, counted before the client can see the
   // status (a client that got it and scrapes finds it counted).
   void FinishIfIdleSince(absl::Time cutoff, absl::Duration timeout) {
     absl::MutexLock lock(&mu_);

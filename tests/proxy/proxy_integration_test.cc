@@ -252,14 +252,7 @@ class Stack {
   // Waits (bounded) until the router holds no lease: every Complete arrived. Only that: the router
   // frees a lease before it counts the Complete, so a caller that asserts a Complete count next
   // waits with LeasesReleased (or RouterMetricReaches) instead.
-  bool LeasesBackToZero() const {
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (absl::Now() < deadline) {
-      if (RouterMetric("eldr_live_leases") == 0) return true;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    return false;
-  }
+  ::testing::AssertionResult LeasesBackToZero() const { return RouterMetricReaches("eldr_live_leases", 0); }
   // Waits (bounded) until the router has counted `released` Completes that released a lease, then
   // checks that it holds no lease any more. Polls on the count itself: the router frees a lease
   // before it counts the Complete (Router::Complete, then RecordComplete), so no live lease does
@@ -415,13 +408,9 @@ void StreamTracesAndReleaseTheLeases(Stack& stack, int n) {
 
 // Whether the proxy comes to count n OK router calls of `method` (it counts a call when its answer
 // is back, which may be after the router's own count).
-bool ProxyCountsOkCalls(const Stack& stack, const std::string& method, int n) {
-  return eldr::testing::PollUntil(
-      [&] {
-        return stack.ProxyMetric(absl::StrCat("eldr_proxy_router_calls_total{code=\"OK\",method=\"", method, "\"}")) ==
-               n;
-      },
-      absl::Seconds(10));
+::testing::AssertionResult ProxyCountsOkCalls(const Stack& stack, const std::string& method, int n) {
+  return stack.ProxyMetricReaches(absl::StrCat("eldr_proxy_router_calls_total{code=\"OK\",method=\"", method, "\"}"),
+                                  n);
 }
 
 // A streamed completions request in flight: what arrived so far, and how it ended. The destructor
@@ -993,9 +982,7 @@ TEST(ProxyIntegration, RouterApiUnaryCallsTheUnaryRpcs) {
   EXPECT_EQ(stack.RouterMetricSum("eldr_route_stream_messages_total"), 0);
   EXPECT_EQ(stack.RouterMetric("eldr_route_streams_open"), 0);
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 4);
-  EXPECT_TRUE(eldr::testing::PollUntil(  // counted when the answer is back, after the router's count
-      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 4; },
-      absl::Seconds(10)));
+  EXPECT_TRUE(ProxyCountsOkCalls(stack, "complete", 4));  // counted when the answer is back, after the router's count
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 0);
 }
 
@@ -1191,9 +1178,7 @@ TEST(ProxyIntegration, ARouterWithoutRouteStreamIsCalledUnary) {
   EXPECT_TRUE(eldr::testing::PollUntil([&] { return old_router.completes() == 4; }, absl::Seconds(10)));
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"route\"}"), 4);
   // The proxy counts a Complete when its answer is back, a moment after the router counted it.
-  EXPECT_TRUE(eldr::testing::PollUntil(
-      [&] { return stack.ProxyMetric("eldr_proxy_router_calls_total{code=\"OK\",method=\"complete\"}") == 4; },
-      absl::Seconds(10)));
+  EXPECT_TRUE(ProxyCountsOkCalls(stack, "complete", 4));
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_static_routes_total"), 0);
   // One stream was tried; its message went again unary, and so did every later one.
   EXPECT_EQ(stack.ProxyMetric("eldr_proxy_router_stream_opens_total"), 1);
