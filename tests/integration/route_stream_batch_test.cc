@@ -316,9 +316,7 @@ TEST(RouteStreamBatch, ABatchOverTheLimitIsRefusedWholeAndNothingIsHandled) {
   args.push_back("--max_stream_batch=4");
   auto router = MustStart(dir, args);
   ASSERT_NE(router, nullptr);
-  auto stub = router->RouterStub();
-  auto ctx = Ctx();
-  std::unique_ptr<Stream> stream = stub->RouteStream(ctx.get());
+  auto [stub, ctx, stream] = OpenRouteStream(*router);
 
   std::vector<RouteStreamRequest> five;
   for (int i = 0; i < 5; ++i) five.push_back(RouteMessage(10 + i, BlockRequest(i % 4)));
@@ -357,9 +355,7 @@ TEST(RouteStreamBatch, ANestedBatchIsAnErrorForItsEntryOnly) {
   TempDir dir;
   auto router = MustStart(dir, StandardArgs(dir));
   ASSERT_NE(router, nullptr);
-  auto stub = router->RouterStub();
-  auto ctx = Ctx();
-  std::unique_ptr<Stream> stream = stub->RouteStream(ctx.get());
+  auto [stub, ctx, stream] = OpenRouteStream(*router);
 
   const RouteStreamResponse answer = ExchangeBatch(
       stream.get(), Batch(1, {RouteMessage(10, BlockRequest(0)), Batch(11, {RouteMessage(12, BlockRequest(1))}),
@@ -387,9 +383,7 @@ TEST(RouteStreamBatch, AnEmptyBatchIsAnsweredWithAnEmptyBatch) {
   TempDir dir;
   auto router = MustStart(dir, StandardArgs(dir));
   ASSERT_NE(router, nullptr);
-  auto stub = router->RouterStub();
-  auto ctx = Ctx();
-  std::unique_ptr<Stream> stream = stub->RouteStream(ctx.get());
+  auto [stub, ctx, stream] = OpenRouteStream(*router);
 
   const RouteStreamResponse answer = Exchange(stream.get(), Batch(42, {}));
   EXPECT_TRUE(answer.has_batch()) << "an empty batch is answered with an empty batch, not an error";
@@ -410,9 +404,7 @@ TEST(RouteStreamBatch, UnaryRpcsAndSingleMessagesWorkBesideBatches) {
   TempDir dir;
   auto router = MustStart(dir, StandardArgs(dir));
   ASSERT_NE(router, nullptr);
-  auto stub = router->RouterStub();
-  auto ctx = Ctx();
-  std::unique_ptr<Stream> stream = stub->RouteStream(ctx.get());
+  auto [stub, ctx, stream] = OpenRouteStream(*router);
   for (int round = 0; round < 3; ++round) {
     // Unary.
     EXPECT_EQ(RouteAndComplete(*router, round), absl::StrCat("w", round));
@@ -492,9 +484,7 @@ TEST(RouteStreamErrorsOnly, CompletesAreAnsweredOnlyWhenTheyFail) {
   TempDir dir;
   auto router = MustStart(dir, StandardArgs(dir));
   ASSERT_NE(router, nullptr);
-  auto stub = router->RouterStub();
-  auto ctx = Ctx();
-  std::unique_ptr<Stream> stream = stub->RouteStream(ctx.get());
+  auto [stub, ctx, stream] = OpenRouteStream(*router);
   auto errors_only = [](RouteStreamRequest message) {
     message.set_errors_only(true);
     return message;

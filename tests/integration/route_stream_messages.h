@@ -4,6 +4,7 @@
 #define ELDR_TESTS_INTEGRATION_ROUTE_STREAM_MESSAGES_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -31,6 +32,21 @@ inline eldr::v1::RouteStreamRequest CompleteMessage(uint64_t id, uint64_t lease,
   message.mutable_complete()->set_lease_id(lease);
   message.mutable_complete()->set_output_tokens(output_tokens);
   return message;
+}
+
+// A RouteStream call open on a router, with the stub and the context (Ctx's 10 s deadline) it
+// needs, declared in the order they must outlive each other. Taken apart where it is opened:
+// `auto [stub, ctx, stream] = OpenRouteStream(*router);`.
+struct OpenedRouteStream {
+  std::unique_ptr<eldr::v1::DecodeRouter::Stub> stub;
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<RouteStreamCall> stream;
+};
+
+inline OpenedRouteStream OpenRouteStream(const RouterProcess& router) {
+  OpenedRouteStream opened{router.RouterStub(), Ctx(), nullptr};
+  opened.stream = opened.stub->RouteStream(opened.ctx.get());
+  return opened;
 }
 
 // One message written and its one answer read (the stream must still be open); the answer must
