@@ -234,20 +234,6 @@ absl::StatusOr<std::string> HttpExchange(int port, const std::string& request, a
   return response;
 }
 
-int UnusedLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return 0;
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  socklen_t length = sizeof(address);
-  const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
-                     getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
-  close(fd);
-  return bound ? ntohs(address.sin_port) : 0;
-}
-
 absl::StatusOr<ReservedLoopbackPort> ReservedLoopbackPort::Create() {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
@@ -283,6 +269,11 @@ ReservedLoopbackPort::~ReservedLoopbackPort() {
 }
 
 std::string ReservedLoopbackPort::address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+int UnusedLoopbackPort() {
+  absl::StatusOr<ReservedLoopbackPort> reserved = ReservedLoopbackPort::Create();
+  return reserved.ok() ? reserved->port() : 0;  // free again once `reserved` closes
+}
 
 int HttpStatusOf(const std::string& response) {
   if (response.size() < 12 || response.compare(0, 5, "HTTP/") != 0) return -1;
